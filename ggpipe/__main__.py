@@ -1,0 +1,3 @@
+from ggpipe.frontends.cli import main
+
+main()

@@ -1,0 +1,43 @@
+"""Errors that ggpipe reports to a user as one clear line.
+
+Every error a user can cause (bad model file, bad split, prompt too long, a rank
+that stopped answering, ...) is a :class:`GGPipeError`. The CLI prints
+``ggpipe: error: <message>`` and exits non-zero; a traceback is shown only with
+``-v``. Anything else escaping is a bug in ggpipe.
+"""
+
+from __future__ import annotations
+
+
+class GGPipeError(Exception):
+    """Base class of every user-facing error (exit code 1, one line)."""
+
+    exit_code = 1
+
+
+class ModelError(GGPipeError):
+    """A model name, path or GGUF file that cannot be used (missing, truncated,
+    not GGUF, unknown registry name, hash mismatch, unsupported architecture)."""
+
+
+class SplitError(GGPipeError):
+    """A layer split that cannot be built: wrong number of weights, a stage with
+    no layers, more stages than layers, non-positive weights."""
+
+
+class ConfigError(GGPipeError):
+    """Inconsistent or impossible settings: prompt longer than the context,
+    ranks started with different arguments, bad thread list, ..."""
+
+
+class ProtocolError(GGPipeError):
+    """A message between ranks that does not match its documented layout."""
+
+
+class RankTimeoutError(GGPipeError):
+    """A bounded MPI wait ran out. The message names the rank waited for and
+    what this rank was doing."""
+
+
+class RankFailedError(GGPipeError):
+    """Another rank reported an error and the job is shutting down."""

@@ -1,0 +1,164 @@
+"""The ``ggpipe`` command (click).
+
+    mpiexec -n 2 ggpipe generate -p "Tell me about MPI" -n 64
+    ggpipe models list | fetch NAME | path NAME
+    ggpipe split MODEL --split 0.3,0.7 -o DIR
+
+Errors a user can cause print one line, ``ggpipe: error: ...``, and exit 1
+(a traceback only with ``-v``). Under MPI only the head prints it; a worker
+that fails on its own prints its line (naming its rank) and aborts the job so
+nothing hangs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import click
+
+from ggpipe.errors import GGPipeError, RankFailedError
+from ggpipe.frontends.cli_models import models_group, split_command
+from ggpipe.models.registry import DEFAULT_MODEL
+from ggpipe.scheduling.sampling import SamplingParams
+
+_state = {"verbose": 0}
+
+
+def _rank() -> int:
+    for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        if k in os.environ:
+            try:
+                return int(os.environ[k])
+            except ValueError:
+                pass
+    return 0
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-v", "--verbose", count=True, help="Show llama.cpp's log, per-rank details and tracebacks.")
+@click.version_option(package_name="ggpipe")
+def cli(verbose: int) -> None:
+    """Pipeline-parallel GGUF inference over MPI (PipeInfer)."""
+    _state["verbose"] = verbose
+    from ggpipe.runtime import llama  # noqa: PLC0415
+
+    llama.set_verbose(verbose > 1)
+
+
+def cluster_options(f):
+    """Options every rank must share (compared at start-up)."""
+    opts = [
+        click.option("-m", "--model", default=DEFAULT_MODEL, show_default=True,
+                     help="Registry name (models.toml) or path to a .gguf file."),
+        click.option("--split", default=None,
+                     help="Layer split weights per rank, e.g. 0.3,0.7 (default: even)."),
+        click.option("-t", "--threads", default="1", show_default=True,
+                     help="Threads per rank: one value, or one per rank (2,1,1)."),
+        click.option("-c", "--ctx-size", default=2048, show_default=True, type=int, help="KV cache size (tokens)."),
+        click.option("--ubatch", default=512, show_default=True, type=int,
+                     help="Micro-batch size (tokens): prompt chunk sent down the pipeline."),
+        click.option("--n-seq-max", default=1, show_default=True, type=int, help="KV sequence ids per context."),
+        click.option("--timeout", default=60.0, show_default=True, type=float,
+                     help="Seconds any wait for another rank may last inside a transaction."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _cluster_config(model, split, threads, ctx_size, ubatch, n_seq_max, timeout):
+    from ggpipe.scheduling.session import ClusterConfig  # noqa: PLC0415
+
+    return ClusterConfig(model=model, split=split, threads=threads, ctx_size=ctx_size, n_seq_max=n_seq_max,
+                         ubatch=ubatch, timeout_s=timeout)
+
+
+@cli.command()
+@cluster_options
+@click.option("-p", "--prompt", default=None, help="Prompt text.")
+@click.option("-f", "--prompt-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Read the prompt from a file.")
+@click.option("-n", "--n-predict", default=128, show_default=True, type=click.IntRange(min=1),
+              help="Tokens to generate (at most).")
+@click.option("--temp", default=0.0, show_default=True, type=float, help="Temperature; 0 = greedy.")
+@click.option("--top-k", default=40, show_default=True, type=int, help="Top-k (0 = off).")
+@click.option("--top-p", default=0.95, show_default=True, type=float, help="Top-p (1 = off).")
+@click.option("--seed", default=None, type=int, help="Sampling seed.")
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template as a user turn.")
+@click.option("--mode", type=click.Choice(["iterative"]), default="iterative", show_default=True,
+              help="Scheduling mode.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON summary (text, tokens, metrics, ranks).")
+def generate(model, split, threads, ctx_size, ubatch, n_seq_max, timeout, prompt, prompt_file, n_predict, temp,
+             top_k, top_p, seed, chat, mode, as_json):
+    """Generate text from a prompt (run under mpiexec for a pipeline)."""
+    from ggpipe.frontends.generate import GenerateRequest, run_generate  # noqa: PLC0415
+
+    if prompt is None and prompt_file is None:
+        raise click.UsageError("give a prompt with -p or -f")
+    if prompt is not None and prompt_file is not None:
+        raise click.UsageError("give either -p or -f, not both")
+    text = prompt if prompt is not None else prompt_file.read_text(encoding="utf-8")
+    sampling = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, seed=seed).validate()
+    cfg = _cluster_config(model, split, threads, ctx_size, ubatch, n_seq_max, timeout)
+    req = GenerateRequest(prompt=text, n_predict=n_predict, sampling=sampling, chat=chat, mode=mode)
+    code = run_generate(cfg, req, as_json)
+    if code:
+        sys.exit(code)
+
+
+cli.add_command(models_group)
+cli.add_command(split_command)
+
+
+def _abort_mpi(code: int) -> None:
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.COMM_WORLD.Get_size() > 1:
+        sys.stderr.flush()
+        mpi.COMM_WORLD.Abort(code)
+
+
+def main(argv=None) -> None:
+    """Console entry point: runs the click CLI and turns errors into one line."""
+    rank = _rank()
+    try:
+        cli.main(args=argv, prog_name="ggpipe", standalone_mode=False)
+    except click.exceptions.Abort:
+        sys.stderr.write("ggpipe: interrupted\n")
+        sys.exit(130)
+    except click.ClickException as exc:
+        if rank == 0:
+            exc.show()
+        sys.exit(exc.exit_code)
+    except RankFailedError:
+        # The head reports the error that stopped the job; workers exit quietly.
+        if _state["verbose"]:
+            traceback.print_exc()
+        sys.exit(1)
+    except GGPipeError as exc:
+        if _state["verbose"]:
+            traceback.print_exc()
+        if rank == 0:
+            sys.stderr.write(f"ggpipe: error: {exc}\n")
+            sys.exit(exc.exit_code)
+        sys.stderr.write(f"ggpipe: error: rank {rank}: {exc}\n")
+        _abort_mpi(exc.exit_code)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        sys.stderr.write("ggpipe: interrupted\n")
+        _abort_mpi(130)
+        sys.exit(130)
+    except SystemExit:
+        raise
+    except BaseException:  # a bug: show it, and never leave the other ranks hanging
+        sys.stderr.write(f"ggpipe: internal error on rank {rank}:\n")
+        traceback.print_exc()
+        _abort_mpi(2)
+        sys.exit(2)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Loading llama.cpp (through llama-cpp-python's ctypes bindings) and the native hooks.
+
+Import cost and global side effects live here, once per process:
+``llama_backend_init``, silencing llama.cpp's log (it writes to stderr on
+every model load; ggpipe ranks print nothing but errors unless ``-v``), and
+``ggpipe._native.init`` with the path of the ``libggml-base`` that
+llama-cpp-python loaded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import pathlib
+import sys
+
+_state: dict = {}
+
+
+def lib():
+    """Return the ``llama_cpp`` module (low-level ctypes API), initialised once.
+
+    Raises:
+        ImportError: llama-cpp-python is not installed.
+    """
+    if "llama_cpp" in _state:
+        return _state["llama_cpp"]
+    import llama_cpp  # noqa: PLC0415 (heavy import, done on first use)
+
+    llama_cpp.llama_backend_init()
+    _install_log_filter(llama_cpp, verbose=_state.get("verbose", False))
+    _state["llama_cpp"] = llama_cpp
+    return llama_cpp
+
+
+def set_verbose(verbose: bool) -> None:
+    """Let llama.cpp's own log through to stderr (``-v``); call before :func:`lib`."""
+    _state["verbose"] = bool(verbose)
+
+
+def _install_log_filter(llama_cpp, verbose: bool) -> None:
+    @llama_cpp.llama_log_callback
+    def _log(level, text, user_data):  # noqa: ARG001
+        if verbose:
+            sys.stderr.write(text.decode("utf-8", "replace"))
+
+    # llama.cpp keeps the pointer: keep the callback object alive for the
+    # life of the process (NOTES-llamacpp: "Known trouble").
+    _state["log_cb"] = _log
+    llama_cpp.llama_log_set(_log, ctypes.c_void_p(0))
+
+
+def native():
+    """Return the initialised ``ggpipe._native`` extension.
+
+    Raises:
+        ImportError: the extension was not built (install ggpipe with pip).
+        OSError: libggml-base lacks a symbol the hooks need.
+    """
+    if "native" in _state:
+        return _state["native"]
+    lib()
+    from ggpipe import _native  # noqa: PLC0415
+
+    import llama_cpp._ggml as ggml_mod  # noqa: PLC0415
+
+    libdir = pathlib.Path(ggml_mod.libggml_base_path)
+    candidates = sorted(libdir.glob("libggml-base.*")) or sorted(libdir.glob("*ggml-base*"))
+    if not candidates:
+        raise OSError(f"no libggml-base library under {libdir}")
+    _native.init(str(candidates[0]))
+    _state["native"] = _native
+    return _native

@@ -1,0 +1,241 @@
+"""One pipeline stage: a llama.cpp context over a slice of the model's layers.
+
+The first stage takes token ids; later stages take the previous stage's hidden
+states through ``llama_batch.embd``. Middle stages return hidden states, the
+last stage returns logits (NOTES-llamacpp, "Evaluating a range of layers"):
+
+    tokens  --[stage 0: blk 0..a)-->  hidden (n, n_embd) float32
+    hidden  --[stage 1: blk a..b)-->  hidden (n, n_embd) float32
+    hidden  --[stage k: blk ..N)-->   logits (n_outputs, n_vocab) float32
+
+A non-last stage captures the output of its slice's last layer (graph node
+``l_out-{n_layer-1}``) with the native eval callback, which also skips the
+output norm and LM head; it marks every token as an output, because llama.cpp
+keeps only output rows in the last layer (``get_rows(inp_out_ids)``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ggpipe.errors import ConfigError, GGPipeError, ModelError
+from ggpipe.runtime import llama as _llama
+
+
+class Cancelled(Exception):
+    """``llama_decode`` was aborted through the cancellation flag (it returned 2;
+    llama.cpp removed the KV cells of the aborted ubatch)."""
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """What a rank needs to build its stage.
+
+    Attributes:
+        model_path: GGUF holding exactly this stage's layers (a slice, or the
+            whole model for a single stage).
+        n_layer: number of layers in that GGUF.
+        first: the stage takes token ids (else hidden states).
+        last: the stage returns logits (else hidden states).
+        n_ctx: KV cache size in tokens (cells).
+        n_threads: CPU threads for llama.cpp.
+        n_seq_max: sequence ids the context accepts (1..256, LLAMA_MAX_SEQ).
+        n_ubatch: largest batch one decode call takes (tokens); also n_batch.
+    """
+
+    model_path: Path
+    n_layer: int
+    first: bool
+    last: bool
+    n_ctx: int = 4096
+    n_threads: int = 1
+    n_seq_max: int = 1
+    n_ubatch: int = 512
+
+
+# KV cache operations (the transaction layer carries these codes).
+KV_CLEAR, KV_SEQ_RM, KV_SEQ_CP, KV_SEQ_KEEP, KV_SEQ_ADD = range(5)
+KV_OP_NAMES = {KV_CLEAR: "clear", KV_SEQ_RM: "seq_rm", KV_SEQ_CP: "seq_cp", KV_SEQ_KEEP: "seq_keep", KV_SEQ_ADD: "seq_add"}
+
+
+class Stage:
+    """A llama.cpp model + context for one stage, with native capture and
+    cancellation hooks.
+
+    Raises:
+        ModelError: the GGUF cannot be loaded by llama.cpp.
+        ConfigError: the context cannot be created with these settings.
+    """
+
+    def __init__(self, spec: StageSpec):
+        self.spec = spec
+        L = _llama.lib()
+        native = _llama.native()
+        self._L = L
+        if not 1 <= spec.n_seq_max <= 256:
+            raise ConfigError(f"n_seq_max must be 1..256 (LLAMA_MAX_SEQ), got {spec.n_seq_max}")
+
+        mparams = L.llama_model_default_params()
+        mparams.n_gpu_layers = 0
+        # NOTES-llamacpp "Known trouble": AMX extra buffer types crash on
+        # multi-token batches of Q4_1 models on this CPU family.
+        mparams.use_extra_bufts = False
+        self.model = L.llama_model_load_from_file(str(spec.model_path).encode(), mparams)
+        if not self.model:
+            raise ModelError(f"llama.cpp could not load {spec.model_path} (run with -v to see its log)")
+        self.vocab = L.llama_model_get_vocab(self.model)
+        self.n_embd = int(L.llama_model_n_embd(self.model))
+        self.n_vocab = int(L.llama_vocab_n_tokens(self.vocab))
+
+        self.hooks = native.Hooks()
+        cparams = L.llama_context_default_params()
+        cparams.n_ctx = spec.n_ctx
+        cparams.n_batch = spec.n_ubatch
+        cparams.n_ubatch = spec.n_ubatch
+        cparams.n_seq_max = spec.n_seq_max
+        cparams.n_threads = spec.n_threads
+        cparams.n_threads_batch = spec.n_threads
+        cparams.kv_unified = True  # partial seq_cp needs a unified KV buffer
+        cparams.no_perf = True
+        # llama-cpp-python's Llama() default (flash_attn=False); keeps the
+        # numerics identical to the single-node reference.
+        cparams.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        cparams.embeddings = False
+        if not spec.last:
+            cparams.cb_eval = L.ggml_backend_sched_eval_callback(native.eval_callback_address())
+            cparams.cb_eval_user_data = ctypes.c_void_p(self.hooks.address)
+        cparams.abort_callback = L.ggml_abort_callback(native.abort_callback_address())
+        cparams.abort_callback_data = ctypes.c_void_p(self.hooks.address)
+        self._cparams = cparams  # keep the callback objects alive
+        self.ctx = L.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            L.llama_model_free(self.model)
+            raise ConfigError(
+                f"llama.cpp could not create a context (n_ctx={spec.n_ctx}, n_seq_max={spec.n_seq_max}, "
+                f"n_ubatch={spec.n_ubatch}) for {spec.model_path}"
+            )
+        self.mem = L.llama_get_memory(self.ctx)
+        self._batch = L.llama_batch_init(spec.n_ubatch, 0 if spec.first else self.n_embd, spec.n_seq_max)
+        self._batch_addr = ctypes.addressof(self._batch)
+        self._capture_node = f"l_out-{spec.n_layer - 1}"
+        self._closed = False
+
+    # -- evaluation -----------------------------------------------------------
+
+    def decode(
+        self,
+        *,
+        pos: np.ndarray,
+        n_seq_id: np.ndarray,
+        seq_ids: np.ndarray,
+        outputs: np.ndarray,
+        tokens: np.ndarray | None = None,
+        embd: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Evaluate one micro-batch through this stage's layers.
+
+        Args:
+            pos: int32 (n,) positions, 1 <= n <= n_ubatch.
+            n_seq_id: int32 (n,) number of sequence ids of each token.
+            seq_ids: int32 (sum(n_seq_id),) the sequence ids, token by token.
+            outputs: int8 (n,) 1 where the last stage must return logits.
+            tokens: int32 (n,) token ids (first stage only).
+            embd: float32 (n, n_embd) hidden states (later stages only).
+
+        Returns:
+            Non-last stage: float32 (n, n_embd) hidden states after the
+            slice's last layer. Last stage: float32 (sum(outputs), n_vocab)
+            logits, in batch order.
+
+        Raises:
+            Cancelled: the cancellation flag was set during the call.
+            GGPipeError: no KV slot (context full) or llama.cpp failed.
+            ValueError: malformed arrays (checked in C before any write).
+        """
+        n = int(pos.shape[0])
+        flags = outputs if self.spec.last else np.ones(n, dtype=np.int8)
+        _llama.native().fill_batch(
+            self._batch_addr, self.spec.n_ubatch, self.n_embd, self.spec.n_seq_max,
+            tokens if self.spec.first else None,
+            None if self.spec.first else embd,
+            pos, n_seq_id, seq_ids, flags,
+        )
+        hidden = None
+        if not self.spec.last:
+            hidden = np.empty((n, self.n_embd), dtype=np.float32)
+            self.hooks.arm(self._capture_node, hidden, True)
+        try:
+            rc = self._L.llama_decode(self.ctx, self._batch)
+        finally:
+            if hidden is not None:
+                captured = self.hooks.captured_bytes
+                overflow = self.hooks.overflow
+                self.hooks.disarm()
+        if rc == 2:
+            raise Cancelled()
+        if rc == 1:
+            raise GGPipeError(
+                f"the KV cache is full (n_ctx={self.spec.n_ctx}): raise --ctx-size or shorten the prompt/-n"
+            )
+        if rc != 0:
+            raise GGPipeError(f"llama_decode failed with code {rc} on a batch of {n} tokens")
+        if hidden is not None:
+            if overflow or captured != hidden.nbytes:
+                raise GGPipeError(
+                    f"captured {captured} bytes of {self._capture_node}, expected {hidden.nbytes}"
+                )
+            return hidden
+        n_out = int(np.count_nonzero(flags))
+        ptr = self._L.llama_get_logits(self.ctx)
+        return np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab)).copy()
+
+    # -- KV cache --------------------------------------------------------------
+
+    def kv(self, op: int, seq: int = -1, seq_dst: int = -1, p0: int = -1, p1: int = -1, delta: int = 0) -> None:
+        """Apply a KV cache metadata operation (``llama_memory_*`` on
+        ``llama_get_memory(ctx)``); positions are half-open [p0, p1), -1 = open.
+
+        Raises:
+            ValueError: unknown op code or sequence id out of range.
+        """
+        L, mem = self._L, self.mem
+        for s in (seq, seq_dst):
+            if s < -1 or s >= self.spec.n_seq_max:
+                raise ValueError(f"sequence id {s} out of range for n_seq_max={self.spec.n_seq_max}")
+        if op == KV_CLEAR:
+            L.llama_memory_clear(mem, True)
+        elif op == KV_SEQ_RM:
+            L.llama_memory_seq_rm(mem, seq, p0, p1)
+        elif op == KV_SEQ_CP:
+            L.llama_memory_seq_cp(mem, seq, seq_dst, p0, p1)
+        elif op == KV_SEQ_KEEP:
+            L.llama_memory_seq_keep(mem, seq)
+        elif op == KV_SEQ_ADD:
+            L.llama_memory_seq_add(mem, seq, p0, p1, delta)
+        else:
+            raise ValueError(f"unknown KV op {op}")
+
+    def seq_pos_max(self, seq: int = 0) -> int:
+        """Largest position stored for ``seq`` (-1 when empty)."""
+        return int(self._L.llama_memory_seq_pos_max(self.mem, seq))
+
+    # -- lifetime --------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        L = self._L
+        L.llama_batch_free(self._batch)
+        L.llama_free(self.ctx)
+        L.llama_model_free(self.model)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

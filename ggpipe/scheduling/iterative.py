@@ -1,0 +1,76 @@
+"""Iterative mode: one token per pass through the target pipeline, greedy or
+sampled — the baseline every other mode is measured against, and the
+prompt-processing (prefill) step every mode shares.
+
+Prefill sends the prompt in ubatch-sized chunks down the pipeline back to
+back, so stage k works on chunk i while stage k-1 works on chunk i+1; only
+the last chunk asks for logits (of its last token).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from ggpipe.metrics import GenerationClock
+from ggpipe.scheduling.pipeline import Pipeline
+from ggpipe.scheduling.runs import Run
+from ggpipe.scheduling.sampling import Sampler
+
+
+def prefill(pipe: Pipeline, tokens: np.ndarray, start_pos: int, n_ubatch: int, seq: int = 0) -> np.ndarray:
+    """Evaluate ``tokens`` (int32 (n,), n >= 1) at positions start_pos.. of
+    sequence ``seq``, in chunks of at most ``n_ubatch`` tokens started back to
+    back; returns float32 (n_vocab,) logits of the last token."""
+    n = int(tokens.shape[0])
+    for i in range(0, n, n_ubatch):
+        chunk = tokens[i:i + n_ubatch]
+        pipe.submit(Run.linear(chunk, start_pos + i, seq=seq, output_last=i + n_ubatch >= n))
+    results = pipe.drain()
+    return results[-1].logits[0]
+
+
+class IterativeDecoder:
+    """Args:
+        pipe: the target pipeline.
+        n_ubatch: prefill chunk size (tokens).
+        is_eog: token -> end of generation?
+    """
+
+    name = "iterative"
+
+    def __init__(self, pipe: Pipeline, n_ubatch: int, is_eog: Callable[[int], bool]):
+        self.pipe = pipe
+        self.n_ubatch = n_ubatch
+        self.is_eog = is_eog
+        self.stats: dict = {}
+
+    def generate(self, prompt: np.ndarray, n_predict: int, sampler: Sampler, start_pos: int = 0,
+                 emit: Callable[[list[int]], None] = lambda toks: None,
+                 clock: GenerationClock | None = None) -> list[int]:
+        """Generate up to ``n_predict`` tokens after ``prompt`` (int32 (n,)),
+        whose first token goes at ``start_pos`` of sequence 0. Stops after an
+        end-of-generation token (included in the result). ``emit`` is called
+        with each accepted token list as soon as it is accepted."""
+        clock = clock or GenerationClock()
+        clock.start()
+        logits = prefill(self.pipe, prompt, start_pos, self.n_ubatch)
+        clock.prompt_done()
+        pos = start_pos + int(prompt.shape[0])
+        out: list[int] = []
+        passes = 0
+        while True:
+            tok = sampler.sample(logits)
+            out.append(tok)
+            clock.token()
+            emit([tok])
+            if len(out) >= n_predict or self.is_eog(tok):
+                break
+            self.pipe.submit(Run.linear([tok], pos))
+            pos += 1
+            logits = self.pipe.wait().logits[0]
+            passes += 1
+        clock.finish()
+        self.stats = {"target_passes": passes, "accepted_per_pass": 1.0 if passes else None}
+        return out

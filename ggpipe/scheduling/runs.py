@@ -1,0 +1,99 @@
+"""Run records: one micro-batch travelling through a pipeline (PipeInfer IV.A.1
+"state tracking"). Pure data, no MPI.
+
+A run is created right before it starts and kept in the head's FIFO of
+in-flight runs until its result (logits) comes back; results return in the
+order runs were started, because every stage handles transactions in order.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+_ids = itertools.count(1)
+
+
+def next_run_id() -> int:
+    """Unique, increasing run id (int32 range: wraps far beyond any session)."""
+    return next(_ids) % (2**31 - 1)
+
+
+@dataclass
+class Run:
+    """A micro-batch and how to read its result.
+
+    Attributes:
+        run_id: unique id, carried by every message of the run.
+        tokens: int32 (n,) token ids.
+        pos: int32 (n,) positions.
+        n_seq_id: int32 (n,) sequence ids per token.
+        seq_ids: int32 (sum n_seq_id,) KV sequence ids, token by token.
+        outputs: int8 (n,) 1 where logits are wanted; the result's logit rows
+            follow the order of the tokens flagged here (token -> logit index
+            map: ``logit_index``).
+        speculative: a speculative run (may be cancelled mid-stream) or a
+            non-speculative one (always evaluated in full, PipeInfer IV.D.3).
+        tag: free slot for the scheduling policy (e.g. the tree node ids).
+    """
+
+    run_id: int
+    tokens: np.ndarray
+    pos: np.ndarray
+    n_seq_id: np.ndarray
+    seq_ids: np.ndarray
+    outputs: np.ndarray
+    speculative: bool = False
+    tag: object = None
+    cancelled: bool = False
+    started_at: float = 0.0
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def n_outputs(self) -> int:
+        return int(np.count_nonzero(self.outputs))
+
+    @property
+    def logit_index(self) -> np.ndarray:
+        """int64 (n,) row of each token in the result's logits, -1 if none."""
+        idx = np.full(self.n_tokens, -1, dtype=np.int64)
+        flagged = np.flatnonzero(self.outputs)
+        idx[flagged] = np.arange(flagged.shape[0])
+        return idx
+
+    @classmethod
+    def linear(cls, tokens, start_pos: int, seq: int = 0, output_last: bool = True,
+               run_id: int | None = None, **kw) -> "Run":
+        """A run of consecutive tokens of one sequence starting at ``start_pos``,
+        with logits for its last token only (or none)."""
+        tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+        n = tokens.shape[0]
+        outputs = np.zeros(n, dtype=np.int8)
+        if output_last:
+            outputs[-1] = 1
+        return cls(
+            run_id=next_run_id() if run_id is None else run_id,
+            tokens=tokens,
+            pos=np.arange(start_pos, start_pos + n, dtype=np.int32),
+            n_seq_id=np.ones(n, dtype=np.int32),
+            seq_ids=np.full(n, seq, dtype=np.int32),
+            outputs=outputs,
+            **kw,
+        )
+
+
+@dataclass
+class RunResult:
+    """What came back for a run: float32 (n_outputs, n_vocab) logits, or
+    nothing if it was cancelled."""
+
+    run: Run
+    logits: np.ndarray | None
+    cancelled: bool = False
+    finished_at: float = 0.0
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,196 @@
+"""Layer split planning: which contiguous block of layers each pipeline stage runs.
+
+The user-facing syntax is PipeInfer's ``--mpi-layer-split`` (exposed by ggpipe as
+``--split``): comma-separated weights for the ranks that run the target model,
+optionally followed by ``/`` and the weights for the ranks that run the draft
+model, e.g. ``"0.3,0.7"`` or ``"0.5,0.5/1.0"``.
+
+Weights are relative: they are normalised by their sum, so ``"1,3"`` and
+``"0.25,0.75"`` are the same split.
+
+Boundaries are computed from the cumulative weight fractions with round half up
+(see :func:`plan_layers`). PipeInfer's own ``ggml_mpi_split_range`` (ggml-mpi.c)
+instead truncates ``weight * n_layer`` per node, which can leave the last node with
+the accumulated rounding error; rounding the *cumulative* fraction keeps every
+boundary within half a layer of the requested position.
+
+Stages are numbered in pipeline order (stage 0 runs layers starting at 0). Which
+MPI rank runs which stage is the caller's choice (PipeInfer's ring puts rank 0,
+the head, last).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from ggpipe.errors import SplitError
+
+__all__ = ["SplitSpec", "parse_split", "plan_layers", "describe_plan"]
+
+OPTION = "--split"
+
+# Added before rounding so that a cumulative fraction that should be exactly x.5
+# but is computed as x.4999999999 still rounds up.
+_ROUND_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class SplitSpec:
+    """A parsed ``--split`` value.
+
+    ``target``: weights (positive, finite floats, not normalised) for the ranks
+    running the target model, in pipeline order, or None for an even split.
+    ``draft``: the same for the draft model's ranks, or None.
+    """
+
+    target: tuple[float, ...] | None = None
+    draft: tuple[float, ...] | None = None
+
+
+def _parse_weights(part: str, what: str, text: str) -> tuple[float, ...]:
+    if not part.strip():
+        raise SplitError(f'{OPTION} "{text}": the {what} weights are empty')
+    weights = []
+    for i, item in enumerate(part.split(",")):
+        item = item.strip()
+        if not item:
+            raise SplitError(f'{OPTION} "{text}": {what} weight {i + 1} is empty')
+        try:
+            w = float(item)
+        except ValueError:
+            raise SplitError(f'{OPTION} "{text}": "{item}" is not a number') from None
+        if not math.isfinite(w) or w <= 0:
+            raise SplitError(
+                f'{OPTION} "{text}": weight "{item}" must be a positive finite number'
+            )
+        weights.append(w)
+    return tuple(weights)
+
+
+def parse_split(text: str | None) -> SplitSpec:
+    """Parse PipeInfer's ``--mpi-layer-split`` syntax.
+
+    ``"0.3,0.7"`` -> ``SplitSpec(target=(0.3, 0.7), draft=None)``;
+    ``"0.5,0.5/1.0"`` -> ``SplitSpec(target=(0.5, 0.5), draft=(1.0,))``;
+    None, ``""`` or blanks -> ``SplitSpec(None, None)`` (even split, decided later).
+    Whitespace around items is ignored.
+
+    Raises SplitError (one line, naming the bad part) for: an item that is not a
+    number, an empty item (``"0.5,,0.5"``, a trailing comma, an empty side of
+    ``/``), a zero, negative, NaN or infinite weight, or more than one ``/``.
+    """
+    if text is None or not text.strip():
+        return SplitSpec(None, None)
+    parts = text.split("/")
+    if len(parts) > 2:
+        raise SplitError(
+            f'{OPTION} "{text}": at most one "/" (target weights / draft weights), '
+            f"found {len(parts) - 1}"
+        )
+    target = _parse_weights(parts[0], "target", text)
+    draft = _parse_weights(parts[1], "draft", text) if len(parts) == 2 else None
+    return SplitSpec(target, draft)
+
+
+def plan_layers(
+    n_layer: int,
+    n_stages: int,
+    weights: Sequence[float] | None,
+    *,
+    model: str = "target",
+) -> list[tuple[int, int]]:
+    """Assign contiguous layer ranges to pipeline stages.
+
+    Returns ``n_stages`` half-open ranges ``(start, stop)``: stage 0 starts at 0,
+    each stage starts where the previous one stopped, the last stops at
+    ``n_layer``, and every stage has at least one layer.
+
+    ``weights`` None: as even as possible, the first ``n_layer % n_stages`` stages
+    get one extra layer (30 layers / 4 stages -> 8, 8, 7, 7).
+
+    ``weights`` given: normalised by their sum; the boundary after stage i is
+    ``floor(cumsum(w)[i] / sum(w) * n_layer + 0.5)`` (round half up, with a 1e-9
+    tolerance against float error), and the last boundary is exactly ``n_layer``.
+    (30 layers, weights 1,1,1,1 -> boundaries 7.5, 15, 22.5 -> 8, 7, 8, 7.)
+
+    ``model`` ("target" or "draft") is only used in error messages.
+
+    Raises SplitError: ``n_stages < 1``; ``n_stages > n_layer``;
+    ``len(weights) != n_stages``; a weight that is not positive and finite; a
+    stage that would get zero layers (the message names the stage, its weight
+    and a fix).
+    """
+    if n_stages < 1:
+        raise SplitError(f"no ranks run the {model} model (need at least 1 stage)")
+    if n_stages > n_layer:
+        raise SplitError(
+            f"{n_stages} stages but the {model} model has only {n_layer} layers; "
+            f"use at most {n_layer} ranks for it"
+        )
+    if weights is None:
+        base, extra = divmod(n_layer, n_stages)
+        ranges, start = [], 0
+        for i in range(n_stages):
+            stop = start + base + (1 if i < extra else 0)
+            ranges.append((start, stop))
+            start = stop
+        return ranges
+
+    weights = [float(w) for w in weights]
+    if len(weights) != n_stages:
+        s = "" if n_stages == 1 else "s"
+        verb = "runs" if n_stages == 1 else "run"
+        raise SplitError(
+            f"{OPTION} has {len(weights)} weights but {n_stages} rank{s} {verb} "
+            f"the {model} model"
+        )
+    for i, w in enumerate(weights):
+        if not math.isfinite(w) or w <= 0:
+            raise SplitError(
+                f"{OPTION}: {model} weight {i + 1} ({w}) must be a positive finite number"
+            )
+    total = math.fsum(weights)
+    bounds, acc = [0], 0.0
+    for w in weights[:-1]:
+        acc += w
+        bounds.append(int(math.floor(acc / total * n_layer + 0.5 + _ROUND_EPS)))
+    bounds.append(n_layer)
+    ranges = list(zip(bounds[:-1], bounds[1:]))
+    for i, (start, stop) in enumerate(ranges):
+        if stop <= start:
+            need = 1.0 / n_layer
+            raise SplitError(
+                f"{OPTION}: {model} stage {i} (weight {weights[i]:g}, "
+                f"{weights[i] / total:.1%} of the total) gets no layers of {n_layer}; "
+                f"give it at least {need:.1%} of the total weight or use fewer ranks"
+            )
+    return ranges
+
+
+def describe_plan(
+    ranges: Sequence[tuple[int, int]], labels: Sequence[str] | None = None
+) -> str:
+    """A small text table of a plan: one row per stage with the inclusive layer
+    span and the layer count. ``labels`` (e.g. ``"rank 1"``) replace the stage
+    numbers when given (must have one per range)::
+
+        stage  layers  count
+        0      0-7         8
+        1      8-15        8
+    """
+    if labels is not None and len(labels) != len(ranges):
+        raise ValueError("describe_plan: need one label per range")
+    rows = []
+    for i, (start, stop) in enumerate(ranges):
+        name = str(i) if labels is None else str(labels[i])
+        span = f"{start}-{stop - 1}" if stop - start > 1 else f"{start}"
+        rows.append((name, span, str(stop - start)))
+    header = ("stage", "layers", "count")
+    w0 = max(len(header[0]), *(len(r[0]) for r in rows)) if rows else len(header[0])
+    w1 = max(len(header[1]), *(len(r[1]) for r in rows)) if rows else len(header[1])
+    w2 = max(len(header[2]), *(len(r[2]) for r in rows)) if rows else len(header[2])
+    lines = [f"{header[0]:<{w0}}  {header[1]:<{w1}}  {header[2]:>{w2}}"]
+    lines += [f"{a:<{w0}}  {b:<{w1}}  {c:>{w2}}" for a, b, c in rows]
+    return "\n".join(lines)

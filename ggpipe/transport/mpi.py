@@ -1,0 +1,202 @@
+"""MPI point-to-point transport with bounded, core-yielding waits.
+
+* Sends are non-blocking (``Isend``) and the sent array is kept alive until
+  MPI completes the request, so a stage never waits for the next one to be
+  ready (PipeInfer IV.A.1 "buffered implementation").
+* Large messages use MPI's rendezvous protocol, which only moves data while
+  the sender is inside MPI. A stage spends most of its time inside
+  ``llama_decode``, so :meth:`Transport.computing` runs a progress thread
+  that tests the pending requests meanwhile (ctypes calls into llama.cpp
+  release the GIL).
+* Every wait is an ``Iprobe``/``Test`` loop that sleeps between probes
+  (exponential back-off from ``poll_min_s`` to ``poll_max_s``) instead of a
+  blocking ``Recv``, which spins a full core with PyPI MPICH
+  (NOTES-llamacpp, "MPI waiting burns a core"), and every wait has a
+  time-out whose error names the rank waited for and what for.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from contextlib import contextmanager
+
+import numpy as np
+
+from ggpipe.errors import ProtocolError, RankTimeoutError
+from ggpipe.transport.messages import TYPE_NAMES
+
+_DTYPES = {np.dtype(np.int32): "INT32_T", np.dtype(np.float32): "FLOAT", np.dtype(np.int8): "INT8_T"}
+
+
+def mpi_world():
+    """(comm, rank, size) of MPI_COMM_WORLD, or None when ggpipe was not
+    started by an MPI launcher (then no MPI library is needed at all)."""
+    import os  # noqa: PLC0415
+
+    launched = any(
+        k in os.environ
+        for k in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS", "HYDRA_CONTROL_FD")
+    )
+    if not launched:
+        return None
+    from mpi4py import MPI  # noqa: PLC0415
+
+    comm = MPI.COMM_WORLD
+    comm.Set_errhandler(MPI.ERRORS_RETURN)
+    return comm, comm.Get_rank(), comm.Get_size()
+
+
+class Transport:
+    """Typed point-to-point messaging for one rank.
+
+    Args:
+        comm: an mpi4py communicator.
+        hosts: host name of every rank (for error messages), or None.
+        timeout_s: default bound of every wait, seconds.
+        poll_min_s, poll_max_s: back-off range of the sleep between probes.
+        max_pending: sends in flight before :meth:`send` waits for the oldest.
+    """
+
+    def __init__(self, comm, hosts=None, timeout_s: float = 60.0, poll_min_s: float = 20e-6,
+                 poll_max_s: float = 200e-6, max_pending: int = 256):
+        from mpi4py import MPI  # noqa: PLC0415
+
+        self.MPI = MPI
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.hosts = list(hosts) if hosts else [None] * self.size
+        self.timeout_s = timeout_s
+        self.poll_min_s = poll_min_s
+        self.poll_max_s = poll_max_s
+        self.max_pending = max_pending
+        self._pending: list[tuple[object, object]] = []  # (request, kept-alive buffer)
+        self._lock = threading.Lock()
+        self.bytes_sent = 0
+        self.messages_sent = 0
+
+    # -- naming ----------------------------------------------------------------
+
+    def name(self, rank: int) -> str:
+        host = self.hosts[rank] if 0 <= rank < len(self.hosts) else None
+        return f"rank {rank}" + (f" ({host})" if host else "")
+
+    # -- sending ---------------------------------------------------------------
+
+    def send(self, dest: int, tag: int, array: np.ndarray) -> None:
+        """Start sending a C-contiguous int32/float32/int8 array; returns at once.
+        The array must not be modified afterwards (it is kept until sent)."""
+        array = np.ascontiguousarray(array)
+        mpi_type = getattr(self.MPI, _DTYPES[array.dtype])
+        req = self.comm.Isend([array, mpi_type], dest=dest, tag=tag)
+        with self._lock:
+            self._pending.append((req, array))
+            self.bytes_sent += array.nbytes
+            self.messages_sent += 1
+        self.progress()
+        if len(self._pending) > self.max_pending:
+            self.flush(what=f"sends to {self.name(dest)} to drain")
+
+    def send_obj(self, dest: int, tag: int, obj) -> None:
+        """Send a small picklable object (handshake, statistics)."""
+        self.send(dest, tag, np.frombuffer(pickle.dumps(obj), dtype=np.int8))
+
+    def progress(self) -> int:
+        """Test pending sends, dropping completed ones; returns how many remain."""
+        with self._lock:
+            if self._pending:
+                self._pending = [(r, b) for (r, b) in self._pending if not r.Test()]
+            return len(self._pending)
+
+    def flush(self, timeout_s: float | None = None, what: str = "pending sends to complete") -> None:
+        """Wait until every pending send has completed."""
+        self._wait(lambda: self.progress() == 0, timeout_s, what, None)
+
+    @contextmanager
+    def computing(self):
+        """Keep pending sends moving while this thread is busy in llama.cpp."""
+        if not self._pending:
+            yield
+            return
+        stop = threading.Event()
+
+        def run():
+            delay = self.poll_min_s
+            while not stop.is_set() and self.progress():
+                time.sleep(delay)
+                delay = min(delay * 2, self.poll_max_s)
+
+        t = threading.Thread(target=run, name="mpi-progress", daemon=True)
+        t.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            t.join()
+
+    # -- receiving -------------------------------------------------------------
+
+    def _wait(self, ready, timeout_s, what, source):
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        t0 = time.monotonic()
+        delay = self.poll_min_s
+        while True:
+            r = ready()
+            if r:
+                return r
+            waited = time.monotonic() - t0
+            if waited > timeout_s:
+                src = f" from {self.name(source)}" if source is not None else ""
+                raise RankTimeoutError(
+                    f"{self.name(self.rank)} waited {waited:.0f} s for {what}{src}: "
+                    f"it stopped answering (raise --timeout if it is only slow)"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, self.poll_max_s)
+
+    def probe(self, source: int, tag: int):
+        """Non-blocking: the status of a waiting message from ``source`` with
+        ``tag`` (MPI.ANY_TAG allowed), or None."""
+        st = self.MPI.Status()
+        return st if self.comm.Iprobe(source=source, tag=tag, status=st) else None
+
+    def recv(self, source: int, tag: int, dtype, what: str, timeout_s: float | None = None,
+             max_items: int | None = None) -> tuple[int, np.ndarray]:
+        """Receive one message (waiting at most ``timeout_s``); returns
+        ``(tag, array)``. ``tag`` may be MPI.ANY_TAG (a transaction's start).
+
+        Raises:
+            RankTimeoutError: nothing arrived in time.
+            ProtocolError: the message is not a whole number of ``dtype`` items
+                or exceeds ``max_items``.
+        """
+        dtype = np.dtype(dtype)
+        st = self._wait(lambda: self.probe(source, tag), timeout_s, what, source)
+        nbytes = st.Get_count(self.MPI.BYTE)
+        mtag = st.Get_tag()
+        if nbytes % dtype.itemsize:
+            self._discard(source, mtag, nbytes)
+            raise ProtocolError(f"{what} from {self.name(source)}: {nbytes} bytes is not a whole number of {dtype}")
+        n = nbytes // dtype.itemsize
+        if max_items is not None and n > max_items:
+            self._discard(source, mtag, nbytes)
+            raise ProtocolError(f"{what} from {self.name(source)}: {n} items, at most {max_items} expected")
+        buf = np.empty(n, dtype=dtype)
+        self.comm.Recv([buf, getattr(self.MPI, _DTYPES[dtype])], source=source, tag=mtag)
+        return mtag, buf
+
+    def recv_obj(self, source: int, tag: int, what: str, timeout_s: float | None = None):
+        _, raw = self.recv(source, tag, np.int8, what, timeout_s, max_items=1 << 20)
+        try:
+            return pickle.loads(raw.tobytes())
+        except Exception as exc:  # noqa: BLE001 - any unpickling failure is a protocol error
+            raise ProtocolError(f"{what} from {self.name(source)}: unreadable ({exc})") from None
+
+    def _discard(self, source, tag, nbytes):
+        buf = np.empty(nbytes, dtype=np.int8)
+        self.comm.Recv([buf, self.MPI.BYTE], source=source, tag=tag)
+
+    def describe_tag(self, tag: int) -> str:
+        return TYPE_NAMES.get(tag, f"tag {tag}")

@@ -1,0 +1,149 @@
+import pytest
+
+from ggpipe.errors import GGPipeError, SplitError
+from ggpipe.scheduling.split import SplitSpec, describe_plan, parse_split, plan_layers
+
+
+# ---- parse_split ---------------------------------------------------------
+
+@pytest.mark.parametrize("text", [None, "", "   "])
+def test_parse_empty_is_even(text):
+    assert parse_split(text) == SplitSpec(None, None)
+
+
+def test_parse_target_only():
+    assert parse_split("0.3,0.7") == SplitSpec((0.3, 0.7), None)
+
+
+def test_parse_target_and_draft_with_spaces():
+    assert parse_split(" 0.5, 0.5 / 1.0 ") == SplitSpec((0.5, 0.5), (1.0,))
+
+
+def test_parse_single_and_integer_weights():
+    assert parse_split("1") == SplitSpec((1.0,), None)
+    assert parse_split("1,3/2,2") == SplitSpec((1.0, 3.0), (2.0, 2.0))
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("0.3,abc", '"abc" is not a number'),
+    ("0.3,,0.7", "weight 2 is empty"),
+    ("0.3,0.7,", "weight 3 is empty"),
+    ("/1.0", "target weights are empty"),
+    ("0.5,0.5/", "draft weights are empty"),
+    ("0.5/0.5/1", 'at most one "/"'),
+    ("0.5,0", 'weight "0"'),
+    ("0.5,-1", 'weight "-1"'),
+    ("nan,1", 'weight "nan"'),
+    ("1/inf", 'weight "inf"'),
+])
+def test_parse_errors(text, needle):
+    with pytest.raises(SplitError) as e:
+        parse_split(text)
+    msg = str(e.value)
+    assert needle in msg
+    assert "\n" not in msg
+    assert isinstance(e.value, GGPipeError)
+
+
+# ---- plan_layers ---------------------------------------------------------
+
+def _check_cover(ranges, n_layer):
+    assert ranges[0][0] == 0 and ranges[-1][1] == n_layer
+    for (a, b), (c, _) in zip(ranges, ranges[1:]):
+        assert b == c
+    assert all(b > a for a, b in ranges)
+
+
+def test_even_split_extra_layers_go_first():
+    r = plan_layers(30, 4, None)
+    assert [b - a for a, b in r] == [8, 8, 7, 7]
+    assert r == [(0, 8), (8, 16), (16, 23), (23, 30)]
+
+
+@pytest.mark.parametrize("n_layer", range(1, 40))
+@pytest.mark.parametrize("n_stages", [1, 2, 3, 5, 8])
+def test_even_split_cover(n_layer, n_stages):
+    if n_stages > n_layer:
+        return
+    r = plan_layers(n_layer, n_stages, None)
+    assert len(r) == n_stages
+    _check_cover(r, n_layer)
+    sizes = [b - a for a, b in r]
+    assert max(sizes) - min(sizes) <= 1
+    assert sizes == sorted(sizes, reverse=True)
+
+
+def test_single_stage():
+    assert plan_layers(32, 1, None) == [(0, 32)]
+    assert plan_layers(32, 1, [5.0]) == [(0, 32)]
+
+
+def test_weighted_split_normalised():
+    assert plan_layers(10, 2, [0.3, 0.7]) == [(0, 3), (3, 10)]
+    assert plan_layers(10, 2, [3, 7]) == [(0, 3), (3, 10)]
+    assert plan_layers(32, 2, [1, 3]) == [(0, 8), (8, 32)]
+
+
+def test_weighted_rounding_is_half_up_on_cumsum():
+    # boundaries 7.5, 15, 22.5 -> 8, 15, 23
+    assert plan_layers(30, 4, [1, 1, 1, 1]) == [(0, 8), (8, 15), (15, 23), (23, 30)]
+    # cumulative fraction 0.1+0.2 = 0.30000000000000004 -> 3 (not 2 via float error)
+    r = plan_layers(10, 3, [0.1, 0.2, 0.7])
+    assert r == [(0, 1), (1, 3), (3, 10)]
+    # 0.25 * 10 = 2.5 rounds up to 3
+    assert plan_layers(10, 2, [0.25, 0.75]) == [(0, 3), (3, 10)]
+
+
+def test_weighted_cover_many():
+    import random
+    rnd = random.Random(0)
+    for _ in range(300):
+        n_stages = rnd.randint(1, 6)
+        n_layer = rnd.randint(n_stages * 4, 80)
+        w = [rnd.uniform(0.5, 2.0) for _ in range(n_stages)]
+        r = plan_layers(n_layer, n_stages, w)
+        _check_cover(r, n_layer)
+        for (a, b), wi in zip(r, w):  # each stage within a layer of its share
+            assert abs((b - a) - wi / sum(w) * n_layer) <= 1.0 + 1e-9
+
+
+def test_wrong_weight_count():
+    with pytest.raises(SplitError, match="--split has 3 weights but 2 ranks run the target model"):
+        plan_layers(32, 2, [1, 1, 1])
+    with pytest.raises(SplitError, match="1 rank runs the draft model"):
+        plan_layers(32, 1, [1, 1], model="draft")
+
+
+def test_more_stages_than_layers():
+    with pytest.raises(SplitError, match="4 stages but the target model has only 3 layers"):
+        plan_layers(3, 4, None)
+
+
+def test_zero_stages():
+    with pytest.raises(SplitError):
+        plan_layers(3, 0, None)
+
+
+def test_stage_with_zero_layers_is_named():
+    with pytest.raises(SplitError) as e:
+        plan_layers(10, 3, [1, 0.01, 1])
+    msg = str(e.value)
+    assert "stage 1" in msg and "weight 0.01" in msg and "fewer ranks" in msg
+
+
+@pytest.mark.parametrize("w", [[1, 0], [1, -2], [1, float("nan")], [1, float("inf")]])
+def test_bad_weights_in_plan(w):
+    with pytest.raises(SplitError):
+        plan_layers(10, 2, w)
+
+
+# ---- describe_plan -------------------------------------------------------
+
+def test_describe_plan():
+    text = describe_plan([(0, 8), (8, 16), (16, 17)])
+    lines = text.splitlines()
+    assert lines[0].split() == ["stage", "layers", "count"]
+    assert lines[1].split() == ["0", "0-7", "8"]
+    assert lines[3].split() == ["2", "16", "1"]
+    text = describe_plan([(0, 4), (4, 8)], labels=["rank 1", "rank 0"])
+    assert text.splitlines()[2].split() == ["rank", "0", "4-7", "4"]
