@@ -10,9 +10,15 @@ from __future__ import annotations
 
 
 class GGPipeError(Exception):
-    """Base class of every user-facing error (exit code 1, one line)."""
+    """Base class of every user-facing error (exit code 1, one line).
+
+    ``abort_job``: the other ranks cannot be stopped cleanly (one stopped
+    answering, or the message stream is out of step), so the CLI ends the
+    whole job with ``MPI_Abort`` after printing the message.
+    """
 
     exit_code = 1
+    abort_job = False
 
 
 class ModelError(GGPipeError):
@@ -33,10 +39,14 @@ class ConfigError(GGPipeError):
 class ProtocolError(GGPipeError):
     """A message between ranks that does not match its documented layout."""
 
+    abort_job = True
+
 
 class RankTimeoutError(GGPipeError):
     """A bounded MPI wait ran out. The message names the rank waited for and
     what this rank was doing."""
+
+    abort_job = True
 
 
 class RankFailedError(GGPipeError):

@@ -87,12 +87,13 @@ def _cluster_config(model, split, threads, ctx_size, ubatch, n_seq_max, timeout)
 @click.option("--top-k", default=40, show_default=True, type=int, help="Top-k (0 = off).")
 @click.option("--top-p", default=0.95, show_default=True, type=float, help="Top-p (1 = off).")
 @click.option("--seed", default=None, type=int, help="Sampling seed.")
+@click.option("--ignore-eos", is_flag=True, help="Keep generating after an end-of-generation token.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template as a user turn.")
 @click.option("--mode", type=click.Choice(["iterative"]), default="iterative", show_default=True,
               help="Scheduling mode.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary (text, tokens, metrics, ranks).")
 def generate(model, split, threads, ctx_size, ubatch, n_seq_max, timeout, prompt, prompt_file, n_predict, temp,
-             top_k, top_p, seed, chat, mode, as_json):
+             top_k, top_p, seed, ignore_eos, chat, mode, as_json):
     """Generate text from a prompt (run under mpiexec for a pipeline)."""
     from ggpipe.frontends.generate import GenerateRequest, run_generate  # noqa: PLC0415
 
@@ -103,7 +104,8 @@ def generate(model, split, threads, ctx_size, ubatch, n_seq_max, timeout, prompt
     text = prompt if prompt is not None else prompt_file.read_text(encoding="utf-8")
     sampling = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, seed=seed).validate()
     cfg = _cluster_config(model, split, threads, ctx_size, ubatch, n_seq_max, timeout)
-    req = GenerateRequest(prompt=text, n_predict=n_predict, sampling=sampling, chat=chat, mode=mode)
+    req = GenerateRequest(prompt=text, n_predict=n_predict, sampling=sampling, chat=chat, mode=mode,
+                          ignore_eos=ignore_eos)
     code = run_generate(cfg, req, as_json)
     if code:
         sys.exit(code)
@@ -142,6 +144,8 @@ def main(argv=None) -> None:
             traceback.print_exc()
         if rank == 0:
             sys.stderr.write(f"ggpipe: error: {exc}\n")
+            if exc.abort_job:
+                _abort_mpi(exc.exit_code)
             sys.exit(exc.exit_code)
         sys.stderr.write(f"ggpipe: error: rank {rank}: {exc}\n")
         _abort_mpi(exc.exit_code)

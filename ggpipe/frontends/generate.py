@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ggpipe.errors import GGPipeError
 from ggpipe.metrics import GenerationClock
 from ggpipe.runtime.vocab import Vocab, check_prompt_fits
 from ggpipe.scheduling.iterative import IterativeDecoder
@@ -29,12 +30,15 @@ class GenerateRequest:
     sampling: SamplingParams = SamplingParams()
     chat: bool = False
     mode: str = "iterative"
+    ignore_eos: bool = False
 
 
-def make_decoder(session: Session, vocab: Vocab, mode: str):
-    """The scheduling policy for ``mode`` on the head."""
+def make_decoder(session: Session, vocab: Vocab, req: GenerateRequest):
+    """The scheduling policy for ``req.mode`` on the head."""
+    is_eog = (lambda t: False) if req.ignore_eos else vocab.is_eog
+    mode = req.mode
     if mode == "iterative":
-        return IterativeDecoder(session.pipeline, session.config.ubatch, vocab.is_eog)
+        return IterativeDecoder(session.pipeline, session.config.ubatch, is_eog)
     raise ValueError(f"unknown mode {mode}")
 
 
@@ -54,7 +58,7 @@ def generate_on_head(session: Session, req: GenerateRequest, stream=None) -> dic
     tokens = prompt_tokens(vocab, req)
     check_prompt_fits(int(tokens.shape[0]), req.n_predict, session.config.ctx_size)
     sampler = Sampler(req.sampling)
-    decoder = make_decoder(session, vocab, req.mode)
+    decoder = make_decoder(session, vocab, req)
     detok = vocab.detokenizer()
     pieces: list[str] = []
 
@@ -93,11 +97,13 @@ def run_generate(config: ClusterConfig, req: GenerateRequest, as_json: bool) -> 
         if not session.is_head:
             session.serve()
             return 0
-        result = None
         try:
             result = generate_on_head(session, req, stream=None if as_json else sys.stdout)
-        finally:
-            ranks = session.shutdown()
+        except GGPipeError as exc:
+            if not exc.abort_job:  # the pipeline is still in step: stop it cleanly
+                session.shutdown()
+            raise
+        ranks = session.shutdown()
         if as_json:
             result["ranks"] = ranks
             result["n_ranks"] = session.size

@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import socket
+import sys
 from dataclasses import asdict, dataclass, field
 
 from ggpipe.errors import ConfigError, GGPipeError, RankFailedError
@@ -156,8 +157,10 @@ def _verdict(t: Transport, size: int, error: str | None, extra: dict | None = No
     t.flush(10.0)
 
 
-def open_session(config: ClusterConfig) -> Session:
-    """Bring up this rank (see the module docstring).
+def open_session(config: ClusterConfig, argv: list[str] | None = None) -> Session:
+    """Bring up this rank (see the module docstring). ``argv`` (default
+    ``sys.argv[1:]``) must be the same on every rank: its digest, with the
+    config's, is compared at start-up.
 
     Raises:
         GGPipeError: on the head, the first error of any rank (naming it).
@@ -170,7 +173,9 @@ def open_session(config: ClusterConfig) -> Session:
     else:
         comm, rank, size = world
         transport = Transport(comm, timeout_s=config.timeout_s)
-        hello = {"digest": config.digest(), "host": socket.gethostname(), "pid": os.getpid()}
+        args = sys.argv[1:] if argv is None else argv
+        digest = hashlib.sha256((config.digest() + json.dumps(list(args))).encode()).hexdigest()[:16]
+        hello = {"digest": digest, "host": socket.gethostname(), "pid": os.getpid()}
         got = _exchange(transport, rank, size, hello, "hello", config.load_timeout_s)
         if rank == 0:
             hosts = [h["host"] for h in got]

