@@ -1,17 +1,14 @@
 """Shared fixtures: real model weights, an independent single-node reference,
 and a runner for real MPI ranks.
 
-The reference decode loop below uses llama-cpp-python's low-level API directly
-(no ggpipe code): whole model, one context, prompt in one batch, then one token
-per llama_decode, greedy = argmax of the logits. It is what "single-node
-llama.cpp" means in the exactness tests. ``use_extra_bufts=False`` only avoids
-the AMX crash on this CPU (NOTES-llamacpp); flash attention is off, as in
-llama-cpp-python's ``Llama`` default.
+The reference is ggpipe.bench.baseline.greedy: llama-cpp-python's low-level
+API directly (no ggpipe runtime code), whole model, one context, prompt in one
+batch, then one token per llama_decode, greedy = argmax. It is what
+"single-node llama.cpp" means in the exactness tests.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import shutil
@@ -19,8 +16,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
+
+from ggpipe.bench import baseline
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,46 +46,6 @@ def goliath() -> Path:
     return fetch("smollm2-goliath-40l", progress=False)
 
 
-def reference_greedy(model_path: Path, prompt: str, n_predict: int, n_ctx: int = 2048) -> list[int]:
-    """Single-node greedy generation with llama-cpp-python's low-level API;
-    stops after an end-of-generation token (included)."""
-    import llama_cpp as L
-
-    L.llama_backend_init()
-    mp = L.llama_model_default_params()
-    mp.use_extra_bufts = False
-    model = L.llama_model_load_from_file(str(model_path).encode(), mp)
-    assert model
-    cp = L.llama_context_default_params()
-    cp.n_ctx = n_ctx
-    cp.n_batch = 512
-    cp.n_ubatch = 512
-    cp.n_threads = cp.n_threads_batch = 1
-    cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
-    ctx = L.llama_init_from_model(model, cp)
-    vocab = L.llama_model_get_vocab(model)
-    n_vocab = L.llama_vocab_n_tokens(vocab)
-    data = prompt.encode()
-    buf = (ctypes.c_int32 * (len(data) + 16))()
-    n = L.llama_tokenize(vocab, data, len(data), buf, len(buf), True, True)
-    tokens = list(buf[:n])
-    out: list[int] = []
-    try:
-        batch_toks = (ctypes.c_int32 * len(tokens))(*tokens)
-        assert L.llama_decode(ctx, L.llama_batch_get_one(batch_toks, len(tokens))) == 0
-        while True:
-            logits = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, -1), shape=(n_vocab,))
-            tok = int(np.argmax(logits))
-            out.append(tok)
-            if len(out) >= n_predict or L.llama_vocab_is_eog(vocab, tok):
-                return out
-            one = (ctypes.c_int32 * 1)(tok)
-            assert L.llama_decode(ctx, L.llama_batch_get_one(one, 1)) == 0
-    finally:
-        L.llama_free(ctx)
-        L.llama_model_free(model)
-
-
 _REF_CACHE: dict = {}
 
 
@@ -99,7 +57,7 @@ def reference():
     def get(model_path: Path, prompt: str, n: int) -> list[int]:
         key = (str(model_path), prompt, n)
         if key not in _REF_CACHE:
-            _REF_CACHE[key] = reference_greedy(model_path, prompt, n)
+            _REF_CACHE[key] = baseline.greedy(model_path, prompt, n).tokens
         return _REF_CACHE[key]
 
     return get

@@ -1,0 +1,2 @@
+"""Benchmarks and baselines (``scripts/`` drives them; the bench issue adds
+``ggpipe bench``)."""
