@@ -3,6 +3,7 @@ SmolLM2-135M weights and on small synthetic GGUFs."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import multiprocessing
 import os
@@ -15,33 +16,20 @@ from gguf.quants import dequantize
 
 from ggpipe.errors import ModelError
 from ggpipe.models import derive as derive_mod
-from ggpipe.models import registry as reg
+from ggpipe.models import gguf_info
 from ggpipe.models.cache import cached_sha256
-from ggpipe.models.derive import derive_gguf, format_layer_list, parse_layer_list, stage_slice
-from ggpipe.models.gguf_info import GGUFFile, read_model_info, scan_gguf
+from ggpipe.models.derive import (
+    derive_gguf,
+    format_layer_list,
+    parse_layer_list,
+    stage_slice,
+)
+from ggpipe.models.gguf_info import info_from_reader, load_gguf, read_model_info
 
 Q = gguf.GGMLQuantizationType
 
 
-# ---------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="session")
-def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    env = os.environ.get("GGPIPE_CACHE")
-    if env:
-        return Path(env)
-    path = tmp_path_factory.getbasetemp() / "ggpipe-cache"  # shared with test_models.py
-    path.mkdir(exist_ok=True)
-    return path
-
-
-@pytest.fixture(scope="session")
-def smollm2(model_cache: Path) -> Path:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("GGPIPE_CACHE", str(model_cache))
-        mp.delenv("GGPIPE_MODELS", raising=False)
-        return reg.fetch("smollm2-135m", progress=False)
+# ---------------------------------------------------------------- helpers
 
 
 def tensors(path: Path) -> dict[str, gguf.ReaderTensor]:
@@ -125,66 +113,76 @@ def test_parse_layer_list_range_check() -> None:
 
 @pytest.fixture(scope="session")
 def smol_reader(smollm2: Path) -> gguf.GGUFReader:
-    return gguf.GGUFReader(smollm2)  # about 2 s: parse once
+    """The GGUFReader derive itself keeps for its source (parsing the
+    49152-token vocabulary takes about 2 s: done once here)."""
+    return load_gguf(smollm2, keep=True)
 
 
-def raw_tensor(g: GGUFFile, name: str) -> np.ndarray:
-    """Raw bytes of a tensor, located with our own scan (faster than GGUFReader)."""
-    t = next(t for t in g.tensors if t.name == name)
-    return np.memmap(g.path, dtype=np.uint8, mode="r", offset=g.data_offset + t.offset, shape=(t.nbytes,))
+@pytest.fixture(scope="module")
+def slice_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One cache for this module's stage slices (the model info of the source
+    is remembered there once)."""
+    return tmp_path_factory.mktemp("slice-cache")
 
 
-def test_stage_slices(smollm2: Path, smol_reader: gguf.GGUFReader, tmp_path: Path) -> None:
-    cache = tmp_path / "cache"
+def sha256_of(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_stage_slices(smollm2: Path, smol_reader: gguf.GGUFReader, slice_cache: Path) -> None:
+    cache = slice_cache
     assert stage_slice(smollm2, 0, 30, cache) == smollm2
     a = stage_slice(smollm2, 0, 12, cache)
     b = stage_slice(smollm2, 12, 30, cache)
-    sha = hashlib.sha256(smollm2.read_bytes()).hexdigest()
+    sha = sha256_of(smollm2)
     assert a == cache / "slices" / f"{sha[:16]}-0-12.gguf"
     assert b.name == f"{sha[:16]}-12-30.gguf"
     src = {t.name: t for t in smol_reader.tensors}
     per_block = [n.split(".", 2)[2] for n in src if n.startswith("blk.0.")]
     assert len(per_block) == 9
 
-    # Slice a, read back with gguf's own reader (independent of our scanner).
-    r = gguf.GGUFReader(a)
-    assert field(r, "llama.block_count") == 12
-    ts = {t.name: t for t in r.tensors}
-    assert set(ts) == {"token_embd.weight", "output_norm.weight"} | {f"blk.{i}.{s}" for i in range(12) for s in per_block}
-    for i in (0, 11):
-        for s in per_block:
-            got, want = ts[f"blk.{i}.{s}"], src[f"blk.{i}.{s}"]
-            assert got.tensor_type == want.tensor_type and np.array_equal(got.data, want.data)
-    assert np.array_equal(ts["token_embd.weight"].data, src["token_embd.weight"].data)
-    assert len(r.fields) == len(smol_reader.fields)
-    for key in ("tokenizer.chat_template", "general.name", "llama.rope.freq_base", "tokenizer.ggml.eos_token_id"):
-        assert field(r, key) == field(smol_reader, key)
-    assert field(r, "tokenizer.ggml.tokens") == field(smol_reader, "tokenizer.ggml.tokens")
+    # Slice a: its model info (remembered in the cache, so the second call
+    # below does not parse it again).
+    info_a, info_src = read_model_info(a, cache), read_model_info(smollm2, cache)
+    assert info_a.n_layer == 12 and info_a.n_tensors == 2 + 12 * len(per_block)
+    assert dataclasses.replace(info_a, path=smollm2, n_layer=30, n_tensors=272, file_size=0) == dataclasses.replace(
+        info_src, file_size=0
+    )
 
-    # Slice b, with our scanner: blocks renamed, data and other metadata identical.
-    gs, gb = scan_gguf(smollm2), scan_gguf(b)
-    assert gb.get("llama.block_count") == 18
-    names = [t.name for t in gb.tensors]
+    # Slice b: blocks renamed, data identical; every other metadata entry has
+    # the source's type and value, in the source's order.
+    rb = gguf.GGUFReader(b)
+    assert field(rb, "llama.block_count") == 18
+    names = [t.name for t in rb.tensors]
     assert names[0] == "token_embd.weight" and names[-1] == "output_norm.weight" and len(names) == 2 + 18 * 9
+    tb = {t.name: t for t in rb.tensors}
     for i in (0, 7, 17):
         for s in per_block:
-            assert np.array_equal(raw_tensor(gb, f"blk.{i}.{s}"), raw_tensor(gs, f"blk.{12 + i}.{s}"))
-    src_bytes, b_bytes = smollm2.read_bytes(), b.read_bytes()
-    for key, kv in gs.kvs.items():
-        if key != "llama.block_count":
-            kb = gb.kvs[key]
-            assert src_bytes[kv.start : kv.end] == b_bytes[kb.start : kb.end], key
+            got, want = tb[f"blk.{i}.{s}"], src[f"blk.{12 + i}.{s}"]
+            assert got.tensor_type == want.tensor_type and list(got.shape) == list(want.shape)
+            assert np.array_equal(got.data, want.data)
+    assert np.array_equal(tb["token_embd.weight"].data, src["token_embd.weight"].data)
+    assert list(rb.fields) == list(smol_reader.fields)
+    for key, f in smol_reader.fields.items():
+        if key not in ("llama.block_count", "GGUF.tensor_count"):
+            assert rb.fields[key].types == f.types and field(rb, key) == f.contents(), key
 
     # Second call: the cached slice, not rebuilt.
     mtime = a.stat().st_mtime_ns
     assert stage_slice(smollm2, 0, 12, cache) == a and a.stat().st_mtime_ns == mtime
-    # A damaged cached slice is rebuilt.
+    # A damaged cached slice is rebuilt, the same bytes again.
+    sha_a = sha256_of(a)
     with open(a, "r+b") as f:
         f.truncate(1000)
-    assert stage_slice(smollm2, 0, 12, cache) == a and read_model_info(a).n_layer == 12
+    assert stage_slice(smollm2, 0, 12, cache) == a and sha256_of(a) == sha_a
     for bad in [(0, 0), (5, 3), (-1, 4), (20, 31)]:
         with pytest.raises(ModelError, match="layer range"):
             stage_slice(smollm2, *bad, cache)
+
+    # The last slice loads in llama.cpp.
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llm = llama_cpp.Llama(model_path=str(b), n_ctx=64, verbose=False)
+    assert llm.n_embd() == 576
 
 
 def test_model_hash_is_remembered(smollm2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -207,32 +205,74 @@ def test_model_hash_is_remembered(smollm2: Path, tmp_path: Path, monkeypatch: py
         cached_sha256(copy, root)
 
 
+def test_model_info_is_remembered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """read_model_info parses once per (realpath, size, mtime) and remembers
+    the result next to the remembered hashes; an unusable cache just parses."""
+    src = make_gguf(tmp_path / "src.gguf")
+    root = tmp_path / "cache"
+    info = read_model_info(src, root)
+    assert info == info_from_reader(load_gguf(src), src)
+    assert len(list((root / "hashes").glob("*.info.json"))) == 1
+
+    def boom(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("parsed again")
+
+    monkeypatch.setattr(gguf_info, "load_gguf", boom)
+    again = read_model_info(src, root)
+    assert again == info and isinstance(again.per_layer_keys, tuple)
+    link = tmp_path / "link.gguf"
+    link.symlink_to(src)
+    assert read_model_info(link, root) == dataclasses.replace(info, path=link)  # same realpath
+    # Changing the file invalidates the record; so does a damaged record.
+    os.utime(src, ns=(0, 0))
+    with pytest.raises(AssertionError, match="parsed again"):
+        read_model_info(src, root)
+    monkeypatch.undo()
+    assert read_model_info(src, root) == info
+    for rec in (root / "hashes").glob("*.info.json"):
+        rec.write_text("{not json")
+    monkeypatch.setattr(gguf_info, "load_gguf", boom)
+    with pytest.raises(AssertionError, match="parsed again"):
+        read_model_info(src, root)
+    monkeypatch.undo()
+    # An unwritable cache: no error, parsed each time.
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    assert read_model_info(src, blocker / "cache") == info
+    # Errors are not remembered.
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(src.read_bytes()[:200])
+    for _ in range(2):
+        with pytest.raises(ModelError, match="truncated"):
+            read_model_info(bad, root)
+
+
 def _slice_worker(args: tuple[str, str]) -> str:
     src, cache = args
     return str(stage_slice(src, 5, 17, cache))
 
 
-def test_concurrent_stage_slices(smollm2: Path, tmp_path: Path) -> None:
-    cache = tmp_path / "cache"
+def test_concurrent_stage_slices(smollm2: Path, slice_cache: Path, tmp_path: Path) -> None:
     ctx = multiprocessing.get_context("fork")
     with ctx.Pool(3) as pool:
-        paths = pool.map(_slice_worker, [(str(smollm2), str(cache))] * 3)
+        paths = pool.map(_slice_worker, [(str(smollm2), str(slice_cache))] * 3)
     assert len(set(paths)) == 1
-    assert read_model_info(paths[0]).n_layer == 12
-    leftovers = [p.name for p in (cache / "slices").iterdir() if not p.name.endswith((".gguf", ".lock"))]
+    assert Path(paths[0]).read_bytes() == derive_gguf(smollm2, range(5, 17), tmp_path / "ref.gguf").read_bytes()
+    leftovers = [p.name for p in (slice_cache / "slices").iterdir() if not p.name.endswith((".gguf", ".lock"))]
     assert leftovers == []
 
 
 def test_slice_refused_for_gemma(tmp_path: Path) -> None:
     src = make_gguf(tmp_path / "g.gguf", arch="gemma3")
+    cache = tmp_path / "cache"
     with pytest.raises(ModelError, match="cannot split g.gguf.*gemma3.*embedding"):
-        stage_slice(src, 1, 3, tmp_path / "cache")
+        stage_slice(src, 1, 3, cache)
     with pytest.raises(ModelError, match="gemma3"):
         derive_gguf(src, [0, 1], tmp_path / "out.gguf")
     # The whole model is fine, also converted.
-    assert stage_slice(src, 0, 4, tmp_path / "cache") == src
+    assert stage_slice(src, 0, 4, cache) == src
     out = derive_gguf(src, range(4), tmp_path / "whole.gguf", "f32")
-    assert read_model_info(out).n_layer == 4
+    assert read_model_info(out, cache).n_layer == 4
 
 
 # ---------------------------------------------------------------- derive: types and llama.cpp
@@ -241,27 +281,22 @@ def test_slice_refused_for_gemma(tmp_path: Path) -> None:
 def test_derive_f16_types_and_values(smollm2: Path, smol_reader: gguf.GGUFReader, tmp_path: Path) -> None:
     layers = [0, 29, 29]
     out = derive_gguf(smollm2, layers, tmp_path / "f16.gguf", "f16")
-    g = scan_gguf(out)
-    assert g.get("llama.block_count") == 3
-    assert g.get("general.file_type") == int(gguf.LlamaFileType.MOSTLY_F16)
-    for t in g.tensors:
-        assert t.ggml_type == (Q.F32 if len(t.shape) == 1 else Q.F16), t.name
+    r = gguf.GGUFReader(out)
+    assert field(r, "llama.block_count") == 3
+    assert field(r, "general.file_type") == int(gguf.LlamaFileType.MOSTLY_F16)
+    assert r.fields["general.file_type"].types == [gguf.GGUFValueType.UINT32]
+    assert list(r.fields) == list(smol_reader.fields)  # file_type stays in its place
+    for t in r.tensors:
+        assert t.tensor_type == (Q.F32 if len(t.shape) == 1 else Q.F16), t.name
+    got = {t.name: t for t in r.tensors}
     src = {t.name: t for t in smol_reader.tensors}
-
-    def values(name: str) -> np.ndarray:
-        t = next(t for t in g.tensors if t.name == name)
-        return raw_tensor(g, name).view(np.float16 if t.ggml_type == Q.F16 else np.float32).reshape(src_shape(name))
-
-    def src_shape(name: str) -> tuple[int, ...]:
-        t = next(t for t in g.tensors if t.name == name)
-        return tuple(reversed(t.shape))
-
     for i, L in enumerate(layers):
         for s, dt in (("ffn_down.weight", np.float16), ("attn_norm.weight", np.float32)):
-            st = src[f"blk.{L}.{s}"]
-            assert np.array_equal(values(f"blk.{i}.{s}"), dequantize(st.data, st.tensor_type).astype(dt))
+            st, gt = src[f"blk.{L}.{s}"], got[f"blk.{i}.{s}"]
+            assert list(gt.shape) == list(st.shape)
+            assert gt.data.dtype == dt and np.array_equal(gt.data, dequantize(st.data, st.tensor_type).astype(dt))
     emb = src["token_embd.weight"]
-    assert np.array_equal(values("token_embd.weight"), dequantize(emb.data, emb.tensor_type).astype(np.float16))
+    assert np.array_equal(got["token_embd.weight"].data, dequantize(emb.data, emb.tensor_type).astype(np.float16))
     # Loads in llama.cpp.
     llama_cpp = pytest.importorskip("llama_cpp")
     llm = llama_cpp.Llama(model_path=str(out), n_ctx=64, verbose=False)
@@ -269,23 +304,20 @@ def test_derive_f16_types_and_values(smollm2: Path, smol_reader: gguf.GGUFReader
     assert llm.tokenize(b"Hello, world") == [19556, 28, 905]
 
 
-def test_slice_loads_in_llama_cpp(smollm2: Path, tmp_path: Path) -> None:
-    llama_cpp = pytest.importorskip("llama_cpp")
-    path = stage_slice(smollm2, 12, 30, tmp_path / "cache")
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, verbose=False)
-    assert llm.n_embd() == 576
-
-
 # ---------------------------------------------------------------- derive: synthetic files
 
 
-def test_derive_reindexes_per_layer_keys(tmp_path: Path) -> None:
+def test_derive_reindexes_per_layer_keys(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     src = make_gguf(tmp_path / "src.gguf")
-    info = read_model_info(src)
+    cache = tmp_path / "cache"
+    info = read_model_info(src, cache)
     assert set(info.per_layer_keys) == {"llama.attention.head_count", "llama.test.layer_names"}
     assert info.n_head == 10
-    out = derive_gguf(src, [3, 1, 1, 0, 2], tmp_path / "out.gguf")
-    r = gguf.GGUFReader(out)
+    with caplog.at_level("WARNING"):
+        out = derive_gguf(src, [3, 1, 1, 0, 2], tmp_path / "out.gguf")
+    assert not [rec for rec in caplog.records if "Duplicated" in rec.getMessage()]
+    r = gguf.GGUFReader(out)  # it would raise on a duplicated key
+    assert list(r.fields) == list(gguf.GGUFReader(src).fields)
     assert field(r, "llama.block_count") == 5
     assert field(r, "llama.attention.head_count") == [13, 11, 11, 10, 12]
     assert field(r, "llama.test.layer_names") == ["layer3", "layer1", "layer1", "layer0", "layer2"]
@@ -298,7 +330,40 @@ def test_derive_reindexes_per_layer_keys(tmp_path: Path) -> None:
         assert ts[f"blk.{i}.attn_norm.weight"].data[0] == L
     assert [t.name for t in r.tensors][0] == "token_embd.weight"
     assert [t.name for t in r.tensors][-1] == "output_norm.weight"
-    assert read_model_info(out).per_layer_keys == info.per_layer_keys
+    assert read_model_info(out, cache).per_layer_keys == info.per_layer_keys
+
+
+def test_derive_keeps_alignment_and_quantized_shapes(tmp_path: Path) -> None:
+    """A custom general.alignment is kept (the writer pads to it) and raw
+    quantized tensors keep their element shape."""
+    src = tmp_path / "q.gguf"
+    w = gguf.GGUFWriter(str(src), "llama")
+    w.add_custom_alignment(64)
+    w.add_block_count(2)
+    w.add_embedding_length(64)
+    w.add_array("tokenizer.ggml.tokens", ["a", "b"])
+    rng = np.random.default_rng(1)
+    for i in range(2):
+        q = gguf.quants.quantize(rng.standard_normal((3, 64), dtype=np.float32), Q.Q8_0)
+        w.add_tensor(f"blk.{i}.ffn_up.weight", q, raw_dtype=Q.Q8_0)
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.full(5, i, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    out = derive_gguf(src, [1, 0, 1], tmp_path / "out.gguf")
+    r, s = gguf.GGUFReader(out), tensors(src)
+    assert r.alignment == 64 and field(r, "general.alignment") == 64
+    for t in r.tensors:
+        assert t.data_offset % 64 == 0
+    t = {t.name: t for t in r.tensors}["blk.0.ffn_up.weight"]
+    assert t.tensor_type == Q.Q8_0 and list(t.shape) == [64, 3]
+    assert np.array_equal(t.data, s["blk.1.ffn_up.weight"].data)
+    f16 = derive_gguf(src, [1], tmp_path / "f16.gguf", "f16")
+    t = tensors(f16)["blk.0.ffn_up.weight"]
+    assert t.tensor_type == Q.F16 and list(t.shape) == [64, 3]
+    want = dequantize(s["blk.1.ffn_up.weight"].data, Q.Q8_0).astype(np.float16)
+    assert np.array_equal(t.data, want)
 
 
 def test_derive_is_deterministic(tmp_path: Path) -> None:
@@ -328,16 +393,19 @@ def test_derive_errors_leave_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyP
     with pytest.raises(ModelError, match="does not exist"):
         derive_gguf(src, [0], tmp_path / "nodir" / "x.gguf")
 
+    # The disk fills up while the writer writes tensor data.
     calls = []
-    real = derive_mod._write_tensor
+    real = gguf.GGUFWriter.write_padding
 
-    def failing(*args):  # noqa: ANN002, ANN202
+    def failing(self, *args):  # noqa: ANN001, ANN002, ANN202
         calls.append(1)
         if len(calls) == 3:
             raise OSError(28, "No space left on device")
-        return real(*args)
+        return real(self, *args)
 
-    monkeypatch.setattr(derive_mod, "_write_tensor", failing)
-    with pytest.raises(ModelError, match="No space left"):
-        derive_gguf(src, [0, 1], out_dir / "x.gguf")
-    assert list(out_dir.iterdir()) == []
+    monkeypatch.setattr(gguf.GGUFWriter, "write_padding", failing)
+    for typ in ("keep", "f16"):
+        calls.clear()
+        with pytest.raises(ModelError, match="No space left"):
+            derive_gguf(src, [0, 1], out_dir / "x.gguf", typ)
+        assert list(out_dir.iterdir()) == []

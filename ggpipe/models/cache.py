@@ -1,4 +1,5 @@
-"""Cache directory, file locks, atomic writes and remembered file hashes.
+"""Cache directory, file locks, atomic writes and remembered file facts
+(hashes, GGUF model info).
 
 Several processes (MPI ranks on one machine) may fetch a model, build a slice
 or hash a file at the same moment. Each such target has a lock file next to it
@@ -16,8 +17,9 @@ import hashlib
 import json
 import os
 import secrets
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Iterator
+from typing import Any
 
 from ggpipe.errors import ModelError
 
@@ -93,17 +95,20 @@ def sha256_file(path: Path, progress: bool = False, desc: str | None = None) -> 
     return h.hexdigest()
 
 
-# ---- remembered hashes: <cache>/hashes/<key>.json, keyed by (realpath, size, mtime_ns)
+# ---- remembered facts about files: <cache>/hashes/<key>[.<kind>].json, keyed by
+# (realpath, size, mtime_ns). "sha256" records hold a file's hash; other kinds
+# (e.g. "info", see ggpipe.models.gguf_info) hold any JSON value.
 
 
-def _hash_record_path(path: Path, root: Path) -> tuple[Path, str, os.stat_result]:
+def _record_path(path: Path, root: Path, kind: str) -> tuple[Path, str, os.stat_result]:
     real = os.path.realpath(path)
     st = os.stat(real)
     key = hashlib.sha256(real.encode("utf-8", "surrogateescape")).hexdigest()[:32]
-    return root / "hashes" / f"{key}.json", real, st
+    name = f"{key}.json" if kind == "sha256" else f"{key}.{kind}.json"
+    return root / "hashes" / name, real, st
 
 
-def _read_record(rec: Path, real: str, st: os.stat_result) -> str | None:
+def _read_record(rec: Path, real: str, st: os.stat_result, kind: str, valid: Callable[[Any], bool]) -> Any | None:
     try:
         data = json.loads(rec.read_text())
     except (OSError, ValueError):
@@ -113,44 +118,80 @@ def _read_record(rec: Path, real: str, st: os.stat_result) -> str | None:
         and data.get("path") == real
         and data.get("size") == st.st_size
         and data.get("mtime_ns") == st.st_mtime_ns
-        and isinstance(data.get("sha256"), str)
+        and data.get(kind) is not None
+        and valid(data[kind])
     ):
-        return data["sha256"]
+        return data[kind]
     return None
 
 
-def _write_record(rec: Path, real: str, st: os.stat_result, sha: str) -> None:
+def _write_record(rec: Path, real: str, st: os.stat_result, kind: str, value: Any) -> None:
     tmp = temp_path_for(rec)
     try:
-        tmp.write_text(json.dumps({"path": real, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha}))
+        tmp.write_text(json.dumps({"path": real, "size": st.st_size, "mtime_ns": st.st_mtime_ns, kind: value}))
         os.replace(tmp, rec)
     finally:
         remove_quietly(tmp)
 
 
-def record_sha256(path: Path, sha: str, root: Path | None = None) -> None:
-    """Remember that ``path`` (as it is now: size, mtime) has hash ``sha``."""
+def remember(path: Path, kind: str, value: Any, root: Path | None = None) -> None:
+    """Remember that ``path`` (as it is now: size, mtime) has ``kind`` ``value``."""
     root = cache_dir() if root is None else Path(root)
     ensure_dir(root / "hashes")
-    rec, real, st = _hash_record_path(path, root)
-    _write_record(rec, real, st, sha)
+    rec, real, st = _record_path(path, root, kind)
+    _write_record(rec, real, st, kind, value)
+
+
+def remembered(
+    path: Path,
+    kind: str,
+    compute: Callable[[], Any],
+    root: Path | None = None,
+    valid: Callable[[Any], bool] = lambda v: True,
+    strict: bool = True,
+) -> Any:
+    """``compute()`` (a JSON value describing ``path``), computed once per
+    (realpath, size, mtime_ns) of ``path`` and remembered under ``root/hashes``
+    (``root`` defaults to :func:`cache_dir`). Processes asking at the same time
+    wait for the one computing it. A record that fails ``valid`` is ignored.
+    ``strict=False``: a cache that cannot be written just means computing
+    again (no error); ``strict=True``: it raises ModelError / OSError."""
+    root = cache_dir() if root is None else Path(root)
+    rec, real, st = _record_path(path, root, kind)
+    value = _read_record(rec, real, st, kind, valid)
+    if value is not None:
+        return value
+    with contextlib.ExitStack() as stack:
+        try:
+            ensure_dir(root / "hashes")
+            stack.enter_context(file_lock(rec.with_suffix(".lock")))
+        except (ModelError, OSError):
+            if strict:
+                raise
+            return compute()
+        rec, real, st = _record_path(path, root, kind)
+        value = _read_record(rec, real, st, kind, valid)
+        if value is None:
+            value = compute()
+            after = os.stat(real)
+            if (after.st_size, after.st_mtime_ns) == (st.st_size, st.st_mtime_ns):
+                try:
+                    _write_record(rec, real, st, kind, value)
+                except OSError:
+                    if strict:
+                        raise
+    return value
+
+
+def record_sha256(path: Path, sha: str, root: Path | None = None) -> None:
+    """Remember that ``path`` (as it is now: size, mtime) has hash ``sha``."""
+    remember(path, "sha256", sha, root)
 
 
 def cached_sha256(path: Path, root: Path | None = None, progress: bool = False) -> str:
     """sha256 of ``path``, computed once per (realpath, size, mtime_ns) and
     remembered under ``root/hashes`` (``root`` defaults to :func:`cache_dir`)."""
-    root = cache_dir() if root is None else Path(root)
-    ensure_dir(root / "hashes")
-    rec, real, st = _hash_record_path(path, root)
-    sha = _read_record(rec, real, st)
-    if sha is not None:
-        return sha
-    with file_lock(rec.with_suffix(".lock")):
-        rec, real, st = _hash_record_path(path, root)
-        sha = _read_record(rec, real, st)
-        if sha is None:
-            sha = sha256_file(Path(real), progress=progress)
-            after = os.stat(real)
-            if (after.st_size, after.st_mtime_ns) == (st.st_size, st.st_mtime_ns):
-                _write_record(rec, real, st, sha)
-    return sha
+    real = os.path.realpath(path)
+    return remembered(
+        path, "sha256", lambda: sha256_file(Path(real), progress=progress), root, valid=lambda v: isinstance(v, str)
+    )

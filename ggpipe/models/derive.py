@@ -10,47 +10,50 @@ One function, :func:`derive_gguf`, serves both uses:
 Output block ``i`` is source block ``layers[i]`` (renamed ``blk.i.*``),
 ``{arch}.block_count`` is ``len(layers)`` and every per-layer array key is
 re-indexed the same way. Non-block tensors (``token_embd``, ``output_norm``,
-``output``, ...) and every other metadata entry are kept; unchanged metadata
-entries are copied byte for byte. The output is a deterministic function of
+``output``, ...) and every other metadata entry are kept, with the same
+types and values. Reading and writing are done by the ``gguf`` package
+(``GGUFReader``/``GGUFWriter``). The output is a deterministic function of
 the inputs (same bytes, same sha256).
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
-import struct
-from dataclasses import dataclass
+import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, BinaryIO, Sequence
+from typing import Any
 
 import numpy as np
-from gguf.constants import GGMLQuantizationType, GGUFValueType, LlamaFileType
+from gguf import GGUFReader, GGUFWriter
+from gguf.constants import GGMLQuantizationType, GGUFValueType, Keys, LlamaFileType
+from gguf.gguf_reader import ReaderTensor
+from gguf.lazy import LazyNumpyTensor
+from gguf.quants import dequantize
 
 from ggpipe.errors import ModelError
 from ggpipe.models.cache import (
     cache_dir as default_cache_dir,
+)
+from ggpipe.models.cache import (
     cached_sha256,
     ensure_dir,
     file_lock,
     remove_quietly,
+    sha256_file,
     temp_path_for,
 )
 from ggpipe.models.gguf_info import (
-    _SCALAR_FMT,
-    _SCALAR_NP,
-    GGUFFile,
-    TensorEntry,
+    ModelInfo,
     check_sliceable,
-    info_from_scan,
+    field_value,
+    info_from_reader,
+    load_gguf,
     read_model_info,
-    scan_gguf,
 )
 
 OUT_TYPES = ("keep", "f16", "f32")
-_GGUF_VERSION = 3
-_COPY_CHUNK = 16 << 20
 _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 _FLOAT_TARGET = {"f16": GGMLQuantizationType.F16, "f32": GGMLQuantizationType.F32}
 _NP_OF = {GGMLQuantizationType.F16: np.dtype("<f2"), GGMLQuantizationType.F32: np.dtype("<f4")}
@@ -114,122 +117,109 @@ def format_layer_list(layers: Sequence[int]) -> str:
 
 
 # --------------------------------------------------------------------------
-# GGUF encoding
+# Writing the derived GGUF (gguf.GGUFWriter)
 # --------------------------------------------------------------------------
 
 
-def _enc_str(s: str | bytes) -> bytes:
-    b = s.encode("utf-8") if isinstance(s, str) else s
-    return struct.pack("<Q", len(b)) + b
-
-
-def _enc_scalar_kv(key: str, vtype: int, value: Any) -> bytes:
-    return _enc_str(key) + struct.pack("<I", vtype) + struct.pack(_SCALAR_FMT[vtype], value)
-
-
-def _reindexed_array_kv(g: GGUFFile, key: str, layers: Sequence[int]) -> bytes:
-    kv = g.kvs[key]
-    head = _enc_str(key) + struct.pack("<IIQ", GGUFValueType.ARRAY, kv.subtype, len(layers))
-    if kv.subtype in _SCALAR_NP:
-        arr = np.asarray(kv.value)[list(layers)].astype(_SCALAR_NP[kv.subtype])
-        return head + arr.tobytes()
-    if kv.subtype == GGUFValueType.STRING:
-        vals = g.array_strings(key)
-        return head + b"".join(_enc_str(vals[i]) for i in layers)
-    raise ModelError(f"{g.path}: per-layer metadata {key} is an array of arrays, which ggpipe cannot re-index")
-
-
-def _pad(n: int, align: int) -> int:
-    return -(-n // align) * align
-
-
-@dataclass
-class _OutTensor:
-    name: str
-    src: TensorEntry
-    ggml_type: GGMLQuantizationType
-    nbytes: int
-
-
-def _target_type(t: TensorEntry, out_type: str) -> GGMLQuantizationType:
-    if out_type == "keep" or t.ggml_type in _INT_TYPES:
-        return t.ggml_type
+def _target_type(t: ReaderTensor, out_type: str) -> GGMLQuantizationType:
+    if out_type == "keep" or t.tensor_type in _INT_TYPES:
+        return t.tensor_type
     if out_type == "f16" and len(t.shape) == 1:
         return GGMLQuantizationType.F32  # norms and biases stay F32, as llama.cpp's converters do
     return _FLOAT_TARGET[out_type]
 
 
-def _plan_tensors(g: GGUFFile, layers: Sequence[int], n_layer: int, out_type: str) -> list[_OutTensor]:
-    pre: list[TensorEntry] = []
-    post: list[TensorEntry] = []
-    blocks: dict[int, list[tuple[str, TensorEntry]]] = {}
-    for t in g.tensors:
+def _plan_tensors(reader: GGUFReader, src: Path, layers: Sequence[int], n_layer: int) -> list[tuple[str, ReaderTensor]]:
+    """(output name, source tensor) in output order: the tensors before the
+    first block, the blocks in ``layers`` order (renamed), the rest."""
+    pre: list[ReaderTensor] = []
+    post: list[ReaderTensor] = []
+    blocks: dict[int, list[tuple[str, ReaderTensor]]] = {}
+    for t in reader.tensors:
         m = _BLK_RE.match(t.name)
         if m:
             b = int(m.group(1))
             if b >= n_layer:
-                raise ModelError(f"GGUF file {g.path} has tensor {t.name} but block_count is {n_layer}")
+                raise ModelError(f"GGUF file {src} has tensor {t.name} but block_count is {n_layer}")
             blocks.setdefault(b, []).append((m.group(2), t))
         elif blocks:
             post.append(t)
         else:
             pre.append(t)
-    out: list[_OutTensor] = []
-
-    def add(name: str, t: TensorEntry) -> None:
-        tt = _target_type(t, out_type)
-        nbytes = t.nbytes if tt == t.ggml_type else t.n_elements * _NP_OF[tt].itemsize
-        out.append(_OutTensor(name, t, tt, nbytes))
-
-    for t in pre:
-        add(t.name, t)
+    out = [(t.name, t) for t in pre]
     for i, src_layer in enumerate(layers):
-        for suffix, t in blocks.get(src_layer, []):
-            add(f"blk.{i}.{suffix}", t)
-    for t in post:
-        add(t.name, t)
+        out.extend((f"blk.{i}.{suffix}", t) for suffix, t in blocks.get(src_layer, []))
+    out.extend((t.name, t) for t in post)
     return out
 
 
-class _HashingWriter:
-    def __init__(self, f: BinaryIO, bar: Any) -> None:
-        self.f = f
-        self.h = hashlib.sha256()
-        self.bar = bar
-        self.pos = 0
-
-    def write(self, data: Any, count_progress: bool = True) -> None:
-        mv = memoryview(data).cast("B")
-        self.f.write(mv)
-        self.h.update(mv)
-        self.pos += mv.nbytes
-        if self.bar is not None and count_progress:
-            self.bar.update(mv.nbytes)
-
-
-def _write_tensor(w: _HashingWriter, mm: np.ndarray, g: GGUFFile, ot: _OutTensor) -> None:
-    t = ot.src
-    start = g.data_offset + t.offset
-    if ot.ggml_type == t.ggml_type:
-        for a in range(start, start + t.nbytes, _COPY_CHUNK):
-            w.write(mm[a : min(a + _COPY_CHUNK, start + t.nbytes)])
-        return
-    from gguf.quants import dequantize
-
-    row_len = t.shape[0]
-    rows = t.n_elements // row_len
-    raw = mm[start : start + t.nbytes].reshape(rows, t.nbytes // rows)
-    np_out = _NP_OF[ot.ggml_type]
-    step = max(1, _COPY_CHUNK // (row_len * 4))
-    for r in range(0, rows, step):
-        try:
-            vals = dequantize(raw[r : r + step], t.ggml_type)
-        except NotImplementedError:
+def _copy_metadata(
+    reader: GGUFReader, writer: GGUFWriter, src: Path, info: ModelInfo, layers: Sequence[int], out_type: str
+) -> None:
+    """Every metadata entry of ``reader``, in its order, into ``writer``:
+    block_count and per-layer arrays re-indexed by ``layers``, file_type set
+    for f16/f32. The reader's virtual ``GGUF.*`` fields and
+    general.architecture (the writer adds it itself) are skipped."""
+    per_layer = set(info.per_layer_keys)
+    file_type = None
+    if out_type != "keep":
+        file_type = int(LlamaFileType.MOSTLY_F16 if out_type == "f16" else LlamaFileType.ALL_F32)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == Keys.General.ARCHITECTURE:
+            continue
+        vtype = field.types[0]
+        sub_type = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+        if vtype == GGUFValueType.ARRAY and len(field.types) != 2:
+            raise ModelError(f"GGUF file {src} has metadata {key} that is an array of arrays, which ggpipe cannot copy")
+        if key == Keys.General.ALIGNMENT:
+            writer.add_custom_alignment(int(field_value(reader, key, src)))
+            continue
+        if key == f"{info.arch}.block_count":
+            value: Any = len(layers)
+        elif key == Keys.General.FILE_TYPE and file_type is not None:
+            value, vtype = file_type, GGUFValueType.UINT32
+        elif key in per_layer:
+            values = field_value(reader, key, src)
+            value = [values[i] for i in layers]
+        else:
+            value = field_value(reader, key, src)
+        if vtype == GGUFValueType.ARRAY and not value:
             raise ModelError(
-                f"cannot convert tensor {t.name} of {g.path.name} from {t.ggml_type.name}: "
-                "the gguf package cannot dequantize that type; use type 'keep'"
-            ) from None
-        w.write(np.ascontiguousarray(vals, dtype=np.float32).astype(np_out, copy=False))
+                f"GGUF file {src} has metadata {key} that is an empty array, which the gguf package cannot write"
+            )
+        writer.add_key_value(key, value, vtype, sub_type=sub_type)
+    if file_type is not None and Keys.General.FILE_TYPE not in reader.fields:
+        writer.add_file_type(file_type)
+
+
+def _converted(data: np.ndarray, qtype: GGMLQuantizationType, dtype: np.dtype) -> np.ndarray:
+    return dequantize(data, qtype).astype(dtype, copy=False)
+
+
+def _add_tensor(writer: GGUFWriter, src: Path, name: str, t: ReaderTensor, out_type: str) -> None:
+    target = _target_type(t, out_type)
+    if target == t.tensor_type:
+        # Raw copy of the memory-mapped data; for quantized types the reader's
+        # array has the byte shape, which the writer turns back into the
+        # element shape.
+        writer.add_tensor(name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+        return
+    try:
+        dequantize(t.data.reshape(-1, t.data.shape[-1])[:1], t.tensor_type)  # fail before writing anything
+    except NotImplementedError:
+        raise ModelError(
+            f"cannot convert tensor {t.name} of {src.name} from {t.tensor_type.name}: "
+            "the gguf package cannot dequantize that type; use type 'keep'"
+        ) from None
+    dtype = _NP_OF[target]
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    # Converted one tensor at a time, when the writer writes it.
+    lazy = LazyNumpyTensor(
+        meta=LazyNumpyTensor.meta_with_dtype_and_shape(dtype, shape),
+        args=(t.data, t.tensor_type, dtype),
+        func=_converted,
+    )
+    writer.add_tensor(name, lazy, raw_dtype=target)  # type: ignore[arg-type]
 
 
 def _derive(
@@ -248,93 +238,37 @@ def _derive(
         raise ModelError("cannot derive a model with no layers")
     src = Path(src).expanduser()
     out_path = Path(out_path).expanduser()
-    g = scan_gguf(src)
-    info = info_from_scan(g)
+    reader = load_gguf(src, keep=True)  # kept open: deriving several files from one model parses it once
+    info = info_from_reader(reader, src)
     n = info.n_layer
     bad = [x for x in layers if not 0 <= x < n]
     if bad:
         raise ModelError(f"layer {bad[0]} does not exist in {src.name}: it has layers 0-{n - 1}")
     if layers != list(range(n)):
         check_sliceable(info)
+    if not out_path.parent.is_dir():
+        raise ModelError(f"cannot write {out_path}: directory {out_path.parent} does not exist")
 
-    arch = info.arch
-    per_layer = set(info.per_layer_keys)
-    plan = _plan_tensors(g, layers, n, out_type)
-
-    # ---- metadata
-    kv_blobs: list[bytes] = []
-    with open(src, "rb") as f:
-        for key, kv in g.kvs.items():
-            if key == f"{arch}.block_count":
-                kv_blobs.append(_enc_scalar_kv(key, kv.vtype, len(layers)))
-            elif key in per_layer:
-                kv_blobs.append(_reindexed_array_kv(g, key, layers))
-            elif key == "general.file_type" and out_type != "keep":
-                continue  # written below
-            else:
-                f.seek(kv.start)
-                kv_blobs.append(f.read(kv.end - kv.start))
-    if out_type != "keep":
-        ftype = LlamaFileType.MOSTLY_F16 if out_type == "f16" else LlamaFileType.ALL_F32
-        kv_blobs.append(_enc_scalar_kv("general.file_type", GGUFValueType.UINT32, int(ftype)))
-
-    # ---- tensor table
-    align = g.alignment
-    info_blobs: list[bytes] = []
-    offset = 0
-    for ot in plan:
-        shape = ot.src.shape
-        info_blobs.append(
-            _enc_str(ot.name)
-            + struct.pack("<I", len(shape))
-            + struct.pack(f"<{len(shape)}Q", *shape)
-            + struct.pack("<IQ", int(ot.ggml_type), offset)
-        )
-        offset = _pad(offset + ot.nbytes, align)
-    header = (
-        b"GGUF"
-        + struct.pack("<IQQ", _GGUF_VERSION, len(plan), len(kv_blobs))
-        + b"".join(kv_blobs)
-        + b"".join(info_blobs)
-    )
-    header += b"\0" * (_pad(len(header), align) - len(header))
-    total = len(header) + offset
-
-    # ---- write
-    ensure_parent = out_path.parent
-    if not ensure_parent.is_dir():
-        raise ModelError(f"cannot write {out_path}: directory {ensure_parent} does not exist")
     tmp = temp_path_for(out_path)
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc or f"writing {out_path.name}")
-    mm = np.memmap(src, dtype=np.uint8, mode="r")
+    writer = GGUFWriter(tmp, info.arch)
     try:
-        try:
-            f = open(tmp, "xb")
-        except OSError as e:
-            raise ModelError(f"cannot write {out_path}: {e.strerror or e}") from None
-        with f:
-            w = _HashingWriter(f, bar)
-            w.write(header)
-            for ot in plan:
-                _write_tensor(w, mm, g, ot)
-                pad = _pad(ot.nbytes, align) - ot.nbytes
-                if pad:
-                    w.write(b"\0" * pad)
-            if w.pos != total:  # pragma: no cover - internal consistency
-                raise RuntimeError(f"derive wrote {w.pos} bytes, expected {total}")
+        _copy_metadata(reader, writer, src, info, layers, out_type)
+        for name, t in _plan_tensors(reader, src, layers, n):
+            _add_tensor(writer, src, name, t, out_type)
+        if progress and desc:
+            print(desc, file=sys.stderr, flush=True)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file(progress=progress)
+        writer.close()
+        sha = sha256_file(tmp)
         os.replace(tmp, out_path)
     except OSError as e:
         raise ModelError(f"cannot write {out_path}: {e.strerror or e}") from None
     finally:
-        del mm
+        writer.close()
         remove_quietly(tmp)
-        if bar is not None:
-            bar.close()
-    return out_path, w.h.hexdigest()
+    return out_path, sha
 
 
 def derive_gguf(
@@ -356,11 +290,11 @@ def derive_gguf(
 # --------------------------------------------------------------------------
 
 
-def _usable(path: Path) -> bool:
+def _usable(path: Path, root: Path) -> bool:
     if not path.is_file():
         return False
     try:
-        scan_gguf(path)
+        read_model_info(path, root)
     except ModelError:
         return False
     return True
@@ -378,20 +312,20 @@ def stage_slice(
     raw) cached as ``<cache_dir>/slices/<sha256[:16] of src>-<start>-<stop>.gguf``,
     built once; safe when several processes ask at the same time."""
     src = Path(src).expanduser()
-    info = read_model_info(src)
+    root = default_cache_dir() if cache_dir is None else Path(cache_dir).expanduser()
+    info = read_model_info(src, root)
     n = info.n_layer
     if not (0 <= start < stop <= n):
         raise ModelError(f"layer range [{start}, {stop}) is not a non-empty range inside the {n} layers of {src.name}")
     if start == 0 and stop == n:
         return src
     check_sliceable(info)
-    root = default_cache_dir() if cache_dir is None else Path(cache_dir).expanduser()
     sha = cached_sha256(src, root)
     slices = ensure_dir(root / "slices")
     target = slices / f"{sha[:16]}-{start}-{stop}.gguf"
-    if _usable(target):
+    if _usable(target, root):
         return target
     with file_lock(target.with_name(target.name + ".lock")):
-        if not _usable(target):
+        if not _usable(target, root):
             derive_gguf(src, range(start, stop), target, "keep")
     return target

@@ -1,340 +1,144 @@
 """Read and validate GGUF files.
 
-:func:`scan_gguf` parses a GGUF header (metadata and tensor table) with an
-explicit bounds check on every read, so a truncated or corrupt file gives a
-:class:`~ggpipe.errors.ModelError` that says what is wrong instead of a numpy
-or struct crash. It also records where each metadata entry lies in the file, so
-:mod:`ggpipe.models.derive` can copy entries byte for byte.
-
-The type tables and tensor block sizes come from the ``gguf`` package
-(llama.cpp's own Python library). We do not use ``gguf.GGUFReader`` to parse:
-it builds one numpy view per vocabulary string and takes about 2 s on the
-49152-token SmolLM2 file, where this scan takes a few hundredths of a second,
-and it fails on truncated files with a reshape error.
+Parsing is done by the ``gguf`` package (llama.cpp's own Python library):
+:func:`load_gguf` opens a file with ``gguf.GGUFReader`` and turns every way a
+user's file can be wrong (missing, a directory, empty, not GGUF, truncated,
+corrupt) into a one-line :class:`~ggpipe.errors.ModelError`.
 
 :func:`read_model_info` gives the few facts the rest of ggpipe needs
-(:class:`ModelInfo`); :func:`check_sliceable` refuses architectures that a
-layer slice cannot keep exact.
+(:class:`ModelInfo`). ``GGUFReader`` builds one numpy view per vocabulary
+string and takes about 2 s on the 49152-token SmolLM2 file, and every MPI rank
+asks at every start, so the result is remembered in the cache directory
+(``<cache>/hashes/<key>.info.json``, keyed by the file's realpath, size and
+mtime, like the remembered sha256 hashes). :func:`check_sliceable` refuses
+architectures that a layer slice cannot keep exact.
 """
 
 from __future__ import annotations
 
-import mmap
+import dataclasses
 import os
 import struct
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf import GGUFReader
+from gguf.constants import GGUFValueType, Keys
+from gguf.gguf_reader import READER_SUPPORTED_VERSIONS, ReaderField
 
 from ggpipe.errors import ModelError
+from ggpipe.models.cache import remembered
 
 GGUF_MAGIC_BYTES = b"GGUF"
-DEFAULT_ALIGNMENT = 32
-GGML_MAX_DIMS = 4
-
-# Scalar value types: struct format (little-endian) and numpy dtype.
-_SCALAR_FMT: dict[int, str] = {
-    GGUFValueType.UINT8: "<B",
-    GGUFValueType.INT8: "<b",
-    GGUFValueType.UINT16: "<H",
-    GGUFValueType.INT16: "<h",
-    GGUFValueType.UINT32: "<I",
-    GGUFValueType.INT32: "<i",
-    GGUFValueType.FLOAT32: "<f",
-    GGUFValueType.BOOL: "<?",
-    GGUFValueType.UINT64: "<Q",
-    GGUFValueType.INT64: "<q",
-    GGUFValueType.FLOAT64: "<d",
-}
-_SCALAR_NP: dict[int, np.dtype] = {t: np.dtype(f) for t, f in _SCALAR_FMT.items()}
-_U32 = struct.Struct("<I")
-_U64 = struct.Struct("<Q")
 
 # Architectures whose layer slices compute exactly what the whole model does
 # (see NOTES-llamacpp.md): no embedding scale, no layer-index-dependent
 # attention. Mistral GGUFs use the "llama" architecture.
 SLICEABLE_ARCHS = ("llama", "qwen2", "qwen3")
 
-_BLOCK_PREFIX = "blk."
+# What GGUFReader raises on a damaged file: short reads (IndexError, numpy
+# view/reshape ValueErrors), unknown enum values (ValueError), duplicate keys
+# (KeyError), bad UTF-8 (UnicodeDecodeError, a ValueError), ...
+# Known gap: gguf 0.19.0 does not bound array lengths, so a corrupted length
+# field (not a truncation) can keep it looping for a very long time; fixed
+# upstream by llama.cpp PR #27188 ("gguf-py : add size guards to GGUFReader"),
+# not yet in a gguf release.
+_READER_ERRORS = (ValueError, IndexError, KeyError, TypeError, OverflowError, struct.error)
 
 
 # --------------------------------------------------------------------------
-# Low-level scan
+# Opening a GGUF
 # --------------------------------------------------------------------------
 
 
-@dataclass
-class KVEntry:
-    """One metadata entry.
-
-    ``start``/``end``: the entry's bytes in the file, key included.
-    ``value``: the decoded value for scalars and strings, a numpy array for
-    arrays of scalars, ``None`` for arrays of strings/arrays (see
-    :meth:`GGUFFile.array_strings`).
-    """
-
-    key: str
-    vtype: int
-    start: int
-    end: int
-    value: Any
-    subtype: int | None = None  # element type of an array
-    count: int | None = None  # element count of an array
-    value_start: int = 0  # offset of the array's first element
+def _one_line(e: BaseException, limit: int = 200) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-@dataclass
-class TensorEntry:
-    name: str
-    ggml_type: GGMLQuantizationType
-    shape: tuple[int, ...]  # ggml order: ne[0] (row length) first
-    offset: int  # relative to GGUFFile.data_offset
-    nbytes: int
-
-    @property
-    def n_elements(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+# The reader last opened with keep=True, and the identity of its file.
+_kept: tuple[tuple[int, int, int, int], GGUFReader] | None = None
 
 
-@dataclass
-class GGUFFile:
-    path: Path
-    file_size: int
-    version: int
-    alignment: int
-    kvs: dict[str, KVEntry]  # in file order
-    tensors: list[TensorEntry]  # in file order
-    data_offset: int
+def load_gguf(path: str | os.PathLike[str], keep: bool = False) -> GGUFReader:
+    """Open ``path`` with ``gguf.GGUFReader`` after checking that it is a
+    complete GGUF file: raises ModelError (one line) for anything else,
+    including tensor data that would lie past the end of the file.
 
-    def get(self, key: str, default: Any = None) -> Any:
-        kv = self.kvs.get(key)
-        return default if kv is None else kv.value
-
-    @property
-    def arch(self) -> str:
-        return self.get("general.architecture")
-
-    def array_strings(self, key: str) -> list[str]:
-        """Decode an array-of-strings entry (read from the file again)."""
-        kv = self.kvs[key]
-        if kv.vtype != GGUFValueType.ARRAY or kv.subtype != GGUFValueType.STRING:
-            raise TypeError(f"{key} is not an array of strings")
-        out: list[str] = []
-        with open(self.path, "rb") as f:
-            f.seek(kv.value_start)
-            raw = f.read(kv.end - kv.value_start)
-        pos = 0
-        for _ in range(kv.count or 0):
-            (n,) = _U64.unpack_from(raw, pos)
-            pos += 8
-            out.append(raw[pos : pos + n].decode("utf-8", errors="replace"))
-            pos += n
-        return out
-
-
-class _Bad(Exception):
-    """Internal: a structural problem; message completes 'GGUF file X ...'."""
-
-
-class _Truncated(_Bad):
-    pass
-
-
-class _Cursor:
-    __slots__ = ("buf", "pos", "size")
-
-    def __init__(self, buf: Any, size: int) -> None:
-        self.buf = buf
-        self.pos = 0
-        self.size = size
-
-    def need(self, n: int, what: str) -> None:
-        if n < 0 or self.pos + n > self.size:
-            raise _Truncated(f"ends inside the header ({what} at byte {self.pos})")
-
-    def u32(self, what: str) -> int:
-        self.need(4, what)
-        (v,) = _U32.unpack_from(self.buf, self.pos)
-        self.pos += 4
-        return v
-
-    def u64(self, what: str) -> int:
-        self.need(8, what)
-        (v,) = _U64.unpack_from(self.buf, self.pos)
-        self.pos += 8
-        return v
-
-    def raw_string(self, what: str) -> bytes:
-        n = self.u64(what)
-        self.need(n, what)
-        s = self.buf[self.pos : self.pos + n]
-        self.pos += n
-        return bytes(s)
-
-    def string(self, what: str) -> str:
-        raw = self.raw_string(what)
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise _Bad(f"has a {what} that is not UTF-8 (before byte {self.pos})") from None
-
-    def skip_strings(self, count: int, what: str) -> None:
-        buf, pos, size, unpack = self.buf, self.pos, self.size, _U64.unpack_from
-        for _ in range(count):
-            if pos + 8 > size:
-                self.pos = pos
-                self.need(8, what)
-            (n,) = unpack(buf, pos)
-            pos += 8 + n
-            if pos > size:
-                self.pos = pos - n
-                self.need(n, what)
-        self.pos = pos
-
-
-def _read_value(cur: _Cursor, vtype: int, key: str, depth: int = 0) -> tuple[Any, int | None, int | None, int]:
-    """Read one value; returns (value, subtype, count, value_start)."""
-    fmt = _SCALAR_FMT.get(vtype)
-    if fmt is not None:
-        size = struct.calcsize(fmt)
-        cur.need(size, f"value of {key}")
-        (v,) = struct.unpack_from(fmt, cur.buf, cur.pos)
-        cur.pos += size
-        return v, None, None, 0
-    if vtype == GGUFValueType.STRING:
-        return cur.string(f"value of {key}"), None, None, 0
-    if vtype == GGUFValueType.ARRAY:
-        if depth > 8:
-            raise _Bad(f"has arrays nested too deeply in {key}")
-        subtype = cur.u32(f"array type of {key}")
-        count = cur.u64(f"array length of {key}")
-        start = cur.pos
-        np_type = _SCALAR_NP.get(subtype)
-        if np_type is not None:
-            nbytes = count * np_type.itemsize
-            cur.need(nbytes, f"array {key}")
-            arr = np.frombuffer(cur.buf, dtype=np_type, count=count, offset=cur.pos).copy()
-            cur.pos += nbytes
-            return arr, subtype, count, start
-        if subtype == GGUFValueType.STRING:
-            cur.skip_strings(count, f"array {key}")
-            return None, subtype, count, start
-        if subtype == GGUFValueType.ARRAY:
-            for _ in range(count):
-                _read_value(cur, subtype, key, depth + 1)
-            return None, subtype, count, start
-        raise _Bad(f"has unknown array element type {subtype} in {key}")
-    raise _Bad(f"has unknown value type {vtype} for {key}")
-
-
-def _parse(buf: Any, size: int, path: Path) -> GGUFFile:
-    cur = _Cursor(buf, size)
-    cur.need(4, "magic")
-    cur.pos = 4
-    version = cur.u32("version")
-    if version & 0xFFFF == 0 and version != 0:
-        raise _Bad("is a big-endian GGUF, which ggpipe does not support")
-    if version not in (2, 3):
-        raise _Bad(f"has GGUF version {version}; only versions 2 and 3 are supported")
-    n_tensors = cur.u64("tensor count")
-    n_kv = cur.u64("metadata count")
-    # Each entry takes at least 12 bytes: a garbage count must not make us loop forever.
-    if n_kv * 12 > size or n_tensors * 24 > size:
-        raise _Truncated(f"has a header that claims {n_kv} metadata entries and {n_tensors} tensors, more than fit in its {size} bytes")
-
-    kvs: dict[str, KVEntry] = {}
-    for i in range(n_kv):
-        start = cur.pos
-        key = cur.string(f"metadata key #{i}")
-        if key in kvs:
-            raise _Bad(f"has the metadata key {key!r} twice")
-        vtype = cur.u32(f"type of {key}")
-        value, subtype, count, vstart = _read_value(cur, vtype, key)
-        kvs[key] = KVEntry(key, vtype, start, cur.pos, value, subtype, count, vstart)
-
-    alignment = DEFAULT_ALIGNMENT
-    if "general.alignment" in kvs:
-        kv = kvs["general.alignment"]
-        if kv.vtype != GGUFValueType.UINT32 or kv.value <= 0 or kv.value & (kv.value - 1):
-            raise _Bad(f"has an invalid general.alignment ({kv.value!r}): must be a power of two")
-        alignment = int(kv.value)
-
-    tensors: list[TensorEntry] = []
-    names: set[str] = set()
-    for i in range(n_tensors):
-        name = cur.string(f"name of tensor #{i}")
-        if name in names:
-            raise _Bad(f"has the tensor {name!r} twice")
-        names.add(name)
-        n_dims = cur.u32(f"dimension count of {name}")
-        if not 1 <= n_dims <= GGML_MAX_DIMS:
-            raise _Bad(f"has tensor {name} with {n_dims} dimensions (must be 1..{GGML_MAX_DIMS})")
-        shape = tuple(cur.u64(f"shape of {name}") for _ in range(n_dims))
-        raw_type = cur.u32(f"type of {name}")
-        try:
-            gtype = GGMLQuantizationType(raw_type)
-            block, type_size = GGML_QUANT_SIZES[gtype]
-        except (ValueError, KeyError):
-            raise _Bad(f"has tensor {name} of unknown type {raw_type} (newer llama.cpp? update the gguf package)") from None
-        offset = cur.u64(f"offset of {name}")
-        if shape[0] % block:
-            raise _Bad(f"has tensor {name} whose row length {shape[0]} is not a multiple of the {gtype.name} block size {block}")
-        if offset % alignment:
-            raise _Bad(f"has tensor {name} at offset {offset}, not a multiple of the alignment {alignment}")
-        n_el = 1
-        for d in shape:
-            n_el *= d
-        tensors.append(TensorEntry(name, gtype, shape, offset, n_el // block * type_size))
-
-    data_offset = -(-cur.pos // alignment) * alignment
-    return GGUFFile(path, size, version, alignment, kvs, tensors, data_offset)
-
-
-def scan_gguf(path: str | os.PathLike[str]) -> GGUFFile:
-    """Parse the header of a GGUF file and check that all its tensor data is
-    inside the file. Raises ModelError for anything that is not a complete GGUF."""
+    ``keep=True`` keeps this reader (one at most, memory-mapped) so that the
+    next call for the same unchanged file returns it at once: derive uses it
+    for its source, which it may read several times in a row."""
+    global _kept
     p = Path(path).expanduser()
     if not p.exists():
         raise ModelError(f"model file not found: {p}")
     if p.is_dir():
         raise ModelError(f"{p} is a directory, not a GGUF model file")
     try:
-        f = open(p, "rb")
+        with open(p, "rb") as f:
+            st = os.fstat(f.fileno())
+            head = f.read(8)
     except OSError as e:
         raise ModelError(f"cannot read model file {p}: {e.strerror or e}") from None
-    with f:
-        try:
-            size = os.fstat(f.fileno()).st_size
-            head = f.read(4)
-            if head != GGUF_MAGIC_BYTES:
-                what = "is empty" if not head else f"starts with {head!r}, not b'GGUF'"
-                raise ModelError(f"{p} is not a GGUF model file (it {what}); give a .gguf file")
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except OSError as e:
-            raise ModelError(f"cannot read model file {p}: {e.strerror or e}") from None
-        try:
-            g = _parse(mm, size, p)
-        except _Truncated as e:
-            raise ModelError(f"GGUF file {p} is truncated or corrupt: it {e}; download it again") from None
-        except _Bad as e:
-            raise ModelError(f"GGUF file {p} is corrupt: it {e}") from None
-        finally:
-            mm.close()
-
-    for t in g.tensors:
-        end = g.data_offset + t.offset + t.nbytes
+    identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    if _kept is not None and _kept[0] == identity:
+        return _kept[1]
+    if keep:
+        _kept = None  # let the previous mapping go first
+    if head[:4] != GGUF_MAGIC_BYTES:
+        what = "is empty" if not head else f"starts with {head[:4]!r}, not b'GGUF'"
+        raise ModelError(f"{p} is not a GGUF model file (it {what}); give a .gguf file")
+    if len(head) < 8:
+        raise ModelError(f"GGUF file {p} is truncated or corrupt: it ends inside the header; download it again")
+    version = int.from_bytes(head[4:8], "little")
+    if version & 0xFFFF == 0 and version != 0:
+        raise ModelError(f"GGUF file {p} is a big-endian GGUF, which ggpipe does not support")
+    if version not in READER_SUPPORTED_VERSIONS:
+        supported = " and ".join(str(v) for v in READER_SUPPORTED_VERSIONS)
+        raise ModelError(f"GGUF file {p} has GGUF version {version}; only versions {supported} are supported")
+    try:
+        reader = GGUFReader(p)
+    except OSError as e:
+        raise ModelError(f"cannot read model file {p}: {e.strerror or e}") from None
+    except _READER_ERRORS as e:
+        frames = {fr.name for fr in traceback.extract_tb(e.__traceback__)}
+        where = "tensor data" if "_build_tensors" in frames else "header"
+        raise ModelError(
+            f"GGUF file {p} is truncated or corrupt: reading its {where} failed ({_one_line(e)}); download it again"
+        ) from None
+    size = int(reader.data.shape[0])
+    for t in reader.tensors:
+        end = t.data_offset + t.n_bytes
         if end > size:
             raise ModelError(
                 f"GGUF file {p} is truncated: tensor {t.name} needs bytes up to {end} "
                 f"but the file has only {size}; download it again"
             )
-    return g
+    if keep:
+        _kept = (identity, reader)
+    return reader
+
+
+def field_value(reader: GGUFReader, key: str, path: Path | None = None) -> Any:
+    """Python value of metadata ``key`` (``None`` if absent); ModelError if it
+    cannot be decoded."""
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    try:
+        return field.contents()
+    except _READER_ERRORS as e:
+        where = f"GGUF file {path}" if path is not None else "GGUF file"
+        raise ModelError(f"{where} is corrupt: cannot decode metadata {key} ({_one_line(e)})") from None
+
+
+def array_length(field: ReaderField) -> int | None:
+    """Number of elements of a flat array field (``None`` if not one)."""
+    if field.types[:1] != [GGUFValueType.ARRAY] or len(field.types) != 2:
+        return None
+    return len(field.data)
 
 
 # --------------------------------------------------------------------------
@@ -360,67 +164,103 @@ class ModelInfo:
     n_tensors: int = 0
 
 
-def _int_key(g: GGUFFile, key: str, required: bool = True) -> int | None:
-    kv = g.kvs.get(key)
-    if kv is None:
+def _int_key(reader: GGUFReader, path: Path, key: str, required: bool = True) -> int | None:
+    field = reader.fields.get(key)
+    if field is None:
         if required:
-            raise ModelError(f"GGUF file {g.path} has no {key} metadata; it is not a usable language model")
+            raise ModelError(f"GGUF file {path} has no {key} metadata; it is not a usable language model")
         return None
-    v = kv.value
-    if isinstance(v, np.ndarray):  # per-layer array (e.g. head counts): report the first
-        if v.size == 0:
+    if field.types[0] == GGUFValueType.ARRAY:  # per-layer array (e.g. head counts): report the first
+        if not field.data or len(field.types) != 2:
             return None
-        v = v.flat[0]
+        v = field.contents(0)
+    else:
+        v = field_value(reader, key, path)
     if isinstance(v, (bool, str)) or v is None:
-        raise ModelError(f"GGUF file {g.path} has a non-integer {key} ({v!r})")
+        raise ModelError(f"GGUF file {path} has a non-integer {key} ({v!r})")
     return int(v)
 
 
-def per_layer_keys(g: GGUFFile, n_layer: int) -> tuple[str, ...]:
+def per_layer_keys(reader: GGUFReader, n_layer: int) -> tuple[str, ...]:
     """Architecture metadata keys (``{arch}.*``) whose value is an array of
     exactly ``n_layer`` elements: one value per block, to re-index on slicing."""
-    prefix = f"{g.arch}."
-    return tuple(
-        k
-        for k, kv in g.kvs.items()
-        if k.startswith(prefix) and kv.vtype == GGUFValueType.ARRAY and kv.count == n_layer
-    )
+    prefix = f"{field_value(reader, Keys.General.ARCHITECTURE)}."
+    return tuple(k for k, f in reader.fields.items() if k.startswith(prefix) and array_length(f) == n_layer)
 
 
-def info_from_scan(g: GGUFFile) -> ModelInfo:
-    arch = g.get("general.architecture")
+def info_from_reader(reader: GGUFReader, path: str | os.PathLike[str]) -> ModelInfo:
+    """The :class:`ModelInfo` of an open GGUF (see :func:`load_gguf`)."""
+    path = Path(path).expanduser()
+    arch = field_value(reader, Keys.General.ARCHITECTURE, path)
     if not isinstance(arch, str) or not arch:
-        raise ModelError(f"GGUF file {g.path} has no general.architecture; it is not a llama.cpp model")
-    n_layer = _int_key(g, f"{arch}.block_count")
+        raise ModelError(f"GGUF file {path} has no general.architecture; it is not a llama.cpp model")
+    n_layer = _int_key(reader, path, f"{arch}.block_count")
     assert n_layer is not None
-    n_vocab = _int_key(g, f"{arch}.vocab_size", required=False)
+    n_vocab = _int_key(reader, path, f"{arch}.vocab_size", required=False)
     if n_vocab is None:
-        tok = g.kvs.get("tokenizer.ggml.tokens")
-        if tok is None or tok.count is None:
-            raise ModelError(f"GGUF file {g.path} has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
-        n_vocab = tok.count
-    tmpl = g.get("tokenizer.chat_template")
+        tok = reader.fields.get(Keys.Tokenizer.LIST)
+        n_vocab = None if tok is None else array_length(tok)
+        if n_vocab is None:
+            raise ModelError(f"GGUF file {path} has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
+    tmpl = field_value(reader, Keys.Tokenizer.CHAT_TEMPLATE, path)
     return ModelInfo(
-        path=g.path,
+        path=path,
         arch=arch,
         n_layer=n_layer,
-        n_embd=_int_key(g, f"{arch}.embedding_length"),  # type: ignore[arg-type]
+        n_embd=_int_key(reader, path, f"{arch}.embedding_length"),  # type: ignore[arg-type]
         n_vocab=n_vocab,
-        n_ctx_train=_int_key(g, f"{arch}.context_length", required=False) or 0,
+        n_ctx_train=_int_key(reader, path, f"{arch}.context_length", required=False) or 0,
         chat_template=tmpl if isinstance(tmpl, str) else None,
-        bos_token_id=_int_key(g, "tokenizer.ggml.bos_token_id", required=False),
-        eos_token_id=_int_key(g, "tokenizer.ggml.eos_token_id", required=False),
-        file_size=g.file_size,
-        per_layer_keys=per_layer_keys(g, n_layer),
-        n_head=_int_key(g, f"{arch}.attention.head_count", required=False),
-        n_head_kv=_int_key(g, f"{arch}.attention.head_count_kv", required=False),
-        n_tensors=len(g.tensors),
+        bos_token_id=_int_key(reader, path, Keys.Tokenizer.BOS_ID, required=False),
+        eos_token_id=_int_key(reader, path, Keys.Tokenizer.EOS_ID, required=False),
+        file_size=int(reader.data.shape[0]),
+        per_layer_keys=per_layer_keys(reader, n_layer),
+        n_head=_int_key(reader, path, f"{arch}.attention.head_count", required=False),
+        n_head_kv=_int_key(reader, path, f"{arch}.attention.head_count_kv", required=False),
+        n_tensors=len(reader.tensors),
     )
 
 
-def read_model_info(path: str | os.PathLike[str]) -> ModelInfo:
-    """Validate a GGUF file and return its model facts (ModelError if unusable)."""
-    return info_from_scan(scan_gguf(path))
+# Remembered ModelInfo records: bump when ModelInfo or its derivation changes.
+_INFO_FORMAT = 1
+_INFO_FIELDS = tuple(f.name for f in dataclasses.fields(ModelInfo) if f.name != "path")
+
+
+def _info_record(info: ModelInfo) -> dict[str, Any]:
+    rec = {k: getattr(info, k) for k in _INFO_FIELDS}
+    rec["per_layer_keys"] = list(info.per_layer_keys)
+    rec["format"] = _INFO_FORMAT
+    return rec
+
+
+def _valid_info_record(rec: Any) -> bool:
+    return isinstance(rec, dict) and rec.get("format") == _INFO_FORMAT and set(rec) - {"format"} == set(_INFO_FIELDS)
+
+
+def read_model_info(path: str | os.PathLike[str], cache_root: str | os.PathLike[str] | None = None) -> ModelInfo:
+    """Validate a GGUF file and return its model facts (ModelError if unusable).
+
+    Remembered under ``cache_root`` (default: the ggpipe cache directory) per
+    (realpath, size, mtime) of the file; a cache that cannot be used just
+    means parsing again."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ModelError(f"model file not found: {p}")
+    if p.is_dir():
+        raise ModelError(f"{p} is a directory, not a GGUF model file")
+
+    def parse() -> dict[str, Any]:
+        return _info_record(info_from_reader(load_gguf(p), p))
+
+    try:
+        rec = remembered(
+            p, "info", parse, None if cache_root is None else Path(cache_root), _valid_info_record, strict=False
+        )
+    except FileNotFoundError:  # removed meanwhile
+        raise ModelError(f"model file not found: {p}") from None
+    fields = {k: v for k, v in rec.items() if k != "format"}
+    fields["per_layer_keys"] = tuple(fields["per_layer_keys"])
+    return ModelInfo(path=p, **fields)
 
 
 _SLICE_REFUSALS = {
