@@ -41,7 +41,7 @@ CASES = [
     ("truncated", "trunc", [], None, "truncated"),
     ("not-gguf", "notgguf", [], None, "not a GGUF"),
     ("unknown-name", "no-such-model", [], None, "unknown model 'no-such-model'"),
-    ("split-count", "smollm2", ["--split", "0.3,0.3,0.4"], 2, "--split has 3 weights but 2 ranks"),
+    ("split-count", "smollm2", ["--split", "0.3,0.3,0.4"], 2, "--split describes 3 target stages but the job has 2 ranks"),
     ("zero-layer-stage", "smollm2", ["--split", "0.001,1"], 2, "gets no layers"),
     ("bad-split-text", "smollm2", ["--split", "0.5,abc"], 2, "--split"),
     ("more-stages-than-layers", "three", [], 4, "4 stages but the target model has only 3 layers"),

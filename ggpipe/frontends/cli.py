@@ -52,15 +52,19 @@ def cluster_options(f):
     """Options every rank must share (compared at start-up)."""
     opts = [
         click.option("-m", "--model", default=DEFAULT_MODEL, show_default=True,
-                     help="Registry name (models.toml) or path to a .gguf file."),
+                     help="Target model: registry name (models.toml) or path to a .gguf file."),
+        click.option("-md", "--draft-model", default=None,
+                     help="Draft model for --mode speculative|pipeinfer (name or path; same vocabulary)."),
         click.option("--split", default=None,
-                     help="Layer split weights per rank, e.g. 0.3,0.7 (default: even)."),
+                     help="Layer split weights per rank, e.g. 0.3,0.7; with a draft model TARGET/DRAFT, "
+                          "e.g. 0.5,0.5/1.0 (default: even; the draft gets one rank when there are 2+)."),
         click.option("-t", "--threads", default="1", show_default=True,
                      help="Threads per rank: one value, or one per rank (2,1,1)."),
         click.option("-c", "--ctx-size", default=2048, show_default=True, type=int, help="KV cache size (tokens)."),
         click.option("--ubatch", default=512, show_default=True, type=int,
                      help="Micro-batch size (tokens): prompt chunk sent down the pipeline."),
-        click.option("--n-seq-max", default=1, show_default=True, type=int, help="KV sequence ids per context."),
+        click.option("--n-seq-max", default=None, type=int,
+                     help="KV sequence ids per target context (default: 1, or enough for the speculation settings)."),
         click.option("--timeout", default=60.0, show_default=True, type=float,
                      help="Seconds any wait for another rank may last inside a transaction."),
     ]
@@ -69,11 +73,59 @@ def cluster_options(f):
     return f
 
 
-def _cluster_config(model, split, threads, ctx_size, ubatch, n_seq_max, timeout):
+def speculation_options(f):
+    """Speculation knobs (PipeInfer IV.B; defaults tuned in docs/BENCHMARKS.md)."""
+    from ggpipe.scheduling.speculative import SpecSettings  # noqa: PLC0415
+
+    d = SpecSettings()
+    opts = [
+        click.option("--mode", type=click.Choice(["iterative", "speculative", "pipeinfer"]), default="iterative",
+                     show_default=True, help="Scheduling mode."),
+        click.option("--draft", "n_draft", default=d.draft, show_default=True, type=click.IntRange(1, 64),
+                     help="Most draft tokens per speculation tree / micro-batch."),
+        click.option("--p-accept", default=d.p_accept, show_default=True, type=click.FloatRange(0, 1),
+                     help="Confidence cutoff: drafting stops below it."),
+        click.option("--p-split", default=d.p_split, show_default=True, type=click.FloatRange(0, 1),
+                     help="Runner-up draft probability that adds a sibling branch (greedy)."),
+        click.option("--p-recovery", default=d.p_recovery, show_default=True, type=click.FloatRange(0, 1),
+                     help="Cutoff increase per continued micro-batch."),
+        click.option("--p-decay", default=d.p_decay, show_default=True, type=click.FloatRange(0, 1),
+                     help="Cutoff decrease per failed attempt while the pipeline waits."),
+        click.option("--branches", default=d.width, show_default=True, type=click.IntRange(1, 16),
+                     help="Most branches (KV sequences) per speculation tree."),
+        click.option("--max-inflight", default=d.max_inflight, show_default=True, type=click.IntRange(1, 128),
+                     help="Most speculative runs in flight (pipeinfer)."),
+        click.option("--no-continuous", is_flag=True, help="pipeinfer without continuous speculation (ablation)."),
+        click.option("--no-cancel", is_flag=True, help="pipeinfer without early inference cancellation (ablation)."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _spec_settings(mode, n_draft, p_accept, p_split, p_recovery, p_decay, branches, max_inflight, no_continuous,
+                   no_cancel):
+    from ggpipe.scheduling.speculative import SpecSettings  # noqa: PLC0415
+
+    return SpecSettings(mode=mode if mode != "iterative" else "pipeinfer", draft=n_draft, p_accept=p_accept,
+                        p_split=p_split, p_recovery=p_recovery, p_decay=p_decay, width=branches,
+                        continuous=not no_continuous, cancel=not no_cancel, max_inflight=max_inflight)
+
+
+def auto_n_seq_max(mode: str, spec) -> int:
+    """KV sequence ids a mode needs: 1 for iterative; sequence 0 plus one
+    partition of ``width`` ids per speculative run that can be in flight."""
+    if mode == "iterative":
+        return 1
+    runs = 1 if mode == "speculative" else spec.max_inflight + 2
+    return min(256, 1 + spec.width * runs)
+
+
+def _cluster_config(model, draft_model, split, threads, ctx_size, ubatch, n_seq_max, timeout):
     from ggpipe.scheduling.session import ClusterConfig  # noqa: PLC0415
 
-    return ClusterConfig(model=model, split=split, threads=threads, ctx_size=ctx_size, n_seq_max=n_seq_max,
-                         ubatch=ubatch, timeout_s=timeout)
+    return ClusterConfig(model=model, draft_model=draft_model, split=split, threads=threads, ctx_size=ctx_size,
+                         n_seq_max=n_seq_max, ubatch=ubatch, timeout_s=timeout)
 
 
 @cli.command()
@@ -89,11 +141,11 @@ def _cluster_config(model, split, threads, ctx_size, ubatch, n_seq_max, timeout)
 @click.option("--seed", default=None, type=int, help="Sampling seed.")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating after an end-of-generation token.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template as a user turn.")
-@click.option("--mode", type=click.Choice(["iterative"]), default="iterative", show_default=True,
-              help="Scheduling mode.")
+@speculation_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary (text, tokens, metrics, ranks).")
-def generate(model, split, threads, ctx_size, ubatch, n_seq_max, timeout, prompt, prompt_file, n_predict, temp,
-             top_k, top_p, seed, ignore_eos, chat, mode, as_json):
+def generate(model, draft_model, split, threads, ctx_size, ubatch, n_seq_max, timeout, prompt, prompt_file,
+             n_predict, temp, top_k, top_p, seed, ignore_eos, chat, mode, n_draft, p_accept, p_split, p_recovery,
+             p_decay, branches, max_inflight, no_continuous, no_cancel, as_json):
     """Generate text from a prompt (run under mpiexec for a pipeline)."""
     from ggpipe.frontends.generate import GenerateRequest, run_generate  # noqa: PLC0415
 
@@ -103,9 +155,13 @@ def generate(model, split, threads, ctx_size, ubatch, n_seq_max, timeout, prompt
         raise click.UsageError("give either -p or -f, not both")
     text = prompt if prompt is not None else prompt_file.read_text(encoding="utf-8")
     sampling = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, seed=seed).validate()
-    cfg = _cluster_config(model, split, threads, ctx_size, ubatch, n_seq_max, timeout)
+    spec = _spec_settings(mode, n_draft, p_accept, p_split, p_recovery, p_decay, branches, max_inflight,
+                          no_continuous, no_cancel)
+    if n_seq_max is None:
+        n_seq_max = auto_n_seq_max(mode, spec)
+    cfg = _cluster_config(model, draft_model, split, threads, ctx_size, ubatch, n_seq_max, timeout)
     req = GenerateRequest(prompt=text, n_predict=n_predict, sampling=sampling, chat=chat, mode=mode,
-                          ignore_eos=ignore_eos)
+                          ignore_eos=ignore_eos, spec=spec)
     code = run_generate(cfg, req, as_json)
     if code:
         sys.exit(code)

@@ -13,14 +13,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ggpipe.errors import GGPipeError
+from ggpipe.errors import ConfigError, GGPipeError
 from ggpipe.metrics import GenerationClock
 from ggpipe.runtime.vocab import Vocab, check_prompt_fits
 from ggpipe.scheduling.iterative import IterativeDecoder
+from ggpipe.scheduling.speculative import SpecSettings, SpeculativeDecoder
 from ggpipe.scheduling.sampling import Sampler, SamplingParams
 from ggpipe.scheduling.session import ClusterConfig, Session, open_session
 
-MODES = ("iterative",)
+MODES = ("iterative", "speculative", "pipeinfer")
 
 
 @dataclass
@@ -31,6 +32,7 @@ class GenerateRequest:
     chat: bool = False
     mode: str = "iterative"
     ignore_eos: bool = False
+    spec: SpecSettings = SpecSettings()
 
 
 def make_decoder(session: Session, vocab: Vocab, req: GenerateRequest):
@@ -39,7 +41,10 @@ def make_decoder(session: Session, vocab: Vocab, req: GenerateRequest):
     mode = req.mode
     if mode == "iterative":
         return IterativeDecoder(session.pipeline, session.config.ubatch, is_eog)
-    raise ValueError(f"unknown mode {mode}")
+    if session.draft_pipeline is None:
+        raise ConfigError(f"--mode {mode} needs a draft model: give one with -md (e.g. -md smollm2-135m)")
+    return SpeculativeDecoder(session.pipeline, session.draft_pipeline, req.spec, session.config.n_seq_max,
+                              session.config.ubatch, is_eog, timeout_s=session.config.timeout_s)
 
 
 def prompt_tokens(vocab: Vocab, req: GenerateRequest) -> np.ndarray:
@@ -92,7 +97,7 @@ def generate_on_head(session: Session, req: GenerateRequest, stream=None) -> dic
 
 def run_generate(config: ClusterConfig, req: GenerateRequest, as_json: bool) -> int:
     """Entry point of every rank; returns the process exit code."""
-    session = open_session(config)
+    session = open_session(config, async_head=req.mode == "pipeinfer")
     try:
         if not session.is_head:
             session.serve()

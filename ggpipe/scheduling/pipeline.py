@@ -1,7 +1,8 @@
 """Head-side driver of one model's pipeline: start runs, send KV operations,
-collect results. Every mode (iterative, speculative, pipeinfer) drives the
-target model — and the speculation modes a draft model too — through this one
-class; the modes differ only in which runs they start and when.
+cancel runs, collect results. Every mode (iterative, speculative, pipeinfer)
+drives the target model — and the speculation modes a draft model too —
+through this one class; the modes differ only in which runs they start and
+when.
 
 Data flow for a pipeline of ranks [head, r1, ..., rk]:
 
@@ -11,17 +12,25 @@ Data flow for a pipeline of ranks [head, r1, ..., rk]:
 When the head holds no stage of the model (a draft pipeline on other ranks),
 the run's token ids travel as the DECODE payload to the pipeline's first rank.
 With a single stage and no other ranks, runs complete locally.
+
+With ``async_local`` the head's own stage runs on an executor thread: ``submit``
+returns at once and the head can draft, verify and probe meanwhile (ctypes
+calls into llama.cpp release the GIL). Runs, KV operations and their
+downstream sends then all go through the executor's FIFO, so their order is
+the order they were issued in.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections import deque
 
 import numpy as np
 
-from ggpipe.errors import ProtocolError
-from ggpipe.runtime.stage import Stage
+from ggpipe.errors import GGPipeError, ProtocolError, RankTimeoutError
+from ggpipe.runtime.stage import Cancelled, Stage
 from ggpipe.scheduling.runs import Run, RunResult
 from ggpipe.transport import messages as m
 
@@ -32,12 +41,14 @@ class Pipeline:
         transport: the head's Transport, or None for a single-process pipeline.
         ranks: the other ranks of this pipeline, in stage order (may be empty).
         n_vocab: vocabulary size (logit row length).
-        n_seq_max: KV sequence ids of the contexts (bounds checked on results).
+        n_seq_max: KV sequence ids of the contexts.
         max_outputs: most logit rows one run may return.
+        async_local: run the head's stage on an executor thread.
+        name: "target" or "draft", for messages.
     """
 
     def __init__(self, stage: Stage | None, transport, ranks: list[int], n_vocab: int,
-                 n_seq_max: int = 1, max_outputs: int = 512):
+                 n_seq_max: int = 1, max_outputs: int = 512, async_local: bool = False, name: str = "target"):
         if stage is None and not ranks:
             raise ValueError("a pipeline needs a local stage or other ranks")
         self.stage = stage
@@ -46,104 +57,224 @@ class Pipeline:
         self.n_vocab = n_vocab
         self.n_seq_max = n_seq_max
         self.max_outputs = max_outputs
+        self.name = name
         self.inflight: deque[Run] = deque()
-        self._done: deque[RunResult] = deque()  # single-process results
+        self._done: deque[RunResult] = deque()  # local (single-stage) results, in order
+        self._done_cv = threading.Condition()
+        self._cancelled: set[int] = set()
+        self._current: int | None = None
+        self._busy = False
         self.runs_started = 0
         self.busy_s = 0.0  # time the head spent computing its own stage
+        self.stats = {"cancelled_before_start": 0, "cancelled_mid_compute": 0}
+        self._jobs: queue.Queue | None = None
+        self._error: BaseException | None = None
+        if async_local and stage is not None:
+            self._jobs = queue.Queue()
+            self._thread = threading.Thread(target=self._executor, name=f"{name}-stage0", daemon=True)
+            self._thread.start()
+
+    def head_idle(self) -> bool:
+        """The head's own stage has nothing to compute (asynchronous head
+        stage); always True otherwise, since submit() computes at once."""
+        if self._jobs is None:
+            return True
+        return not self._busy and self._jobs.empty()
 
     @property
     def last_rank(self) -> int | None:
         return self.ranks[-1] if self.ranks else None
 
-    # -- runs ----------------------------------------------------------------
+    # -- issuing -----------------------------------------------------------------
 
     def submit(self, run: Run) -> None:
-        """Start ``run``: evaluate the head's stage (if any) and send the
-        activations down the pipeline. Returns once the head's part is done."""
+        """Start ``run``. Synchronous head stage: returns once the head's part
+        is done; asynchronous: returns at once."""
+        self._check()
         run.started_at = time.perf_counter()
         self.inflight.append(run)
         self.runs_started += 1
-        header = m.DecodeHeader(run.run_id, run.pos, run.n_seq_id, run.seq_ids, run.outputs, m.PAYLOAD_TOKENS)
         if self.stage is None:
+            header = m.DecodeHeader(run.run_id, run.pos, run.n_seq_id, run.seq_ids, run.outputs, m.PAYLOAD_TOKENS)
             self._send_decode(header, run.tokens)
-            return
-        t0 = time.perf_counter()
-        if self.transport is not None:
-            with self.transport.computing():
-                out = self.stage.decode(tokens=run.tokens, pos=run.pos, n_seq_id=run.n_seq_id,
-                                        seq_ids=run.seq_ids, outputs=run.outputs)
+        elif self._jobs is not None:
+            self._busy = True
+            self._jobs.put(("decode", run))
         else:
-            out = self.stage.decode(tokens=run.tokens, pos=run.pos, n_seq_id=run.n_seq_id,
-                                    seq_ids=run.seq_ids, outputs=run.outputs)
-        self.busy_s += time.perf_counter() - t0
+            self._decode_local(run)
+
+    def kv(self, header: m.KvHeader) -> None:
+        """Apply a KV cache operation on the head's stage, then pipeline it to
+        the other stages behind the runs already issued (PipeInfer IV.C.3)."""
+        self._check()
+        if self._jobs is not None:
+            self._jobs.put(("kv", header))
+        else:
+            self._kv_local(header)
+
+    def cancel(self, run_id: int) -> None:
+        """Cancel a speculative run (PipeInfer IV.D.2): the head's stage skips
+        it if not started or aborts it mid-compute; the cancellation travels
+        back up the pipeline from its last stage. Its result still arrives,
+        marked cancelled."""
+        self._cancelled.add(run_id)
+        if self._current == run_id and self.stage is not None:
+            self.stage.hooks.cancel()
         if self.ranks:
-            header.payload = m.PAYLOAD_EMBD
-            self._send_decode(header, out)
+            self.transport.send(self.last_rank, m.T_CANCEL, m.encode_simple(m.T_CANCEL, run_id))
+
+    # -- head stage ------------------------------------------------------------------
+
+    def _executor(self) -> None:
+        try:
+            while True:
+                job = self._jobs.get()
+                if job is None:
+                    return
+                self._busy = True
+                kind, arg = job
+                if kind == "decode":
+                    self._decode_local(arg)
+                else:
+                    self._kv_local(arg)
+                self._busy = not self._jobs.empty()
+        except BaseException as exc:  # surfaced on the main thread by _check()
+            self._error = exc
+            with self._done_cv:
+                self._done_cv.notify_all()
+
+    def _decode_local(self, run: Run) -> None:
+        header = m.DecodeHeader(run.run_id, run.pos, run.n_seq_id, run.seq_ids, run.outputs, m.PAYLOAD_EMBD)
+        out = None
+        if run.run_id in self._cancelled:
+            self.stats["cancelled_before_start"] += 1
         else:
-            self._done.append(RunResult(run, out, finished_at=time.perf_counter()))
+            self._current = run.run_id
+            self.stage.hooks.clear_cancel()
+            if run.run_id in self._cancelled:  # raced with cancel()
+                self.stage.hooks.cancel()
+            t0 = time.perf_counter()
+            try:
+                if self.transport is not None:
+                    with self.transport.computing():
+                        out = self._stage_decode(run)
+                else:
+                    out = self._stage_decode(run)
+            except Cancelled:
+                self.stats["cancelled_mid_compute"] += 1
+            finally:
+                self._current = None
+                self.busy_s += time.perf_counter() - t0
+        if self.ranks:
+            if out is None:
+                header.payload = m.PAYLOAD_NONE
+                self.transport.send(self.ranks[0], m.T_DECODE, m.encode_decode(header))
+            else:
+                self._send_decode(header, out)
+        else:
+            with self._done_cv:
+                self._done.append(RunResult(run, out, cancelled=out is None, finished_at=time.perf_counter()))
+                self._done_cv.notify_all()
+
+    def _stage_decode(self, run: Run) -> np.ndarray:
+        return self.stage.decode(tokens=run.tokens, pos=run.pos, n_seq_id=run.n_seq_id,
+                                 seq_ids=run.seq_ids, outputs=run.outputs)
+
+    def _kv_local(self, header: m.KvHeader) -> None:
+        if self.stage is not None:
+            self.stage.kv(header.op, header.seq, header.seq_dst, header.p0, header.p1, header.delta)
+        if self.ranks:
+            self.transport.send(self.ranks[0], m.T_KV, m.encode_kv(header))
 
     def _send_decode(self, header: m.DecodeHeader, payload: np.ndarray) -> None:
         first = self.ranks[0]
         self.transport.send(first, m.T_DECODE, m.encode_decode(header))
         self.transport.send(first, m.T_DECODE, payload.reshape(-1))
 
-    def kv(self, header: m.KvHeader) -> None:
-        """Apply a KV cache operation on the head's stage, then pipeline it to
-        the other stages behind the runs already sent (PipeInfer IV.C.3)."""
-        if self.stage is not None:
-            self.stage.kv(header.op, header.seq, header.seq_dst, header.p0, header.p1, header.delta)
-        if self.ranks:
-            self.transport.send(self.ranks[0], m.T_KV, m.encode_kv(header))
+    def _check(self) -> None:
+        if self._error is not None:
+            err = self._error
+            if isinstance(err, GGPipeError):
+                raise err
+            raise RuntimeError(f"the head's {self.name} stage failed: {err!r}") from err
 
     # -- results -------------------------------------------------------------
 
     def poll(self) -> RunResult | None:
         """The oldest run's result if it has arrived, else None (never blocks)."""
+        self._check()
         if not self.inflight:
             return None
         if not self.ranks:
-            return self._pop_local()
+            return self._pop_local() if self._done else None
         if self.transport.probe(self.last_rank, m.T_LOGITS) is None:
             self.transport.progress()
             return None
         return self._receive()
 
+    def ready(self) -> bool:
+        """True when :meth:`poll` would return a result."""
+        if not self.inflight:
+            return False
+        if not self.ranks:
+            return bool(self._done)
+        return self.transport.probe(self.last_rank, m.T_LOGITS) is not None
+
     def wait(self, timeout_s: float | None = None) -> RunResult:
         """Block (bounded) for the oldest in-flight run's result.
 
         Raises:
-            RankTimeoutError: the last stage did not answer in time.
+            RankTimeoutError: the last stage (or the head's own stage) did not
+                answer in time.
             ProtocolError: a result for another run, or malformed logits.
         """
         if not self.inflight:
             raise RuntimeError("no run in flight")
         if not self.ranks:
+            limit = 600.0 if timeout_s is None else timeout_s
+            with self._done_cv:
+                if not self._done_cv.wait_for(lambda: self._done or self._error is not None, timeout=limit):
+                    raise RankTimeoutError(f"the head's own {self.name} stage did not finish a run in {limit:.0f} s")
+            self._check()
             return self._pop_local()
         return self._receive(timeout_s)
 
     def _pop_local(self) -> RunResult:
-        self.inflight.popleft()
-        return self._done.popleft()
+        with self._done_cv:
+            res = self._done.popleft()
+        run = self.inflight.popleft()
+        if run.run_id != res.run.run_id:
+            raise ProtocolError(f"local result order broken: run {res.run.run_id} before {run.run_id}")
+        return res
 
     def _receive(self, timeout_s: float | None = None) -> RunResult:
         t = self.transport
         src = self.last_rank
         run = self.inflight[0]
-        _, start = t.recv(src, m.T_LOGITS, np.int32, f"the logits of run {run.run_id}", timeout_s, max_items=16)
+        _, start = t.recv(src, m.T_LOGITS, np.int32, f"the {self.name} logits of run {run.run_id}", timeout_s,
+                          max_items=16)
         h = m.decode_logits(start, self.n_vocab, self.max_outputs)
         if h.run_id != run.run_id:
             raise ProtocolError(f"expected the result of run {run.run_id}, {t.name(src)} sent run {h.run_id}")
         logits = None
         if h.n_outputs:
-            _, flat = t.recv(src, m.T_LOGITS, np.float32, f"the logits of run {run.run_id}", timeout_s,
+            _, flat = t.recv(src, m.T_LOGITS, np.float32, f"the {self.name} logits of run {run.run_id}", timeout_s,
                              max_items=h.n_outputs * self.n_vocab)
             if flat.shape[0] != h.n_outputs * self.n_vocab:
                 raise ProtocolError(f"logits of run {run.run_id}: {flat.shape[0]} floats, "
                                     f"expected {h.n_outputs} x {self.n_vocab}")
             logits = flat.reshape(h.n_outputs, self.n_vocab)
         self.inflight.popleft()
+        self._cancelled.discard(run.run_id)
         return RunResult(run, logits, cancelled=bool(h.cancelled), finished_at=time.perf_counter())
 
     def drain(self, timeout_s: float | None = None) -> list[RunResult]:
         """Wait for every in-flight run."""
         return [self.wait(timeout_s) for _ in range(len(self.inflight))]
+
+    def close(self) -> None:
+        """Stop the executor thread (after the jobs already queued)."""
+        if self._jobs is not None:
+            self._jobs.put(None)
+            self._thread.join(timeout=60)
+            self._jobs = None

@@ -23,7 +23,7 @@ import json
 import os
 import socket
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from ggpipe.errors import ConfigError, GGPipeError, RankFailedError
 from ggpipe.metrics import MemorySampler, rank_info
@@ -32,6 +32,7 @@ from ggpipe.models.gguf_info import read_model_info
 from ggpipe.models.registry import cache_dir, resolve
 from ggpipe.runtime.stage import Stage, StageSpec
 from ggpipe.scheduling.pipeline import Pipeline
+from ggpipe.scheduling.roles import Roles
 from ggpipe.scheduling.split import parse_split, plan_layers
 from ggpipe.transport import messages as m
 from ggpipe.transport.mpi import Transport, mpi_world
@@ -42,7 +43,8 @@ class ClusterConfig:
     """Settings every rank must share (their digest is compared at start-up).
 
     Attributes:
-        model: registry name or GGUF path.
+        model: registry name or GGUF path of the target model.
+        draft_model: the draft model (speculation modes), or None.
         split: ``--split`` text (PipeInfer syntax), or None for an even split.
         threads: ``-t``: one thread count for every rank, or one per rank
             ("2,1,1").
@@ -55,6 +57,7 @@ class ClusterConfig:
     """
 
     model: str
+    draft_model: str | None = None
     split: str | None = None
     threads: str = "1"
     ctx_size: int = 2048
@@ -101,8 +104,10 @@ class Session:
     model_path: str
     hosts: list[str]
     memory: MemorySampler
-    pipeline: Pipeline | None = None     # head only
-    ranks_layers: list[tuple[int, int]] = field(default_factory=list)
+    roles: Roles
+    pipeline: Pipeline | None = None        # head only: the target pipeline
+    draft_pipeline: Pipeline | None = None  # head only, with a draft model
+    draft_stage: Stage | None = None        # head only, when no rank runs the draft
 
     @property
     def is_head(self) -> bool:
@@ -110,7 +115,8 @@ class Session:
 
     def rank_stats(self) -> dict:
         info = rank_info(self.rank)
-        info.update(layers=list(self.layers), threads=self.stage.spec.n_threads, **self.memory.report())
+        info.update(model=self.roles.model_of(self.rank), layers=list(self.layers),
+                    threads=self.stage.spec.n_threads, **self.memory.report())
         return info
 
     def serve(self) -> None:
@@ -118,8 +124,7 @@ class Session:
         send this rank's statistics to the head."""
         from ggpipe.scheduling.worker import Worker  # noqa: PLC0415
 
-        nxt = self.rank + 1 if self.rank + 1 < self.size else None
-        w = Worker(self.stage, self.transport, self.rank - 1, nxt, 0, self.config.ubatch)
+        w = Worker(self.stage, self.transport, max_tokens=self.config.ubatch, **self.roles.links(self.rank))
         stats = w.serve(self.config.idle_timeout_s)
         out = self.rank_stats()
         out.update(stats)
@@ -128,9 +133,18 @@ class Session:
 
     def shutdown(self) -> list[dict]:
         """Head: stop every worker and collect per-rank statistics (rank order)."""
-        stats = [dict(self.rank_stats(), busy_s=self.pipeline.busy_s if self.pipeline else 0.0)]
+        for p in (self.pipeline, self.draft_pipeline):
+            if p is not None:
+                p.close()
+        head = dict(self.rank_stats(), busy_s=self.pipeline.busy_s if self.pipeline else 0.0)
+        if self.pipeline is not None:
+            head.update(self.pipeline.stats)
+        stats = [head]
         if self.transport is not None and self.size > 1:
-            self.transport.send(1, m.T_SHUTDOWN, m.encode_simple(m.T_SHUTDOWN))
+            firsts = [1] if self.roles.n_target > 1 else []
+            firsts += self.roles.draft_ranks[:1]
+            for r in firsts:
+                self.transport.send(r, m.T_SHUTDOWN, m.encode_simple(m.T_SHUTDOWN))
             for r in range(1, self.size):
                 stats.append(self.transport.recv_obj(r, m.T_STATS, "its statistics at shutdown", self.config.timeout_s))
             self.transport.flush(self.config.timeout_s)
@@ -139,6 +153,8 @@ class Session:
     def close(self) -> None:
         self.memory.stop()
         self.stage.close()
+        if self.draft_stage is not None:
+            self.draft_stage.close()
 
 
 def _exchange(t: Transport, rank: int, size: int, payload: dict, what: str, timeout_s: float):
@@ -157,10 +173,11 @@ def _verdict(t: Transport, size: int, error: str | None, extra: dict | None = No
     t.flush(10.0)
 
 
-def open_session(config: ClusterConfig, argv: list[str] | None = None) -> Session:
+def open_session(config: ClusterConfig, argv: list[str] | None = None, async_head: bool = False) -> Session:
     """Bring up this rank (see the module docstring). ``argv`` (default
     ``sys.argv[1:]``) must be the same on every rank: its digest, with the
-    config's, is compared at start-up.
+    config's, is compared at start-up. ``async_head``: run the head's target
+    stage on an executor thread (speculation modes).
 
     Raises:
         GGPipeError: on the head, the first error of any rank (naming it).
@@ -217,35 +234,87 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None) -> Sessio
     elif err:
         raise GGPipeError(err)
 
-    stage, layers, plan, n_layer, path = loaded
-    s = Session(config, rank, size, transport, stage, layers, n_layer, path, hosts, memory, ranks_layers=plan)
+    s = Session(config, rank, size, transport, loaded.stage, loaded.layers, loaded.n_layer, loaded.path, hosts,
+                memory, loaded.roles, draft_stage=loaded.draft_stage)
     if rank == 0:
-        s.pipeline = Pipeline(stage, transport, list(range(1, size)), stage.n_vocab, config.n_seq_max,
-                              max_outputs=config.ubatch)
+        roles = loaded.roles
+        s.pipeline = Pipeline(loaded.stage, transport, roles.target_ranks, loaded.stage.n_vocab,
+                              config.n_seq_max, max_outputs=config.ubatch, async_local=async_head, name="target")
+        if roles.has_draft:
+            s.draft_pipeline = Pipeline(loaded.draft_stage, transport, roles.draft_ranks, loaded.stage.n_vocab,
+                                        1, max_outputs=config.ubatch, name="draft")
     return s
 
 
 def _close_loaded(loaded) -> None:
     if loaded is not None:
-        loaded[0].close()
+        loaded.stage.close()
+        if loaded.draft_stage is not None:
+            loaded.draft_stage.close()
 
 
-def _load(config: ClusterConfig, rank: int, size: int):
+@dataclass
+class _Loaded:
+    stage: Stage
+    layers: tuple[int, int]
+    n_layer: int
+    path: str
+    roles: Roles
+    draft_stage: Stage | None = None
+
+
+def _load(config: ClusterConfig, rank: int, size: int) -> _Loaded:
     if not 1 <= config.n_seq_max <= 256:
         raise ConfigError(f"--n-seq-max must be 1..256 (llama.cpp's LLAMA_MAX_SEQ), got {config.n_seq_max}")
     if config.ubatch < 1 or config.ctx_size < 8:
         raise ConfigError("--ubatch must be >= 1 and --ctx-size >= 8")
     threads = parse_threads(config.threads, size)
+    split = parse_split(config.split)
+    roles = Roles.plan(size, split, config.draft_model is not None)
     path = resolve(config.model)
     info = read_model_info(path)
-    spec = parse_split(config.split)
-    if spec.draft is not None:
-        raise ConfigError("a '/' draft split needs a draft model (-md), which this mode does not use")
-    plan = plan_layers(info.n_layer, size, spec.target)
-    start, stop = plan[rank]
-    slice_path = stage_slice(path, start, stop, cache_dir())
+    draft_path = draft_info = None
+    if config.draft_model is not None:
+        draft_path = resolve(config.draft_model)
+        draft_info = read_model_info(draft_path)
+        check_same_vocab(info, draft_info)
+
+    model = roles.model_of(rank)
+    m_path, m_info, weights = (path, info, split.target) if model == "target" else (draft_path, draft_info, split.draft)
+    index, n_stages = roles.stage_of(rank)
+    plan = plan_layers(m_info.n_layer, n_stages, weights, model=model)
+    start, stop = plan[index]
     stage = Stage(StageSpec(
-        model_path=slice_path, n_layer=stop - start, first=rank == 0, last=rank == size - 1,
-        n_ctx=config.ctx_size, n_threads=threads[rank], n_seq_max=config.n_seq_max, n_ubatch=config.ubatch,
+        model_path=stage_slice(m_path, start, stop, cache_dir()), n_layer=stop - start,
+        first=index == 0, last=index == n_stages - 1, n_ctx=config.ctx_size, n_threads=threads[rank],
+        n_seq_max=config.n_seq_max if model == "target" else 1, n_ubatch=config.ubatch,
     ))
-    return stage, (start, stop), plan, info.n_layer, str(path)
+    draft_stage = None
+    if rank == 0 and roles.has_draft and roles.n_draft == 0:
+        try:
+            draft_stage = Stage(StageSpec(model_path=draft_path, n_layer=draft_info.n_layer, first=True, last=True,
+                                          n_ctx=config.ctx_size, n_threads=threads[0], n_seq_max=1,
+                                          n_ubatch=config.ubatch))
+        except BaseException:
+            stage.close()
+            raise
+    return _Loaded(stage, (start, stop), m_info.n_layer, str(m_path), roles, draft_stage)
+
+
+def check_same_vocab(target, draft) -> None:
+    """Refuse a draft whose vocabulary differs from the target's: speculation
+    compares token ids, so they must mean the same text.
+
+    Raises:
+        ConfigError: sizes, special tokens or token texts differ.
+    """
+    if target.n_vocab != draft.n_vocab:
+        raise ConfigError(
+            f"the draft model's vocabulary ({draft.n_vocab} tokens, {draft.path.name}) differs from the target's "
+            f"({target.n_vocab} tokens, {target.path.name}): speculation needs the same tokenizer")
+    for what in ("bos_token_id", "eos_token_id", "vocab_digest"):
+        a, b = getattr(target, what, None), getattr(draft, what, None)
+        if a != b:
+            raise ConfigError(
+                f"the draft model's vocabulary differs from the target's ({what.replace('_', ' ')}: "
+                f"{b} vs {a}): speculation needs the same tokenizer")

@@ -6,6 +6,12 @@ rank in order, run them on this rank's stage, pass them on.
              transaction per run, with zero rows when none were asked for, so
              the head's FIFO of runs stays in step).
     KV       apply the cache operation, forward it (pipelined, not broadcast).
+    CANCEL   (PipeInfer IV.D.2) travels back up the target pipeline: from the
+             head to the last stage, then stage by stage towards the first.
+             A stage skips a cancelled run it has not started and aborts one
+             it is computing (native cancellation flag polled by llama.cpp's
+             abort callback); either way it sends an empty placeholder
+             downstream so the order of messages holds.
     SHUTDOWN forward it, and stop.
 
 Every wait is bounded: ``idle_timeout_s`` between transactions (the head may
@@ -19,7 +25,7 @@ import time
 import numpy as np
 
 from ggpipe.errors import ProtocolError
-from ggpipe.runtime.stage import Stage
+from ggpipe.runtime.stage import Cancelled, Stage
 from ggpipe.transport import messages as m
 
 
@@ -31,27 +37,70 @@ class Worker:
         next: rank to forward to, or None for the pipeline's last stage.
         head: rank the logits go to.
         max_tokens: largest micro-batch accepted (the context's n_ubatch).
+        cancel_src: rank cancellations come from (the next stage, or the head
+            for the last stage); None: this pipeline is never cancelled.
+        cancel_fwd: rank to pass cancellations on to (the previous stage),
+            or None.
     """
 
-    def __init__(self, stage: Stage, transport, prev: int, next: int | None, head: int, max_tokens: int):
+    def __init__(self, stage: Stage, transport, prev: int, next: int | None, head: int, max_tokens: int,
+                 cancel_src: int | None = None, cancel_fwd: int | None = None):
         self.stage = stage
         self.t = transport
         self.prev = prev
         self.next = next
         self.head = head
         self.max_tokens = max_tokens
-        self.stats = {"runs": 0, "tokens": 0, "busy_s": 0.0, "kv_ops": 0}
+        self.cancel_src = cancel_src
+        self.cancel_fwd = cancel_fwd
+        self.cancelled: set[int] = set()
+        self.current: int | None = None
+        self.last_run = -1
+        self.stats = {"runs": 0, "tokens": 0, "busy_s": 0.0, "kv_ops": 0,
+                      "cancelled_before_start": 0, "cancelled_mid_compute": 0}
+
+    # -- cancellation ------------------------------------------------------------
+
+    def _take_cancels(self) -> None:
+        """Receive every waiting cancellation (non-blocking)."""
+        if self.cancel_src is None:
+            return
+        while self.t.probe(self.cancel_src, m.T_CANCEL) is not None:
+            _, msg = self.t.recv(self.cancel_src, m.T_CANCEL, np.int32, "a cancellation", max_items=3)
+            self._register_cancel(msg)
+
+    def _register_cancel(self, msg: np.ndarray) -> None:
+        run_id = m.decode_simple(msg, m.T_CANCEL)
+        if self.cancel_fwd is not None:
+            self.t.send(self.cancel_fwd, m.T_CANCEL, msg)
+        if run_id <= self.last_run and run_id != self.current:
+            return  # already done here
+        self.cancelled.add(run_id)
+        if run_id == self.current:
+            self.stage.hooks.cancel()
+
+    # -- loop ------------------------------------------------------------------
 
     def serve(self, idle_timeout_s: float) -> dict:
         """Serve until SHUTDOWN; returns this rank's statistics."""
         MPI = self.t.MPI
+        max_items = 6 + 3 * self.max_tokens + self.max_tokens * self.stage.spec.n_seq_max
+        separate_cancels = self.cancel_src is not None and self.cancel_src != self.prev
+
+        def ready():
+            if separate_cancels:
+                self._take_cancels()
+            return self.t.probe(self.prev, MPI.ANY_TAG)
+
         while True:
-            tag, start = self.t.recv(self.prev, MPI.ANY_TAG, np.int32, "the next transaction", idle_timeout_s,
-                                     max_items=6 + 3 * self.max_tokens + self.max_tokens * self.stage.spec.n_seq_max)
+            self.t._wait(ready, idle_timeout_s, "the next transaction", self.prev)
+            tag, start = self.t.recv(self.prev, MPI.ANY_TAG, np.int32, "the next transaction", max_items=max_items)
             if tag == m.T_DECODE:
                 self._decode(start)
             elif tag == m.T_KV:
                 self._kv(start)
+            elif tag == m.T_CANCEL:
+                self._register_cancel(start)
             elif tag == m.T_SHUTDOWN:
                 m.decode_simple(start, m.T_SHUTDOWN)
                 if self.next is not None:
@@ -64,29 +113,31 @@ class Worker:
     def _decode(self, start: np.ndarray) -> None:
         spec = self.stage.spec
         h = m.decode_decode(start, spec.n_seq_max, self.max_tokens)
-        what = f"the payload of run {h.run_id}"
-        if h.payload == m.PAYLOAD_TOKENS:
-            if not spec.first:
-                raise ProtocolError(f"run {h.run_id}: token ids sent to a stage that takes hidden states")
-            _, tokens = self.t.recv(self.prev, m.T_DECODE, np.int32, what, max_items=h.n_tokens)
-            if tokens.shape[0] != h.n_tokens:
-                raise ProtocolError(f"run {h.run_id}: {tokens.shape[0]} token ids for {h.n_tokens} positions")
-            inputs = {"tokens": tokens}
-        elif h.payload == m.PAYLOAD_EMBD:
-            if spec.first:
-                raise ProtocolError(f"run {h.run_id}: hidden states sent to a stage that takes token ids")
-            n_embd = self.stage.n_embd
-            _, flat = self.t.recv(self.prev, m.T_DECODE, np.float32, what, max_items=h.n_tokens * n_embd)
-            if flat.shape[0] != h.n_tokens * n_embd:
-                raise ProtocolError(f"run {h.run_id}: {flat.shape[0]} floats for {h.n_tokens} x {n_embd}")
-            inputs = {"embd": flat}
-        else:  # cancelled upstream: pass the placeholder on
-            self._forward_cancelled(h)
+        if h.payload == m.PAYLOAD_NONE:  # cancelled upstream: pass the placeholder on
+            self._finish_cancelled(h)
             return
+        inputs = self._receive_payload(h)
+        self._take_cancels()
+        if h.run_id in self.cancelled:
+            self.stats["cancelled_before_start"] += 1
+            self._finish_cancelled(h)
+            return
+        self.current = h.run_id
+        self.stage.hooks.clear_cancel()
         t0 = time.perf_counter()
-        with self.t.computing():
-            out = self.stage.decode(pos=h.pos, n_seq_id=h.n_seq_id, seq_ids=h.seq_ids, outputs=h.outputs, **inputs)
-        self.stats["busy_s"] += time.perf_counter() - t0
+        try:
+            with self.t.computing(self._take_cancels if self.cancel_src is not None else None):
+                out = self.stage.decode(pos=h.pos, n_seq_id=h.n_seq_id, seq_ids=h.seq_ids, outputs=h.outputs,
+                                        **inputs)
+        except Cancelled:
+            self.stats["cancelled_mid_compute"] += 1
+            self._finish_cancelled(h)
+            return
+        finally:
+            self.current = None
+            self.stats["busy_s"] += time.perf_counter() - t0
+        self.last_run = max(self.last_run, h.run_id)
+        self.cancelled = {r for r in self.cancelled if r > self.last_run}
         self.stats["runs"] += 1
         self.stats["tokens"] += h.n_tokens
         if self.next is not None:
@@ -98,8 +149,29 @@ class Worker:
             if out.shape[0]:
                 self.t.send(self.head, m.T_LOGITS, out.reshape(-1))
 
-    def _forward_cancelled(self, h: m.DecodeHeader) -> None:
+    def _receive_payload(self, h: m.DecodeHeader) -> dict:
+        spec = self.stage.spec
+        what = f"the payload of run {h.run_id}"
+        if h.payload == m.PAYLOAD_TOKENS:
+            if not spec.first:
+                raise ProtocolError(f"run {h.run_id}: token ids sent to a stage that takes hidden states")
+            _, tokens = self.t.recv(self.prev, m.T_DECODE, np.int32, what, max_items=h.n_tokens)
+            if tokens.shape[0] != h.n_tokens:
+                raise ProtocolError(f"run {h.run_id}: {tokens.shape[0]} token ids for {h.n_tokens} positions")
+            return {"tokens": tokens}
+        if spec.first:
+            raise ProtocolError(f"run {h.run_id}: hidden states sent to a stage that takes token ids")
+        n_embd = self.stage.n_embd
+        _, flat = self.t.recv(self.prev, m.T_DECODE, np.float32, what, max_items=h.n_tokens * n_embd)
+        if flat.shape[0] != h.n_tokens * n_embd:
+            raise ProtocolError(f"run {h.run_id}: {flat.shape[0]} floats for {h.n_tokens} x {n_embd}")
+        return {"embd": flat}
+
+    def _finish_cancelled(self, h: m.DecodeHeader) -> None:
+        self.last_run = max(self.last_run, h.run_id)
+        self.cancelled.discard(h.run_id)
         if self.next is not None:
+            h.payload = m.PAYLOAD_NONE
             self.t.send(self.next, m.T_DECODE, m.encode_decode(h))
         else:
             self.t.send(self.head, m.T_LOGITS,

@@ -137,18 +137,24 @@ class Transport:
         self._wait(lambda: self.progress() == 0, timeout_s, what, None)
 
     @contextmanager
-    def computing(self):
-        """Keep pending sends moving while this thread is busy in llama.cpp."""
-        if not self._pending:
+    def computing(self, on_poll=None):
+        """Keep pending sends moving while this thread is busy in llama.cpp,
+        and call ``on_poll()`` (e.g. a probe for cancellations) meanwhile."""
+        if not self._pending and on_poll is None:
             yield
             return
         stop = threading.Event()
 
         def run():
             delay = self.poll_min_s
-            while not stop.is_set() and self.progress():
-                time.sleep(delay)
-                delay = min(delay * 2, self.poll_max_s)
+            while not stop.is_set():
+                pending = self.progress()
+                if on_poll is not None:
+                    on_poll()
+                elif not pending:
+                    return
+                stop.wait(delay)
+                delay = min(delay * 1.5, self.poll_max_s)
 
         t = threading.Thread(target=run, name="mpi-progress", daemon=True)
         t.start()

@@ -1,0 +1,52 @@
+"""Confidence cutoff of continuous speculation (PipeInfer IV.B.2). Pure.
+
+Drafting stops when the draft model's confidence in its next token falls
+below the cutoff. Starting from ``p_accept``, the cutoff rises by
+``p_recovery`` for every further micro-batch speculated beyond the accepted
+tokens (deeper speculation needs more confidence), falls by ``p_decay`` each
+time speculation fails while no target logits are waiting (use the idle
+pipeline anyway), and resets when a run's tokens are accepted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class CutoffController:
+    """Attributes:
+        p_accept: base cutoff (probability, 0..1).
+        p_recovery: added per continued micro-batch.
+        p_decay: subtracted per failed attempt while idle.
+        floor: the cutoff never goes below this.
+    """
+
+    p_accept: float = 0.5
+    p_recovery: float = 0.05
+    p_decay: float = 0.05
+    floor: float = 0.0
+    _continued: int = 0
+    _failed: int = 0
+
+    @property
+    def cutoff(self) -> float:
+        return max(self.floor, self.p_accept + self._continued * self.p_recovery - self._failed * self.p_decay)
+
+    @property
+    def exhausted(self) -> bool:
+        """True when no draft token can pass (cutoff >= 1): stop speculating."""
+        return self.cutoff >= 1.0
+
+    def continued(self) -> None:
+        """A micro-batch was speculated on top of earlier unverified ones."""
+        self._continued += 1
+
+    def failed_while_idle(self) -> None:
+        """Drafting produced nothing and no logits are waiting."""
+        self._failed += 1
+
+    def accepted(self) -> None:
+        """Tokens of a run were accepted: back to ``p_accept``."""
+        self._continued = 0
+        self._failed = 0

@@ -1,0 +1,258 @@
+"""The head's view of everything speculated and not yet decided. Pure logic.
+
+Nodes are tokens at positions, each evaluated by one target run; a node's
+parent is the node whose logits decide it. Runs come in two kinds:
+
+* a *root* run (non-speculative, PipeInfer IV.A): one decided token that no
+  node carried (the prompt's first sampled token, or a token the target chose
+  against every draft), evaluated in the canonical sequence 0. Never
+  cancelled (IV.D.3).
+* a *speculative* run: a tree of draft tokens below an existing node (its
+  anchor), in its own partition of KV sequence ids (IV.C.1), one per leaf.
+  A synchronous speculative run may also carry the decided root token itself.
+
+The *committed* node carries the last accepted token. When its logits are
+known, :meth:`SpecGraph.advance` decides the next token among its children
+(:func:`~ggpipe.speculation.verify.verify_step`) and walks down as far as
+logits allow. Accepting a speculative node emits a "buffer swap" KV op that
+copies its cell into sequence 0 (IV.C.1-2); nodes off the accepted path die,
+and so do runs holding only dead nodes (invalidated or superfluous: IV.D.1),
+which the engine cancels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ggpipe.scheduling.sampling import Sampler
+from ggpipe.speculation.tree import SpecTree
+from ggpipe.speculation.verify import verify_step
+
+PENDING, ACCEPTED, DEAD = 0, 1, 2
+
+
+@dataclass
+class Node:
+    token: int
+    pos: int
+    parent: int            # node id, -1 for a root node
+    run_id: int
+    seq: int               # a KV sequence id holding this node's cell
+    q: np.ndarray | None = None
+    dp: float = 1.0        # draft probability of this token
+    state: int = PENDING
+    logits: np.ndarray | None = None
+    children: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RunInfo:
+    run_id: int
+    nodes: list[int]
+    speculative: bool
+    partition: int | None = None        # partition index (speculative runs)
+    seqs: list[int] = field(default_factory=list)
+    returned: bool = False
+    cancelled: bool = False             # a cancel was sent
+
+
+@dataclass
+class Decision:
+    """One decided position: the token, and the node that carries it (None:
+    no node did; a root run must evaluate it)."""
+
+    token: int
+    node: int | None
+
+
+class SpecGraph:
+    """Args:
+        sampler: the head's sampler (greedy or stochastic verification).
+    """
+
+    def __init__(self, sampler: Sampler):
+        self.sampler = sampler
+        self.nodes: list[Node] = []
+        self.runs: dict[int, RunInfo] = {}
+        self.committed: int | None = None
+        self.swap_ops: list[tuple[int, int, int]] = []   # (seq, p0, p1) to copy into seq 0
+        self.n_drafted = 0
+        self.n_draft_accepted = 0
+
+    # -- building --------------------------------------------------------------
+
+    def add_root(self, token: int, pos: int, run_id: int, seq: int = 0) -> int:
+        """A decided token that no node carried; it becomes the committed node."""
+        nid = len(self.nodes)
+        self.nodes.append(Node(token, pos, -1, run_id, seq, state=ACCEPTED))
+        self.runs.setdefault(run_id, RunInfo(run_id, [], speculative=False)).nodes.append(nid)
+        self._commit(nid)
+        return nid
+
+    def add_tree(self, anchor: int, tree: SpecTree, run_id: int, leaf_seq: dict[int, int],
+                 partition: int | None, seqs: list[int]) -> list[int]:
+        """Attach ``tree`` below node ``anchor`` as (part of) run ``run_id``.
+        Returns the new node ids, in tree order."""
+        a = self.nodes[anchor]
+        if tree.anchor_pos != a.pos:
+            raise ValueError(f"tree anchored at position {tree.anchor_pos}, node {anchor} is at {a.pos}")
+        info = self.runs.setdefault(run_id, RunInfo(run_id, [], speculative=True))
+        info.speculative = True
+        info.partition = partition
+        info.seqs = list(seqs)
+        seq_of = {}
+        for leaf, s in leaf_seq.items():
+            for j in tree.path(leaf):
+                seq_of.setdefault(j, s)
+        ids = []
+        for i in range(len(tree)):
+            parent = anchor if tree.parent[i] == -1 else ids[tree.parent[i]]
+            nid = len(self.nodes)
+            self.nodes.append(Node(tree.tokens[i], tree.pos(i), parent, run_id, seq_of[i], q=tree.draft_probs[i],
+                                   dp=tree.draft_p[i]))
+            self.nodes[parent].children.append(nid)
+            info.nodes.append(nid)
+            ids.append(nid)
+        self.n_drafted += len(tree)
+        a = self.nodes[anchor]
+        if a.state == DEAD or (a.state == ACCEPTED and anchor != self.committed):
+            # below a dead node, or below one whose children were already decided:
+            # invalidated or superfluous from birth
+            for nid in ids:
+                self.nodes[nid].state = DEAD
+        return ids
+
+    # -- results ---------------------------------------------------------------
+
+    def set_result(self, run_id: int, logits: np.ndarray | None, output_nodes: list[int] | None = None) -> None:
+        """Store a returned run's logits (float32 (n_out, n_vocab), one row per
+        node of ``output_nodes``, default: every node of the run), or mark it
+        returned without logits (cancelled)."""
+        info = self.runs[run_id]
+        info.returned = True
+        if logits is None:
+            return
+        nodes = info.nodes if output_nodes is None else output_nodes
+        if logits.shape[0] != len(nodes):
+            raise ValueError(f"run {run_id}: {logits.shape[0]} logit rows for {len(nodes)} nodes")
+        for row, nid in enumerate(nodes):
+            if self.nodes[nid].state != DEAD:
+                self.nodes[nid].logits = logits[row]
+
+    def advance(self) -> list[Decision]:
+        """Decide tokens from the committed node down, as far as logits are
+        known. Accepted speculative nodes queue a buffer-swap op
+        (:attr:`swap_ops`); siblings off the path die."""
+        out: list[Decision] = []
+        while self.committed is not None:
+            c = self.nodes[self.committed]
+            if c.logits is None:
+                break
+            kids = [k for k in c.children if self.nodes[k].state != DEAD]
+            t, k = verify_step(c.logits, [self.nodes[j].token for j in kids],
+                               [self.nodes[j].q for j in kids], self.sampler)
+            c.logits = None  # consumed; frees memory
+            chosen = kids[k] if k is not None else None
+            for j in kids:
+                if j != chosen:
+                    self._kill(j)
+            out.append(Decision(t, chosen))
+            if chosen is None:
+                self.committed = None  # the caller adds a root for t
+                break
+            n = self.nodes[chosen]
+            n.state = ACCEPTED
+            self.n_draft_accepted += 1
+            self.swap_ops.append((n.seq, n.pos, n.pos + 1))
+            self._commit(chosen)
+        return out
+
+    def _commit(self, nid: int) -> None:
+        self.committed = nid
+
+    def _kill(self, nid: int) -> None:
+        stack = [nid]
+        while stack:
+            j = stack.pop()
+            n = self.nodes[j]
+            if n.state == DEAD:
+                continue
+            n.state = DEAD
+            n.logits = None
+            stack.extend(n.children)
+
+    def kill_all_pending(self) -> None:
+        """Every pending node dies (e.g. the committed chain was replaced by a
+        new root)."""
+        for j, n in enumerate(self.nodes):
+            if n.state == PENDING:
+                self._kill(j)
+
+    def take_swap_ops(self) -> list[tuple[int, int, int]]:
+        """Buffer-swap copies to send, merged into ranges per sequence:
+        (seq, p0, p1) = copy seq's cells [p0, p1) into sequence 0."""
+        ops, self.swap_ops = self.swap_ops, []
+        merged: list[list[int]] = []
+        for s, p0, p1 in ops:
+            if merged and merged[-1][0] == s and merged[-1][2] == p0:
+                merged[-1][2] = p1
+            else:
+                merged.append([s, p0, p1])
+        return [tuple(m) for m in merged]
+
+    # -- run bookkeeping (cancellation, partitions) ------------------------------
+
+    def dead_runs(self) -> list[int]:
+        """In-flight speculative runs whose every node is dead: invalidated
+        (their prefix contradicts the accepted tokens) or superfluous; cancel
+        them (PipeInfer IV.D.1). Each run is reported once."""
+        out = []
+        for rid, info in self.runs.items():
+            if info.speculative and not info.returned and not info.cancelled and info.nodes and all(
+                    self.nodes[j].state == DEAD for j in info.nodes):
+                info.cancelled = True
+                out.append(rid)
+        return out
+
+    def retirable(self) -> list[RunInfo]:
+        """Returned runs no node of which can matter any more (no node is the
+        committed one or pending): their partitions can be freed. Each run is
+        reported once and forgotten."""
+        out = []
+        for rid in list(self.runs):
+            info = self.runs[rid]
+            if not info.returned:
+                continue
+            if any(j == self.committed or self.nodes[j].state == PENDING for j in info.nodes):
+                continue
+            out.append(self.runs.pop(rid))
+        return out
+
+    def frontier(self) -> int | None:
+        """Where to speculate next: the deepest pending node on the most
+        probable path below the committed node (following, at each level, the
+        child with the highest draft probability), or the committed node."""
+        cur = self.committed
+        if cur is None:
+            return None
+        while True:
+            kids = [k for k in self.nodes[cur].children if self.nodes[k].state != DEAD]
+            if not kids:
+                return cur
+            cur = max(kids, key=lambda k: self.nodes[k].dp)
+
+    def chain(self, nid: int) -> list[int]:
+        """Node ids strictly below the committed node down to ``nid``
+        (``nid`` must descend from it)."""
+        out = []
+        while nid != self.committed:
+            if nid == -1:
+                raise ValueError("node does not descend from the committed node")
+            out.append(nid)
+            nid = self.nodes[nid].parent
+        return out[::-1]
+
+    def pending_runs(self) -> int:
+        return sum(1 for r in self.runs.values() if not r.returned)

@@ -1,0 +1,96 @@
+"""Token-tree verification (SpecInfer; PipeInfer IV.E). Pure numpy.
+
+One *step* decides the token at one position, given the target's logits at
+the parent and the draft children offered there:
+
+* greedy (temperature 0): the token is the target's argmax; it is accepted
+  along the child that carries it, if any. Output equals plain greedy
+  decoding of the target whatever the tree.
+* stochastic: SpecInfer's multi-step speculative sampling (MSS). With p the
+  target's sampling distribution (``target_probs``, full vocabulary) and the
+  children x_1..x_k drawn i.i.d. from the draft's distribution q at the
+  parent: for each child in turn, accept x_j with probability
+  min(1, p(x_j) / q(x_j)); on rejection p <- normalise(max(p - q, 0)). If no
+  child is accepted, the token is drawn from the final p. The token's
+  distribution is exactly the target's (SpecInfer, Theorem 4.2), so the
+  output distribution equals non-speculative sampling.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ggpipe.scheduling.sampling import Sampler, target_probs
+
+
+def verify_step(logits: np.ndarray, child_tokens: Sequence[int], child_q: Sequence[np.ndarray | None],
+                sampler: Sampler) -> tuple[int, int | None]:
+    """Decide one position.
+
+    Args:
+        logits: float32 (n_vocab,) target logits at the parent.
+        child_tokens: the draft tokens offered as children (may be empty).
+        child_q: per child, the draft distribution (float64 (n_vocab,)) it
+            was drawn from; only read when sampling is stochastic.
+        sampler: the head's sampler (its params and seeded RNG).
+
+    Returns:
+        (token, k): the token at this position, and the index of the child
+        carrying it (None: no child accepted; the token was drawn from the
+        target, or the residual distribution).
+
+    Raises:
+        ValueError: stochastic sampling with a child lacking its q.
+    """
+    params = sampler.params
+    if params.greedy:
+        t = int(np.argmax(logits))
+        for k, c in enumerate(child_tokens):
+            if c == t:
+                return t, k
+        return t, None
+    p = target_probs(logits, params)
+    rng = sampler.rng
+    for k, (x, q) in enumerate(zip(child_tokens, child_q)):
+        if q is None:
+            raise ValueError("stochastic verification needs the draft distribution of every child")
+        qx = float(q[x])
+        if qx > 0.0 and rng.random() * qx < p[x]:  # r < p(x)/q(x), without dividing
+            return int(x), k
+        resid = np.maximum(p - q, 0.0)
+        total = resid.sum()
+        if total <= 0.0:  # p <= q everywhere: p == q; any draw from p is fine
+            break
+        p = resid / total
+    return sampler.sample_from(p), None
+
+
+def walk_tree(children_of: Callable[[int], list[int]], token_of: Callable[[int], int],
+              q_of: Callable[[int], np.ndarray | None], logits_of: Callable[[int], np.ndarray | None],
+              start: int, sampler: Sampler) -> tuple[list[int], list[int], bool]:
+    """Walk down a tree from node ``start`` (whose logits must be known),
+    deciding one position per step.
+
+    Returns:
+        (tokens, nodes, complete): the accepted tokens in order; the nodes
+        that carried them (a decided token that no node carries ends the walk
+        and is the last token, without a node); ``complete`` is False when
+        the walk stopped at an accepted node whose logits are not available
+        (they will come with a later run).
+    """
+    tokens: list[int] = []
+    nodes: list[int] = []
+    cur = start
+    while True:
+        logits = logits_of(cur)
+        if logits is None:
+            return tokens, nodes, False
+        kids = children_of(cur)
+        t, k = verify_step(logits, [token_of(c) for c in kids], [q_of(c) for c in kids], sampler)
+        tokens.append(t)
+        if k is None:
+            return tokens, nodes, True
+        cur = kids[k]
+        nodes.append(cur)

@@ -1,0 +1,323 @@
+"""Stochastic token-tree verification (SpecInfer multi-step speculative
+sampling, PipeInfer IV.E) reproduces the target's sampling distribution.
+
+Chi-square goodness of fit at significance 0.001 with fixed seeds (so every
+run is deterministic); scipy is not a dependency, so critical values are a
+table (checked against the regularised incomplete gamma function). Negative
+controls show the tests have power against plausible implementation slips.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from ggpipe.scheduling.sampling import Sampler, SamplingParams, target_probs
+from ggpipe.speculation.graph import SpecGraph
+from ggpipe.speculation.tree import SpecTree
+from ggpipe.speculation.verify import verify_step
+
+# chi-square critical values at p = 0.001, by degrees of freedom
+CHI2_999 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322, 8: 26.124,
+            9: 27.877, 10: 29.588, 11: 31.264, 12: 32.909, 13: 34.528, 14: 36.123, 15: 37.697,
+            16: 39.252, 17: 40.790, 18: 42.312, 19: 43.820, 20: 45.315, 21: 46.797, 22: 48.268,
+            23: 49.728, 24: 51.179, 25: 52.620, 26: 54.052, 27: 55.476, 28: 56.892, 29: 58.301,
+            30: 59.703, 31: 61.098, 32: 62.487, 33: 63.870, 34: 65.247, 35: 66.619, 36: 67.985,
+            37: 69.347, 38: 70.703, 39: 72.055, 40: 73.402}
+
+
+def test_critical_value_table():
+    """The table is the 0.999 quantile: survival function by the series of
+    the regularised lower incomplete gamma function."""
+    import math
+
+    def sf(df, x):
+        a, x = df / 2, x / 2
+        term = total = 1 / a
+        n = 0
+        while term > 1e-17 * total:
+            n += 1
+            term *= x / (a + n)
+            total += term
+        return 1 - total * math.exp(-x + a * math.log(x) - math.lgamma(a))
+
+    for df, c in CHI2_999.items():
+        assert sf(df, c) == pytest.approx(1e-3, rel=2e-3), df
+
+
+def chi2(counts: np.ndarray, probs: np.ndarray, min_expected: float = 5.0) -> tuple[float, int]:
+    """Pearson's statistic and degrees of freedom; bins with expected count
+    below ``min_expected`` are pooled into one (dropped if that is still
+    small). Tokens of probability 0 must never occur."""
+    counts = np.asarray(counts, dtype=np.float64)
+    n = counts.sum()
+    assert counts[probs == 0].sum() == 0, f"impossible tokens drawn: {np.flatnonzero((probs == 0) & (counts > 0))}"
+    exp = n * probs
+    big = exp >= min_expected
+    obs_b, exp_b = list(counts[big]), list(exp[big])
+    rest_o, rest_e = counts[~big & (probs > 0)].sum(), exp[~big & (probs > 0)].sum()
+    if rest_e >= min_expected:
+        obs_b.append(rest_o)
+        exp_b.append(rest_e)
+    else:  # fold the tiny rest into the smallest bin
+        i = int(np.argmin(exp_b))
+        obs_b[i] += rest_o
+        exp_b[i] += rest_e
+    o, e = np.array(obs_b), np.array(exp_b)
+    return float(((o - e) ** 2 / e).sum()), len(o) - 1
+
+
+def assert_fits(counts, probs, label=""):
+    stat, df = chi2(counts, probs)
+    assert df >= 1
+    assert stat < CHI2_999[df], f"{label}: chi2 = {stat:.1f} >= {CHI2_999[df]} (df {df})"
+    return stat, df
+
+
+def assert_rejects(counts, probs, label=""):
+    stat, df = chi2(counts, probs)
+    assert stat > CHI2_999[df], f"{label}: the test has no power (chi2 = {stat:.1f}, df {df})"
+
+
+def expected_accept(p: np.ndarray, q: np.ndarray, k: int) -> float:
+    """Probability that MSS accepts one of k i.i.d. children from q."""
+    reject = 1.0
+    for _ in range(k):
+        a = np.minimum(p, q).sum()
+        reject *= 1 - a
+        r = np.maximum(p - q, 0)
+        if r.sum() <= 0:
+            break
+        p = r / r.sum()
+    return 1 - reject
+
+
+# ---- synthetic ------------------------------------------------------------------
+
+V = 8
+N = 40_000
+
+
+def _verify_accept_first(logits, kids, qs, sampler):
+    """Bug: the first child is accepted unconditionally."""
+    if kids:
+        return int(kids[0]), 0
+    return sampler.sample(logits), None
+
+
+def _verify_no_residual(logits, kids, qs, sampler):
+    """Bug: after a rejection, keep sampling from the target p instead of the
+    residual max(p - q, 0)."""
+    p = target_probs(logits, sampler.params)
+    for k, (x, q) in enumerate(zip(kids, qs)):
+        if sampler.rng.random() * q[x] < p[x]:
+            return int(x), k
+    return sampler.sample_from(p), None
+
+
+def _verify_stale_p(logits, kids, qs, sampler):
+    """Bug: later children are tested against the original p, only the final
+    draw uses the residual."""
+    p0 = target_probs(logits, sampler.params)
+    p = p0
+    for k, (x, q) in enumerate(zip(kids, qs)):
+        if sampler.rng.random() * q[x] < p0[x]:
+            return int(x), k
+        r = np.maximum(p - q, 0)
+        p = r / r.sum()
+    return sampler.sample_from(p), None
+
+
+def mss_counts(logits, q, params, n, seed, kmin=1, kmax=3, verify=verify_step):
+    """n verifications with kmin..kmax children drawn i.i.d. from q. Returns
+    (token counts, accepted count per number of children, trials per number
+    of children)."""
+    sampler = Sampler(replace(params, seed=seed))
+    rng = np.random.default_rng(seed + 1000)
+    ks = rng.integers(kmin, kmax + 1, size=n)
+    kids = rng.choice(q.size, size=(n, kmax), p=q)
+    counts = np.zeros(logits.size, dtype=np.int64)
+    acc = np.zeros(kmax + 1, dtype=np.int64)
+    tries = np.bincount(ks, minlength=kmax + 1)
+    qs = [q] * kmax
+    for i in range(n):
+        k = int(ks[i])
+        row = kids[i, :k].tolist()
+        t, j = verify(logits, row, qs[:k], sampler)
+        if j is not None:
+            assert row[j] == t
+            acc[k] += 1
+        counts[t] += 1
+    return counts, acc, tries
+
+
+CASES = {
+    # plain sampling, draft with full support (rejections everywhere)
+    "T1": dict(params=SamplingParams(temperature=1.0, top_k=0, top_p=1.0), logit_seed=1, draft="dirichlet"),
+    # filtered target; the draft is another filtered distribution with zeros
+    # where the target has mass, and mass where the target has none
+    "T0.7-k5-p0.9": dict(params=SamplingParams(temperature=0.7, top_k=5, top_p=0.9), logit_seed=2,
+                         draft="filtered"),
+}
+
+
+def case(name):
+    c = CASES[name]
+    rng = np.random.default_rng(c["logit_seed"])
+    logits = rng.normal(0, 1.2, V).astype(np.float32)
+    if c["draft"] == "dirichlet":
+        q = rng.dirichlet(np.full(V, 1.0))
+    else:
+        q = target_probs(rng.normal(0, 1.2, V).astype(np.float32), SamplingParams(temperature=1.3, top_k=5, top_p=1.0))
+    p = target_probs(logits, c["params"])
+    return logits, q, p, c["params"]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_mss_reproduces_target_distribution(name):
+    logits, q, p, params = case(name)
+    tv = 0.5 * np.abs(p - q).sum()
+    assert tv > 0.2                               # the draft really differs
+    if name != "T1":
+        assert ((p > 0) & (q == 0)).any() and ((p == 0) & (q > 0)).any()
+    counts, acc, tries = mss_counts(logits, q, params, N, seed=11)
+    assert_fits(counts, p, name)
+    # acceptance rate per number of children: 1 - prod(1 - sum min(p_i, q))
+    for k in range(1, 4):
+        want = expected_accept(p, q, k)
+        sd = np.sqrt(want * (1 - want) / tries[k])
+        assert abs(acc[k] / tries[k] - want) < 5 * sd + 1e-9, (k, acc[k] / tries[k], want)
+
+
+def test_mss_with_no_children_is_plain_sampling():
+    logits, q, p, params = case("T0.7-k5-p0.9")
+    counts, acc, _ = mss_counts(logits, q, params, 10_000, seed=5, kmin=0, kmax=0)
+    assert acc.sum() == 0
+    assert_fits(counts, p, "no children")
+
+
+@pytest.mark.parametrize("bug", [_verify_accept_first, _verify_no_residual, _verify_stale_p],
+                         ids=["accept-first", "no-residual", "stale-p"])
+def test_negative_controls_fail_chi_square(bug):
+    """The same test rejects wrong verifiers: it has power."""
+    name = "T1" if bug is not _verify_stale_p else "T0.7-k5-p0.9"
+    logits, q, p, params = case(name)
+    kw = dict(kmin=3, kmax=3) if bug is _verify_stale_p else {}  # stale-p differs from the 2nd child on
+    counts, _, _ = mss_counts(logits, q, params, N // 4, seed=11, verify=bug, **kw)
+    assert_rejects(counts, p, bug.__name__)
+
+
+def test_two_levels_through_spec_graph():
+    """SpecGraph.advance over a two-level tree (1-2 children from q1, 0-2
+    grandchildren each from q2(.|child)) decides a token pair distributed as
+    p1(t1) p2(t2 | t1); when the first level is rejected the second token
+    comes from a root run (plain sampling)."""
+    v = 6
+    params = SamplingParams(temperature=0.9, top_k=4, top_p=1.0)
+    rng = np.random.default_rng(3)
+    l1 = rng.normal(0, 1.0, v).astype(np.float32)
+    l2 = rng.normal(0, 1.0, (v, v)).astype(np.float32)          # target logits after t1
+    dparams = SamplingParams(temperature=1.2, top_k=0, top_p=1.0)
+    q1 = target_probs(rng.normal(0, 1.0, v).astype(np.float32), dparams)
+    q2 = np.stack([target_probs(rng.normal(0, 1.0, v).astype(np.float32), dparams) for _ in range(v)])
+    p1 = target_probs(l1, params)
+    joint = np.concatenate([p1[a] * target_probs(l2[a], params) for a in range(v)])
+    sampler = Sampler(replace(params, seed=17))
+    n = 15_000
+    counts = np.zeros(v * v, dtype=np.int64)
+    n_two = 0
+    for _ in range(n):
+        g = SpecGraph(sampler)
+        root = g.add_root(0, 5, run_id=1)
+        t = SpecTree(5)
+        for _ in range(rng.integers(1, 3)):
+            c = int(rng.choice(v, p=q1))
+            i = t.add(c, -1, probs=q1, p=q1[c])
+            for _ in range(rng.integers(0, 3)):
+                gc = int(rng.choice(v, p=q2[c]))
+                t.add(gc, i, probs=q2[c], p=q2[c][gc])
+        *_, leaf_seq = t.batch(list(range(1, 1 + len(t))))
+        g.add_tree(root, t, 2, leaf_seq, 0, list(range(1, 1 + len(t))))
+        g.set_result(1, l1[None, :])
+        # a node's logits: the target's next-token logits after its token
+        # (grandchildren's rows are never read for the pair)
+        g.set_result(2, np.stack([l2[t.tokens[i]] if t.parent[i] == -1 else np.zeros(v, np.float32)
+                                  for i in range(len(t))]))
+        d = g.advance()
+        t1 = d[0].token
+        if d[0].node is None:
+            t2 = sampler.sample(l2[t1])               # the root run for t1 decides t2
+        else:
+            t2 = d[1].token
+            n_two += 1
+        counts[t1 * v + t2] += 1
+    assert n_two > n // 4
+    assert_fits(counts, joint, "two levels")
+
+
+# ---- real weights ---------------------------------------------------------------------
+
+PROMPT = "Once upon a time, a warrior named Goliath"
+
+
+def _next_logits(path, n_layer, prompt):
+    from ggpipe.runtime.stage import Stage, StageSpec
+    from ggpipe.runtime.vocab import Vocab
+    from ggpipe.scheduling.runs import Run
+
+    s = Stage(StageSpec(model_path=path, n_layer=n_layer, first=True, last=True, n_ctx=256))
+    try:
+        toks = Vocab(s.model, s.vocab).tokenize(prompt)
+        r = Run.linear(toks, 0)
+        out = s.decode(tokens=r.tokens, pos=r.pos, n_seq_id=r.n_seq_id, seq_ids=r.seq_ids, outputs=r.outputs)
+        assert out.shape == (1, s.n_vocab)
+        return toks, out[0]
+    finally:
+        s.close()
+
+
+@pytest.mark.slow
+def test_mss_real_draft_target_pair(goliath, smollm2):
+    """Target smollm2-goliath-40l, draft smollm2-135m, same prompt: MSS with
+    children drawn from the draft's sampling distribution yields the target's
+    sampling distribution (temperature 0.8, top_k 40, top_p 0.95)."""
+    params = SamplingParams(temperature=0.8, top_k=40, top_p=0.95)
+    toks_t, lt = _next_logits(goliath, 40, PROMPT)
+    toks_d, ld = _next_logits(smollm2, 30, PROMPT)
+    assert toks_t.tolist() == toks_d.tolist()
+    p = target_probs(lt, params)
+    q = target_probs(ld, params)
+    tv = 0.5 * np.abs(p - q).sum()
+    assert 0.1 < tv < 0.95, tv                      # a real, imperfect draft
+    n = 20_000
+    sampler = Sampler(replace(params, seed=2024))
+    rng = np.random.default_rng(7)
+    supp = np.flatnonzero(q)
+    ks = rng.integers(1, 4, size=n)
+    kids = supp[rng.choice(supp.size, size=(n, 3), p=q[supp] / q[supp].sum())]
+    counts = np.zeros(p.size, dtype=np.int64)
+    acc = 0
+    for i in range(n):
+        k = int(ks[i])
+        t, j = verify_step(lt, kids[i, :k].tolist(), [q] * k, sampler)
+        counts[t] += 1
+        acc += j is not None
+    assert counts[p == 0].sum() == 0
+    # bins: tokens with p > 0.5 %, plus one for the rest
+    big = p > 0.005
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = n * np.append(p[big], p[~big].sum())
+    assert exp.min() >= 5
+    df = obs.size - 1
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    print(f"real weights: TV(p, q) = {tv:.3f}, {big.sum()} bins + rest, chi2 = {stat:.1f} (df {df}), "
+          f"accepted {acc / n:.3f}")
+    assert stat < CHI2_999[df], f"chi2 = {stat:.1f} >= {CHI2_999[df]} (df {df})"
+    # and the draft's own distribution is clearly rejected by the same test
+    dq = np.bincount(kids[:, 0], minlength=p.size)
+    obs_q = np.append(dq[big], dq[~big].sum())
+    assert float(((obs_q - exp) ** 2 / exp).sum()) > CHI2_999[df]
+    want = sum(expected_accept(p, q, k) * np.count_nonzero(ks == k) for k in (1, 2, 3))
+    assert abs(acc - want) < 5 * np.sqrt(n * 0.25)
