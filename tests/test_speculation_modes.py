@@ -1,0 +1,92 @@
+"""Speculative modes on real weights and real MPI ranks: greedy output of
+``speculative`` and ``pipeinfer`` (and its ablations) equals single-node greedy
+decoding of the target, token for token; cancellation really aborts runs on a
+middle stage; bad speculation settings give one clear line."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import PROMPTS, generate_json, run_ggpipe
+
+N_TOKENS = 128
+
+# (ranks, --split): target stages / draft stages
+LAYOUTS = [
+    (2, None),                      # target on rank 0, draft on rank 1
+    (3, "0.5,0.5/1.0"),             # 2 target stages, 1 draft stage
+    (4, "0.4,0.6/0.5,0.5"),         # 2 target stages, a 2-stage draft pipeline
+]
+VARIANTS = [
+    ("speculative", []),
+    ("pipeinfer", []),
+    ("pipeinfer", ["--no-cancel"]),
+    ("pipeinfer", ["--no-continuous"]),
+]
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks,split", LAYOUTS, ids=[f"R{r}" for r, _ in LAYOUTS])
+@pytest.mark.parametrize("mode,extra", VARIANTS, ids=["speculative", "pipeinfer", "no-cancel", "no-continuous"])
+def test_greedy_speculation_equals_single_node_target(goliath, smollm2, reference, ranks, split, mode, extra):
+    args = ["-md", str(smollm2), "--mode", mode, *extra] + (["--split", split] if split else [])
+    for prompt in PROMPTS:
+        got = generate_json(goliath, prompt, N_TOKENS, ranks, args)
+        want = reference(goliath, prompt, N_TOKENS)
+        assert got["tokens"] == want, f"{mode} {extra} ranks={ranks} prompt={prompt!r}"
+        dec = got["decoder"]
+        if "--no-continuous" not in extra:
+            # (asynchronous speculation alone rarely finishes a tree before this fast
+            # target decides the next token, so it may draft nothing)
+            assert dec["drafted"] > 0 and dec["draft_accepted"] > 0, dec
+        models = [r["model"] for r in got["ranks"]]
+        assert models.count("draft") == (ranks - 1 if split is None else len(split.split("/")[1].split(",")))
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_cancellation_aborts_a_run_mid_compute_on_a_middle_stage(goliath, smollm2, reference):
+    """The middle target stage holds most layers, so speculative runs queue
+    and compute there; invalidated ones must be aborted mid-compute (native
+    flag) or skipped, and the output stays exact."""
+    prompt = PROMPTS[2]
+    args = ["-md", str(smollm2), "--mode", "pipeinfer", "--split", "0.05,0.9,0.05/1.0",
+            "--p-accept", "0", "--p-recovery", "0", "--draft", "4"]
+    got = generate_json(goliath, prompt, N_TOKENS, 4, args)
+    assert got["tokens"] == reference(goliath, prompt, N_TOKENS)
+    middle = got["ranks"][1]
+    assert middle["model"] == "target" and middle["layers"][1] - middle["layers"][0] >= 30
+    assert got["decoder"]["cancel_sent"] > 0
+    aborted = sum(r.get("cancelled_mid_compute", 0) for r in got["ranks"])
+    assert middle.get("cancelled_mid_compute", 0) > 0, got["ranks"]
+    assert aborted >= middle["cancelled_mid_compute"]
+
+
+@pytest.mark.mpi
+def test_sampled_pipeinfer_generates(smollm2):
+    """Stochastic verification end to end (the distribution itself is tested
+    in test_spec_statistics.py)."""
+    got = generate_json(smollm2, PROMPTS[1], 48, 2,
+                        ["-md", str(smollm2), "--mode", "pipeinfer", "--temp", "0.8", "--seed", "7", "--ignore-eos"])
+    assert len(got["tokens"]) == 48
+    assert got["decoder"]["drafted"] > 0
+    # a model drafting for itself: sampled drafts are mostly accepted
+    assert got["decoder"]["acceptance_rate"] > 0.3
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("extra,fragment", [
+    (["--mode", "pipeinfer"], "needs a draft model"),
+    (["--mode", "pipeinfer", "-md", "DRAFT", "--n-seq-max", "2", "--branches", "2"], "no room for one speculation"),
+    (["-md", "DRAFT", "--split", "0.5,0.5/1.0"], "--split describes 2 target + 1 draft stages but the job has 2"),
+    (["--split", "0.5/1.0"], "no draft model was given"),
+])
+def test_bad_speculation_settings(smollm2, extra, fragment):
+    args = ["generate", "-m", str(smollm2), "-p", "hi", "-n", "4"] + [str(smollm2) if a == "DRAFT" else a
+                                                                      for a in extra]
+    p = run_ggpipe(args, 2, timeout=120)
+    assert p.returncode != 0
+    assert "Traceback" not in p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and fragment in lines[0], p.stderr
