@@ -24,31 +24,15 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import statistics
-import subprocess
-import sys
 import time
 
 from ggpipe.bench import baseline
+from ggpipe.bench.runner import PROMPTS, ggpipe_run
 from ggpipe.models.registry import resolve
 
-PROMPTS = [
-    "Write a Python function that checks whether a string is a palindrome. Give only the code.",
-    "Tell me a story about a warrior named Goliath who guards a mountain pass.",
-    "Explain what the Message Passing Interface (MPI) is, as an encyclopedia would.",
-]
-
-
-def ggpipe_run(model: str, prompt: str, n: int, ranks: int | None, threads: int) -> dict:
-    cmd = [sys.executable, "-m", "ggpipe", "generate", "-m", model, "-p", prompt, "-n", str(n), "--ignore-eos",
-           "-t", str(threads), "--json"]
-    if ranks is not None:
-        cmd = [shutil.which("mpiexec"), "-n", str(ranks), *cmd]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
-    if p.returncode != 0:
-        raise SystemExit(f"failed: {' '.join(cmd)}\n{p.stderr[-2000:]}")
-    return json.loads(p.stdout)
+def ggpipe_gen(model, prompt, n, ranks, threads):
+    return ggpipe_run(model, prompt, n, ranks, ["-t", str(threads)])
 
 
 def parity(model_path: str, n: int, repeat: int, threads: int) -> dict:
@@ -56,7 +40,7 @@ def parity(model_path: str, n: int, repeat: int, threads: int) -> dict:
     for r in range(repeat):
         for prompt in PROMPTS:
             b = baseline.greedy(model_path, prompt, n, n_threads=threads, ignore_eos=True)
-            g = ggpipe_run(model_path, prompt, n, None, threads)
+            g = ggpipe_gen(model_path, prompt, n, None, threads)
             assert g["tokens"] == b.tokens, "ggpipe and llama-cpp-python disagree"
             ref.append(b.tokens_per_s)
             ours.append(g["metrics"]["tokens_per_s"])
@@ -67,11 +51,13 @@ def parity(model_path: str, n: int, repeat: int, threads: int) -> dict:
 
 
 def scaling(model: str, n: int, repeat: int, ranks_list: list[int], threads: int) -> list[dict]:
+    for ranks in ranks_list:  # warm-up: cut and cache every slice, so peak RSS is the run's, not the slicing's
+        ggpipe_gen(model, PROMPTS[0], 1, ranks, threads)
     rows = []
     for r in range(repeat):
         for ranks in ranks_list:
             for prompt in PROMPTS:
-                g = ggpipe_run(model, prompt, n, ranks, threads)
+                g = ggpipe_gen(model, prompt, n, ranks, threads)
                 rows.append({"model": model, "prompt": prompt, "ranks": ranks, "rep": r, "tps": g["metrics"]["tokens_per_s"],
                              "itl_s": g["metrics"]["itl_mean_s"], "tokens": g["tokens"],
                              "rank_mem": [(x["layers"], x["peak_rss_bytes"], x["peak_pss_bytes"])

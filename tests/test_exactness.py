@@ -90,3 +90,20 @@ def test_sliced_stages_reproduce_whole_model_bit_for_bit(smollm2, tmp_path):
     finally:
         for s in (whole_cut, whole, s0, s1):
             s.close()
+
+
+@pytest.mark.mpi
+def test_chat_template_matches_single_node(smollm2, reference):
+    """--chat wraps the prompt in the GGUF's own template (rendered here with
+    llama-cpp-python's Jinja2ChatFormatter and the template from the file)."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    from ggpipe.models.gguf_info import read_model_info
+
+    info = read_model_info(smollm2)
+    fmt = Jinja2ChatFormatter(template=info.chat_template, eos_token="<|im_end|>", bos_token="<|im_start|>",
+                              add_generation_prompt=True)
+    text = fmt(messages=[{"role": "user", "content": "What is MPI?"}]).prompt
+    assert "<|im_start|>assistant" in text
+    got = generate_json(smollm2, "What is MPI?", 32, 2, ["--chat"])
+    assert got["tokens"] == reference(smollm2, text, 32)

@@ -121,14 +121,28 @@ def test_summarize_itl():
 
 
 def test_memory_sampler_sees_allocation():
-    m = MemorySampler(interval_s=0.01)
-    m.start()
-    assert m._thread.daemon
-    rss0, _ = m.sample()
-    a = np.ones(50 * 1024 * 1024 // 8)  # 50 MiB, pages touched
-    rss1, pss1 = m.sample()
-    res = m.stop()
-    del a
+    """Run in a fresh interpreter: inside a long test session freed memory is
+    reused and a new array may not raise RSS."""
+    import json
+    import subprocess
+    import sys
+
+    code = """
+import json, numpy as np
+from ggpipe.metrics import MemorySampler
+m = MemorySampler(interval_s=0.01)
+m.start()
+daemon = m._thread.daemon
+rss0, _ = m.sample()
+a = np.ones(50 * 1024 * 1024 // 8)  # 50 MiB, pages touched
+rss1, pss1 = m.sample()
+res = m.stop()
+print(json.dumps(dict(daemon=daemon, rss0=rss0, rss1=rss1, pss1=pss1, res=res, alive=m._thread.is_alive())))
+"""
+    out = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                    check=True).stdout)
+    res, rss0, rss1, pss1 = out["res"], out["rss0"], out["rss1"], out["pss1"]
+    assert out["daemon"]
     assert set(res) == {"peak_rss_bytes", "peak_pss_bytes", "rss_bytes", "pss_bytes"}
     assert rss1 - rss0 > 40 * 1024 * 1024
     assert res["peak_rss_bytes"] >= rss1 >= res["rss_bytes"] - 10 * 1024 * 1024
@@ -136,7 +150,7 @@ def test_memory_sampler_sees_allocation():
     if pss1 is not None:
         assert res["peak_pss_bytes"] >= pss1
         assert res["peak_pss_bytes"] >= res["pss_bytes"]
-    assert not m._thread.is_alive()
+    assert not out["alive"]
 
 
 def test_memory_sampler_context_manager_and_thread_samples():

@@ -41,9 +41,9 @@ def greedy(model_path: str | Path, prompt: str, n_predict: int, n_threads: int =
            ignore_eos: bool = False) -> BaselineResult:
     """Greedy generation of up to ``n_predict`` tokens after ``prompt``
     (tokenized with BOS per the model and special tokens parsed, as ggpipe)."""
-    import llama_cpp as L  # noqa: PLC0415
+    from ggpipe.runtime.llama import lib  # noqa: PLC0415 (only for llama.cpp's log filter and backend init)
 
-    L.llama_backend_init()
+    L = lib()
     mp = L.llama_model_default_params()
     mp.use_extra_bufts = False
     model = L.llama_model_load_from_file(str(model_path).encode(), mp)

@@ -45,6 +45,7 @@ from ggpipe.models.cache import (
     temp_path_for,
 )
 from ggpipe.models.gguf_info import (
+    release_kept,
     ModelInfo,
     check_sliceable,
     field_value,
@@ -327,5 +328,8 @@ def stage_slice(
         return target
     with file_lock(target.with_name(target.name + ".lock")):
         if not _usable(target, root):
-            derive_gguf(src, range(start, stop), target, "keep")
+            try:
+                derive_gguf(src, range(start, stop), target, "keep")
+            finally:
+                release_kept()  # a rank keeps only its own slice mapped
     return target

@@ -62,6 +62,13 @@ def _one_line(e: BaseException, limit: int = 200) -> str:
 _kept: tuple[tuple[int, int, int, int], GGUFReader] | None = None
 
 
+def release_kept() -> None:
+    """Drop the reader kept by ``load_gguf(keep=True)`` (unmaps its file, so
+    its pages stop counting in this process's memory)."""
+    global _kept
+    _kept = None
+
+
 def load_gguf(path: str | os.PathLike[str], keep: bool = False) -> GGUFReader:
     """Open ``path`` with ``gguf.GGUFReader`` after checking that it is a
     complete GGUF file: raises ModelError (one line) for anything else,

@@ -26,6 +26,11 @@ from ggpipe.errors import ConfigError, GGPipeError, ModelError
 from ggpipe.runtime import llama as _llama
 
 
+class InvalidBatch(GGPipeError):
+    """``llama_decode`` rejected the batch (returned -1), e.g. because its
+    positions do not continue a sequence's cells in the KV cache."""
+
+
 class Cancelled(Exception):
     """``llama_decode`` was aborted through the cancellation flag (it returned 2;
     llama.cpp removed the KV cells of the aborted ubatch)."""
@@ -181,6 +186,8 @@ class Stage:
             raise GGPipeError(
                 f"the KV cache is full (n_ctx={self.spec.n_ctx}): raise --ctx-size or shorten the prompt/-n"
             )
+        if rc == -1:
+            raise InvalidBatch(f"llama_decode rejected a batch of {n} tokens (positions {int(pos[0])}..)")
         if rc != 0:
             raise GGPipeError(f"llama_decode failed with code {rc} on a batch of {n} tokens")
         if hidden is not None:

@@ -19,16 +19,20 @@ from ggpipe.scheduling.runs import Run
 from ggpipe.scheduling.sampling import Sampler
 
 
-def prefill(pipe: Pipeline, tokens: np.ndarray, start_pos: int, n_ubatch: int, seq: int = 0) -> np.ndarray:
-    """Evaluate ``tokens`` (int32 (n,), n >= 1) at positions start_pos.. of
-    sequence ``seq``, in chunks of at most ``n_ubatch`` tokens started back to
-    back; returns float32 (n_vocab,) logits of the last token."""
-    n = int(tokens.shape[0])
+def submit_prompt(pipe: Pipeline, tokens, start_pos: int, n_ubatch: int, seq: int = 0) -> None:
+    """Start ``tokens`` (int32 (n,), n >= 1) at positions start_pos.. of
+    sequence ``seq`` as chunks of at most ``n_ubatch`` tokens, back to back;
+    only the last chunk asks for logits (of its last token)."""
+    n = len(tokens)
     for i in range(0, n, n_ubatch):
-        chunk = tokens[i:i + n_ubatch]
-        pipe.submit(Run.linear(chunk, start_pos + i, seq=seq, output_last=i + n_ubatch >= n))
-    results = pipe.drain()
-    return results[-1].logits[0]
+        pipe.submit(Run.linear(tokens[i:i + n_ubatch], start_pos + i, seq=seq, output_last=i + n_ubatch >= n))
+
+
+def prefill(pipe: Pipeline, tokens: np.ndarray, start_pos: int, n_ubatch: int, seq: int = 0) -> np.ndarray:
+    """:func:`submit_prompt`, then wait; returns float32 (n_vocab,) logits of
+    the last token."""
+    submit_prompt(pipe, tokens, start_pos, n_ubatch, seq)
+    return pipe.drain()[-1].logits[0]
 
 
 class IterativeDecoder:

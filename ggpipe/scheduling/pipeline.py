@@ -30,7 +30,7 @@ from collections import deque
 import numpy as np
 
 from ggpipe.errors import GGPipeError, ProtocolError, RankTimeoutError
-from ggpipe.runtime.stage import Cancelled, Stage
+from ggpipe.runtime.stage import Cancelled, InvalidBatch, Stage
 from ggpipe.scheduling.runs import Run, RunResult
 from ggpipe.transport import messages as m
 
@@ -161,6 +161,10 @@ class Pipeline:
                 else:
                     out = self._stage_decode(run)
             except Cancelled:
+                self.stats["cancelled_mid_compute"] += 1
+            except InvalidBatch:
+                if not (run.speculative and run.run_id in self._cancelled):
+                    raise
                 self.stats["cancelled_mid_compute"] += 1
             finally:
                 self._current = None

@@ -33,9 +33,10 @@ from typing import Callable
 
 import numpy as np
 
-from ggpipe.errors import RankTimeoutError
+from ggpipe.errors import ProtocolError, RankTimeoutError
 from ggpipe.metrics import GenerationClock
 from ggpipe.runtime.stage import KV_SEQ_CP, KV_SEQ_RM
+from ggpipe.scheduling.iterative import submit_prompt
 from ggpipe.scheduling.pipeline import Pipeline
 from ggpipe.scheduling.runs import Run, RunResult, next_run_id
 from ggpipe.scheduling.sampling import Sampler
@@ -73,7 +74,7 @@ class SpecSettings:
     p_split: float = 0.2
     p_recovery: float = 0.05
     p_decay: float = 0.05
-    width: int = 2
+    width: int = 1
     continuous: bool = True
     cancel: bool = True
     max_inflight: int = 8
@@ -135,10 +136,7 @@ class SpeculativeDecoder:
 
         # prefill both models, back to back (their pipelines work in parallel)
         tokens = [int(t) for t in prompt]
-        n = len(tokens)
-        for i in range(0, n, self.n_ubatch):
-            chunk = tokens[i:i + self.n_ubatch]
-            self.target.submit(Run.linear(chunk, i, output_last=i + self.n_ubatch >= n))
+        submit_prompt(self.target, tokens, 0, self.n_ubatch)
         self.context = list(tokens)  # every accepted token, position i at index i; draft KV follows it
         self.proposer.prefill(tokens[:-1])
         logits = self.target.drain(self.timeout_s)[-1].logits[0]
@@ -251,6 +249,9 @@ class SpeculativeDecoder:
         g = self.graph
         rid = res.run.run_id
         if res.cancelled:
+            info = g.runs.get(rid)
+            if info is None or not info.cancelled:
+                raise ProtocolError(f"run {rid} came back cancelled, but the head did not cancel it")
             self.counts["returned_cancelled"] += 1
         elif res.run.speculative or rid in g.runs:
             self.counts["verified_runs"] += 1

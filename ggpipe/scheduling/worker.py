@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from ggpipe.errors import ProtocolError
-from ggpipe.runtime.stage import Cancelled, Stage
+from ggpipe.runtime.stage import Cancelled, InvalidBatch, Stage
 from ggpipe.transport import messages as m
 
 
@@ -57,7 +57,7 @@ class Worker:
         self.current: int | None = None
         self.last_run = -1
         self.stats = {"runs": 0, "tokens": 0, "busy_s": 0.0, "kv_ops": 0,
-                      "cancelled_before_start": 0, "cancelled_mid_compute": 0}
+                      "cancelled_before_start": 0, "cancelled_mid_compute": 0, "dropped_after_cancel": 0}
 
     # -- cancellation ------------------------------------------------------------
 
@@ -133,6 +133,15 @@ class Worker:
             self.stats["cancelled_mid_compute"] += 1
             self._finish_cancelled(h)
             return
+        except InvalidBatch:
+            if not _speculative(h.seq_ids):
+                raise
+            # It builds on cells of a run cancelled here before its own cancel
+            # arrived: it is dead too (its cancel is on the way). The head
+            # checks that it did cancel it.
+            self.stats["dropped_after_cancel"] += 1
+            self._finish_cancelled(h)
+            return
         finally:
             self.current = None
             self.stats["busy_s"] += time.perf_counter() - t0
@@ -183,3 +192,8 @@ class Worker:
         self.stats["kv_ops"] += 1
         if self.next is not None:
             self.t.send(self.next, m.T_KV, start)
+
+
+def _speculative(seq_ids: np.ndarray) -> bool:
+    """A speculative run uses partition sequences only (never sequence 0)."""
+    return bool((seq_ids != 0).all())

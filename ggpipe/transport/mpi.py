@@ -183,6 +183,11 @@ class Transport:
                     f"{self.name(self.rank)} waited {waited:.0f} s for {what}{src}: "
                     f"it stopped answering (raise --timeout if it is only slow)"
                 )
+            if self._pending and self.progress():
+                # a large (rendezvous) send only moves while we are inside MPI:
+                # keep driving it with short sleeps until it is done
+                time.sleep(self.poll_min_s)
+                continue
             time.sleep(delay)
             delay = self.poll_idle_s if waited > self.idle_after_s else min(delay * 1.5, self.poll_max_s)
 

@@ -1,0 +1,35 @@
+"""Launching ``ggpipe generate --json`` runs for benchmarks (one process per
+configuration, under ``mpiexec -n R`` when R is given)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+# One prompt per category of PipeInfer's evaluation (V.A): code generation
+# without explanation, a story about a warrior named Goliath, an encyclopedic text.
+PROMPTS = [
+    "Write a Python function that checks whether a string is a palindrome. Give only the code.",
+    "Tell me a story about a warrior named Goliath who guards a mountain pass.",
+    "Explain what the Message Passing Interface (MPI) is, as an encyclopedia would.",
+]
+
+
+def ggpipe_run(model: str, prompt: str, n: int, ranks: int | None, args: list[str] = (),
+               timeout_s: float = 1800) -> dict:
+    """Run one greedy generation of exactly ``n`` tokens (--ignore-eos) and
+    return its --json summary.
+
+    Raises:
+        SystemExit: the run failed (its stderr is shown).
+    """
+    cmd = [sys.executable, "-m", "ggpipe", "generate", "-m", model, "-p", prompt, "-n", str(n), "--ignore-eos",
+           "--json", *args]
+    if ranks is not None:
+        cmd = [shutil.which("mpiexec"), "-n", str(ranks), *cmd]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
+    if p.returncode != 0:
+        raise SystemExit(f"failed: {' '.join(cmd)}\n{p.stderr[-2000:]}")
+    return json.loads(p.stdout)
