@@ -94,6 +94,7 @@ class DraftProposer:
         if common < len(self.cursor):
             self.pipe.kv(KvHeader(KV_SEQ_RM, seq=0, p0=common, p1=-1))
             del self.cursor[common:]
+            self._last_logits = None  # they were for a prefix that no longer exists
         todo = context[common:]
         n = 0
         for i in range(0, len(todo), self.n_ubatch):
@@ -196,6 +197,7 @@ class DraftProposer:
             raise RuntimeError("draft KV out of step")
         self.pipe.submit(Run.linear([tok], pos))
         self.cursor.append(tok)
+        self._last_logits = None
         self.draft_decodes += 1
         self._pending_runs = 1
         return None
