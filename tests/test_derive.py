@@ -217,7 +217,7 @@ def test_model_info_is_remembered(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     def boom(*a, **k):  # noqa: ANN002, ANN003, ANN202
         raise AssertionError("parsed again")
 
-    monkeypatch.setattr(gguf_info, "load_gguf", boom)
+    monkeypatch.setattr(gguf_info, "_parse_in_child", boom)  # the parse runs in a bounded child process
     again = read_model_info(src, root)
     assert again == info and isinstance(again.per_layer_keys, tuple)
     link = tmp_path / "link.gguf"
@@ -231,7 +231,7 @@ def test_model_info_is_remembered(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert read_model_info(src, root) == info
     for rec in (root / "hashes").glob("*.info.json"):
         rec.write_text("{not json")
-    monkeypatch.setattr(gguf_info, "load_gguf", boom)
+    monkeypatch.setattr(gguf_info, "_parse_in_child", boom)
     with pytest.raises(AssertionError, match="parsed again"):
         read_model_info(src, root)
     monkeypatch.undo()

@@ -477,3 +477,18 @@ def test_concurrent_fetch(smollm2: Path, tmp_path: Path) -> None:
     assert set(paths) == {str(cache / "models" / "two.gguf")}
     assert Path(paths[0]).read_bytes() == ref.read_bytes()
     assert sorted(p.name for p in (cache / "models").iterdir()) == [".two.lock", "smollm2-135m.gguf", "two.gguf"]
+
+
+def test_header_parse_is_bounded(tmp_path, smollm2, monkeypatch):
+    """The first parse of a GGUF runs in a child process with a time-out, so a
+    header that makes gguf's reader loop (it trusts array lengths) gives a
+    clear error instead of a hang. Forced here with a bound below a normal
+    parse."""
+    from ggpipe.errors import ModelError
+    from ggpipe.models import gguf_info
+
+    monkeypatch.setattr(gguf_info, "PARSE_TIMEOUT_S", 0.05)
+    with pytest.raises(ModelError, match="could not be read in 0 s: its header is corrupt"):
+        gguf_info.read_model_info(smollm2, cache_root=tmp_path)
+    monkeypatch.setattr(gguf_info, "PARSE_TIMEOUT_S", 120.0)
+    assert gguf_info.read_model_info(smollm2, cache_root=tmp_path).n_layer == 30

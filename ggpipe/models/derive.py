@@ -239,6 +239,7 @@ def _derive(
         raise ModelError("cannot derive a model with no layers")
     src = Path(src).expanduser()
     out_path = Path(out_path).expanduser()
+    read_model_info(src)  # a file GGUFReader could hang on is refused here, in a bounded child process
     reader = load_gguf(src, keep=True)  # kept open: deriving several files from one model parses it once
     info = info_from_reader(reader, src)
     n = info.n_layer

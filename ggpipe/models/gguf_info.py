@@ -244,6 +244,47 @@ def _valid_info_record(rec: Any) -> bool:
     return isinstance(rec, dict) and rec.get("format") == _INFO_FORMAT and set(rec) - {"format"} == set(_INFO_FIELDS)
 
 
+# gguf 0.19's GGUFReader trusts array lengths: some corrupted headers make it
+# loop for hours (fixed upstream in llama.cpp PR #27188, not yet released). The
+# first parse of a file therefore runs in a child process with this bound.
+PARSE_TIMEOUT_S = 120.0
+
+_CHILD = """
+import json, sys
+from pathlib import Path
+from ggpipe.errors import ModelError
+from ggpipe.models.gguf_info import _info_record, info_from_reader, load_gguf
+p = Path(sys.argv[1])
+try:
+    print(json.dumps({"record": _info_record(info_from_reader(load_gguf(p), p))}))
+except ModelError as e:
+    print(json.dumps({"error": str(e)}))
+"""
+
+
+def _parse_in_child(p: Path) -> dict[str, Any]:
+    """Parse ``p``'s header with GGUFReader in a child process, bounded by
+    PARSE_TIMEOUT_S. Raises ModelError for a file it cannot read in time."""
+    import json  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    try:
+        r = subprocess.run([sys.executable, "-c", _CHILD, str(p)], capture_output=True, text=True,
+                           timeout=PARSE_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        raise ModelError(f"GGUF file {p} could not be read in {PARSE_TIMEOUT_S:.0f} s: its header is corrupt; "
+                         f"download it again") from None
+    try:
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        last = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ModelError(f"GGUF file {p} is truncated or corrupt: reading it failed ({last}); download it again") from None
+    if "error" in out:
+        raise ModelError(out["error"])
+    return out["record"]
+
+
 def read_model_info(path: str | os.PathLike[str], cache_root: str | os.PathLike[str] | None = None) -> ModelInfo:
     """Validate a GGUF file and return its model facts (ModelError if unusable).
 
@@ -257,7 +298,7 @@ def read_model_info(path: str | os.PathLike[str], cache_root: str | os.PathLike[
         raise ModelError(f"{p} is a directory, not a GGUF model file")
 
     def parse() -> dict[str, Any]:
-        return _info_record(info_from_reader(load_gguf(p), p))
+        return _parse_in_child(p)
 
     try:
         rec = remembered(
