@@ -69,7 +69,7 @@ class SpecSettings:
     """
 
     mode: str = "pipeinfer"
-    draft: int = 4
+    draft: int = 6
     p_accept: float = 0.3
     p_split: float = 0.2
     p_recovery: float = 0.05
