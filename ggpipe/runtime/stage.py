@@ -64,7 +64,6 @@ class StageSpec:
 
 # KV cache operations (the transaction layer carries these codes).
 KV_CLEAR, KV_SEQ_RM, KV_SEQ_CP, KV_SEQ_KEEP, KV_SEQ_ADD = range(5)
-KV_OP_NAMES = {KV_CLEAR: "clear", KV_SEQ_RM: "seq_rm", KV_SEQ_CP: "seq_cp", KV_SEQ_KEEP: "seq_keep", KV_SEQ_ADD: "seq_add"}
 
 
 class Stage:
@@ -225,10 +224,6 @@ class Stage:
             L.llama_memory_seq_add(mem, seq, p0, p1, delta)
         else:
             raise ValueError(f"unknown KV op {op}")
-
-    def seq_pos_max(self, seq: int = 0) -> int:
-        """Largest position stored for ``seq`` (-1 when empty)."""
-        return int(self._L.llama_memory_seq_pos_max(self.mem, seq))
 
     # -- lifetime --------------------------------------------------------------
 

@@ -19,13 +19,17 @@ from ggpipe.scheduling.runs import Run
 from ggpipe.scheduling.sampling import Sampler
 
 
-def submit_prompt(pipe: Pipeline, tokens, start_pos: int, n_ubatch: int, seq: int = 0) -> None:
-    """Start ``tokens`` (int32 (n,), n >= 1) at positions start_pos.. of
-    sequence ``seq`` as chunks of at most ``n_ubatch`` tokens, back to back;
-    only the last chunk asks for logits (of its last token)."""
+def submit_prompt(pipe: Pipeline, tokens, start_pos: int, n_ubatch: int, seq: int = 0,
+                  want_logits: bool = True) -> int:
+    """Start ``tokens`` (int32 (n,)) at positions start_pos.. of sequence
+    ``seq`` as chunks of at most ``n_ubatch`` tokens, back to back; with
+    ``want_logits`` the last chunk asks for logits of its last token. Returns
+    the number of runs started."""
     n = len(tokens)
     for i in range(0, n, n_ubatch):
-        pipe.submit(Run.linear(tokens[i:i + n_ubatch], start_pos + i, seq=seq, output_last=i + n_ubatch >= n))
+        last = i + n_ubatch >= n
+        pipe.submit(Run.linear(tokens[i:i + n_ubatch], start_pos + i, seq=seq, output_last=want_logits and last))
+    return -(-n // n_ubatch)
 
 
 def prefill(pipe: Pipeline, tokens: np.ndarray, start_pos: int, n_ubatch: int, seq: int = 0) -> np.ndarray:

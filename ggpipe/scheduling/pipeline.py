@@ -64,7 +64,6 @@ class Pipeline:
         self._cancelled: set[int] = set()
         self._current: int | None = None
         self._busy = False
-        self.runs_started = 0
         self.busy_s = 0.0  # time the head spent computing its own stage
         self.stats = {"cancelled_before_start": 0, "cancelled_mid_compute": 0}
         self._jobs: queue.Queue | None = None
@@ -93,7 +92,6 @@ class Pipeline:
         self._check()
         run.started_at = time.perf_counter()
         self.inflight.append(run)
-        self.runs_started += 1
         if self.stage is None:
             header = m.DecodeHeader(run.run_id, run.pos, run.n_seq_id, run.seq_ids, run.outputs, m.PAYLOAD_TOKENS)
             self._send_decode(header, run.tokens)

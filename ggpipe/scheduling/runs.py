@@ -9,7 +9,7 @@ order runs were started, because every stage handles transactions in order.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -32,8 +32,7 @@ class Run:
         n_seq_id: int32 (n,) sequence ids per token.
         seq_ids: int32 (sum n_seq_id,) KV sequence ids, token by token.
         outputs: int8 (n,) 1 where logits are wanted; the result's logit rows
-            follow the order of the tokens flagged here (token -> logit index
-            map: ``logit_index``).
+            follow the order of the tokens flagged here.
         speculative: a speculative run (may be cancelled mid-stream) or a
             non-speculative one (always evaluated in full, PipeInfer IV.D.3).
         tag: free slot for the scheduling policy (e.g. the tree node ids).
@@ -47,7 +46,6 @@ class Run:
     outputs: np.ndarray
     speculative: bool = False
     tag: object = None
-    cancelled: bool = False
     started_at: float = 0.0
 
     @property
@@ -57,14 +55,6 @@ class Run:
     @property
     def n_outputs(self) -> int:
         return int(np.count_nonzero(self.outputs))
-
-    @property
-    def logit_index(self) -> np.ndarray:
-        """int64 (n,) row of each token in the result's logits, -1 if none."""
-        idx = np.full(self.n_tokens, -1, dtype=np.int64)
-        flagged = np.flatnonzero(self.outputs)
-        idx[flagged] = np.arange(flagged.shape[0])
-        return idx
 
     @classmethod
     def linear(cls, tokens, start_pos: int, seq: int = 0, output_last: bool = True,
@@ -96,4 +86,3 @@ class RunResult:
     logits: np.ndarray | None
     cancelled: bool = False
     finished_at: float = 0.0
-    extra: dict = field(default_factory=dict)

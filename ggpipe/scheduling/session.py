@@ -100,7 +100,6 @@ class Session:
     transport: Transport | None
     stage: Stage
     layers: tuple[int, int]
-    n_layer_total: int
     model_path: str
     hosts: list[str]
     memory: MemorySampler
@@ -234,7 +233,7 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
     elif err:
         raise GGPipeError(err)
 
-    s = Session(config, rank, size, transport, loaded.stage, loaded.layers, loaded.n_layer, loaded.path, hosts,
+    s = Session(config, rank, size, transport, loaded.stage, loaded.layers, loaded.path, hosts,
                 memory, loaded.roles, draft_stage=loaded.draft_stage)
     if rank == 0:
         roles = loaded.roles
@@ -257,7 +256,6 @@ def _close_loaded(loaded) -> None:
 class _Loaded:
     stage: Stage
     layers: tuple[int, int]
-    n_layer: int
     path: str
     roles: Roles
     draft_stage: Stage | None = None
@@ -298,7 +296,7 @@ def _load(config: ClusterConfig, rank: int, size: int) -> _Loaded:
         except BaseException:
             stage.close()
             raise
-    return _Loaded(stage, (start, stop), m_info.n_layer, str(m_path), roles, draft_stage)
+    return _Loaded(stage, (start, stop), str(m_path), roles, draft_stage)
 
 
 def check_same_vocab(target, draft) -> None:

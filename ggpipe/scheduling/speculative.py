@@ -253,7 +253,7 @@ class SpeculativeDecoder:
             if info is None or not info.cancelled:
                 raise ProtocolError(f"run {rid} came back cancelled, but the head did not cancel it")
             self.counts["returned_cancelled"] += 1
-        elif res.run.speculative or rid in g.runs:
+        else:
             self.counts["verified_runs"] += 1
         g.set_result(rid, None if res.cancelled else res.logits)
         decisions = g.advance()
@@ -267,21 +267,28 @@ class SpeculativeDecoder:
             last = decisions[-1]
             if last.node is None and not self.done:
                 self._new_root(last.token)
-        dead = g.dead_runs()
+        self._cancel_dead()
+        for info in g.retirable():
+            self._release(info)
+
+    def _cancel_dead(self) -> None:
+        """Cancel every run the graph reports dead (marked even when
+        cancellation is off, so each is reported once)."""
+        dead = self.graph.dead_runs()
         if self.s.cancel and self.s.asynchronous:
             for d in dead:
                 self.target.cancel(d)
                 self.counts["cancel_sent"] += 1
-        for info in g.retirable():
-            if info.partition is not None:
-                for seq in info.seqs:
-                    self.target.kv(KvHeader(KV_SEQ_RM, seq=seq, p0=-1, p1=-1))
-                self.pool.release(info.partition)
+
+    def _release(self, info) -> None:
+        """Clear a retired run's KV partition (pipelined behind its runs) and
+        return it to the FIFO."""
+        if info.partition is not None:
+            for seq in info.seqs:
+                self.target.kv(KvHeader(KV_SEQ_RM, seq=seq, p0=-1, p1=-1))
+            self.pool.release(info.partition)
 
     # -- speculation -------------------------------------------------------------
-
-    def _spec_inflight(self) -> int:
-        return sum(1 for r in self.graph.runs.values() if r.speculative and not r.returned)
 
     def _may_speculate(self) -> bool:
         if self.done or self.cutoff.exhausted or self.pool.n_free == 0:
@@ -290,7 +297,7 @@ class SpeculativeDecoder:
             return self.pending_root is not None and not self.target.inflight
         if self.graph.committed is None:
             return False
-        inflight = self._spec_inflight()
+        inflight = self.graph.pending_runs(speculative_only=True)
         if inflight >= self.s.max_inflight:
             return False
         if not self.s.continuous:
@@ -402,10 +409,8 @@ class SpeculativeDecoder:
         self.counts["spec_runs"] += int(speculative)
         self.counts["root_runs"] += int(anchor is None and not speculative)
         # a dead anchor means the tree was born dead: cancel at once
-        if speculative and anchor is not None and self.s.cancel and self.s.asynchronous:
-            for d in g.dead_runs():
-                self.target.cancel(d)
-                self.counts["cancel_sent"] += 1
+        if speculative and anchor is not None:
+            self._cancel_dead()
         return ids
 
     # -- the end -----------------------------------------------------------------
@@ -433,10 +438,7 @@ class SpeculativeDecoder:
         self.proposer.active = False
         self._drain_draft()
         for info in list(g.runs.values()):
-            if info.partition is not None:
-                for seq in info.seqs:
-                    self.target.kv(KvHeader(KV_SEQ_RM, seq=seq, p0=-1, p1=-1))
-                self.pool.release(info.partition)
+            self._release(info)
         g.runs.clear()
         drafted = g.n_drafted
         passes = max(1, self.counts["verified_runs"])

@@ -254,5 +254,6 @@ class SpecGraph:
             nid = self.nodes[nid].parent
         return out[::-1]
 
-    def pending_runs(self) -> int:
-        return sum(1 for r in self.runs.values() if not r.returned)
+    def pending_runs(self, speculative_only: bool = False) -> int:
+        """Runs started and not yet returned (only speculative ones, if asked)."""
+        return sum(1 for r in self.runs.values() if not r.returned and (r.speculative or not speculative_only))

@@ -31,6 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from ggpipe.runtime.stage import KV_SEQ_RM
+from ggpipe.scheduling.iterative import submit_prompt
 from ggpipe.scheduling.pipeline import Pipeline
 from ggpipe.scheduling.runs import Run, RunResult
 from ggpipe.scheduling.sampling import SamplingParams, target_probs
@@ -96,12 +97,7 @@ class DraftProposer:
             del self.cursor[common:]
             self._last_logits = None  # they were for a prefix that no longer exists
         todo = context[common:]
-        n = 0
-        for i in range(0, len(todo), self.n_ubatch):
-            chunk = todo[i:i + self.n_ubatch]
-            last = i + self.n_ubatch >= len(todo)
-            self.pipe.submit(Run.linear(chunk, common + i, output_last=want_logits and last))
-            n += 1
+        n = submit_prompt(self.pipe, todo, common, self.n_ubatch, want_logits=want_logits)
         self.cursor.extend(todo)
         self.draft_decodes += n
         return n
