@@ -32,7 +32,10 @@ import numpy as np
 from ggpipe.errors import GGPipeError, ProtocolError, RankTimeoutError
 from ggpipe.runtime.stage import Cancelled, InvalidBatch, Stage
 from ggpipe.scheduling.runs import Run, RunResult
+from ggpipe.trace import tracer
 from ggpipe.transport import messages as m
+
+_TR = tracer()  # per-rank event trace (GGPIPE_TRACE_DIR), None when off
 
 
 class Pipeline:
@@ -92,6 +95,9 @@ class Pipeline:
         self._check()
         run.started_at = time.perf_counter()
         self.inflight.append(run)
+        if _TR:
+            _TR.instant("submit", "head", run=run.run_id, n=int(run.pos.shape[0]), spec=bool(run.speculative),
+                        pipeline=self.name)
         if self.stage is None:
             header = m.DecodeHeader(run.run_id, run.pos, run.n_seq_id, run.seq_ids, run.outputs, m.PAYLOAD_TOKENS)
             self._send_decode(header, run.tokens)
@@ -116,6 +122,8 @@ class Pipeline:
         back up the pipeline from its last stage. Its result still arrives,
         marked cancelled."""
         self._cancelled.add(run_id)
+        if _TR:
+            _TR.instant("cancel", "head", run=run_id, pipeline=self.name)
         if self._current == run_id and self.stage is not None:
             self.stage.hooks.cancel()
         if self.ranks:
@@ -146,6 +154,8 @@ class Pipeline:
         out = None
         if run.run_id in self._cancelled:
             self.stats["cancelled_before_start"] += 1
+            if _TR:
+                _TR.instant("skip", f"{self.name} stage", run=run.run_id)
         else:
             self._current = run.run_id
             self.stage.hooks.clear_cancel()
@@ -167,6 +177,10 @@ class Pipeline:
             finally:
                 self._current = None
                 self.busy_s += time.perf_counter() - t0
+                if _TR:
+                    _TR.span("run", t0, time.perf_counter(), f"{self.name} stage", run=run.run_id,
+                             n=int(run.pos.shape[0]), spec=bool(run.speculative), cancelled=out is None,
+                             pipeline=self.name)
         if self.ranks:
             if out is None:
                 header.payload = m.PAYLOAD_NONE
@@ -268,6 +282,8 @@ class Pipeline:
             logits = flat.reshape(h.n_outputs, self.n_vocab)
         self.inflight.popleft()
         self._cancelled.discard(run.run_id)
+        if _TR:
+            _TR.instant("recv", "head", run=run.run_id, cancelled=bool(h.cancelled), pipeline=self.name)
         return RunResult(run, logits, cancelled=bool(h.cancelled), finished_at=time.perf_counter())
 
     def drain(self, timeout_s: float | None = None) -> list[RunResult]:

@@ -26,7 +26,10 @@ import numpy as np
 
 from ggpipe.errors import ProtocolError
 from ggpipe.runtime.stage import Cancelled, InvalidBatch, Stage
+from ggpipe.trace import tracer
 from ggpipe.transport import messages as m
+
+_TR = tracer()  # per-rank event trace (GGPIPE_TRACE_DIR), None when off
 
 
 class Worker:
@@ -71,6 +74,8 @@ class Worker:
 
     def _register_cancel(self, msg: np.ndarray) -> None:
         run_id = m.decode_simple(msg, m.T_CANCEL)
+        if _TR:
+            _TR.instant("cancel", "stage", run=run_id)
         if self.cancel_fwd is not None:
             self.t.send(self.cancel_fwd, m.T_CANCEL, msg)
         if run_id <= self.last_run and run_id != self.current:
@@ -93,7 +98,10 @@ class Worker:
             return self.t.probe(self.prev, MPI.ANY_TAG)
 
         while True:
+            t_idle = time.perf_counter()
             self.t._wait(ready, idle_timeout_s, "the next transaction", self.prev)
+            if _TR:
+                _TR.span("idle", t_idle, time.perf_counter(), "stage")
             tag, start = self.t.recv(self.prev, MPI.ANY_TAG, np.int32, "the next transaction", max_items=max_items)
             if tag == m.T_DECODE:
                 self._decode(start)
@@ -120,17 +128,21 @@ class Worker:
         self._take_cancels()
         if h.run_id in self.cancelled:
             self.stats["cancelled_before_start"] += 1
+            if _TR:
+                _TR.instant("skip", "stage", run=h.run_id)
             self._finish_cancelled(h)
             return
         self.current = h.run_id
         self.stage.hooks.clear_cancel()
         t0 = time.perf_counter()
+        aborted = False
         try:
             with self.t.computing(self._take_cancels if self.cancel_src is not None else None):
                 out = self.stage.decode(pos=h.pos, n_seq_id=h.n_seq_id, seq_ids=h.seq_ids, outputs=h.outputs,
                                         **inputs)
         except Cancelled:
             self.stats["cancelled_mid_compute"] += 1
+            aborted = True
             self._finish_cancelled(h)
             return
         except InvalidBatch:
@@ -145,6 +157,9 @@ class Worker:
         finally:
             self.current = None
             self.stats["busy_s"] += time.perf_counter() - t0
+            if _TR:
+                _TR.span("run", t0, time.perf_counter(), "stage", run=h.run_id, n=h.n_tokens,
+                         spec=_speculative(h.seq_ids), cancelled=aborted)
         self.last_run = max(self.last_run, h.run_id)
         self.cancelled = {r for r in self.cancelled if r > self.last_run}
         self.stats["runs"] += 1

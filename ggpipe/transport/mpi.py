@@ -28,6 +28,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from ggpipe.errors import ProtocolError, RankTimeoutError
+from ggpipe.transport import link as _link
 from ggpipe.transport.messages import TYPE_NAMES
 
 _DTYPES = {np.dtype(np.int32): "INT32_T", np.dtype(np.float32): "FLOAT", np.dtype(np.int8): "INT8_T"}
@@ -97,6 +98,7 @@ class Transport:
         self._lock = threading.Lock()
         self.bytes_sent = 0
         self.messages_sent = 0
+        self._link = _link.from_env()  # GGPIPE_LINK: emulated interconnect (ggpipe/transport/link.py), or None
         _tight_timer_slack()
 
     # -- naming ----------------------------------------------------------------
@@ -111,6 +113,13 @@ class Transport:
         """Start sending a C-contiguous int32/float32/int8 array; returns at once.
         The array must not be modified afterwards (it is kept until sent)."""
         array = np.ascontiguousarray(array)
+        if self._link is not None:  # held until its emulated arrival time; progress() sends it
+            with self._lock:
+                self._link.hold(dest, array.nbytes, (dest, tag, array))
+                self.bytes_sent += array.nbytes
+                self.messages_sent += 1
+            self.progress()
+            return
         mpi_type = getattr(self.MPI, _DTYPES[array.dtype])
         req = self.comm.Isend([array, mpi_type], dest=dest, tag=tag)
         with self._lock:
@@ -128,9 +137,18 @@ class Transport:
     def progress(self) -> int:
         """Test pending sends, dropping completed ones; returns how many remain."""
         with self._lock:
+            if self._link is not None:
+                for dest, tag, a in self._link.due():
+                    self._pending.append((self.comm.Isend([a, getattr(self.MPI, _DTYPES[a.dtype])], dest=dest,
+                                                          tag=tag), a))
             if self._pending:
                 self._pending = [(r, b) for (r, b) in self._pending if not r.Test()]
-            return len(self._pending)
+            return len(self._pending) + (self._link.n_held if self._link is not None else 0)
+
+    def _link_wait_s(self, delay: float) -> float:
+        """``delay`` shortened to the next emulated-link release, if sooner."""
+        t = self._link.next_release_in() if self._link is not None else None
+        return delay if t is None else min(delay, t)
 
     def flush(self, timeout_s: float | None = None, what: str = "pending sends to complete") -> None:
         """Wait until every pending send has completed."""
@@ -140,7 +158,7 @@ class Transport:
     def computing(self, on_poll=None):
         """Keep pending sends moving while this thread is busy in llama.cpp,
         and call ``on_poll()`` (e.g. a probe for cancellations) meanwhile."""
-        if not self._pending and on_poll is None:
+        if not self._pending and on_poll is None and not (self._link is not None and self._link.n_held):
             yield
             return
         stop = threading.Event()
@@ -153,7 +171,7 @@ class Transport:
                     on_poll()
                 elif not pending:
                     return
-                stop.wait(delay)
+                stop.wait(self._link_wait_s(delay))
                 delay = min(delay * 1.5, self.poll_max_s)
 
         t = threading.Thread(target=run, name="mpi-progress", daemon=True)
@@ -187,6 +205,9 @@ class Transport:
                 # a large (rendezvous) send only moves while we are inside MPI:
                 # keep driving it with short sleeps until it is done
                 time.sleep(self.poll_min_s)
+                continue
+            if self._link is not None and self.progress():  # emulated link: sleep until the next release
+                time.sleep(self._link_wait_s(self.poll_max_s))
                 continue
             time.sleep(delay)
             delay = self.poll_idle_s if waited > self.idle_after_s else min(delay * 1.5, self.poll_max_s)
