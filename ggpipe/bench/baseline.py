@@ -41,7 +41,7 @@ def greedy(model_path: str | Path, prompt: str, n_predict: int, n_threads: int =
            ignore_eos: bool = False) -> BaselineResult:
     """Greedy generation of up to ``n_predict`` tokens after ``prompt``
     (tokenized with BOS per the model and special tokens parsed, as ggpipe)."""
-    from ggpipe.runtime.llama import lib  # noqa: PLC0415 (only for llama.cpp's log filter and backend init)
+    from ggpipe.runtime.llama import lib
 
     L = lib()
     mp = L.llama_model_default_params()
