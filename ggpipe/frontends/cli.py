@@ -20,6 +20,7 @@ from pathlib import Path
 import click
 
 from ggpipe.errors import GGPipeError, RankFailedError
+from ggpipe.frontends.cli_bench import bench_command, timeline_command
 from ggpipe.frontends.cli_models import models_group, split_command
 from ggpipe.models.registry import DEFAULT_MODEL
 from ggpipe.scheduling.sampling import SamplingParams
@@ -169,6 +170,8 @@ def generate(model, draft_model, split, threads, ctx_size, ubatch, n_seq_max, ti
 
 cli.add_command(models_group)
 cli.add_command(split_command)
+cli.add_command(bench_command)
+cli.add_command(timeline_command)
 
 
 def _abort_mpi(code: int) -> None:
