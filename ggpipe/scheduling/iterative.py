@@ -55,12 +55,18 @@ class IterativeDecoder:
         self.stats: dict = {}
 
     def generate(self, prompt: np.ndarray, n_predict: int, sampler: Sampler, start_pos: int = 0,
-                 emit: Callable[[list[int]], None] = lambda toks: None,
-                 clock: GenerationClock | None = None) -> list[int]:
+                 emit: Callable[[list[int]], bool | None] = lambda toks: None,
+                 clock: GenerationClock | None = None, history: list[int] | None = None) -> list[int]:
         """Generate up to ``n_predict`` tokens after ``prompt`` (int32 (n,)),
-        whose first token goes at ``start_pos`` of sequence 0. Stops after an
-        end-of-generation token (included in the result). ``emit`` is called
-        with each accepted token list as soon as it is accepted."""
+        whose first token goes at ``start_pos`` of sequence 0 (positions
+        0..start_pos-1 of sequence 0 must already hold ``history``, the
+        tokens before it; only the speculative modes read them). Stops after
+        an end-of-generation token (included in the result). ``emit`` is
+        called with each accepted token list as soon as it is accepted; a
+        true return value stops the generation there (a stop string, Ctrl-C).
+
+        Raises:
+            RankTimeoutError, ProtocolError: from the pipeline."""
         clock = clock or GenerationClock()
         clock.start()
         logits = prefill(self.pipe, prompt, start_pos, self.n_ubatch)
@@ -72,8 +78,8 @@ class IterativeDecoder:
             tok = sampler.sample(logits)
             out.append(tok)
             clock.token()
-            emit([tok])
-            if len(out) >= n_predict or self.is_eog(tok):
+            stop = emit([tok])
+            if stop or len(out) >= n_predict or self.is_eog(tok):
                 break
             self.pipe.submit(Run.linear([tok], pos))
             pos += 1

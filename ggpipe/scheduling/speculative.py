@@ -106,16 +106,25 @@ class SpeculativeDecoder:
         self.is_eog = is_eog
         self.timeout_s = timeout_s
         self.stats: dict = {}
+        self.draft_cursor: list[int] = []  # tokens in the draft's KV (sequence 0), kept across requests
 
     # -- the event loop --------------------------------------------------------
 
     def generate(self, prompt: np.ndarray, n_predict: int, sampler: Sampler, start_pos: int = 0,
-                 emit: Callable[[list[int]], None] = lambda toks: None,
-                 clock: GenerationClock | None = None) -> list[int]:
+                 emit: Callable[[list[int]], bool | None] = lambda toks: None,
+                 clock: GenerationClock | None = None, history: list[int] | None = None) -> list[int]:
         """Generate up to ``n_predict`` tokens after ``prompt`` (int32 (n,));
-        same contract as IterativeDecoder.generate."""
-        if start_pos != 0:
-            raise NotImplementedError("speculative modes generate from position 0 (a whole context) for now")
+        same contract as IterativeDecoder.generate. ``history`` (the tokens
+        at positions 0..start_pos-1, already in sequence 0 of the target's
+        KV) is required when ``start_pos`` > 0: the draft model's KV is
+        brought to the same context (only what it lacks is decoded).
+
+        Raises:
+            ValueError: ``history`` does not have ``start_pos`` tokens.
+            RankTimeoutError, ProtocolError: from the pipelines."""
+        history = list(history or [])
+        if len(history) != start_pos:
+            raise ValueError(f"history has {len(history)} tokens, start_pos is {start_pos}")
         clock = clock or GenerationClock()
         clock.start()
         s = self.s
@@ -123,6 +132,7 @@ class SpeculativeDecoder:
         self.cutoff = CutoffController(s.p_accept, s.p_recovery, s.p_decay)
         self.proposer = DraftProposer(self.draft, sampler.params, np.random.default_rng(
             None if sampler.params.seed is None else sampler.params.seed + 1), s.p_split, s.width, self.n_ubatch)
+        self.proposer.cursor = self.draft_cursor  # the draft's KV outlives one request
         self.out: list[int] = []
         self.n_predict = n_predict
         self.done = False
@@ -136,9 +146,9 @@ class SpeculativeDecoder:
 
         # prefill both models, back to back (their pipelines work in parallel)
         tokens = [int(t) for t in prompt]
-        submit_prompt(self.target, tokens, 0, self.n_ubatch)
-        self.context = list(tokens)  # every accepted token, position i at index i; draft KV follows it
-        self.proposer.prefill(tokens[:-1])
+        submit_prompt(self.target, tokens, start_pos, self.n_ubatch)
+        self.context = history + tokens  # every accepted token, position i at index i; draft KV follows it
+        self.proposer.prefill(self.context[:-1])
         logits = self.target.drain(self.timeout_s)[-1].logits[0]
         self._drain_draft()
         clock.prompt_done()
@@ -199,8 +209,7 @@ class SpeculativeDecoder:
         self.out.extend(toks)
         self.context.extend(toks)
         self.clock.token(len(toks))
-        self.emit(toks)
-        if len(self.out) >= self.n_predict:
+        if self.emit(toks) or len(self.out) >= self.n_predict:
             self.done = True
 
     def _new_root(self, token: int) -> None:

@@ -1,0 +1,163 @@
+"""``ggpipe chat``: a multi-turn conversation on the head rank.
+
+One user turn per line of stdin (a terminal, or a scripted conversation
+piped in). The conversation is rendered with the GGUF's own chat template;
+the KV cache keeps the earlier turns, so only the new turn is decoded (see
+ggpipe.frontends.engine). Replies stream to stdout.
+
+Commands: ``/reset`` (forget the conversation), ``/stats`` (the last reply's
+speed, TTFT, acceptance rate), ``/quit`` (or end of input).
+
+Ctrl-C: under ``mpiexec`` the launcher forwards SIGINT to every rank. Worker
+ranks ignore it; the head stops the current reply at the next accepted token
+and waits for the next turn. At the input prompt, Ctrl-C ends the chat
+cleanly (a second Ctrl-C makes ``mpiexec`` abort the job).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+from ggpipe.errors import ConfigError
+from ggpipe.frontends.engine import Engine
+from ggpipe.frontends.job import JobSpec, run_job
+from ggpipe.scheduling.sampling import SamplingParams
+
+HELP = "commands: /reset (new conversation), /stats (last reply), /quit"
+
+
+def format_stats(engine: Engine) -> str:
+    """One line about the last reply: tokens, tokens/s, TTFT (ms), acceptance."""
+    c = engine.last
+    if c is None:
+        return "no reply yet"
+    m = c.metrics
+    parts = [f"{len(c.tokens)} tokens", f"prompt {c.n_prompt} tokens ({c.n_reused} reused from the KV cache)"]
+    if m.get("tokens_per_s"):
+        parts.append(f"{m['tokens_per_s']:.1f} tokens/s")
+    if m.get("ttft_wall_s") is not None:
+        parts.append(f"TTFT {1000 * m['ttft_wall_s']:.0f} ms")
+    acc = c.decoder.get("acceptance_rate")
+    if acc is not None:
+        parts.append(f"acceptance {acc:.2f}")
+    if c.decoder.get("accepted_per_pass"):
+        parts.append(f"{c.decoder['accepted_per_pass']:.2f} tokens per target pass")
+    parts.append(f"finish: {c.finish_reason}")
+    return ", ".join(parts)
+
+
+class ChatLoop:
+    """The conversation state and the read-reply loop (head rank).
+
+    Args:
+        engine: the head's engine.
+        sampling: sampling settings of every reply.
+        n_predict: most tokens per reply.
+        system: optional system prompt.
+        stdin, stdout: text streams.
+    """
+
+    def __init__(self, engine: Engine, sampling: SamplingParams, n_predict: int, system: str | None = None,
+                 stdin=None, stdout=None):
+        self.engine = engine
+        self.sampling = sampling
+        self.n_predict = n_predict
+        self.system = system
+        self.stdin = stdin or sys.stdin
+        self.out = stdout or sys.stdout
+        self.interactive = self.stdin.isatty()
+        self.interrupted = False
+        self.replying = False
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.engine.reset()
+
+    def on_sigint(self, signum, frame) -> None:  # noqa: ARG002 (signal handler signature)
+        if self.replying:
+            self.interrupted = True
+        else:
+            raise KeyboardInterrupt
+
+    def say(self, text: str) -> None:
+        self.out.write(text)
+        self.out.flush()
+
+    def read(self) -> str | None:
+        if self.interactive:
+            self.say("> ")
+        line = self.stdin.readline()
+        return None if line == "" else line.rstrip("\n")
+
+    def run(self) -> int:
+        if self.interactive:
+            self.say(f"ggpipe chat ({self.engine.mode}); {HELP}\n")
+        while True:
+            try:
+                line = self.read()
+            except KeyboardInterrupt:
+                self.say("\n")
+                return 0
+            if line is None:
+                return 0
+            text = line.strip()
+            if not text:
+                continue
+            if text.startswith("/"):
+                cmd = text.split()[0].lower()
+                if cmd in ("/quit", "/exit"):
+                    return 0
+                if cmd == "/reset":
+                    self.reset()
+                    self.say("[conversation reset]\n")
+                elif cmd == "/stats":
+                    self.say(format_stats(self.engine) + "\n")
+                else:
+                    self.say(f"unknown command {cmd}; {HELP}\n")
+                continue
+            self.turn(line)
+
+    def turn(self, text: str) -> None:
+        """One user turn: render, decode what the KV cache lacks, stream the reply."""
+        self.messages.append({"role": "user", "content": text})
+        tokens = self.engine.tokenize(messages=self.messages)
+        room = self.engine.n_ctx - int(tokens.shape[0])
+        if room < 1:
+            self.messages.pop()
+            self.say(f"[the conversation ({tokens.shape[0]} tokens) no longer fits the context "
+                     f"({self.engine.n_ctx} tokens): /reset to start a new one, or restart with a larger -c]\n")
+            return
+        self.interrupted = False
+        self.replying = True
+        try:
+            done = self.engine.generate(tokens, min(self.n_predict, room), self.sampling, on_text=self.say,
+                                        should_stop=lambda: self.interrupted)
+        finally:
+            self.replying = False
+        if done.finish_reason == "interrupted":
+            self.say(" [stopped]")
+        self.say("\n")
+        self.messages.append({"role": "assistant", "content": done.text})
+
+
+def run_chat(job: JobSpec, sampling: SamplingParams, n_predict: int, system: str | None = None) -> int:
+    """Entry point of every rank; returns the exit code.
+
+    Raises:
+        ConfigError: the model has no chat template.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # workers: the head decides what Ctrl-C means
+
+    def head(engine: Engine) -> int:
+        if not engine.vocab.chat_template():
+            raise ConfigError("this model has no chat template (tokenizer.chat_template): ggpipe chat needs one")
+        loop = ChatLoop(engine, sampling, n_predict, system)
+        signal.signal(signal.SIGINT, loop.on_sigint)
+        try:
+            return loop.run()
+        finally:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    return run_job(job, head)

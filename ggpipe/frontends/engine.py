@@ -1,0 +1,204 @@
+"""The head rank's generation service, shared by every front end (generate,
+chat, batch, serve): one request at a time through the open pipeline, in any
+mode, with the KV cache's prefix reused between requests.
+
+Prefix reuse (as llama.cpp's server and llama-cpp-python's ``Llama`` do):
+the engine remembers the tokens held in sequence 0 of the KV cache. A new
+request whose tokens start with some of them (the next chat turn, a shared
+system prompt) keeps those cells; every cell from the first difference on is
+removed (``llama_memory_seq_rm`` on every stage) and only the rest of the
+prompt goes down the pipeline. The draft model's KV follows the same
+context (the proposer decodes only what it lacks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from ggpipe.errors import ConfigError
+from ggpipe.metrics import GenerationClock
+from ggpipe.runtime.stage import KV_CLEAR, KV_SEQ_RM
+from ggpipe.runtime.vocab import Vocab, check_prompt_fits
+from ggpipe.scheduling.iterative import IterativeDecoder
+from ggpipe.scheduling.sampling import Sampler, SamplingParams
+from ggpipe.scheduling.session import Session
+from ggpipe.scheduling.speculative import SpecSettings, SpeculativeDecoder
+from ggpipe.transport.messages import KvHeader
+
+MODES = ("iterative", "speculative", "pipeinfer")
+
+
+@dataclass
+class Completion:
+    """One finished request.
+
+    Attributes:
+        tokens: generated token ids (an end-of-generation token included).
+        text: their text, end-of-generation tokens left out, cut before a
+            stop string.
+        finish_reason: "stop" (end of generation or a stop string), "length"
+            (``n_predict`` reached) or "interrupted" (``should_stop``).
+        n_prompt: prompt tokens (the whole prompt, reused cells included).
+        n_reused: prompt tokens whose KV cells were reused (not decoded).
+        metrics: GenerationClock.as_dict() (TTFT, ITL, tokens/s; seconds).
+        decoder: the mode's statistics (acceptance rate, target passes, ...).
+    """
+
+    tokens: list[int]
+    text: str
+    finish_reason: str
+    n_prompt: int
+    n_reused: int
+    metrics: dict
+    decoder: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return dict(tokens=self.tokens, text=self.text, finish_reason=self.finish_reason, n_prompt=self.n_prompt,
+                    n_reused=self.n_reused, metrics=self.metrics, decoder=self.decoder)
+
+
+class Engine:
+    """Head rank: generate through ``session``'s pipeline(s) in ``mode``.
+
+    Args:
+        session: an open session on rank 0 (``session.is_head``).
+        mode: "iterative", "speculative" or "pipeinfer".
+        spec: speculation settings (the speculative modes).
+        ignore_eos: keep generating after end-of-generation tokens.
+        reuse_kv: keep the KV cache's common prefix between requests.
+
+    Raises:
+        ConfigError: a speculative mode without a draft model.
+    """
+
+    def __init__(self, session: Session, mode: str = "iterative", spec: SpecSettings = SpecSettings(),
+                 ignore_eos: bool = False, reuse_kv: bool = True):
+        if mode not in MODES:
+            raise ConfigError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
+        self.session = session
+        self.mode = mode
+        self.vocab = Vocab(session.stage.model, session.stage.vocab)
+        self.reuse_kv = reuse_kv
+        self.n_ctx = session.config.ctx_size
+        self.kv_tokens: list[int] = []  # tokens in sequence 0 of the target's KV, position i at index i
+        is_eog = (lambda t: False) if ignore_eos else self.vocab.is_eog
+        cfg = session.config
+        if mode == "iterative":
+            self.decoder = IterativeDecoder(session.pipeline, cfg.ubatch, is_eog)
+        else:
+            if session.draft_pipeline is None:
+                raise ConfigError(f"--mode {mode} needs a draft model: give one with -md (e.g. -md smollm2-135m)")
+            self.decoder = SpeculativeDecoder(session.pipeline, session.draft_pipeline, spec, cfg.n_seq_max,
+                                              cfg.ubatch, is_eog, timeout_s=cfg.timeout_s)
+        self.last: Completion | None = None
+
+    # -- tokens ------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None) -> np.ndarray:
+        """Token ids (int32 (n,)) of a plain prompt, or of chat ``messages``
+        rendered with the GGUF's chat template (generation prompt added).
+
+        Raises:
+            ModelError: messages given, but the model has no chat template.
+        """
+        if messages is not None:
+            return self.vocab.tokenize(self.vocab.apply_chat_template(messages))
+        return self.vocab.tokenize(prompt or "")
+
+    def check_fits(self, n_prompt: int, n_predict: int) -> None:
+        """Raise ConfigError when the prompt (tokens) plus ``n_predict`` do not fit the context."""
+        check_prompt_fits(n_prompt, n_predict, self.n_ctx)
+
+    # -- the KV cache --------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Forget the conversation: clear every stage's KV cache (target and draft)."""
+        self.session.pipeline.kv(KvHeader(KV_CLEAR))
+        if self.session.draft_pipeline is not None:
+            self.session.draft_pipeline.kv(KvHeader(KV_CLEAR))
+        if isinstance(self.decoder, SpeculativeDecoder):
+            self.decoder.draft_cursor.clear()
+        self.kv_tokens = []
+
+    def _keep_prefix(self, tokens: list[int]) -> int:
+        """Keep the longest prefix of ``tokens`` already in the KV cache
+        (at least one token is left to decode, for its logits); remove every
+        cell after it on every stage. Returns the prefix length."""
+        common = 0
+        if self.reuse_kv:
+            limit = min(len(self.kv_tokens), len(tokens) - 1)
+            while common < limit and self.kv_tokens[common] == tokens[common]:
+                common += 1
+        # every sequence: speculation partitions are released after each request,
+        # but a cell past the prefix in any sequence must not survive
+        self.session.pipeline.kv(KvHeader(KV_SEQ_RM, seq=-1, p0=common, p1=-1))
+        del self.kv_tokens[common:]
+        return common
+
+    # -- one request ---------------------------------------------------------------
+
+    def generate(self, tokens: np.ndarray, n_predict: int, sampling: SamplingParams = SamplingParams(),
+                 on_text: Callable[[str], None] | None = None, stop: list[str] | tuple = (),
+                 should_stop: Callable[[], bool] | None = None) -> Completion:
+        """Generate up to ``n_predict`` tokens after ``tokens`` (int32 (n,)).
+
+        Args:
+            on_text: called with each new piece of text as it is accepted
+                (text after a stop string is never passed).
+            stop: strings that end the generation (not included in the text).
+            should_stop: polled after each accepted token list; true stops
+                the reply there (Ctrl-C in the chat, a closed HTTP stream).
+
+        Raises:
+            ConfigError: the prompt is empty or prompt + n_predict does not fit
+                the context.
+            RankTimeoutError, ProtocolError: from the pipeline.
+        """
+        toks = [int(t) for t in tokens]
+        self.check_fits(len(toks), n_predict)
+        start = self._keep_prefix(toks)
+        sampler = Sampler(sampling)
+        detok = self.vocab.detokenizer()
+        state = {"text": "", "sent": 0, "stopped": None}
+        hold = max((len(s) for s in stop), default=0)  # chars that may start a stop string
+
+        def flush(upto: int) -> None:
+            if on_text is not None and upto > state["sent"]:
+                on_text(state["text"][state["sent"]:upto])
+            state["sent"] = max(state["sent"], upto)
+
+        def emit(new: list[int]) -> bool:
+            for t in new:
+                if not self.vocab.is_eog(t):
+                    state["text"] += detok.push(t)
+            for s in stop:
+                i = state["text"].find(s)
+                if i >= 0:
+                    state["text"] = state["text"][:i]
+                    state["stopped"] = "stop"
+            if state["stopped"]:
+                flush(len(state["text"]))
+                return True
+            flush(len(state["text"]) - max(hold - 1, 0))
+            if should_stop is not None and should_stop():
+                state["stopped"] = "interrupted"
+                return True
+            return False
+
+        clock = GenerationClock()
+        out = self.decoder.generate(np.asarray(toks[start:], dtype=np.int32), n_predict, sampler, start_pos=start,
+                                    emit=emit, clock=clock, history=toks[:start])
+        if not state["stopped"]:
+            state["text"] += detok.flush()
+        flush(len(state["text"]))
+        # cells now in sequence 0: the prompt and every generated token but the last
+        self.kv_tokens = toks + out[:-1]
+        reason = state["stopped"] or ("stop" if out and self.vocab.is_eog(out[-1]) else
+                                      "length" if len(out) >= n_predict else "stop")
+        self.last = Completion(tokens=[int(t) for t in out], text=state["text"], finish_reason=reason,
+                               n_prompt=len(toks), n_reused=start, metrics=clock.as_dict(),
+                               decoder=dict(self.decoder.stats))
+        return self.last

@@ -1,0 +1,61 @@
+"""Running one front end as an MPI job: every rank opens the session; the
+head runs the front end, the other ranks serve their stage until the head
+shuts the pipeline down. Shared by generate, chat, batch and serve.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ggpipe.errors import GGPipeError
+from ggpipe.frontends.engine import Engine
+from ggpipe.scheduling.session import ClusterConfig, Session, open_session
+from ggpipe.scheduling.speculative import SpecSettings
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What every rank needs to start: the cluster settings and the mode.
+
+    Attributes:
+        config: settings compared between ranks at start-up.
+        mode: "iterative", "speculative" or "pipeinfer".
+        spec: speculation settings (speculative modes).
+        ignore_eos: keep generating after end-of-generation tokens.
+    """
+
+    config: ClusterConfig
+    mode: str = "iterative"
+    spec: SpecSettings = field(default_factory=SpecSettings)
+    ignore_eos: bool = False
+
+
+def run_job(job: JobSpec, head: Callable[[Engine], int],
+            after_shutdown: Callable[[Session, list[dict]], None] | None = None) -> int:
+    """Entry point of every rank; returns the process exit code.
+
+    ``head(engine)`` runs on rank 0 and returns the exit code; then the
+    workers are shut down and ``after_shutdown(session, rank_stats)`` is
+    called with every rank's statistics (rank order).
+
+    Raises:
+        GGPipeError: start-up or pipeline errors (the CLI prints one line).
+    """
+    session = open_session(job.config, async_head=job.mode == "pipeinfer")
+    try:
+        if not session.is_head:
+            session.serve()
+            return 0
+        try:
+            code = head(Engine(session, job.mode, job.spec, ignore_eos=job.ignore_eos))
+        except GGPipeError as exc:
+            if not exc.abort_job:  # the pipeline is still in step: stop it cleanly
+                session.shutdown()
+            raise
+        ranks = session.shutdown()
+        if after_shutdown is not None:
+            after_shutdown(session, ranks)
+        return code
+    finally:
+        session.close()
