@@ -122,50 +122,86 @@ def auto_n_seq_max(mode: str, spec) -> int:
     return min(256, 1 + spec.width * runs)
 
 
-def _cluster_config(model, draft_model, split, threads, ctx_size, ubatch, n_seq_max, timeout):
-    from ggpipe.scheduling.session import ClusterConfig  # noqa: PLC0415
+def sampling_options(f):
+    """Per-request generation settings (llama.cpp's names and defaults)."""
+    opts = [
+        click.option("-n", "--n-predict", default=128, show_default=True, type=click.IntRange(min=1),
+                     help="Tokens to generate (at most)."),
+        click.option("--temp", default=0.0, show_default=True, type=float, help="Temperature; 0 = greedy."),
+        click.option("--top-k", default=40, show_default=True, type=int, help="Top-k (0 = off)."),
+        click.option("--top-p", default=0.95, show_default=True, type=float, help="Top-p (1 = off)."),
+        click.option("--seed", default=None, type=int, help="Sampling seed."),
+        click.option("--ignore-eos", is_flag=True, help="Keep generating after an end-of-generation token."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
 
-    return ClusterConfig(model=model, draft_model=draft_model, split=split, threads=threads, ctx_size=ctx_size,
-                         n_seq_max=n_seq_max, ubatch=ubatch, timeout_s=timeout)
+
+def job_options(f):
+    """Everything that starts a job: cluster, speculation and sampling options."""
+    return cluster_options(speculation_options(sampling_options(f)))
+
+
+_JOB_KEYS = ("model", "draft_model", "split", "threads", "ctx_size", "ubatch", "n_seq_max", "timeout", "mode",
+             "n_draft", "p_accept", "p_split", "p_recovery", "p_decay", "branches", "max_inflight", "no_continuous",
+             "no_cancel", "n_predict", "temp", "top_k", "top_p", "seed", "ignore_eos")
+
+
+def split_job_options(kw: dict):
+    """Pop the job_options values out of a command's keyword arguments;
+    returns (JobSpec, SamplingParams, n_predict).
+
+    Raises:
+        ConfigError: impossible sampling settings.
+    """
+    from ggpipe.frontends.job import JobSpec
+    from ggpipe.scheduling.session import ClusterConfig
+
+    o = {k: kw.pop(k) for k in _JOB_KEYS}
+    sampling = SamplingParams(temperature=o["temp"], top_k=o["top_k"], top_p=o["top_p"], seed=o["seed"]).validate()
+    spec = _spec_settings(o["mode"], o["n_draft"], o["p_accept"], o["p_split"], o["p_recovery"], o["p_decay"],
+                          o["branches"], o["max_inflight"], o["no_continuous"], o["no_cancel"])
+    n_seq_max = o["n_seq_max"] if o["n_seq_max"] is not None else auto_n_seq_max(o["mode"], spec)
+    cfg = ClusterConfig(model=o["model"], draft_model=o["draft_model"], split=o["split"], threads=o["threads"],
+                        ctx_size=o["ctx_size"], n_seq_max=n_seq_max, ubatch=o["ubatch"], timeout_s=o["timeout"])
+    return JobSpec(cfg, o["mode"], spec, o["ignore_eos"]), sampling, o["n_predict"]
 
 
 @cli.command()
-@cluster_options
+@job_options
 @click.option("-p", "--prompt", default=None, help="Prompt text.")
 @click.option("-f", "--prompt-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Read the prompt from a file.")
-@click.option("-n", "--n-predict", default=128, show_default=True, type=click.IntRange(min=1),
-              help="Tokens to generate (at most).")
-@click.option("--temp", default=0.0, show_default=True, type=float, help="Temperature; 0 = greedy.")
-@click.option("--top-k", default=40, show_default=True, type=int, help="Top-k (0 = off).")
-@click.option("--top-p", default=0.95, show_default=True, type=float, help="Top-p (1 = off).")
-@click.option("--seed", default=None, type=int, help="Sampling seed.")
-@click.option("--ignore-eos", is_flag=True, help="Keep generating after an end-of-generation token.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template as a user turn.")
-@speculation_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary (text, tokens, metrics, ranks).")
-def generate(model, draft_model, split, threads, ctx_size, ubatch, n_seq_max, timeout, prompt, prompt_file,
-             n_predict, temp, top_k, top_p, seed, ignore_eos, chat, mode, n_draft, p_accept, p_split, p_recovery,
-             p_decay, branches, max_inflight, no_continuous, no_cancel, as_json):
+def generate(prompt, prompt_file, chat, as_json, **kw):
     """Generate text from a prompt (run under mpiexec for a pipeline)."""
-    from ggpipe.frontends.generate import GenerateRequest, run_generate  # noqa: PLC0415
+    from ggpipe.frontends.generate import GenerateRequest, run_generate
 
     if prompt is None and prompt_file is None:
         raise click.UsageError("give a prompt with -p or -f")
     if prompt is not None and prompt_file is not None:
         raise click.UsageError("give either -p or -f, not both")
     text = prompt if prompt is not None else prompt_file.read_text(encoding="utf-8")
-    sampling = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, seed=seed).validate()
-    spec = _spec_settings(mode, n_draft, p_accept, p_split, p_recovery, p_decay, branches, max_inflight,
-                          no_continuous, no_cancel)
-    if n_seq_max is None:
-        n_seq_max = auto_n_seq_max(mode, spec)
-    cfg = _cluster_config(model, draft_model, split, threads, ctx_size, ubatch, n_seq_max, timeout)
-    req = GenerateRequest(prompt=text, n_predict=n_predict, sampling=sampling, chat=chat, mode=mode,
-                          ignore_eos=ignore_eos, spec=spec)
-    code = run_generate(cfg, req, as_json)
+    job, sampling, n_predict = split_job_options(kw)
+    code = run_generate(job, GenerateRequest(prompt=text, n_predict=n_predict, sampling=sampling, chat=chat), as_json)
     if code:
         sys.exit(code)
+
+
+@cli.command()
+@job_options
+@click.option("--system", default=None, help="System prompt (the first message of the conversation).")
+def chat(system, **kw):
+    """Interactive chat on the head rank (other ranks serve the pipeline).
+
+    Reads one user turn per line from stdin (a terminal, or a piped script);
+    /reset, /stats, /quit. Ctrl-C stops the current reply."""
+    from ggpipe.frontends.chat import run_chat
+
+    job, sampling, n_predict = split_job_options(kw)
+    sys.exit(run_chat(job, sampling, n_predict, system))
 
 
 cli.add_command(models_group)
