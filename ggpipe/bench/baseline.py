@@ -37,13 +37,7 @@ class BaselineResult:
         return n / self.gen_s if n > 0 and self.gen_s > 0 else None
 
 
-def greedy(model_path: str | Path, prompt: str, n_predict: int, n_threads: int = 1, n_ctx: int = 2048,
-           ignore_eos: bool = False) -> BaselineResult:
-    """Greedy generation of up to ``n_predict`` tokens after ``prompt``
-    (tokenized with BOS per the model and special tokens parsed, as ggpipe)."""
-    from ggpipe.runtime.llama import lib
-
-    L = lib()
+def _open(L, model_path, n_ctx: int, n_threads: int):
     mp = L.llama_model_default_params()
     mp.use_extra_bufts = False
     model = L.llama_model_load_from_file(str(model_path).encode(), mp)
@@ -54,30 +48,86 @@ def greedy(model_path: str | Path, prompt: str, n_predict: int, n_threads: int =
     cp.n_batch = cp.n_ubatch = 512
     cp.n_threads = cp.n_threads_batch = n_threads
     cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
-    ctx = L.llama_init_from_model(model, cp)
-    vocab = L.llama_model_get_vocab(model)
-    n_vocab = L.llama_vocab_n_tokens(vocab)
-    data = prompt.encode()
+    return model, L.llama_init_from_model(model, cp)
+
+
+def _tokenize(L, vocab, text: str) -> list[int]:
+    data = text.encode()
     buf = (ctypes.c_int32 * (len(data) + 16))()
     n = L.llama_tokenize(vocab, data, len(data), buf, len(buf), True, True)
+    return list(buf[:n])
+
+
+def _greedy_after(L, ctx, vocab, tokens: list[int], n_predict: int, ignore_eos: bool,
+                  t_prompt: list[float] | None = None) -> list[int]:
+    """Decode ``tokens`` (one batch, at the end of sequence 0), then greedy
+    one token per llama_decode. Appends the time the prompt was done to
+    ``t_prompt`` (perf_counter seconds), if given."""
+    arr = (ctypes.c_int32 * len(tokens))(*tokens)
+    if L.llama_decode(ctx, L.llama_batch_get_one(arr, len(tokens))) != 0:
+        raise RuntimeError("prompt decode failed")
+    if t_prompt is not None:
+        t_prompt.append(time.perf_counter())
+    n_vocab = L.llama_vocab_n_tokens(vocab)
+    one = (ctypes.c_int32 * 1)()
     out: list[int] = []
+    while True:
+        logits = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, -1), shape=(n_vocab,))
+        tok = int(np.argmax(logits))
+        out.append(tok)
+        if len(out) >= n_predict or (not ignore_eos and L.llama_vocab_is_eog(vocab, tok)):
+            return out
+        one[0] = tok
+        if L.llama_decode(ctx, L.llama_batch_get_one(one, 1)) != 0:
+            raise RuntimeError("decode failed")
+
+
+def greedy(model_path: str | Path, prompt: str, n_predict: int, n_threads: int = 1, n_ctx: int = 2048,
+           ignore_eos: bool = False) -> BaselineResult:
+    """Greedy generation of up to ``n_predict`` tokens after ``prompt``
+    (tokenized with BOS per the model and special tokens parsed, as ggpipe)."""
+    from ggpipe.runtime.llama import lib
+
+    L = lib()
+    model, ctx = _open(L, model_path, n_ctx, n_threads)
+    vocab = L.llama_model_get_vocab(model)
     try:
+        toks = _tokenize(L, vocab, prompt)
         t0 = time.perf_counter()
-        if L.llama_decode(ctx, L.llama_batch_get_one(buf, n)) != 0:
-            raise RuntimeError("prompt decode failed")
-        one = (ctypes.c_int32 * 1)()
-        t_prompt = time.perf_counter()
-        while True:
-            logits = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, -1), shape=(n_vocab,))
-            tok = int(np.argmax(logits))
-            out.append(tok)
-            if len(out) >= n_predict or (not ignore_eos and L.llama_vocab_is_eog(vocab, tok)):
-                break
-            one[0] = tok
-            if L.llama_decode(ctx, L.llama_batch_get_one(one, 1)) != 0:
-                raise RuntimeError("decode failed")
+        t_prompt: list[float] = []
+        out = _greedy_after(L, ctx, vocab, toks, n_predict, ignore_eos, t_prompt)
         t_end = time.perf_counter()
-        return BaselineResult(out, n, t_prompt - t0, t_end - t_prompt)
+        return BaselineResult(out, len(toks), t_prompt[0] - t0, t_end - t_prompt[0])
+    finally:
+        L.llama_free(ctx)
+        L.llama_model_free(model)
+
+
+def greedy_turns(model_path: str | Path, prompts: list[str], n_predict: int, n_ctx: int = 2048) -> list[list[int]]:
+    """Greedy replies to successive prompts in one context, keeping the KV
+    cache's common prefix between them (as llama-cpp-python's ``Llama`` and
+    llama.cpp's server do): cells from the first differing token on are
+    removed (``llama_memory_seq_rm``) and only the rest is decoded. The
+    reference for multi-turn chat. Returns one token list per prompt."""
+    from ggpipe.runtime.llama import lib
+
+    L = lib()
+    model, ctx = _open(L, model_path, n_ctx, 1)
+    vocab = L.llama_model_get_vocab(model)
+    mem = L.llama_get_memory(ctx)
+    kv: list[int] = []
+    replies = []
+    try:
+        for prompt in prompts:
+            toks = _tokenize(L, vocab, prompt)
+            common = 0
+            while common < min(len(kv), len(toks) - 1) and kv[common] == toks[common]:
+                common += 1
+            L.llama_memory_seq_rm(mem, -1, common, -1)
+            out = _greedy_after(L, ctx, vocab, toks[common:], n_predict, False)
+            kv = toks + out[:-1]
+            replies.append(out)
+        return replies
     finally:
         L.llama_free(ctx)
         L.llama_model_free(model)

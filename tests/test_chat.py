@@ -1,0 +1,140 @@
+"""``ggpipe chat`` on real ranks: a piped multi-turn conversation whose
+replies equal single-node greedy generation of the same templated
+conversation, KV reuse between turns, /reset, /stats, a conversation that
+outgrows the context, and Ctrl-C under a pseudo-terminal."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pty
+import re
+import select
+import signal
+import subprocess
+import termios
+import time
+
+import pytest
+from llama_cpp import Llama
+
+from ggpipe.bench import baseline
+from tests.conftest import ROOT, ggpipe_cmd, run_ggpipe
+
+Q1 = "What is the capital of France?"
+Q2 = "And the capital of Germany?"
+N = 16
+
+
+@pytest.fixture(scope="module")
+def vocab_only(smollm2):
+    return Llama(model_path=str(smollm2), vocab_only=True, verbose=False)
+
+
+def render(vocab_only, messages) -> str:
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    fmt = Jinja2ChatFormatter(template=vocab_only.metadata["tokenizer.chat_template"], eos_token="<|im_end|>",
+                              bos_token="<|im_start|>", add_generation_prompt=True)
+    return fmt(messages=messages).prompt
+
+
+def text_of(vocab_only, toks) -> str:
+    # special=False: end-of-generation tokens render as nothing, as in ggpipe's output
+    return vocab_only.detokenize(toks, special=False).decode("utf-8", "replace").strip()
+
+
+def chat_lines(stdout: str) -> list[str]:
+    return [ln for ln in stdout.splitlines() if ln.strip()]
+
+
+@pytest.mark.parametrize("mode,ranks", [("iterative", 2), ("pipeinfer", 2), ("iterative", None)])
+def test_piped_conversation_equals_single_node(smollm2, reference, vocab_only, mode, ranks):
+    script = f"{Q1}\n/stats\n{Q2}\n/stats\n/reset\n{Q1}\n/stats\n/quit\n"
+    extra = ["-md", str(smollm2), "--mode", mode] if mode != "iterative" else []
+    p = run_ggpipe(["chat", "-m", str(smollm2), "-n", str(N), *extra], ranks, input=script)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = chat_lines(p.stdout)
+    assert len(lines) == 7, p.stdout
+    r1, s1, r2, s2, reset, r3, s3 = lines
+    # single-node reference: the same turns in one llama.cpp context, keeping the common KV prefix
+    turn1 = [{"role": "user", "content": Q1}]
+    turn2 = [*turn1, {"role": "assistant", "content": r1}, {"role": "user", "content": Q2}]
+    ref1, ref2 = baseline.greedy_turns(smollm2, [render(vocab_only, turn1), render(vocab_only, turn2)], N)
+    assert r1 == text_of(vocab_only, ref1)
+    assert r1 == text_of(vocab_only, reference(smollm2, render(vocab_only, turn1), N))
+    assert r2 == text_of(vocab_only, ref2)
+    assert r3 == r1 and reset == "[conversation reset]"
+    # only the new turn is decoded: turn 2 reuses the KV cells of turn 1
+    assert "(0 reused" in s1 and "(0 reused" in s3
+    reused = int(re.search(r"\((\d+) reused", s2).group(1))
+    assert reused > 20, s2
+    assert "tokens/s" in s2 and "TTFT" in s2
+
+
+def test_conversation_outgrows_context(smollm2):
+    script = f"{Q1}\n{Q2}\n{Q1} {Q2} {Q1}\n/quit\n"
+    p = run_ggpipe(["chat", "-m", str(smollm2), "-n", "8", "-c", "64"], 2, input=script)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "no longer fits the context (64 tokens): /reset" in p.stdout
+    assert "Traceback" not in p.stderr
+
+
+def test_unknown_command_and_eof(smollm2):
+    p = run_ggpipe(["chat", "-m", str(smollm2), "-n", "4"], None, input="/frobnicate\n")
+    assert p.returncode == 0, p.stderr
+    assert "unknown command /frobnicate" in p.stdout
+
+
+def _read_until(fd: int, pattern: str, timeout: float, buf: list[str]) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        r, _, _ = select.select([fd], [], [], 0.2)
+        if r:
+            try:
+                data = os.read(fd, 4096)
+            except OSError:
+                return False
+            if not data:
+                return False
+            buf.append(data.decode("utf-8", "replace"))
+            if re.search(pattern, "".join(buf)):
+                return True
+    return False
+
+
+def test_ctrl_c_stops_the_reply_not_the_ranks(smollm2):
+    """Under a pseudo-terminal, ^C (the terminal's SIGINT to mpiexec, which
+    forwards it to every rank) stops the current reply; the chat goes on."""
+    master, slave = pty.openpty()
+
+    def make_ctty():
+        os.setsid()
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    cmd = ggpipe_cmd(["chat", "-m", str(smollm2), "-n", "2000", "--ignore-eos", "-c", "4096"], 2)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, cwd=ROOT, env=env,
+                            preexec_fn=make_ctty, close_fds=True)
+    os.close(slave)
+    buf: list[str] = []
+    try:
+        os.write(master, b"Tell me a very long story about a warrior named Goliath.\n")
+        # wait until the reply is streaming (some words after our own echoed line)
+        assert _read_until(master, r"Goliath\.\r?\n.{40,}", 120, buf), "".join(buf)[-2000:]
+        t0 = time.monotonic()
+        os.write(master, b"\x03")  # Ctrl-C typed at the terminal
+        assert _read_until(master, r"\[stopped\]", 30, buf), "".join(buf)[-2000:]
+        assert time.monotonic() - t0 < 10
+        os.write(master, b"/stats\n")
+        assert _read_until(master, r"finish: interrupted", 30, buf), "".join(buf)[-2000:]
+        os.write(master, b"/quit\n")
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        os.close(master)
+    out = "".join(buf)
+    assert rc == 0, out[-2000:]
+    assert "Traceback" not in out
