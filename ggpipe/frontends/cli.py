@@ -68,6 +68,9 @@ def cluster_options(f):
                      help="KV sequence ids per target context (default: 1, or enough for the speculation settings)."),
         click.option("--timeout", default=60.0, show_default=True, type=float,
                      help="Seconds any wait for another rank may last inside a transaction."),
+        click.option("--liveness-timeout", default=6.0, show_default=True, type=click.FloatRange(min=0.5),
+                     help="Seconds of heartbeat silence after which a rank counts as dead or stuck "
+                          "and the job stops, naming it."),
     ]
     for o in reversed(opts):
         f = o(f)
@@ -143,7 +146,8 @@ def job_options(f):
     return cluster_options(speculation_options(sampling_options(f)))
 
 
-_JOB_KEYS = ("model", "draft_model", "split", "threads", "ctx_size", "ubatch", "n_seq_max", "timeout", "mode",
+_JOB_KEYS = ("model", "draft_model", "split", "threads", "ctx_size", "ubatch", "n_seq_max", "timeout",
+             "liveness_timeout", "mode",
              "n_draft", "p_accept", "p_split", "p_recovery", "p_decay", "branches", "max_inflight", "no_continuous",
              "no_cancel", "n_predict", "temp", "top_k", "top_p", "seed", "ignore_eos")
 
@@ -164,7 +168,8 @@ def split_job_options(kw: dict):
                           o["branches"], o["max_inflight"], o["no_continuous"], o["no_cancel"])
     n_seq_max = o["n_seq_max"] if o["n_seq_max"] is not None else auto_n_seq_max(o["mode"], spec)
     cfg = ClusterConfig(model=o["model"], draft_model=o["draft_model"], split=o["split"], threads=o["threads"],
-                        ctx_size=o["ctx_size"], n_seq_max=n_seq_max, ubatch=o["ubatch"], timeout_s=o["timeout"])
+                        ctx_size=o["ctx_size"], n_seq_max=n_seq_max, ubatch=o["ubatch"], timeout_s=o["timeout"],
+                        liveness_timeout_s=o["liveness_timeout"])
     return JobSpec(cfg, o["mode"], spec, o["ignore_eos"]), sampling, o["n_predict"]
 
 
@@ -202,6 +207,24 @@ def chat(system, **kw):
 
     job, sampling, n_predict = split_job_options(kw)
     sys.exit(run_chat(job, sampling, n_predict, system))
+
+
+@cli.command()
+@job_options
+@click.argument("prompts", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Results, one JSON line per request; a rerun skips the ids already in it.")
+@click.option("--progress/--no-progress", default=True, show_default=True,
+              help="Progress bar (ETA, tokens/s) on stderr.")
+def batch(prompts, output, progress, **kw):
+    """Run a JSONL file of requests: {"id", "prompt" | "messages", optional n, temperature, seed, ...} per line.
+
+    Each result is written (and fsync'd) as it finishes; rerunning the same
+    command resumes where a killed job stopped."""
+    from ggpipe.frontends.batch import run_batch
+
+    job, sampling, n_predict = split_job_options(kw)
+    sys.exit(run_batch(job, prompts, output, n_predict, sampling, progress))
 
 
 cli.add_command(models_group)

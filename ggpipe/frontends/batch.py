@@ -1,0 +1,357 @@
+"""``ggpipe batch``: a JSONL file of requests in, one JSON record out per request.
+
+Input, one JSON object per line (blank lines are skipped)::
+
+    {"id": "q1", "prompt": "The capital of France is"}
+    {"id": 2, "messages": [{"role": "user", "content": "What is MPI?"}], "n": 64, "temperature": 0.7, "seed": 1}
+
+``id`` (string or integer, unique), exactly one of ``prompt`` (text) or
+``messages`` (chat turns rendered with the GGUF's chat template), and
+optionally ``n`` or ``max_tokens`` (tokens to generate), ``temperature``,
+``top_p``, ``top_k``, ``seed`` and ``stop`` (a string or a list of strings);
+what a line leaves out comes from the command line (``-n``, ``--temp``, ...).
+The whole file is checked before anything is generated: a bad line stops the
+job with one error naming its line number.
+
+Output, one line per finished request, in input order::
+
+    {"id": "q1", "text": "...", "tokens": [...], "finish_reason": "length",
+     "n_prompt": 6, "metrics": {"tokens_per_s": ..., "ttft_wall_s": ..., ...}}
+
+Each record is written, flushed and fsync'd as soon as its request finishes,
+so a job killed at any moment loses nothing already written. Running the same
+command again with the same output file skips every id already there and
+appends the rest; a last line cut short by the kill is dropped (and its id
+done again).
+
+Ctrl-C or SIGTERM (Slurm's ``scancel``; ``mpiexec`` forwards both to every
+rank): worker ranks ignore them, the head stops the request in progress
+(it is not written), shuts the pipeline down cleanly and exits 130 (SIGINT)
+or 143 (SIGTERM); rerun the same command to finish.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import numbers
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ggpipe.errors import ConfigError
+from ggpipe.frontends.engine import Engine
+from ggpipe.frontends.job import JobSpec, run_job
+from ggpipe.scheduling.sampling import SamplingParams
+
+_FIELDS = {"id", "prompt", "messages", "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop"}
+
+
+@dataclass
+class BatchItem:
+    """One validated input line.
+
+    Attributes:
+        line: 1-based line number in the input file.
+        id: the request's id (str or int), unique in the file.
+        prompt / messages: exactly one is set.
+        n_predict: most tokens to generate.
+        sampling: the request's sampling settings (validated).
+        stop: stop strings.
+    """
+
+    line: int
+    id: str | int
+    prompt: str | None
+    messages: list[dict] | None
+    n_predict: int
+    sampling: SamplingParams
+    stop: list[str] = field(default_factory=list)
+
+    @property
+    def key(self) -> str:
+        return id_key(self.id)
+
+
+def id_key(value) -> str:
+    """Canonical text of an id (so 1 and "1" stay different ids)."""
+    return json.dumps(value)
+
+
+def _int(v, name: str, where: str, minimum: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < minimum:
+        raise ConfigError(f"{where}: {name} must be an integer >= {minimum}, got {json.dumps(v)}")
+    return int(v)
+
+
+def _number(v, name: str, where: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+        raise ConfigError(f"{where}: {name} must be a number, got {json.dumps(v)}")
+    return float(v)
+
+
+def check_messages(messages, where: str) -> list[dict]:
+    """Validate chat ``messages`` ([{"role": str, "content": str}, ...], not
+    empty); returns them. Raises ConfigError naming ``where``."""
+    if not isinstance(messages, list) or not messages:
+        raise ConfigError(f"{where}: messages must be a non-empty list of {{\"role\", \"content\"}} objects")
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not msg["role"]:
+            raise ConfigError(f"{where}: messages[{i}] must be an object with a string role")
+        if not isinstance(msg.get("content"), str):
+            raise ConfigError(f"{where}: messages[{i}].content must be a string")
+    return messages
+
+
+def parse_item(obj, line: int, path: str, n_predict: int, sampling: SamplingParams) -> BatchItem:
+    """Validate one decoded input line; defaults come from the command line.
+
+    Raises:
+        ConfigError: ``path:line: what is wrong``.
+    """
+    where = f"{path}:{line}"
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{where}: each line must be a JSON object, got {type(obj).__name__}")
+    unknown = sorted(set(obj) - _FIELDS)
+    if unknown:
+        raise ConfigError(f"{where}: unknown field {unknown[0]!r} (known: {', '.join(sorted(_FIELDS))})")
+    if "id" not in obj:
+        raise ConfigError(f"{where}: missing \"id\"")
+    rid = obj["id"]
+    if isinstance(rid, bool) or not isinstance(rid, (str, int)) or rid == "":
+        raise ConfigError(f"{where}: id must be a non-empty string or an integer, got {json.dumps(rid)}")
+    has_p, has_m = "prompt" in obj, "messages" in obj
+    if has_p == has_m:
+        raise ConfigError(f"{where}: give exactly one of \"prompt\" or \"messages\"")
+    prompt = messages = None
+    if has_p:
+        prompt = obj["prompt"]
+        if not isinstance(prompt, str) or not prompt:
+            raise ConfigError(f"{where}: prompt must be a non-empty string")
+    else:
+        messages = check_messages(obj["messages"], where)
+    if "n" in obj and "max_tokens" in obj:
+        raise ConfigError(f"{where}: give \"n\" or \"max_tokens\", not both")
+    n = n_predict
+    for k in ("n", "max_tokens"):
+        if k in obj:
+            n = _int(obj[k], k, where, 1)
+    s = sampling
+    over = {}
+    if "temperature" in obj:
+        over["temperature"] = _number(obj["temperature"], "temperature", where)
+    if "top_p" in obj:
+        over["top_p"] = _number(obj["top_p"], "top_p", where)
+    if "top_k" in obj:
+        over["top_k"] = _int(obj["top_k"], "top_k", where, 0)
+    if "seed" in obj:
+        over["seed"] = None if obj["seed"] is None else _int(obj["seed"], "seed", where, 0)
+    if over:
+        s = dataclasses.replace(s, **over)
+    try:
+        s.validate()
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    stop = obj.get("stop", [])
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(x, str) and x for x in stop):
+        raise ConfigError(f"{where}: stop must be a non-empty string or a list of them")
+    return BatchItem(line, rid, prompt, messages, n, s, stop)
+
+
+def load_items(path: str | os.PathLike, n_predict: int, sampling: SamplingParams) -> list[BatchItem]:
+    """Read and validate the whole input file (see the module docstring).
+
+    Raises:
+        ConfigError: unreadable file, no requests, or a bad line (naming it).
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read {p}: {getattr(e, 'strerror', None) or e}") from None
+    items: list[BatchItem] = []
+    seen: dict[str, int] = {}
+    for i, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            obj = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{p}:{i}: not valid JSON ({e.msg} at column {e.colno})") from None
+        item = parse_item(obj, i, str(p), n_predict, sampling)
+        if item.key in seen:
+            raise ConfigError(f"{p}:{i}: id {item.key} already used on line {seen[item.key]}")
+        seen[item.key] = i
+        items.append(item)
+    if not items:
+        raise ConfigError(f"{p} has no requests (one JSON object per line)")
+    return items
+
+
+def done_ids(path: str | os.PathLike) -> set[str]:
+    """Ids (id_key) already in an existing output file; a last line cut short
+    by a killed run (not valid JSON, or no newline at its end) is removed from
+    the file so that its request runs again. A missing file -> empty set.
+
+    Raises:
+        ConfigError: the file cannot be read, or a line before the last is
+            not a JSON record with an id (not ggpipe's output: refuse to append).
+    """
+    p = Path(path)
+    if not p.exists():
+        return set()
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"cannot read the output file {p}: {e.strerror or e}") from None
+    done: set[str] = set()
+    chunks = data.splitlines(keepends=True)
+    good_end = 0
+    for i, raw in enumerate(chunks, start=1):
+        final = i == len(chunks)
+        if raw.strip():
+            try:
+                rec = json.loads(raw)
+                ok = isinstance(rec, dict) and "id" in rec and raw.endswith(b"\n")
+            except ValueError:  # JSONDecodeError, UnicodeDecodeError
+                ok = False
+            if not ok:
+                if final:  # torn by a kill: drop it, its request runs again
+                    break
+                raise ConfigError(f"output file {p}:{i} is not a ggpipe batch record; "
+                                  f"give another -o or remove the file")
+            done.add(id_key(rec["id"]))
+        good_end += len(raw)
+    if good_end < len(data):
+        with open(p, "r+b") as f:
+            f.truncate(good_end)
+            f.flush()
+            os.fsync(f.fileno())
+    return done
+
+
+def record(item: BatchItem, done) -> dict:
+    """The output record of a finished request (``done``: a Completion)."""
+    m = dict(done.metrics)
+    m.update({k: v for k, v in done.decoder.items() if k in ("acceptance_rate", "accepted_per_pass", "drafted",
+                                                              "draft_accepted", "target_passes")})
+    return {"id": item.id, "text": done.text, "tokens": done.tokens, "finish_reason": done.finish_reason,
+            "n_prompt": done.n_prompt, "n_reused": done.n_reused, "metrics": m}
+
+
+class BatchRunner:
+    """The head's side of a batch job.
+
+    Args:
+        engine: the head's engine.
+        input_path: the JSONL requests.
+        output_path: the JSONL results (appended to; existing ids skipped).
+        n_predict, sampling: defaults of requests that do not set them.
+        progress: show a tqdm progress bar on stderr.
+    """
+
+    def __init__(self, engine: Engine, input_path, output_path, n_predict: int, sampling: SamplingParams,
+                 progress: bool = True):
+        self.engine = engine
+        self.input_path = Path(input_path)
+        self.output_path = Path(output_path)
+        self.n_predict = n_predict
+        self.sampling = sampling
+        self.progress = progress
+        self.signal: int | None = None
+
+    def on_signal(self, signum, frame) -> None:  # noqa: ARG002 (signal handler signature)
+        self.signal = signum
+
+    def prepare(self) -> list[tuple[BatchItem, object]]:
+        """Validate everything before generating: input lines, chat template,
+        prompt lengths; returns the (item, tokens) still to do."""
+        items = load_items(self.input_path, self.n_predict, self.sampling)
+        has_template = bool(self.engine.vocab.chat_template())
+        todo = []
+        done = done_ids(self.output_path)
+        for it in items:
+            where = f"{self.input_path}:{it.line}"
+            if it.messages is not None and not has_template:
+                raise ConfigError(f"{where}: messages need a chat template, and this model has none; use \"prompt\"")
+            if it.key in done:
+                continue
+            try:
+                tokens = self.engine.tokenize(it.prompt, it.messages)
+                self.engine.check_fits(int(tokens.shape[0]), it.n_predict)
+            except ConfigError as e:
+                raise ConfigError(f"{where}: {e}") from None
+            todo.append((it, tokens))
+        return todo
+
+    def run(self) -> int:
+        """Run every pending request; returns the exit code (0, or 128 + signal)."""
+        from tqdm import tqdm  # noqa: PLC0415
+
+        todo = self.prepare()
+        if not todo:
+            sys.stderr.write(f"ggpipe: every request is already in {self.output_path}: nothing to do\n")
+            return 0
+        self.output_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            out = open(self.output_path, "a", encoding="utf-8")
+        except OSError as e:
+            raise ConfigError(f"cannot write the output file {self.output_path}: {e.strerror or e}") from None
+        n_tokens, t0 = 0, time.perf_counter()
+        bar = tqdm(total=len(todo), unit="req", file=sys.stderr, disable=not self.progress, dynamic_ncols=True,
+                   desc="batch")
+        written = 0
+        try:
+            for item, tokens in todo:
+                if self.signal is not None:
+                    break
+                done = self.engine.generate(tokens, item.n_predict, item.sampling, stop=item.stop,
+                                            should_stop=lambda: self.signal is not None)
+                if done.finish_reason == "interrupted":
+                    break
+                out.write(json.dumps(record(item, done), ensure_ascii=False) + "\n")
+                out.flush()
+                os.fsync(out.fileno())
+                written += 1
+                n_tokens += len(done.tokens)
+                bar.set_postfix_str(f"{n_tokens / max(time.perf_counter() - t0, 1e-9):.1f} tokens/s", refresh=False)
+                bar.update(1)
+        finally:
+            bar.close()
+            out.close()
+        if self.signal is not None:
+            left = len(todo) - written
+            sys.stderr.write(f"ggpipe: interrupted: {written} written, {left} left; "
+                             f"run the same command again to finish\n")
+            return 128 + self.signal
+        return 0
+
+
+def run_batch(job: JobSpec, input_path, output_path, n_predict: int, sampling: SamplingParams,
+              progress: bool = True) -> int:
+    """Entry point of every rank; returns the exit code.
+
+    Raises:
+        ConfigError: a bad input line (naming it), an unwritable output file,
+            an output file that is not a batch result.
+    """
+    for sig in (signal.SIGINT, signal.SIGTERM):  # workers: the head decides (mpiexec forwards both)
+        signal.signal(sig, signal.SIG_IGN)
+
+    def head(engine: Engine) -> int:
+        runner = BatchRunner(engine, input_path, output_path, n_predict, sampling, progress)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, runner.on_signal)
+        try:
+            return runner.run()
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_IGN)
+
+    return run_job(job, head)

@@ -1,0 +1,194 @@
+"""``ggpipe batch``: input validation with line numbers, output resumption
+(torn last line), and on real ranks a job killed with SIGKILL mid-way and
+rerun: every id exactly once, valid JSON, greedy tokens equal to single-node
+llama.cpp, a seeded sampled request equal to an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+
+from ggpipe.errors import ConfigError
+from ggpipe.frontends.batch import done_ids, load_items
+from ggpipe.scheduling.sampling import SamplingParams
+from tests.conftest import ROOT, ggpipe_cmd, run_ggpipe
+
+N = 12
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, a warrior named Goliath",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "The three laws of thermodynamics are",
+    "MPI stands for",
+    "The largest planet in the solar system is",
+    "A haiku about autumn:",
+    "In 1969, the first humans",
+    "The recipe for pancakes needs",
+    "Photosynthesis is the process",
+]
+
+
+def write_jsonl(path, rows) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+
+
+def read_records(path) -> list[dict]:
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return [json.loads(ln) for ln in lines]  # every line valid JSON
+
+
+# -- pure logic ----------------------------------------------------------------------
+
+
+def test_load_items_defaults_and_overrides(tmp_path):
+    f = tmp_path / "in.jsonl"
+    f.write_text('{"id": "a", "prompt": "hi"}\n\n{"id": 1, "messages": [{"role": "user", "content": "x"}], '
+                 '"n": 3, "temperature": 0.5, "seed": 7, "stop": "\\n"}\n', encoding="utf-8")
+    a, b = load_items(f, 9, SamplingParams(top_p=0.9))
+    assert (a.id, a.prompt, a.n_predict, a.sampling.temperature, a.sampling.top_p) == ("a", "hi", 9, 0.0, 0.9)
+    assert (b.id, b.line, b.n_predict, b.sampling.temperature, b.sampling.seed, b.stop) == (1, 3, 3, 0.5, 7, ["\n"])
+    assert b.messages == [{"role": "user", "content": "x"}]
+
+
+@pytest.mark.parametrize("line,message", [
+    ('{"id": 1, "prompt": "x"', "not valid JSON"),
+    ('[1, 2]', "must be a JSON object"),
+    ('{"prompt": "x"}', 'missing "id"'),
+    ('{"id": true, "prompt": "x"}', "id must be"),
+    ('{"id": "b"}', 'exactly one of "prompt" or "messages"'),
+    ('{"id": "b", "prompt": "x", "messages": []}', "exactly one of"),
+    ('{"id": "b", "prompt": ""}', "prompt must be a non-empty string"),
+    ('{"id": "b", "messages": []}', "messages must be a non-empty list"),
+    ('{"id": "b", "messages": [{"role": "user"}]}', "messages[0].content must be a string"),
+    ('{"id": "b", "prompt": "x", "n": 0}', "n must be an integer >= 1"),
+    ('{"id": "b", "prompt": "x", "max_tokens": "5"}', "max_tokens must be an integer"),
+    ('{"id": "b", "prompt": "x", "temperature": -1}', "temperature must be a finite number >= 0"),
+    ('{"id": "b", "prompt": "x", "seed": -3}', "seed must be an integer >= 0"),
+    ('{"id": "b", "prompt": "x", "top_p": 0}', "top_p must be in (0, 1]"),
+    ('{"id": "b", "prompt": "x", "stop": [1]}', "stop must be"),
+    ('{"id": "b", "prompt": "x", "nn": 1}', "unknown field 'nn'"),
+    ('{"id": "a", "prompt": "again"}', "id \"a\" already used on line 1"),
+])
+def test_bad_lines_name_their_line(tmp_path, line, message):
+    f = tmp_path / "in.jsonl"
+    f.write_text('{"id": "a", "prompt": "ok"}\n' + line + "\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as e:
+        load_items(f, 8, SamplingParams())
+    assert f"{f}:2" in str(e.value) and message in str(e.value)
+
+
+def test_empty_and_missing_input(tmp_path):
+    f = tmp_path / "in.jsonl"
+    f.write_text("\n\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match="has no requests"):
+        load_items(f, 8, SamplingParams())
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_items(tmp_path / "nope.jsonl", 8, SamplingParams())
+
+
+def test_done_ids_drops_a_torn_last_line(tmp_path):
+    out = tmp_path / "out.jsonl"
+    good = '{"id": "a", "text": "x"}\n{"id": 2, "text": "y"}\n'
+    out.write_text(good + '{"id": "c", "te', encoding="utf-8")
+    assert done_ids(out) == {'"a"', "2"}
+    assert out.read_text(encoding="utf-8") == good
+    out.write_text(good + '{"id": "c"}', encoding="utf-8")  # complete JSON but no newline: torn too
+    assert done_ids(out) == {'"a"', "2"} and out.read_text(encoding="utf-8") == good
+    assert done_ids(tmp_path / "missing.jsonl") == set()
+
+
+def test_done_ids_refuses_a_foreign_file(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text("hello\n" + '{"id": "a"}\n', encoding="utf-8")
+    with pytest.raises(ConfigError, match="out.jsonl:1 is not a ggpipe batch record"):
+        done_ids(out)
+
+
+# -- real ranks ------------------------------------------------------------------------
+
+
+def head_pid(mpiexec_pid: int) -> int | None:
+    """The pid of rank 0 under a running mpiexec (None until it exists)."""
+    for p in psutil.Process(mpiexec_pid).children(recursive=True):
+        try:
+            if p.environ().get("PMI_RANK") == "0" and "python" in p.name():
+                return p.pid
+        except psutil.Error:
+            pass
+    return None
+
+
+@pytest.mark.mpi
+def test_kill_and_resume_loses_nothing(tmp_path, smollm2, reference):
+    rows = [{"id": f"p{i}", "prompt": p} for i, p in enumerate(PROMPTS)]
+    rows.append({"id": 99, "prompt": "Tell me a story", "temperature": 0.8, "seed": 5})
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_jsonl(inp, rows)
+    args = ["batch", str(inp), "-o", str(out), "-m", str(smollm2), "-n", str(N)]
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(ggpipe_cmd(args, 2), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            if out.exists() and out.read_text(encoding="utf-8").count("\n") >= 2:
+                break
+            time.sleep(0.01)
+        assert proc.poll() is None, f"the job ended before it could be killed:\n{proc.communicate()[1][-2000:]}"
+        pid = head_pid(proc.pid)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)  # the head dies mid-request: mpiexec takes the job down
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    assert proc.returncode != 0
+    first = read_records(out)
+    assert 2 <= len(first) < len(rows)
+    with open(out, "a", encoding="utf-8") as f:  # as if the kill tore a write in half
+        f.write('{"id": "p9", "text": "trunc')
+
+    p = run_ggpipe(args, 2, timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr
+    recs = read_records(out)
+    assert [r["id"] for r in recs[:len(first)]] == [r["id"] for r in first]  # kept, not redone
+    ids = [r["id"] for r in recs]
+    assert sorted(map(str, ids)) == sorted(str(r["id"]) for r in rows) and len(ids) == len(set(ids))
+    by_id = {r["id"]: r for r in recs}
+    for i, prompt in enumerate(PROMPTS):
+        r = by_id[f"p{i}"]
+        assert r["tokens"] == reference(smollm2, prompt, N), prompt
+        assert r["finish_reason"] in ("stop", "length") and r["text"]
+        assert r["metrics"]["n_tokens"] == len(r["tokens"])
+
+    # a fresh, uninterrupted run gives the same records (the seeded sampled one included)
+    fresh = tmp_path / "fresh.jsonl"
+    p = run_ggpipe(["batch", str(inp), "-o", str(fresh), "-m", str(smollm2), "-n", str(N), "--no-progress"], 2,
+                   timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert {r["id"]: r["tokens"] for r in read_records(fresh)} == {k: v["tokens"] for k, v in by_id.items()}
+
+    # and a third run finds nothing to do
+    p = run_ggpipe(args, None, timeout=120)
+    assert p.returncode == 0 and "nothing to do" in p.stderr
+    assert read_records(out) == recs
+
+
+@pytest.mark.mpi
+def test_bad_input_is_one_line_before_generating(tmp_path, smollm2):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text('{"id": 1, "prompt": "fine"}\n{"id": 2, "prompt": "x", "n": 3000}\n', encoding="utf-8")
+    p = run_ggpipe(["batch", str(inp), "-o", str(out), "-m", str(smollm2), "-c", "256"], 2, timeout=120)
+    assert p.returncode == 1
+    err = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith(f"ggpipe: error: {inp}:2: ") and "context" in err[0], p.stderr
+    assert not out.exists() or out.read_text() == ""
