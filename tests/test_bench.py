@@ -229,3 +229,25 @@ def test_statistics_helper_sanity():
     rows = [{"link": "shm", "ranks": 2, "mode": "iterative", "status": "ok", "exact": True, "tokens_per_s": x}
             for x in (10.0, 20.0)]
     assert report.aggregate(rows)[0]["tokens_per_s"] == statistics.mean([10.0, 20.0])
+
+
+def test_trace_is_off_by_default_and_round_trips(tmp_path, monkeypatch):
+    import os
+    import time
+
+    from ggpipe import trace
+    from ggpipe.bench import timeline
+
+    if not os.environ.get(trace.ENV_VAR):
+        assert trace.tracer() is None  # the hooks in worker.py / pipeline.py are then one `if`
+    t = trace.Tracer(tmp_path, rank=1)
+    t0 = time.perf_counter()
+    t.span("run", t0, t0 + 0.010, "stage", run=5, n=3, spec=True, cancelled=False)
+    t.span("run", t0 + 0.012, t0 + 0.015, "stage", run=6, n=1, spec=True, cancelled=True)
+    t.span("idle", t0 + 0.015, t0 + 0.020, "stage")
+    t.instant("cancel", "stage", run=6)
+    t.write()
+    s = timeline.summarize(timeline.load_traces(tmp_path)[1])[1]
+    assert (s["runs"], s["spec_runs"], s["aborted"]) == (2, 2, 1)
+    assert s["busy_s"] == pytest.approx(0.013, abs=1e-5) and s["span_s"] == pytest.approx(0.015, abs=1e-5)
+    assert timeline.draw(tmp_path, tmp_path / "t.png").stat().st_size > 1000
