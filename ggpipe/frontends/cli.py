@@ -227,6 +227,27 @@ def batch(prompts, output, progress, **kw):
     sys.exit(run_batch(job, prompts, output, n_predict, sampling, progress))
 
 
+@cli.command()
+@job_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every one).")
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535),
+              help="TCP port (0: any free port, printed at start).")
+@click.option("--api-key", default=None, envvar="GGPIPE_API_KEY",
+              help="Require 'Authorization: Bearer KEY' (or set GGPIPE_API_KEY).")
+@click.option("--model-alias", default=None, help="Model name clients see (default: the GGUF file name).")
+@click.option("--max-queue", default=64, show_default=True, type=click.IntRange(1),
+              help="Most requests waiting for the pipeline; more get HTTP 503.")
+@click.option("--shutdown-grace", default=30.0, show_default=True, type=click.FloatRange(0),
+              help="Seconds the running request may go on after SIGINT/SIGTERM.")
+def serve(host, port, api_key, model_alias, max_queue, shutdown_grace, **kw):
+    """OpenAI-compatible HTTP server on the head rank (/v1/chat/completions, /v1/completions, /v1/models,
+    /health, /metrics). Requests run one at a time; -n and --temp etc. are the request defaults."""
+    from ggpipe.frontends.serve import run_serve
+
+    job, sampling, n_predict = split_job_options(kw)
+    sys.exit(run_serve(job, host, port, api_key, n_predict, sampling, model_alias, max_queue, shutdown_grace))
+
+
 cli.add_command(models_group)
 cli.add_command(split_command)
 cli.add_command(bench_command)

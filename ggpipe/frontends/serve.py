@@ -1,0 +1,248 @@
+"""``ggpipe serve``: an OpenAI-compatible HTTP server on the head rank.
+
+    mpiexec -n 2 ggpipe serve -m smollm2-135m --port 8080
+    curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
+         -d '{"messages": [{"role": "user", "content": "What is MPI?"}], "max_tokens": 32}'
+
+Threads on the head: uvicorn serves HTTP (ggpipe.frontends.serve_app) on a
+background thread; the main thread owns the engine (every MPI call and the
+pipeline happen there). It takes requests from a FIFO queue and runs them
+one at a time, streaming each piece of text back to the request's handler.
+The other ranks serve their pipeline stage as in every front end.
+
+Defaults of a request come from the command line (``-n`` is the default
+``max_tokens``, ``--temp``/``--top-p``/``--top-k``/``--seed`` the default
+sampling; ``--temp 0``, the default, is greedy). Greedy output is the same as
+``ggpipe generate`` for the same prompt (``/v1/chat/completions`` with one
+user message = ``generate --chat``).
+
+Shutdown: SIGINT or SIGTERM (``mpiexec`` forwards both to every rank; the
+workers ignore them) stops accepting requests, lets the running request
+finish (interrupted after ``--shutdown-grace`` seconds, or at once on a second
+signal), fails the queued ones with 503, shuts the pipeline down and exits 0.
+
+While no request comes, the head sends a no-op KV operation down every
+pipeline now and then, so that worker ranks, whose wait between
+transactions is bounded, know the head is alive.
+"""
+
+from __future__ import annotations
+
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+from ggpipe.errors import ConfigError, GGPipeError
+from ggpipe.frontends.engine import Engine
+from ggpipe.frontends.job import JobSpec, run_job
+from ggpipe.frontends.serve_app import APIError, ServerState, create_app
+from ggpipe.runtime.stage import KV_SEQ_RM
+from ggpipe.scheduling.sampling import SamplingParams
+from ggpipe.transport.messages import KvHeader
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host``:``port`` (0: any free port).
+
+    Raises:
+        ConfigError: the address cannot be resolved or bound (in use, no permission).
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ConfigError(f"--host {host}: cannot resolve it ({e.strerror})") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+class Server:
+    """The head's side: the HTTP thread and the request loop.
+
+    Args:
+        engine: the head's engine.
+        host, port: where to listen (port 0: a free port, printed at start).
+        api_key: bearer token required on every endpoint but /health, or None.
+        n_predict, sampling: request defaults.
+        model_id: the model name clients see (default: the GGUF file's stem).
+        max_queue: most waiting requests (more get 503).
+        shutdown_grace_s: how long the running request may go on after a
+            shutdown signal.
+        keepalive_s: idle seconds between keep-alive KV operations.
+    """
+
+    def __init__(self, engine: Engine, host: str, port: int, api_key: str | None, n_predict: int,
+                 sampling: SamplingParams, model_id: str | None = None, max_queue: int = 64,
+                 shutdown_grace_s: float = 30.0, keepalive_s: float = 300.0):
+        self.engine = engine
+        self.host = host
+        self.sock = bind_socket(host, port)
+        self.port = self.sock.getsockname()[1]
+        session = engine.session
+        self.state = ServerState(
+            tokenize=lambda p, msgs: engine.tokenize(p, msgs), model_id=model_id or Path(session.model_path).stem,
+            n_ctx=engine.n_ctx, n_vocab=int(session.stage.n_vocab), n_predict=n_predict, sampling=sampling,
+            api_key=api_key, max_queue=max_queue,
+            info={"mode": engine.mode, "ranks": session.size, "hosts": session.hosts,
+                  "chat_template": bool(engine.vocab.chat_template())})
+        self.shutdown_grace_s = shutdown_grace_s
+        self.keepalive_s = keepalive_s
+        self.deadline: float | None = None  # interrupt the running request after this (monotonic)
+        self.signals = 0
+        self.http = None
+        self.thread: threading.Thread | None = None
+
+    # -- signals -------------------------------------------------------------------------
+
+    def on_signal(self, signum, frame) -> None:  # noqa: ARG002 (signal handler signature)
+        self.signals += 1
+        now = time.monotonic()
+        self.deadline = now if self.signals > 1 else now + self.shutdown_grace_s
+        self.state.stopping.set()
+        if self.http is not None:
+            self.http.should_exit = True
+
+    # -- HTTP thread -----------------------------------------------------------------------
+
+    def start_http(self, timeout_s: float = 30.0) -> None:
+        """Start uvicorn on its thread; wait (bounded) until it serves.
+
+        Raises:
+            ConfigError: uvicorn did not start within ``timeout_s``.
+        """
+        import uvicorn  # noqa: PLC0415
+
+        cfg = uvicorn.Config(create_app(self.state), log_level="warning", lifespan="off",
+                             timeout_graceful_shutdown=int(self.shutdown_grace_s) + 10, access_log=False)
+        self.http = uvicorn.Server(cfg)
+        self.thread = threading.Thread(target=self.http.run, kwargs={"sockets": [self.sock]}, name="ggpipe-http",
+                                       daemon=True)
+        self.thread.start()
+        t_end = time.monotonic() + timeout_s
+        while not self.http.started:
+            if not self.thread.is_alive() or time.monotonic() > t_end:
+                raise ConfigError(f"the HTTP server did not start on {self.host}:{self.port}")
+            time.sleep(0.02)
+
+    def stop_http(self, timeout_s: float = 15.0) -> None:
+        if self.http is not None:
+            self.http.should_exit = True
+        if self.thread is not None:
+            self.thread.join(timeout_s)
+        self.sock.close()
+
+    # -- the request loop (main thread) --------------------------------------------------------
+
+    def keepalive(self) -> None:
+        """A KV operation that changes nothing (removes cells at positions
+        >= n_ctx) on every pipeline: workers see the head is alive."""
+        session = self.engine.session
+        for p in (session.pipeline, session.draft_pipeline):
+            if p is not None:
+                p.kv(KvHeader(KV_SEQ_RM, seq=-1, p0=self.engine.n_ctx, p1=-1))
+
+    def fail_queued(self) -> None:
+        while True:
+            try:
+                job = self.state.jobs.get_nowait()
+            except queue.Empty:
+                return
+            job.finished = True
+            job.push("error", APIError(503, "the server is shutting down", "server_error"))
+
+    def run_one(self, job) -> None:
+        """Generate one request, reporting pieces, the result or an error to its handler."""
+        if job.cancelled.is_set():
+            return
+        state = self.state
+        state.running = 1
+        waited = time.monotonic() - job.t_queued
+
+        def should_stop() -> bool:
+            return job.cancelled.is_set() or (self.deadline is not None and time.monotonic() >= self.deadline)
+
+        try:
+            done = self.engine.generate(job.tokens, job.n_predict, job.sampling,
+                                        on_text=lambda t: job.push("text", t), stop=job.stop, should_stop=should_stop)
+        except GGPipeError as e:
+            job.finished = True
+            job.push("error", APIError(500 if e.abort_job else 400, str(e),
+                                       "server_error" if e.abort_job else "invalid_request_error"))
+            if e.abort_job:  # the pipeline is out of step: the job must end
+                raise
+            return
+        finally:
+            state.running = 0
+        job.finished = True
+        state.metrics.finished(done, waited)
+        job.push("done", done)
+
+    def serve(self) -> int:
+        """Run requests until a shutdown signal; returns 0."""
+        self.start_http()
+        sys.stdout.write(f"ggpipe serve: listening on http://{_url_host(self.host)}:{self.port}/v1 "
+                         f"(model {self.state.model_id}, {self.engine.mode}, {self.engine.session.size} ranks); "
+                         f"requests run one at a time, in order\n")
+        sys.stdout.flush()
+        last = time.monotonic()
+        try:
+            while not self.state.stopping.is_set():
+                if not self.thread.is_alive():
+                    raise ConfigError("the HTTP server stopped unexpectedly")
+                try:
+                    job = self.state.jobs.get(timeout=0.25)
+                except queue.Empty:
+                    if time.monotonic() - last > self.keepalive_s:
+                        self.keepalive()
+                        last = time.monotonic()
+                    continue
+                self.run_one(job)
+                last = time.monotonic()
+            sys.stderr.write("ggpipe serve: shutting down\n")
+        finally:
+            self.state.stopping.set()
+            self.fail_queued()
+            self.stop_http()
+            self.fail_queued()
+        return 0
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def run_serve(job: JobSpec, host: str, port: int, api_key: str | None, n_predict: int, sampling: SamplingParams,
+              model_id: str | None = None, max_queue: int = 64, shutdown_grace_s: float = 30.0) -> int:
+    """Entry point of every rank; returns the exit code (0 after a signal).
+
+    Raises:
+        ConfigError: the address cannot be bound; bad settings.
+    """
+    for sig in (signal.SIGINT, signal.SIGTERM):  # workers: the head decides (mpiexec forwards both)
+        signal.signal(sig, signal.SIG_IGN)
+    keepalive_s = max(1.0, min(300.0, job.config.idle_timeout_s / 4))
+
+    def head(engine: Engine) -> int:
+        server = Server(engine, host, port, api_key, n_predict, sampling, model_id, max_queue, shutdown_grace_s,
+                        keepalive_s)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, server.on_signal)
+        try:
+            return server.serve()
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_IGN)
+
+    return run_job(job, head)
