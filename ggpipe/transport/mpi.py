@@ -215,6 +215,8 @@ class Transport:
     def probe(self, source: int, tag: int):
         """Non-blocking: the status of a waiting message from ``source`` with
         ``tag`` (MPI.ANY_TAG allowed), or None."""
+        if self._link is not None and self._link.n_held:
+            self.progress()  # emulated link: every polling loop releases due messages
         st = self.MPI.Status()
         return st if self.comm.Iprobe(source=source, tag=tag, status=st) else None
 
