@@ -251,3 +251,17 @@ def test_trace_is_off_by_default_and_round_trips(tmp_path, monkeypatch):
     assert (s["runs"], s["spec_runs"], s["aborted"]) == (2, 2, 1)
     assert s["busy_s"] == pytest.approx(0.013, abs=1e-5) and s["span_s"] == pytest.approx(0.015, abs=1e-5)
     assert timeline.draw(tmp_path, tmp_path / "t.png").stat().st_size > 1000
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode", ["speculative", "pipeinfer"])
+def test_speculative_modes_under_an_emulated_link_stay_exact(mode, smollm2):
+    from ggpipe.bench import baseline
+
+    # regression: a loop that only probes (the speculative decoder's wait) must release held messages
+    prompt = "Tell me a story about a warrior named Goliath."
+    p = run_ggpipe(["generate", "-m", str(smollm2), "-md", str(smollm2), "--mode", mode, "-p", prompt, "-n", "12",
+                    "--ignore-eos", "--json", "--timeout", "20"], ranks=2, env={"GGPIPE_LINK": "1gbit,200us"},
+                   timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(p.stdout)["tokens"] == baseline.greedy(smollm2, prompt, 12, ignore_eos=True).tokens
