@@ -1,0 +1,346 @@
+"""``ggpipe plan``: what a job would run where, before running it.
+
+Prints the launcher command and a rank -> host -> model/layers -> memory table:
+
+* weights: the bytes of the tensors a rank's slice computes with (its
+  ``blk.N.*`` tensors; the first stage adds ``token_embd``, the last stage
+  ``output_norm`` and ``output``, or ``token_embd`` again when the model ties
+  its output to it). Tensors a stage never touches stay unread pages of the
+  mmapped slice and cost no memory.
+* KV cache: ``n_layer_slice x n_ctx x (n_embd_k + n_embd_v) x 2`` bytes (f16
+  K and V; n_embd_k = head_dim_k x n_head_kv). ggpipe's contexts use one
+  unified KV buffer of ``n_ctx`` cells shared by every sequence, so
+  ``--n-seq-max`` does not multiply it.
+* not counted: llama.cpp's compute buffers and the last stage's logits
+  buffer (n_ubatch x n_vocab x 4 bytes), typically tens of MB.
+
+Ranks are placed on hosts the way the launcher would: from a hostfile
+(Open MPI ``host slots=N`` or MPICH ``host:N`` lines) either round-robin one
+rank per host (``--map-by node``) or filling each host's slots first
+(``--map-by slot``); without a hostfile every rank is on this host. A warning
+is printed when the ranks of a host need more memory than it has (this host:
+psutil; other hosts: ``--mem-per-node``).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import psutil
+
+from ggpipe.errors import ConfigError
+from ggpipe.models.cache import remembered
+from ggpipe.models.gguf_info import field_value, load_gguf, read_model_info
+from ggpipe.models.registry import resolve
+from ggpipe.scheduling.roles import Roles
+from ggpipe.scheduling.session import ClusterConfig, parse_threads
+from ggpipe.scheduling.split import parse_split, plan_layers
+
+KV_BYTES_PER_ELEMENT = 2  # f16 K and V cells (llama.cpp's default cache type)
+_LAYER = re.compile(r"^blk\.(\d+)\.")
+
+
+@dataclass
+class ModelSizes:
+    """What the memory estimate needs from one GGUF (bytes, counts)."""
+
+    path: str
+    n_layer: int
+    layer_bytes: list[int]
+    embd_bytes: int
+    output_bytes: int  # output_norm + output
+    other_bytes: int  # tensors outside blocks that every stage keeps (rope factors, ...)
+    kv_bytes_per_layer_cell: int
+    tied: bool = False  # no output tensor: the last stage's LM head reads token_embd
+
+    def slice_bytes(self, start: int, stop: int, first: bool, last: bool) -> int:
+        """Weight bytes a stage of layers [start, stop) computes with."""
+        uses_embd = first or (last and self.tied)
+        return (sum(self.layer_bytes[start:stop]) + self.other_bytes + (self.embd_bytes if uses_embd else 0)
+                + (self.output_bytes if last else 0))
+
+    def kv_bytes(self, n_layers: int, n_ctx: int) -> int:
+        return n_layers * n_ctx * self.kv_bytes_per_layer_cell
+
+
+def model_sizes(name_or_path: str) -> ModelSizes:
+    """Tensor sizes of a model (registry name or path) grouped by layer.
+
+    Raises:
+        ModelError: unknown name, unreadable or non-GGUF file.
+    """
+    path = resolve(name_or_path)
+    info = read_model_info(path)  # validates the file in a bounded child process first
+
+    def compute() -> dict:
+        reader = load_gguf(path)
+        layer = [0] * info.n_layer
+        embd = out = other = 0
+        has_output = False
+        for t in reader.tensors:
+            n = int(t.n_bytes)
+            m = _LAYER.match(t.name)
+            if m and int(m.group(1)) < info.n_layer:
+                layer[int(m.group(1))] += n
+            elif t.name.startswith("token_embd."):
+                embd += n
+            elif t.name.startswith(("output.", "output_norm.")):
+                out += n
+                has_output = has_output or t.name.startswith("output.")
+            else:
+                other += n
+        n_head = info.n_head or 1
+        n_head_kv = info.n_head_kv or n_head
+        head_k = field_value(reader, f"{info.arch}.attention.key_length") or info.n_embd // n_head
+        head_v = field_value(reader, f"{info.arch}.attention.value_length") or info.n_embd // n_head
+        per_cell = (int(head_k) + int(head_v)) * n_head_kv * KV_BYTES_PER_ELEMENT
+        return {"format": _SIZES_FORMAT, "n_layer": info.n_layer, "layer_bytes": layer, "embd_bytes": embd,
+                "output_bytes": out, "other_bytes": other, "kv_bytes_per_layer_cell": per_cell,
+                "tied": not has_output}
+
+    # GGUFReader takes seconds on a large vocabulary: remember the sizes per file (as ModelInfo)
+    rec = remembered(path, "plan", compute, None, lambda v: isinstance(v, dict) and v.get("format") == _SIZES_FORMAT,
+                     strict=False)
+    return ModelSizes(str(path), **{k: v for k, v in rec.items() if k != "format"})
+
+
+_SIZES_FORMAT = 1
+
+
+# -- hosts -------------------------------------------------------------------------------
+
+
+def parse_hostfile(path: str | Path) -> list[tuple[str, int]]:
+    """(host, slots) per line of an Open MPI (``host slots=N``) or MPICH
+    (``host:N``) hostfile; a bare host has 1 slot; ``#`` starts a comment.
+
+    Raises:
+        ConfigError: unreadable, empty, or a line that is neither format.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read hostfile {p}: {getattr(e, 'strerror', None) or e}") from None
+    hosts = []
+    for i, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        m = re.fullmatch(r"([\w.\-]+)(?::(\d+))?(?:\s+(?:slots|max_slots|max-slots)\s*=\s*(\d+))*\s*", line)
+        if m is None:
+            raise ConfigError(f"hostfile {p}:{i}: expected 'host', 'host slots=N' or 'host:N', got {line!r}")
+        slots = int(m.group(2) or m.group(3) or 1)
+        if slots < 1:
+            raise ConfigError(f"hostfile {p}:{i}: slots must be at least 1")
+        hosts.append((m.group(1), slots))
+    if not hosts:
+        raise ConfigError(f"hostfile {p} lists no hosts")
+    return hosts
+
+
+def place_ranks(n_ranks: int, hosts: list[tuple[str, int]] | None, map_by: str = "node") -> list[str]:
+    """The host of each rank. ``node``: round-robin, one rank per host per
+    round; ``slot``: fill each host's slots in order, then wrap around
+    (oversubscribing). Without hosts every rank is on this host."""
+    if not hosts:
+        return [socket.gethostname()] * n_ranks
+    if map_by == "node":
+        return [hosts[r % len(hosts)][0] for r in range(n_ranks)]
+    order = [h for h, slots in hosts for _ in range(slots)]
+    return [order[r % len(order)] for r in range(n_ranks)]
+
+
+def is_this_host(host: str) -> bool:
+    me = socket.gethostname()
+    return host in (me, me.split(".")[0], "localhost", "127.0.0.1", "::1")
+
+
+def parse_bytes(text: str) -> int:
+    """``64G``, ``512MiB``, ``1.5T``, ``123456`` (bytes; K/M/G/T are powers of 1024).
+
+    Raises:
+        ConfigError: not a size.
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(?:i?B)?\s*", str(text), re.IGNORECASE)
+    if m is None:
+        raise ConfigError(f"--mem-per-node: expected a size such as 64G or 512M, got {text!r}")
+    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
+
+
+# -- the plan -------------------------------------------------------------------------------
+
+
+@dataclass
+class RankPlan:
+    rank: int
+    host: str
+    model: str  # "target", "draft" or "target+draft" (the head holding the whole draft)
+    layers: tuple[int, int]
+    n_layer: int
+    threads: int
+    weights_bytes: int
+    kv_bytes: int
+    draft_layers: tuple[int, int] | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.kv_bytes
+
+
+@dataclass
+class Plan:
+    ranks: list[RankPlan]
+    command: list[str] = field(default_factory=list)
+    host_memory: dict[str, int | None] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    def host_totals(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in self.ranks:
+            out[r.host] = out.get(r.host, 0) + r.total_bytes
+        return out
+
+    def as_dict(self) -> dict:
+        return {"command": self.command, "ranks": [dict(asdict(r), total_bytes=r.total_bytes) for r in self.ranks],
+                "hosts": {h: {"ranks": [r.rank for r in self.ranks if r.host == h], "total_bytes": t,
+                              "memory_bytes": self.host_memory.get(h)} for h, t in self.host_totals().items()},
+                "warnings": self.warnings}
+
+
+def plan_job(config: ClusterConfig, n_ranks: int, hosts: list[str], mem_per_node: int | None = None) -> Plan:
+    """Rank layout and memory estimate of ``config`` on ``n_ranks`` ranks
+    placed on ``hosts`` (one per rank).
+
+    Raises:
+        ConfigError, SplitError, ModelError: as the job itself would at start-up.
+    """
+    if config.ctx_size < 8:
+        raise ConfigError("--ctx-size must be >= 8")
+    threads = parse_threads(config.threads, n_ranks)
+    split = parse_split(config.split)
+    roles = Roles.plan(n_ranks, split, config.draft_model is not None)
+    target = model_sizes(config.model)
+    draft = model_sizes(config.draft_model) if config.draft_model is not None else None
+    out = []
+    for r in range(n_ranks):
+        kind = roles.model_of(r)
+        sizes, weights = (target, split.target) if kind == "target" else (draft, split.draft)
+        index, n_stages = roles.stage_of(r)
+        start, stop = plan_layers(sizes.n_layer, n_stages, weights, model=kind)[index]
+        first, last = index == 0, index == n_stages - 1
+        w = sizes.slice_bytes(start, stop, first, last)
+        kv = sizes.kv_bytes(stop - start, config.ctx_size)
+        rp = RankPlan(r, hosts[r], kind, (start, stop), stop - start, threads[r], w, kv)
+        if r == 0 and draft is not None and roles.n_draft == 0:  # the whole draft lives on the head
+            rp.model = "target+draft"
+            rp.draft_layers = (0, draft.n_layer)
+            rp.weights_bytes += draft.slice_bytes(0, draft.n_layer, True, True)
+            rp.kv_bytes += draft.kv_bytes(draft.n_layer, config.ctx_size)
+        out.append(rp)
+    plan = Plan(out)
+    for host, total in plan.host_totals().items():
+        mem = psutil.virtual_memory().total if is_this_host(host) else mem_per_node
+        plan.host_memory[host] = mem
+        if mem is not None and total > mem:
+            ranks = ",".join(str(r.rank) for r in out if r.host == host)
+            plan.warnings.append(f"host {host}: rank(s) {ranks} need about {fmt_bytes(total)} (weights + KV cache) "
+                                 f"but it has {fmt_bytes(mem)} of memory: use more ranks/hosts, a smaller -c, "
+                                 f"or a smaller model")
+    return plan
+
+
+def fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def format_table(plan: Plan) -> str:
+    """The rank table and one line per host."""
+    head = ("rank", "host", "model", "layers", "threads", "weights", "KV cache", "total")
+    rows = []
+    for r in plan.ranks:
+        span = f"{r.layers[0]}-{r.layers[1] - 1}" if r.n_layer > 1 else f"{r.layers[0]}"
+        if r.draft_layers is not None:
+            span += f" + draft 0-{r.draft_layers[1] - 1}"
+        rows.append((str(r.rank), r.host, r.model, span, str(r.threads), fmt_bytes(r.weights_bytes),
+                     fmt_bytes(r.kv_bytes), fmt_bytes(r.total_bytes)))
+    widths = [max(len(head[i]), *(len(row[i]) for row in rows)) for i in range(len(head))]
+    right = {4, 5, 6, 7}
+
+    def line(cells) -> str:
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    lines = [line(head)] + [line(row) for row in rows]
+    for host, total in plan.host_totals().items():
+        n = sum(1 for r in plan.ranks if r.host == host)
+        mem = plan.host_memory.get(host)
+        has = f"of {fmt_bytes(mem)}" if mem is not None else "(memory unknown: give --mem-per-node)"
+        lines.append(f"host {host}: {n} rank{'s' if n > 1 else ''}, {fmt_bytes(total)} {has}")
+    lines.append("not counted: llama.cpp compute buffers and the last stage's logits buffer (tens of MB)")
+    return "\n".join(lines)
+
+
+# -- launcher commands ---------------------------------------------------------------------------
+
+
+def detect_flavor(mpiexec: str = "mpiexec") -> str:
+    """"openmpi", "mpich" (MPICH, Intel MPI, MVAPICH: Hydra) or "unknown", from ``mpiexec --version``."""
+    exe = shutil.which(mpiexec)
+    if exe is None:
+        return "unknown"
+    try:
+        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    if re.search(r"Open MPI|OpenRTE|open-mpi\.org", out):
+        return "openmpi"
+    if re.search(r"HYDRA|MPICH|Intel\(R\) MPI", out):
+        return "mpich"
+    return "unknown"
+
+
+def launcher_command(flavor: str, n_ranks: int, hostfile: str | None, map_by: str, bind_to: str,
+                     threads: int) -> list[str]:
+    """The launcher's part of the command line (before ``ggpipe ...``).
+
+    ``map_by`` node|slot; ``bind_to`` none|core|socket|numa; with core
+    binding each rank gets ``threads`` cores (Open MPI ``PE=``, Hydra
+    ``core:N``) rather than one core for all its threads.
+    """
+    if flavor == "srun":
+        cmd = ["srun", "-n", str(n_ranks), f"--cpus-per-task={threads}"]
+        if map_by == "node":
+            cmd.append("--ntasks-per-node=1")
+        cmd.append(f"--cpu-bind={'none' if bind_to == 'none' else {'core': 'cores', 'socket': 'sockets', 'numa': 'ldoms'}[bind_to]}")
+        return cmd
+    cmd = ["mpiexec", "-n", str(n_ranks)]
+    if flavor == "openmpi":
+        if hostfile:
+            cmd += ["--hostfile", hostfile]
+        mapping = map_by + (f":PE={threads}" if bind_to == "core" and threads > 1 else "")
+        cmd += ["--map-by", mapping, "--bind-to", bind_to]
+        return cmd
+    # MPICH / Hydra (also the default when the flavor is unknown)
+    if hostfile:
+        cmd += ["-f", hostfile]
+        if map_by == "node":
+            cmd += ["-ppn", "1"]
+    if bind_to != "none":
+        cmd += ["-bind-to", f"core:{threads}" if bind_to == "core" and threads > 1 else bind_to]
+    return cmd
+
+
+def shell_join(args: list[str]) -> str:
+    return shlex.join(args)
