@@ -126,7 +126,7 @@ def plot_all(agg: list[dict], out: Path, peers: list[dict] = (), title: str = ""
     colors = {m: f"C{i}" for i, m in enumerate(modes)}
     paths = []
     for name, (col, ylabel, logy) in _METRICS.items():
-        fig, axes = plt.subplots(1, len(links), figsize=(3.2 * len(links) + 0.8, 3.2), sharey=True, squeeze=False)
+        fig, axes = plt.subplots(1, len(links), figsize=(2.9 * len(links) + 1.2, 3.0), sharey=True, squeeze=False)
         for ax, link in zip(axes[0], links):
             for mode in modes:
                 pts = [(a["ranks"], a[col]) for a in agg if a["link"] == link and a["mode"] == mode
@@ -155,13 +155,13 @@ def plot_all(agg: list[dict], out: Path, peers: list[dict] = (), title: str = ""
         handles, labels = axes[0][0].get_legend_handles_labels()
         fig.legend(handles, labels, loc="center right", fontsize=7, frameon=False)
         fig.suptitle(f"{title}: {ylabel}" if title else ylabel, fontsize=9)
-        fig.tight_layout(rect=(0, 0, 0.8, 1))
+        fig.tight_layout(rect=(0, 0, 0.86, 1))
         p = out / f"{name}.png"
         fig.savefig(p, dpi=dpi)
         plt.close(fig)
         paths.append(p)
     if len(links) > 1:
-        fig, axes = plt.subplots(1, len(ranks), figsize=(3.2 * len(ranks) + 0.8, 3.2), sharey=True, squeeze=False)
+        fig, axes = plt.subplots(1, len(ranks), figsize=(2.9 * len(ranks) + 1.2, 3.0), sharey=True, squeeze=False)
         for ax, r in zip(axes[0], ranks):
             for mode in modes:
                 pts = [(links.index(a["link"]), a["tokens_per_s"]) for a in agg
@@ -176,7 +176,7 @@ def plot_all(agg: list[dict], out: Path, peers: list[dict] = (), title: str = ""
         handles, labels = axes[0][0].get_legend_handles_labels()
         fig.legend(handles, labels, loc="center right", fontsize=7, frameon=False)
         fig.suptitle(f"{title}: speed vs interconnect" if title else "speed vs interconnect", fontsize=9)
-        fig.tight_layout(rect=(0, 0, 0.8, 1))
+        fig.tight_layout(rect=(0, 0, 0.86, 1))
         p = out / "link.png"
         fig.savefig(p, dpi=dpi)
         plt.close(fig)
