@@ -48,7 +48,24 @@ def load_traces(trace_dir: str | Path) -> tuple[dict[int, dict], dict[int, list[
     meta = {}
     if (d / "meta.json").is_file():
         meta = json.loads((d / "meta.json").read_text())
+    _spec_from_head(events, meta)
     return headers, events, meta
+
+
+def _spec_from_head(events: dict[int, list[dict]], meta: dict) -> None:
+    """A worker only sees KV sequence ids, so it marks a run speculative when
+    none of its tokens is in sequence 0. The head knows better (its ``submit``
+    events): when the ranks' roles are known, workers' runs take the head's flag."""
+    roles = {int(k): str(v).split(" ")[0] for k, v in meta.get("roles", {}).items()}
+    flags = {(e.get("pipeline"), e.get("run")): e.get("spec") for e in events.get(0, [])
+             if e["name"] == "submit"}
+    for r, evs in events.items():
+        if r == 0 or roles.get(r) not in ("target", "draft"):
+            continue
+        for e in evs:
+            f = flags.get((roles[r], e.get("run")))
+            if e["name"] == "run" and f is not None:
+                e["spec"] = f
 
 
 def _kind(e: dict) -> str:
