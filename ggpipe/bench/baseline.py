@@ -59,10 +59,11 @@ def _tokenize(L, vocab, text: str) -> list[int]:
 
 
 def _greedy_after(L, ctx, vocab, tokens: list[int], n_predict: int, ignore_eos: bool,
-                  t_prompt: list[float] | None = None) -> list[int]:
+                  t_prompt: list[float] | None = None, margins: list[float] | None = None) -> list[int]:
     """Decode ``tokens`` (one batch, at the end of sequence 0), then greedy
     one token per llama_decode. Appends the time the prompt was done to
-    ``t_prompt`` (perf_counter seconds), if given."""
+    ``t_prompt`` (perf_counter seconds), and each step's top-1 minus top-2
+    logit to ``margins``, if given."""
     arr = (ctypes.c_int32 * len(tokens))(*tokens)
     if L.llama_decode(ctx, L.llama_batch_get_one(arr, len(tokens))) != 0:
         raise RuntimeError("prompt decode failed")
@@ -75,6 +76,9 @@ def _greedy_after(L, ctx, vocab, tokens: list[int], n_predict: int, ignore_eos: 
         logits = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, -1), shape=(n_vocab,))
         tok = int(np.argmax(logits))
         out.append(tok)
+        if margins is not None:
+            top2 = np.partition(logits, -2)[-2:]
+            margins.append(float(top2[1] - top2[0]))
         if len(out) >= n_predict or (not ignore_eos and L.llama_vocab_is_eog(vocab, tok)):
             return out
         one[0] = tok
@@ -103,12 +107,15 @@ def greedy(model_path: str | Path, prompt: str, n_predict: int, n_threads: int =
         L.llama_model_free(model)
 
 
-def greedy_turns(model_path: str | Path, prompts: list[str], n_predict: int, n_ctx: int = 2048) -> list[list[int]]:
+def greedy_turns(model_path: str | Path, prompts: list[str], n_predict: int, n_ctx: int = 2048,
+                 margins: list[list[float]] | None = None) -> list[list[int]]:
     """Greedy replies to successive prompts in one context, keeping the KV
     cache's common prefix between them (as llama-cpp-python's ``Llama`` and
     llama.cpp's server do): cells from the first differing token on are
     removed (``llama_memory_seq_rm``) and only the rest is decoded. The
-    reference for multi-turn chat. Returns one token list per prompt."""
+    reference for multi-turn chat. Returns one token list per prompt; with
+    ``margins``, appends per prompt the top-1 minus top-2 logit of each step
+    (how close each greedy choice was to a tie)."""
     from ggpipe.runtime.llama import lib
 
     L = lib()
@@ -124,7 +131,10 @@ def greedy_turns(model_path: str | Path, prompts: list[str], n_predict: int, n_c
             while common < min(len(kv), len(toks) - 1) and kv[common] == toks[common]:
                 common += 1
             L.llama_memory_seq_rm(mem, -1, common, -1)
-            out = _greedy_after(L, ctx, vocab, toks[common:], n_predict, False)
+            m: list[float] = []
+            out = _greedy_after(L, ctx, vocab, toks[common:], n_predict, False, margins=m)
+            if margins is not None:
+                margins.append(m)
             kv = toks + out[:-1]
             replies.append(out)
         return replies

@@ -44,6 +44,8 @@ def _rank() -> int:
 def cli(verbose: int) -> None:
     """Pipeline-parallel GGUF inference over MPI (PipeInfer)."""
     _state["verbose"] = verbose
+    if verbose:
+        os.environ["GGPIPE_VERBOSE"] = "1"  # per-rank details (CPU affinity) at start-up
     from ggpipe.runtime import llama  # noqa: PLC0415
 
     llama.set_verbose(verbose > 1)

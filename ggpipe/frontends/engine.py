@@ -189,8 +189,15 @@ class Engine:
             return False
 
         clock = GenerationClock()
-        out = self.decoder.generate(np.asarray(toks[start:], dtype=np.int32), n_predict, sampler, start_pos=start,
-                                    emit=emit, clock=clock, history=toks[:start])
+        activity = self.session.activity
+        if activity is not None:
+            activity.set(f"answering a request ({len(toks)} prompt tokens, {self.mode})", clock)
+        try:
+            out = self.decoder.generate(np.asarray(toks[start:], dtype=np.int32), n_predict, sampler,
+                                        start_pos=start, emit=emit, clock=clock, history=toks[:start])
+        finally:
+            if activity is not None:
+                activity.set("idle between requests")
         if not state["stopped"]:
             state["text"] += detok.flush()
         flush(len(state["text"]))

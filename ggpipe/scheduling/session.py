@@ -54,6 +54,8 @@ class ClusterConfig:
         timeout_s: bound of every wait inside a transaction, seconds.
         idle_timeout_s: bound of a worker's wait between transactions.
         load_timeout_s: bound of start-up waits (fetching, slicing, loading).
+        liveness_timeout_s: heartbeat silence after which a rank counts as
+            dead or stuck and the job is stopped (ggpipe.transport.liveness).
     """
 
     model: str
@@ -66,6 +68,7 @@ class ClusterConfig:
     timeout_s: float = 60.0
     idle_timeout_s: float = 3600.0
     load_timeout_s: float = 900.0
+    liveness_timeout_s: float = 6.0
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
@@ -90,6 +93,26 @@ def parse_threads(text: str, n_ranks: int) -> list[int]:
     return vals
 
 
+class Activity:
+    """What the job is doing, for error messages ("generating (token 12)").
+    The head updates it; the liveness thread reads it."""
+
+    def __init__(self, doing: str = "starting up"):
+        self.doing = doing
+        self.clock = None  # a GenerationClock while a request runs
+
+    def set(self, doing: str, clock=None) -> None:
+        self.doing, self.clock = doing, clock
+
+    def __str__(self) -> str:
+        c = self.clock
+        if c is None:
+            return self.doing
+        if c.t_prompt_done is None:
+            return f"{self.doing}: processing the prompt"
+        return f"{self.doing}: generating (token {c.n_tokens + 1})"
+
+
 @dataclass
 class Session:
     """One rank's view of the running job."""
@@ -107,6 +130,8 @@ class Session:
     pipeline: Pipeline | None = None        # head only: the target pipeline
     draft_pipeline: Pipeline | None = None  # head only, with a draft model
     draft_stage: Stage | None = None        # head only, when no rank runs the draft
+    liveness: object = None                 # ggpipe.transport.liveness.Liveness (MPI jobs)
+    activity: Activity | None = None
 
     @property
     def is_head(self) -> bool:
@@ -124,7 +149,10 @@ class Session:
         from ggpipe.scheduling.worker import Worker  # noqa: PLC0415
 
         w = Worker(self.stage, self.transport, max_tokens=self.config.ubatch, **self.roles.links(self.rank))
+        if self.activity is not None:
+            self.activity.set(f"serving {self.roles.model_of(self.rank)} layers {self.layers[0]}-{self.layers[1] - 1}")
         stats = w.serve(self.config.idle_timeout_s)
+        self.stop_liveness()  # leaving normally: the head stops watching this rank
         out = self.rank_stats()
         out.update(stats)
         self.transport.send_obj(0, m.T_STATS, out)
@@ -132,6 +160,8 @@ class Session:
 
     def shutdown(self) -> list[dict]:
         """Head: stop every worker and collect per-rank statistics (rank order)."""
+        if self.activity is not None:
+            self.activity.set("shutting down")
         for p in (self.pipeline, self.draft_pipeline):
             if p is not None:
                 p.close()
@@ -147,9 +177,16 @@ class Session:
             for r in range(1, self.size):
                 stats.append(self.transport.recv_obj(r, m.T_STATS, "its statistics at shutdown", self.config.timeout_s))
             self.transport.flush(self.config.timeout_s)
+        self.stop_liveness()
         return stats
 
+    def stop_liveness(self) -> None:
+        """Stop the heartbeats, telling the peers this rank leaves normally."""
+        if self.liveness is not None:
+            self.liveness.stop(leaving=True)
+
     def close(self) -> None:
+        self.stop_liveness()
         self.memory.stop()
         self.stage.close()
         if self.draft_stage is not None:
@@ -184,6 +221,7 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
             the head reports.
     """
     world = mpi_world()
+    described: dict[int, str] = {}  # rank -> its model and layers, once loaded
     if world is None:
         rank, size, transport, hosts = 0, 1, None, [socket.gethostname()]
     else:
@@ -191,16 +229,20 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
         transport = Transport(comm, timeout_s=config.timeout_s)
         args = sys.argv[1:] if argv is None else argv
         digest = hashlib.sha256((config.digest() + json.dumps(list(args))).encode()).hexdigest()[:16]
-        hello = {"digest": digest, "host": socket.gethostname(), "pid": os.getpid()}
+        hello = {"digest": digest, "host": socket.gethostname(), "pid": os.getpid(), "cpus": _affinity()}
         got = _exchange(transport, rank, size, hello, "hello", config.load_timeout_s)
         if rank == 0:
             hosts = [h["host"] for h in got]
+            if os.environ.get("GGPIPE_VERBOSE"):
+                for r, h in enumerate(got):
+                    sys.stderr.write(f"ggpipe: rank {r}: host {h['host']}, pid {h['pid']}, "
+                                     f"CPU affinity {_cpu_list(h['cpus'])}\n")
             bad = [r for r, h in enumerate(got) if h["digest"] != hello["digest"]]
             err = None
             if bad:
                 err = (f"rank {bad[0]} ({hosts[bad[0]]}) was started with different arguments than rank 0: "
                        f"start every rank with the same ggpipe command")
-            _verdict(transport, size, err, {"hosts": hosts})
+            _verdict(transport, size, err, {"hosts": hosts, "pids": [h["pid"] for h in got]})
             if err:
                 raise ConfigError(err)
         else:
@@ -208,6 +250,12 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
                 raise RankFailedError(got["error"])
             hosts = got["hosts"]
         transport.hosts = hosts
+        pids = [h["pid"] for h in got] if rank == 0 else got["pids"]
+
+    activity = Activity("loading the model")
+    liveness = None
+    if transport is not None:
+        liveness = _start_liveness(transport, config, rank, size, hosts, pids, activity, described)
 
     memory = MemorySampler().start()
     err, loaded = None, None
@@ -216,8 +264,11 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
     except GGPipeError as exc:
         err = str(exc)
     if transport is not None:
-        got = _exchange(transport, rank, size, {"ok": err is None, "error": err}, "ready", config.load_timeout_s)
+        role = None if loaded is None else f"{loaded.roles.model_of(rank)} layers {loaded.layers[0]}-{loaded.layers[1] - 1}"
+        got = _exchange(transport, rank, size, {"ok": err is None, "error": err, "role": role}, "ready",
+                        config.load_timeout_s)
         if rank == 0:
+            described.update({r: g.get("role") for r, g in enumerate(got) if g.get("role")})
             first = err and (0, err) or next(((r, g["error"]) for r, g in enumerate(got) if not g["ok"]), None)
             msg = None
             if first:
@@ -225,16 +276,19 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
                 msg = e if (r == 0 or e == err) else f"{transport.name(r)}: {e}"
             _verdict(transport, size, msg)
             if msg:
+                if liveness: liveness.stop()
                 _close_loaded(loaded)
                 raise GGPipeError(msg)
         elif not got["ok"]:
+            if liveness: liveness.stop()
             _close_loaded(loaded)
             raise RankFailedError(got["error"])
     elif err:
         raise GGPipeError(err)
 
+    activity.set("idle")
     s = Session(config, rank, size, transport, loaded.stage, loaded.layers, loaded.path, hosts,
-                memory, loaded.roles, draft_stage=loaded.draft_stage)
+                memory, loaded.roles, draft_stage=loaded.draft_stage, liveness=liveness, activity=activity)
     if rank == 0:
         roles = loaded.roles
         s.pipeline = Pipeline(loaded.stage, transport, roles.target_ranks, loaded.stage.n_vocab,
@@ -243,6 +297,43 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
             s.draft_pipeline = Pipeline(loaded.draft_stage, transport, roles.draft_ranks, loaded.stage.n_vocab,
                                         1, max_outputs=config.ubatch, name="draft")
     return s
+
+
+def _affinity() -> list[int] | None:
+    """CPUs this process may run on (psutil; what the launcher's binding really gave)."""
+    import psutil
+
+    try:
+        return sorted(psutil.Process().cpu_affinity())
+    except (AttributeError, OSError):
+        return None
+
+
+def _cpu_list(cpus: list[int] | None) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    if not cpus:
+        return "unknown"
+    out, start = [], cpus[0]
+    for a, b in zip(cpus, cpus[1:] + [None]):
+        if b != a + 1:
+            out.append(f"{start}-{a}" if a != start else f"{a}")
+            start = b
+    return ",".join(out)
+
+
+def _start_liveness(transport: Transport, config: ClusterConfig, rank: int, size: int, hosts: list[str],
+                    pids: list[int], activity: Activity, described: dict[int, str]):
+    """Heartbeats head <-> workers (collective: every rank calls it after HELLO)."""
+    from ggpipe.transport.liveness import Liveness
+
+    def describe(r: int) -> str:
+        role = described.get(r)
+        who = "the head, rank 0" if r == 0 else f"rank {r}"
+        return f"{who} ({hosts[r]}, pid {pids[r]}{', ' + role if role else ''})"
+
+    peers = list(range(1, size)) if rank == 0 else [0]
+    return Liveness(transport.comm, peers, config.liveness_timeout_s, describe,
+                    lambda r: (hosts[r], pids[r]), lambda: str(activity)).start()
 
 
 def _close_loaded(loaded) -> None:
