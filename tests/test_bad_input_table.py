@@ -1,0 +1,112 @@
+"""Every row of the bad-input table in docs/ERRORS.md, run for real: one line
+on stderr containing the documented message, a non-zero exit, no traceback,
+no stdout (and, for the disk-full row, no GGUF left under its final name)."""
+
+from __future__ import annotations
+
+import os
+import re
+import resource
+import shlex
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT, mpiexec
+
+DOC = ROOT / "docs" / "ERRORS.md"
+
+
+def table_rows() -> list[dict]:
+    text = DOC.read_text()
+    body = text.split("<!-- bad-input-table -->")[1].split("<!-- /bad-input-table -->")[0]
+    rows = []
+    for line in body.strip().splitlines()[2:]:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        rid, _, command, ranks, env, message = cells
+        rows.append({"id": rid, "command": command.strip("`"), "ranks": None if ranks == "-" else int(ranks),
+                     "env": env, "message": message})
+    return rows
+
+
+ROWS = table_rows()
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, smollm2):
+    import gguf
+
+    from ggpipe.models.derive import derive_gguf
+
+    d = tmp_path_factory.mktemp("bad-input")
+    (d / "truncated.gguf").write_bytes(smollm2.read_bytes()[:1_000_000])
+    (d / "notgguf.gguf").write_text("this is not a model\n")
+    three = derive_gguf(smollm2, [0, 1, 2], d / "three-layers.gguf")
+
+    def fake(path, arch):
+        w = gguf.GGUFWriter(str(path), arch)
+        w.add_block_count(4)
+        w.add_embedding_length(64)
+        w.add_context_length(128)
+        w.add_token_list(["a", "b", "c"])
+        w.add_tensor("token_embd.weight", np.zeros((3, 64), dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return path
+
+    smol_entry = ROOT.joinpath("models.toml").read_text().split("# A \"passthrough")[0]
+    bad_registry = d / "bad.toml"
+    bad_registry.write_text('[models.a]\narch="llama"\nsize=1\npypi="x==1"\nmember="m.gguf"\n')
+    hash_registry = d / "hash.toml"
+    hash_registry.write_text(smol_entry + f'\n[models.bad-hash]\narch="llama"\nsize=1\nsha256="{"0" * 64}"\n'
+                             'base="smollm2-135m"\nlayers="0"\n')
+    cache = d / "cache"
+    (cache / "models").mkdir(parents=True)
+    os.symlink(smollm2, cache / "models" / "smollm2-135m.gguf")
+    long_prompt = d / "long.txt"
+    long_prompt.write_text("word " * 300)
+    out = d / "out"
+    out.mkdir()
+    return {"smollm2": smollm2, "trunc": d / "truncated.gguf", "notgguf": d / "notgguf.gguf", "three": three,
+            "gemma": fake(d / "gemma3-fake.gguf", "gemma3"), "othervocab": fake(d / "llama-3-tokens.gguf", "llama"),
+            "bad_registry": bad_registry, "hash_registry": hash_registry, "cache": cache,
+            "long_prompt": long_prompt, "out": out}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("row", ROWS, ids=[r["id"] for r in ROWS])
+def test_documented_bad_input(row, files):
+    fill = {k: str(v) for k, v in files.items()}
+    args = [a.format(**fill) for a in shlex.split(row["command"])][1:]  # drop "ggpipe"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    fsize = None
+    for kv in row["env"].split():
+        k, v = kv.split("=", 1)
+        if k == "FSIZE":
+            fsize = int(v)
+        else:
+            env[k] = v.format(**fill)
+    cmd = [sys.executable, "-m", "ggpipe", *args]
+    if row["ranks"] is not None:
+        cmd = [mpiexec(), "-n", str(row["ranks"]), *cmd]
+
+    def limit():
+        if fsize is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT, preexec_fn=limit)
+    assert p.returncode != 0, p.stdout[-500:]
+    assert "Traceback" not in p.stderr, p.stderr
+    # progress bars (fetching, deriving) may share stderr; exactly one error line
+    errors = [ln[ln.index("ggpipe: error: "):] for ln in re.split(r"[\r\n]+", p.stderr) if "ggpipe: error: " in ln]
+    assert len(errors) == 1, p.stderr
+    others = [ln for ln in re.split(r"[\r\n]+", p.stderr)
+              if ln.strip() and "ggpipe: error: " not in ln and not re.match(r"^(deriving|Writing|cutting)", ln)]
+    assert not others, p.stderr
+    assert row["message"] in errors[0], errors[0]
+    if row["id"] == "disk-full":
+        assert not [f for f in files["out"].iterdir() if f.suffix == ".gguf"], list(files["out"].iterdir())
