@@ -21,7 +21,8 @@ finished build is reused.
   -no-cnv --no-repack --no-warmup`` (plain single-node decoding); tokens/s is
   llama.cpp's "eval time" figure (generated tokens after the first, per
   second of decoding: the same definition as ggpipe's tokens/s);
-* ``llama-speculative-simple -m TARGET -md DRAFT ... --draft-max 6`` (its
+* ``llama-speculative-simple -m TARGET -md DRAFT ... --spec-type draft-simple
+  --spec-draft-n-max 6`` (its
   synchronous speculative decoding; tokens/s from its "decoded N tokens in S
   seconds" line, which includes the first decoded token).
 
@@ -89,7 +90,7 @@ def build(jobs: int) -> None:
     print(f"built: {', '.join(str(bin_path(t)) for t in TARGETS)}")
 
 
-_EVAL = re.compile(r"^\S*:?\s*eval time =\s*([\d.]+) ms /\s*(\d+) runs.*?([\d.]+) tokens per second", re.MULTILINE)
+_EVAL = re.compile(r"eval time =\s*([\d.]+) ms /\s*(\d+) runs.*?([\d.]+) tokens per second")
 _SPEC = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s")
 _ACCEPT = re.compile(r"accept\s*=\s*([\d.]+)%")
 
@@ -134,13 +135,13 @@ def run(a) -> None:
             pf = out / "peer" / f"prompt-{p['id']}.txt"
             pf.write_text(text, encoding="utf-8")
             common = ["-f", str(pf), "-n", str(a.n), "--ignore-eos", "--temp", "0", "-t", str(t), "-c", "2048",
-                      "--no-repack", "--no-warmup", "-s", "1"]
+                      "--no-repack", "-s", "1"]
             progs = [("llama.cpp", [str(bin_path("llama-completion")), "-m", target, *common, "-no-cnv",
-                                    "--no-display-prompt"], parse_completion)]
+                                    "--no-display-prompt", "--no-warmup"], parse_completion)]
             if draft:
                 progs.append(("llama.cpp speculative",
                               [str(bin_path("llama-speculative-simple")), "-m", target, "-md", draft, *common,
-                               "-td", str(t), "--draft-max", str(a.draft_max), "--draft-min", "0"],
+                               "-td", str(t), "--spec-type", "draft-simple", "--spec-draft-n-max", str(a.draft_max)],
                               parse_speculative))
             for mode, cmd, parse in progs:
                 t0 = time.perf_counter()
@@ -156,12 +157,17 @@ def run(a) -> None:
                        "command": " ".join(cmd)}
                 print(f"  {mode:22s} t={t} {p['id']:10s} {r['tokens_per_s']:6.1f} tok/s", flush=True)
                 rows.append(row)
-    path = out / "peer.csv"
-    with open(path, "w", newline="") as f:
+                write_rows(out / "peer.csv", rows)  # after every run: an interrupted sweep keeps its rows
+    print(f"wrote {out / 'peer.csv'}")
+
+
+def write_rows(path: Path, rows: list[dict]) -> None:
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    print(f"wrote {path}")
+    tmp.replace(path)
 
 
 def main() -> None:
@@ -176,7 +182,7 @@ def main() -> None:
     r.add_argument("--threads", default="1,2", help="thread counts to run (the cores ggpipe's ranks use)")
     r.add_argument("--prompts", default="default", help="prompt set name or JSONL path")
     r.add_argument("--no-chat", action="store_true", help="feed prompts raw, without the chat template")
-    r.add_argument("--draft-max", type=int, default=6, help="llama-speculative-simple's --draft-max (ggpipe's --draft)")
+    r.add_argument("--draft-max", type=int, default=6, help="llama-speculative-simple's --spec-draft-n-max (ggpipe's --draft)")
     r.add_argument("-o", "--output", default="results/bench")
     a = ap.parse_args()
     if a.cmd == "build":
