@@ -125,8 +125,8 @@ def test_hostfile_placement_and_launcher_flags(tmp_path):
     assert launcher_command("openmpi", 4, "h", "node", "core", 8) == [
         "mpiexec", "-n", "4", "--hostfile", "h", "--map-by", "node:PE=8", "--bind-to", "core"]
     assert launcher_command("mpich", 4, "h", "node", "core", 8) == [
-        "mpiexec", "-n", "4", "-f", "h", "-ppn", "1", "-bind-to", "core:8"]
-    assert launcher_command("mpich", 2, None, "node", "none", 1) == ["mpiexec", "-n", "2"]
+        "mpiexec", "-n", "4", "-disable-auto-cleanup", "-f", "h", "-ppn", "1", "-bind-to", "core:8"]
+    assert launcher_command("mpich", 2, None, "node", "none", 1) == ["mpiexec", "-n", "2", "-disable-auto-cleanup"]
     assert parse_bytes("64G") == 64 * 2**30 and parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("100") == 100
     with pytest.raises(ConfigError):
         parse_bytes("lots")
@@ -196,7 +196,7 @@ def test_numa_dry_run_two_sockets(smollm2, tmp_path, fake_numactl):
     cmd = next(ln for ln in out.splitlines() if ln.startswith("mpiexec "))
     parts = cmd.split(" : ")
     assert len(parts) == 2
-    assert parts[0].startswith(f"mpiexec -n 1 {fake_numactl} --cpunodebind 0 --membind 0 {GGPIPE} generate")
+    assert parts[0].startswith(f"mpiexec -disable-auto-cleanup -n 1 {fake_numactl} --cpunodebind 0 --membind 0 {GGPIPE} generate")
     assert parts[1].startswith(f"-n 1 {fake_numactl} --cpunodebind 1 --membind 1 {GGPIPE} generate")
     assert all(x.endswith("-t 8,8") for x in parts)
     rows = [ln.split() for ln in out.splitlines() if ln[:2] in ("0 ", "1 ")]
@@ -221,7 +221,7 @@ def test_numa_dry_run_fallbacks_and_errors(smollm2, tmp_path):
     assert p.returncode == 0, p.stderr
     n = os.cpu_count()
     assert "treating the machine as one node" in p.stderr
-    assert f"mpiexec -n 1 {GGPIPE} generate -m {smollm2} -p Hi -t {n}" in p.stdout
+    assert f"mpiexec -disable-auto-cleanup -n 1 {GGPIPE} generate -m {smollm2} -p Hi -t {n}" in p.stdout
     p = script("numa.sh", ["--", "generate", "-t", "2", "-p", "Hi"])
     assert p.returncode == 2 and "sets -t itself" in p.stderr
 

@@ -332,7 +332,9 @@ def launcher_command(flavor: str, n_ranks: int, hostfile: str | None, map_by: st
         mapping = map_by + (f":PE={threads}" if bind_to == "core" and threads > 1 else "")
         cmd += ["--map-by", mapping, "--bind-to", bind_to]
         return cmd
-    # MPICH / Hydra (also the default when the flavor is unknown)
+    # MPICH / Hydra (also the default when the flavor is unknown): survivors of a dead
+    # rank get SIGUSR1 instead of SIGKILL, so ggpipe can name it (transport/liveness.py)
+    cmd.append("-disable-auto-cleanup")
     if hostfile:
         cmd += ["-f", hostfile]
         if map_by == "node":

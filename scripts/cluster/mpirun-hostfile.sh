@@ -109,7 +109,8 @@ if [ "$flavor" = openmpi ]; then
   if [ "$bind_to" = core ] && [ "$threads" -gt 1 ]; then mapping="$map_by:PE=$threads"; fi
   cmd+=(--hostfile "$tmp" --map-by "$mapping" --bind-to "$bind_to")
 else
-  cmd+=(-f "$tmp")
+  # hydra: survivors are told of a dead rank (SIGUSR1) instead of being killed, so ggpipe can name it
+  cmd+=(-disable-auto-cleanup -f "$tmp")
   [ "$map_by" = node ] && cmd+=(-ppn 1)
   if [ "$bind_to" = core ] && [ "$threads" -gt 1 ]; then cmd+=(-bind-to "core:$threads")
   elif [ "$bind_to" != none ]; then cmd+=(-bind-to "$bind_to"); fi

@@ -121,6 +121,8 @@ fi
 
 ggpipe_args=("${GGPIPE_CMD[@]}" "$@" -t "$threads")
 cmd=("$MPIEXEC")
+# hydra: survivors are told of a dead rank (SIGUSR1) instead of being killed, so ggpipe can name it
+[ "$flavor" = mpich ] && cmd+=(-disable-auto-cleanup)
 if [ "$have_numactl" = 1 ]; then
   [ "$flavor" = openmpi ] && cmd+=(--bind-to none)  # numactl pins; Open MPI must not bind on top
   for ((r = 0; r < ranks; r++)); do
