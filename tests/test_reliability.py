@@ -173,3 +173,64 @@ def test_default_hydra_ends_the_job_at_once(smollm2):
     rc, _, err, _ = job.finish()
     assert rc != 0 and time.monotonic() - t0 < BOUND_S
     assert not job.leftovers()
+
+
+def test_server_answers_in_flight_requests_with_503_when_a_rank_stops(smollm2):
+    """A stuck worker under ``ggpipe serve``: the streaming request in flight
+    and a queued one get a 5xx error (not a hang), /health reports the
+    failure, and the job ends non-zero with the rank named."""
+    import json
+    import re
+    import threading
+    import urllib.error
+    import urllib.request
+
+    job = Job(2, ["serve", "--port", "0", "-m", str(smollm2), "-c", "4096", "--ignore-eos", "--liveness-timeout", "2"])
+    line = ""
+    while "listening on" not in line:
+        line = job.p.stdout.readline()
+        assert line or job.p.poll() is None, job.p.stderr.read()
+    url = re.search(r"(http://\S+)/v1", line).group(1)
+    procs = job.find_ranks()
+
+    def post(body: dict, out: list) -> None:
+        req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                out.append((r.status, r.read().decode()))
+        except urllib.error.HTTPError as e:
+            out.append((e.code, e.read().decode()))
+        except OSError as e:  # the connection dropped
+            out.append((None, str(e)))
+
+    streaming: list = []
+    queued: list = []
+    t1 = threading.Thread(target=post, args=({"prompt": "Once upon a time", "max_tokens": 3000, "stream": True},
+                                             streaming))
+    t1.start()
+    time.sleep(2)  # generating
+    t2 = threading.Thread(target=post, args=({"prompt": "Hello", "max_tokens": 8}, queued))
+    t2.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    procs[1].send_signal(signal.SIGSTOP)
+    health = None
+    while time.monotonic() - t0 < 2 + BOUND_S and health is None:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=2)
+        except urllib.error.HTTPError as e:
+            health = (e.code, e.read().decode())
+        except OSError:
+            break
+        time.sleep(0.1)
+    t1.join(30)
+    t2.join(30)
+    rc, _, err, _ = job.finish()
+    assert rc != 0 and time.monotonic() - t0 < 2 + BOUND_S + 5, err
+    assert "rank 1 (" in err and "is stopped (SIGSTOP?)" in err, err
+    assert health is not None and health[0] == 503 and "failed" in health[1], health
+    status, body = streaming[0]
+    assert status is None or "the pipeline failed" in body, (status, body[-500:])
+    assert queued[0][0] == 503 and "the pipeline failed" in queued[0][1], queued
+    assert not job.leftovers()

@@ -103,6 +103,21 @@ class Server:
         self.signals = 0
         self.http = None
         self.thread: threading.Thread | None = None
+        self.current = None  # the request being generated
+        if session.liveness is not None:
+            session.liveness.before_abort.append(self.on_rank_failure)
+
+    def on_rank_failure(self, message: str) -> None:
+        """A rank died or hangs and the job is about to be aborted (called
+        from the liveness thread): report unhealthy, answer the running and
+        queued requests with 503 instead of leaving them hanging."""
+        self.state.failed = message
+        self.state.stopping.set()
+        job = self.current
+        if job is not None and not job.finished:
+            job.finished = True
+            job.push("error", APIError(503, f"the pipeline failed: {message}", "server_error"))
+        self.fail_queued(f"the pipeline failed: {message}")
 
     # -- signals -------------------------------------------------------------------------
 
@@ -153,14 +168,14 @@ class Server:
             if p is not None:
                 p.kv(KvHeader(KV_SEQ_RM, seq=-1, p0=self.engine.n_ctx, p1=-1))
 
-    def fail_queued(self) -> None:
+    def fail_queued(self, why: str = "the server is shutting down") -> None:
         while True:
             try:
                 job = self.state.jobs.get_nowait()
             except queue.Empty:
                 return
             job.finished = True
-            job.push("error", APIError(503, "the server is shutting down", "server_error"))
+            job.push("error", APIError(503, why, "server_error"))
 
     def run_one(self, job) -> None:
         """Generate one request, reporting pieces, the result or an error to its handler."""
@@ -168,6 +183,7 @@ class Server:
             return
         state = self.state
         state.running = 1
+        self.current = job
         waited = time.monotonic() - job.t_queued
 
         def should_stop() -> bool:
@@ -185,6 +201,9 @@ class Server:
             return
         finally:
             state.running = 0
+            self.current = None
+        if job.finished:  # already answered (the pipeline failed meanwhile)
+            return
         job.finished = True
         state.metrics.finished(done, waited)
         job.push("done", done)

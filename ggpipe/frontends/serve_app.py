@@ -229,6 +229,7 @@ class ServerState:
     info: dict = field(default_factory=dict)
     jobs: queue.Queue = field(default_factory=queue.Queue)
     stopping: threading.Event = field(default_factory=threading.Event)
+    failed: str | None = None  # why the pipeline is gone (a rank died): /health says so
     running: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: ServeMetrics | None = None
@@ -309,6 +310,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        if state.failed:
+            return JSONResponse({"status": "failed", "error": state.failed}, status_code=503)
         if state.stopping.is_set():
             return JSONResponse({"status": "shutting_down"}, status_code=503)
         return {"status": "ok", "queue_depth": state.jobs.qsize(), "running": state.running}

@@ -52,7 +52,9 @@ class ClusterConfig:
         n_seq_max: KV sequence ids per context (1..256).
         ubatch: tokens per micro-batch (n_batch = n_ubatch).
         timeout_s: bound of every wait inside a transaction, seconds.
-        idle_timeout_s: bound of a worker's wait between transactions.
+        idle_timeout_s: bound of a worker's wait between transactions when
+            there are no heartbeats (with them, a silent head is caught by
+            ``liveness_timeout_s`` and an idle job may wait indefinitely).
         load_timeout_s: bound of start-up waits (fetching, slicing, loading).
         liveness_timeout_s: heartbeat silence after which a rank counts as
             dead or stuck and the job is stopped (ggpipe.transport.liveness).
@@ -151,7 +153,9 @@ class Session:
         w = Worker(self.stage, self.transport, max_tokens=self.config.ubatch, **self.roles.links(self.rank))
         if self.activity is not None:
             self.activity.set(f"serving {self.roles.model_of(self.rank)} layers {self.layers[0]}-{self.layers[1] - 1}")
-        stats = w.serve(self.config.idle_timeout_s)
+        # between transactions a worker may wait as long as the head is alive (a chat or
+        # server can idle for days): the heartbeats bound the wait instead of a time-out
+        stats = w.serve(self.config.idle_timeout_s if self.liveness is None else float("inf"))
         self.stop_liveness()  # leaving normally: the head stops watching this rank
         out = self.rank_stats()
         out.update(stats)

@@ -127,6 +127,7 @@ class Liveness:
         self._thread = threading.Thread(target=self._run, name="ggpipe-liveness", daemon=True)
         self._wake = threading.Event()
         self._peer_signal = False
+        self.before_abort: list[Callable[[str], None]] = []  # front ends: answer clients first
         self.fired = False
         if threading.current_thread() is threading.main_thread():
             # hydra (-disable-auto-cleanup) signals a rank's death with SIGUSR1
@@ -203,10 +204,17 @@ class Liveness:
         return (f"{me}{who} {how} while the job was {self.activity()} (last heartbeat {silent_s:.1f} s ago, "
                 f"--liveness-timeout {self.timeout_s:g}); stopping every rank")
 
-    def _abort(self, line: str) -> None:
+    def _abort(self, line: str, grace_s: float = 1.0) -> None:
         sys.stdout.flush()
         sys.stderr.write(f"ggpipe: error: {line}\n")
         sys.stderr.flush()
+        if self.before_abort:
+            for hook in self.before_abort:  # e.g. the server answers its clients with 503
+                try:
+                    hook(line)
+                except Exception:  # noqa: BLE001 - nothing may stop the abort
+                    pass
+            time.sleep(grace_s)
         self.MPI.COMM_WORLD.Abort(1)
 
     # -- shutting down -----------------------------------------------------------
