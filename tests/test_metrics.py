@@ -1,7 +1,6 @@
 import json
 import os
 
-import numpy as np
 import pytest
 
 from ggpipe.metrics import GenerationClock, MemorySampler, rank_info, summarize_itl
