@@ -475,11 +475,22 @@ def run_bench(spec: BenchSpec, out: Path, progress: bool = True, log=print) -> t
     return rows, problems
 
 
-def _title(spec: BenchSpec) -> str:
-    def name(s):
-        return Path(s).stem if s and ("/" in s or s.endswith(".gguf")) else s
+def _model_name(s: str | None) -> str | None:
+    return Path(s).stem if s and ("/" in s or s.endswith(".gguf")) else s
 
-    return name(spec.target) + (f" + draft {name(spec.draft)}" if spec.draft else "")
+
+def _title(spec: BenchSpec) -> str:
+    return _model_name(spec.target) + (f" + draft {_model_name(spec.draft)}" if spec.draft else "")
+
+
+def title_from_rows(rows: list[dict], fallback: str) -> str:
+    """The plot title for results already on disk: the target (and draft)
+    the runs used, from the CSV's target/draft columns."""
+    targets = [r.get("target") for r in rows if r.get("target")]
+    if not targets:
+        return fallback
+    drafts = [r.get("draft") for r in rows if r.get("draft")]
+    return _model_name(targets[0]) + (f" + draft {_model_name(drafts[0])}" if drafts else "")
 
 
 def finish_report(out: Path, rows: list[dict], ref_mode: str | None, title: str = "") -> str:

@@ -82,7 +82,8 @@ def bench_command(target, draft, modes, ranks, prompt_set, n, repeat, links, thr
             raise ConfigError(f"{csv_path} does not exist: run the bench first")
         rows = sweep.read_csv(csv_path)
         mode_list = [m for m in modes.split(",") if m]
-        click.echo(sweep.finish_report(output, rows, mode_list[0] if mode_list else None, title=target))
+        click.echo(sweep.finish_report(output, rows, mode_list[0] if mode_list else None,
+                                       title=sweep.title_from_rows(rows, target)))
         return
     spec = sweep.BenchSpec(target=target, draft=draft, modes=[m.strip() for m in modes.split(",") if m.strip()],
                            ranks=_int_list(ranks, "--ranks"), links=_links(links), prompts=load_prompts(prompt_set),
