@@ -15,11 +15,11 @@ string and optionally ``id`` and ``category``::
 from __future__ import annotations
 
 import ctypes
-import json
 import re
 from pathlib import Path
 
 from ggpipe.errors import ConfigError
+from ggpipe.jsonl import iter_jsonl
 
 DEFAULT = [
     {
@@ -76,13 +76,7 @@ def load_prompts(name_or_path: str) -> list[dict]:
         raise ConfigError(f"prompt set {name_or_path!r} is neither a shipped set ({', '.join(SETS)}) "
                           f"nor a JSONL file")
     out = []
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path}:{i}: not JSON ({exc.msg})") from None
+    for i, obj in iter_jsonl(path):
         if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
             raise ConfigError(f"{path}:{i}: expected an object with a non-empty \"prompt\" string")
         pid = str(obj.get("id", f"p{len(out) + 1}"))

@@ -37,7 +37,6 @@ import json
 import math
 import numbers
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -45,7 +44,8 @@ from pathlib import Path
 
 from ggpipe.errors import ConfigError
 from ggpipe.frontends.engine import Engine
-from ggpipe.frontends.job import JobSpec, run_job
+from ggpipe.frontends.job import JobSpec, head_signals, ignore_signals, run_job
+from ggpipe.jsonl import iter_jsonl
 from ggpipe.scheduling.sampling import SamplingParams
 
 _FIELDS = {"id", "prompt", "messages", "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop"}
@@ -171,19 +171,9 @@ def load_items(path: str | os.PathLike, n_predict: int, sampling: SamplingParams
         ConfigError: unreadable file, no requests, or a bad line (naming it).
     """
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read {p}: {getattr(e, 'strerror', None) or e}") from None
     items: list[BatchItem] = []
     seen: dict[str, int] = {}
-    for i, raw in enumerate(text.splitlines(), start=1):
-        if not raw.strip():
-            continue
-        try:
-            obj = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{p}:{i}: not valid JSON ({e.msg} at column {e.colno})") from None
+    for i, obj in iter_jsonl(p):
         item = parse_item(obj, i, str(p), n_predict, sampling)
         if item.key in seen:
             raise ConfigError(f"{p}:{i}: id {item.key} already used on line {seen[item.key]}")
@@ -341,17 +331,11 @@ def run_batch(job: JobSpec, input_path, output_path, n_predict: int, sampling: S
         ConfigError: a bad input line (naming it), an unwritable output file,
             an output file that is not a batch result.
     """
-    for sig in (signal.SIGINT, signal.SIGTERM):  # workers: the head decides (mpiexec forwards both)
-        signal.signal(sig, signal.SIG_IGN)
+    ignore_signals()
 
     def head(engine: Engine) -> int:
         runner = BatchRunner(engine, input_path, output_path, n_predict, sampling, progress)
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, runner.on_signal)
-        try:
+        with head_signals(runner.on_signal):
             return runner.run()
-        finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, signal.SIG_IGN)
 
     return run_job(job, head)

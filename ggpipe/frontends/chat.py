@@ -21,7 +21,7 @@ import sys
 
 from ggpipe.errors import ConfigError
 from ggpipe.frontends.engine import Engine
-from ggpipe.frontends.job import JobSpec, run_job
+from ggpipe.frontends.job import JobSpec, head_signals, ignore_signals, run_job
 from ggpipe.scheduling.sampling import SamplingParams
 
 HELP = "commands: /reset (new conversation), /stats (last reply), /quit"
@@ -148,16 +148,13 @@ def run_chat(job: JobSpec, sampling: SamplingParams, n_predict: int, system: str
     Raises:
         ConfigError: the model has no chat template.
     """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # workers: the head decides what Ctrl-C means
+    ignore_signals((signal.SIGINT,))  # workers: the head decides what Ctrl-C means
 
     def head(engine: Engine) -> int:
         if not engine.vocab.chat_template():
             raise ConfigError("this model has no chat template (tokenizer.chat_template): ggpipe chat needs one")
         loop = ChatLoop(engine, sampling, n_predict, system)
-        signal.signal(signal.SIGINT, loop.on_sigint)
-        try:
+        with head_signals(loop.on_sigint, (signal.SIGINT,)):
             return loop.run()
-        finally:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     return run_job(job, head)

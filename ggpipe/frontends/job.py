@@ -5,7 +5,9 @@ shuts the pipeline down. Shared by generate, chat, batch and serve.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import signal
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from ggpipe.errors import GGPipeError
@@ -29,6 +31,28 @@ class JobSpec:
     mode: str = "iterative"
     spec: SpecSettings = field(default_factory=SpecSettings)
     ignore_eos: bool = False
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def ignore_signals(signals=STOP_SIGNALS) -> None:
+    """Every rank, before start-up: ``mpiexec`` forwards SIGINT/SIGTERM to all
+    ranks, and only the head decides what they mean (stop a reply, finish the
+    running request), so workers and the head outside its handler ignore them."""
+    for sig in signals:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+@contextmanager
+def head_signals(handler, signals=STOP_SIGNALS) -> Iterator[None]:
+    """On the head, route ``signals`` to ``handler`` while the front end runs."""
+    for sig in signals:
+        signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        ignore_signals(signals)
 
 
 def run_job(job: JobSpec, head: Callable[[Engine], int],

@@ -29,7 +29,6 @@ transactions is bounded, know the head is alive.
 from __future__ import annotations
 
 import queue
-import signal
 import socket
 import sys
 import threading
@@ -38,7 +37,7 @@ from pathlib import Path
 
 from ggpipe.errors import ConfigError, GGPipeError
 from ggpipe.frontends.engine import Engine
-from ggpipe.frontends.job import JobSpec, run_job
+from ggpipe.frontends.job import JobSpec, head_signals, ignore_signals, run_job
 from ggpipe.frontends.serve_app import APIError, ServerState, create_app
 from ggpipe.runtime.stage import KV_SEQ_RM
 from ggpipe.scheduling.sampling import SamplingParams
@@ -249,19 +248,13 @@ def run_serve(job: JobSpec, host: str, port: int, api_key: str | None, n_predict
     Raises:
         ConfigError: the address cannot be bound; bad settings.
     """
-    for sig in (signal.SIGINT, signal.SIGTERM):  # workers: the head decides (mpiexec forwards both)
-        signal.signal(sig, signal.SIG_IGN)
+    ignore_signals()
     keepalive_s = max(1.0, min(300.0, job.config.idle_timeout_s / 4))
 
     def head(engine: Engine) -> int:
         server = Server(engine, host, port, api_key, n_predict, sampling, model_id, max_queue, shutdown_grace_s,
                         keepalive_s)
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, server.on_signal)
-        try:
+        with head_signals(server.on_signal):
             return server.serve()
-        finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, signal.SIG_IGN)
 
     return run_job(job, head)
