@@ -39,9 +39,7 @@ from ggpipe.errors import ConfigError, GGPipeError
 from ggpipe.frontends.engine import Engine
 from ggpipe.frontends.job import JobSpec, head_signals, ignore_signals, run_job
 from ggpipe.frontends.serve_app import APIError, ServerState, create_app
-from ggpipe.runtime.stage import KV_SEQ_RM
 from ggpipe.scheduling.sampling import SamplingParams
-from ggpipe.transport.messages import KvHeader
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -79,12 +77,11 @@ class Server:
         max_queue: most waiting requests (more get 503).
         shutdown_grace_s: how long the running request may go on after a
             shutdown signal.
-        keepalive_s: idle seconds between keep-alive KV operations.
     """
 
     def __init__(self, engine: Engine, host: str, port: int, api_key: str | None, n_predict: int,
                  sampling: SamplingParams, model_id: str | None = None, max_queue: int = 64,
-                 shutdown_grace_s: float = 30.0, keepalive_s: float = 300.0):
+                 shutdown_grace_s: float = 30.0):
         self.engine = engine
         self.host = host
         self.sock = bind_socket(host, port)
@@ -97,7 +94,6 @@ class Server:
             info={"mode": engine.mode, "ranks": session.size, "hosts": session.hosts,
                   "chat_template": bool(engine.vocab.chat_template())})
         self.shutdown_grace_s = shutdown_grace_s
-        self.keepalive_s = keepalive_s
         self.deadline: float | None = None  # interrupt the running request after this (monotonic)
         self.signals = 0
         self.http = None
@@ -159,14 +155,6 @@ class Server:
 
     # -- the request loop (main thread) --------------------------------------------------------
 
-    def keepalive(self) -> None:
-        """A KV operation that changes nothing (removes cells at positions
-        >= n_ctx) on every pipeline: workers see the head is alive."""
-        session = self.engine.session
-        for p in (session.pipeline, session.draft_pipeline):
-            if p is not None:
-                p.kv(KvHeader(KV_SEQ_RM, seq=-1, p0=self.engine.n_ctx, p1=-1))
-
     def fail_queued(self, why: str = "the server is shutting down") -> None:
         while True:
             try:
@@ -214,7 +202,6 @@ class Server:
                          f"(model {self.state.model_id}, {self.engine.mode}, {self.engine.session.size} ranks); "
                          f"requests run one at a time, in order\n")
         sys.stdout.flush()
-        last = time.monotonic()
         try:
             while not self.state.stopping.is_set():
                 if not self.thread.is_alive():
@@ -222,12 +209,8 @@ class Server:
                 try:
                     job = self.state.jobs.get(timeout=0.25)
                 except queue.Empty:
-                    if time.monotonic() - last > self.keepalive_s:
-                        self.keepalive()
-                        last = time.monotonic()
                     continue
                 self.run_one(job)
-                last = time.monotonic()
             sys.stderr.write("ggpipe serve: shutting down\n")
         finally:
             self.state.stopping.set()
@@ -249,11 +232,9 @@ def run_serve(job: JobSpec, host: str, port: int, api_key: str | None, n_predict
         ConfigError: the address cannot be bound; bad settings.
     """
     ignore_signals()
-    keepalive_s = max(1.0, min(300.0, job.config.idle_timeout_s / 4))
 
     def head(engine: Engine) -> int:
-        server = Server(engine, host, port, api_key, n_predict, sampling, model_id, max_queue, shutdown_grace_s,
-                        keepalive_s)
+        server = Server(engine, host, port, api_key, n_predict, sampling, model_id, max_queue, shutdown_grace_s)
         with head_signals(server.on_signal):
             return server.serve()
 

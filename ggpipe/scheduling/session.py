@@ -52,12 +52,11 @@ class ClusterConfig:
         n_seq_max: KV sequence ids per context (1..256).
         ubatch: tokens per micro-batch (n_batch = n_ubatch).
         timeout_s: bound of every wait inside a transaction, seconds.
-        idle_timeout_s: bound of a worker's wait between transactions when
-            there are no heartbeats (with them, a silent head is caught by
-            ``liveness_timeout_s`` and an idle job may wait indefinitely).
         load_timeout_s: bound of start-up waits (fetching, slicing, loading).
         liveness_timeout_s: heartbeat silence after which a rank counts as
-            dead or stuck and the job is stopped (ggpipe.transport.liveness).
+            dead or stuck and the job is stopped (ggpipe.transport.liveness);
+            it also bounds a worker's wait between transactions, which has no
+            time-out of its own (a chat or server may idle for days).
     """
 
     model: str
@@ -68,7 +67,6 @@ class ClusterConfig:
     n_seq_max: int = 1
     ubatch: int = 512
     timeout_s: float = 60.0
-    idle_timeout_s: float = 3600.0
     load_timeout_s: float = 900.0
     liveness_timeout_s: float = 6.0
 
@@ -153,9 +151,7 @@ class Session:
         w = Worker(self.stage, self.transport, max_tokens=self.config.ubatch, **self.roles.links(self.rank))
         if self.activity is not None:
             self.activity.set(f"serving {self.roles.model_of(self.rank)} layers {self.layers[0]}-{self.layers[1] - 1}")
-        # between transactions a worker may wait as long as the head is alive (a chat or
-        # server can idle for days): the heartbeats bound the wait instead of a time-out
-        stats = w.serve(self.config.idle_timeout_s if self.liveness is None else float("inf"))
+        stats = w.serve()  # between transactions, as long as the head's heartbeats come
         self.stop_liveness()  # leaving normally: the head stops watching this rank
         out = self.rank_stats()
         out.update(stats)

@@ -14,8 +14,10 @@ rank in order, run them on this rank's stage, pass them on.
              downstream so the order of messages holds.
     SHUTDOWN forward it, and stop.
 
-Every wait is bounded: ``idle_timeout_s`` between transactions (the head may
-be idle, e.g. waiting for a user), ``timeout_s`` inside one.
+Every wait is bounded: ``timeout_s`` inside a transaction; between
+transactions (the head may be idle for days, waiting for a user) by the
+head's heartbeats (ggpipe.transport.liveness), which stop the job when the
+head dies or hangs.
 """
 
 from __future__ import annotations
@@ -86,8 +88,9 @@ class Worker:
 
     # -- loop ------------------------------------------------------------------
 
-    def serve(self, idle_timeout_s: float) -> dict:
-        """Serve until SHUTDOWN; returns this rank's statistics."""
+    def serve(self) -> dict:
+        """Serve until SHUTDOWN; returns this rank's statistics. The wait
+        between transactions has no time-out: the heartbeats watch the head."""
         MPI = self.t.MPI
         max_items = 6 + 3 * self.max_tokens + self.max_tokens * self.stage.spec.n_seq_max
         separate_cancels = self.cancel_src is not None and self.cancel_src != self.prev
@@ -99,7 +102,7 @@ class Worker:
 
         while True:
             t_idle = time.perf_counter()
-            self.t._wait(ready, idle_timeout_s, "the next transaction", self.prev)
+            self.t._wait(ready, float("inf"), "the next transaction", self.prev)
             if _TR:
                 _TR.span("idle", t_idle, time.perf_counter(), "stage")
             tag, start = self.t.recv(self.prev, MPI.ANY_TAG, np.int32, "the next transaction", max_items=max_items)
