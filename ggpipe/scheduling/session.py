@@ -150,7 +150,7 @@ class Session:
 
         w = Worker(self.stage, self.transport, max_tokens=self.config.ubatch, **self.roles.links(self.rank))
         if self.activity is not None:
-            self.activity.set(f"serving {self.roles.model_of(self.rank)} layers {self.layers[0]}-{self.layers[1] - 1}")
+            self.activity.set(f"serving {_role(self.roles, self.rank, self.layers)}")
         stats = w.serve()  # between transactions, as long as the head's heartbeats come
         self.stop_liveness()  # leaving normally: the head stops watching this rank
         out = self.rank_stats()
@@ -229,7 +229,8 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
         transport = Transport(comm, timeout_s=config.timeout_s)
         args = sys.argv[1:] if argv is None else argv
         digest = hashlib.sha256((config.digest() + json.dumps(list(args))).encode()).hexdigest()[:16]
-        hello = {"digest": digest, "host": socket.gethostname(), "pid": os.getpid(), "cpus": _affinity()}
+        me = rank_info(rank)
+        hello = {"digest": digest, "host": me["host"], "pid": me["pid"], "cpus": me["cpu_affinity"]}
         got = _exchange(transport, rank, size, hello, "hello", config.load_timeout_s)
         if rank == 0:
             hosts = [h["host"] for h in got]
@@ -264,7 +265,7 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
     except GGPipeError as exc:
         err = str(exc)
     if transport is not None:
-        role = None if loaded is None else f"{loaded.roles.model_of(rank)} layers {loaded.layers[0]}-{loaded.layers[1] - 1}"
+        role = None if loaded is None else _role(loaded.roles, rank, loaded.layers)
         got = _exchange(transport, rank, size, {"ok": err is None, "error": err, "role": role}, "ready",
                         config.load_timeout_s)
         if rank == 0:
@@ -276,11 +277,11 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
                 msg = e if (r == 0 or e == err) else f"{transport.name(r)}: {e}"
             _verdict(transport, size, msg)
             if msg:
-                if liveness: liveness.stop()
+                liveness.stop()
                 _close_loaded(loaded)
                 raise GGPipeError(msg)
         elif not got["ok"]:
-            if liveness: liveness.stop()
+            liveness.stop()
             _close_loaded(loaded)
             raise RankFailedError(got["error"])
     elif err:
@@ -299,14 +300,9 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
     return s
 
 
-def _affinity() -> list[int] | None:
-    """CPUs this process may run on (psutil; what the launcher's binding really gave)."""
-    import psutil
-
-    try:
-        return sorted(psutil.Process().cpu_affinity())
-    except (AttributeError, OSError):
-        return None
+def _role(roles: Roles, rank: int, layers: tuple[int, int]) -> str:
+    """A rank's model and layer range (inclusive), e.g. "target layers 14-26"."""
+    return f"{roles.model_of(rank)} layers {layers[0]}-{layers[1] - 1}"
 
 
 def _cpu_list(cpus: list[int] | None) -> str:
