@@ -1,0 +1,13 @@
+"""reusable_prefix: how much of a KV cache a new request (or the draft's next
+context) can keep — shared by the engine's prefix reuse and the proposer."""
+
+from ggpipe.scheduling.iterative import reusable_prefix
+
+
+def test_common_prefix_and_the_last_token_is_decoded_again():
+    assert reusable_prefix([1, 2, 3, 4], [1, 2, 9]) == 2
+    assert reusable_prefix([1, 2, 3], [1, 2, 3]) == 2          # logits of 3 are needed: decode it again
+    assert reusable_prefix([1, 2, 3], [1, 2, 3], need_logits=False) == 3
+    assert reusable_prefix([1, 2], [1, 2, 3, 4]) == 2
+    assert reusable_prefix([], [5]) == 0
+    assert reusable_prefix([7], [5, 6]) == 0
