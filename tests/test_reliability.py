@@ -38,10 +38,11 @@ def reported(err: str) -> bool:
 class Job:
     """``mpiexec [flags] -n R python -m ggpipe ARGS`` with its rank processes."""
 
-    def __init__(self, ranks: int, args: list[str], flags=("-disable-auto-cleanup",), stdin=subprocess.DEVNULL):
+    def __init__(self, ranks: int, args: list[str], flags=("-disable-auto-cleanup",), stdin=subprocess.DEVNULL,
+                 env: dict | None = None):
         cmd = [mpiexec(), *flags, "-n", str(ranks), sys.executable, "-m", "ggpipe", *args]
         self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=stdin, text=True,
-                                  cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                  cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
         self.ranks = ranks
         self.procs: dict[int, psutil.Process] = {}
 
@@ -126,13 +127,7 @@ def test_kill_9_while_loading(tmp_path, goliath):
     """Killed while the ranks load their slices (a cold slice cache of the
     40-layer F16 model makes loading last long enough to hit it)."""
     env_cache = tmp_path / "cache"
-    env = dict(os.environ, PYTHONUNBUFFERED="1", GGPIPE_CACHE=str(env_cache))
-    cmd = [mpiexec(), "-disable-auto-cleanup", "-n", "2", sys.executable, "-m", "ggpipe", *_generate_args(goliath, 4),
-           "--liveness-timeout", "3"]
-    job = Job.__new__(Job)
-    job.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                             text=True, cwd=ROOT, env=env)
-    job.ranks, job.procs = 2, {}
+    job = Job(2, [*_generate_args(goliath, 4), "--liveness-timeout", "3"], env={"GGPIPE_CACHE": str(env_cache)})
     procs = job.find_ranks()
     # wait until the slice is being written (loading has begun), then kill
     end = time.monotonic() + 60

@@ -22,7 +22,7 @@ from ggpipe.errors import ConfigError
 from ggpipe.metrics import GenerationClock
 from ggpipe.runtime.stage import KV_CLEAR, KV_SEQ_RM
 from ggpipe.runtime.vocab import Vocab, check_prompt_fits
-from ggpipe.scheduling.iterative import IterativeDecoder
+from ggpipe.scheduling.iterative import IterativeDecoder, reusable_prefix
 from ggpipe.scheduling.sampling import Sampler, SamplingParams
 from ggpipe.scheduling.session import Session
 from ggpipe.scheduling.speculative import SpecSettings, SpeculativeDecoder
@@ -127,11 +127,7 @@ class Engine:
         """Keep the longest prefix of ``tokens`` already in the KV cache
         (at least one token is left to decode, for its logits); remove every
         cell after it on every stage. Returns the prefix length."""
-        common = 0
-        if self.reuse_kv:
-            limit = min(len(self.kv_tokens), len(tokens) - 1)
-            while common < limit and self.kv_tokens[common] == tokens[common]:
-                common += 1
+        common = reusable_prefix(self.kv_tokens, tokens) if self.reuse_kv else 0
         # every sequence: speculation partitions are released after each request,
         # but a cell past the prefix in any sequence must not survive
         self.session.pipeline.kv(KvHeader(KV_SEQ_RM, seq=-1, p0=common, p1=-1))

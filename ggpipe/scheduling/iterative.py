@@ -32,6 +32,17 @@ def submit_prompt(pipe: Pipeline, tokens, start_pos: int, n_ubatch: int, seq: in
     return -(-n // n_ubatch)
 
 
+def reusable_prefix(cached: list[int], tokens: list[int], need_logits: bool = True) -> int:
+    """How many leading ``tokens`` a KV cache holding ``cached`` (positions
+    0..) already has, so only the rest need decoding. With ``need_logits``
+    the last token never counts: its logits are not kept, so it is decoded
+    again. The caller removes every cell from that position on."""
+    n, limit = 0, min(len(cached), len(tokens))
+    while n < limit and cached[n] == tokens[n]:
+        n += 1
+    return n - 1 if need_logits and n == len(tokens) else n
+
+
 def prefill(pipe: Pipeline, tokens: np.ndarray, start_pos: int, n_ubatch: int, seq: int = 0) -> np.ndarray:
     """:func:`submit_prompt`, then wait; returns float32 (n_vocab,) logits of
     the last token."""

@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from ggpipe.runtime.stage import KV_SEQ_RM
-from ggpipe.scheduling.iterative import submit_prompt
+from ggpipe.scheduling.iterative import reusable_prefix, submit_prompt
 from ggpipe.scheduling.pipeline import Pipeline
 from ggpipe.scheduling.runs import Run, RunResult
 from ggpipe.scheduling.sampling import SamplingParams, target_probs
@@ -86,12 +86,7 @@ class DraftProposer:
         """Make the draft's KV hold ``context`` (all of it when logits of its
         last token are wanted: that token is (re)decoded). Returns the number
         of draft runs submitted."""
-        common = 0
-        limit = min(len(self.cursor), len(context))
-        while common < limit and self.cursor[common] == context[common]:
-            common += 1
-        if want_logits and common == len(context):
-            common -= 1  # logits of the last token are not kept: decode it again
+        common = reusable_prefix(self.cursor, context, need_logits=want_logits)
         if common < len(self.cursor):
             self.pipe.kv(KvHeader(KV_SEQ_RM, seq=0, p0=common, p1=-1))
             del self.cursor[common:]

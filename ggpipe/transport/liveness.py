@@ -154,7 +154,7 @@ class Liveness:
     def _receive_all(self) -> None:
         now = time.monotonic()
         for p, req in self._recvs.items():
-            while req is not None and req.Test():
+            while req.Test():
                 self.monitor.heard(p, now, leaving=int(self._bufs[p][1]) == _LEAVING)
                 req = self.comm.Irecv([self._bufs[p], self.MPI.INT], source=p, tag=HEARTBEAT_TAG)
                 self._recvs[p] = req
