@@ -51,6 +51,13 @@ def cli(verbose: int) -> None:
     llama.set_verbose(verbose > 1)
 
 
+def _apply(opts, f):
+    """Decorate ``f`` with click options, first listed shown first in --help."""
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
 def cluster_options(f):
     """Options every rank must share (compared at start-up)."""
     opts = [
@@ -74,9 +81,7 @@ def cluster_options(f):
                      help="Seconds of heartbeat silence after which a rank counts as dead or stuck "
                           "and the job stops, naming it."),
     ]
-    for o in reversed(opts):
-        f = o(f)
-    return f
+    return _apply(opts, f)
 
 
 def speculation_options(f):
@@ -104,9 +109,7 @@ def speculation_options(f):
         click.option("--no-continuous", is_flag=True, help="pipeinfer without continuous speculation (ablation)."),
         click.option("--no-cancel", is_flag=True, help="pipeinfer without early inference cancellation (ablation)."),
     ]
-    for o in reversed(opts):
-        f = o(f)
-    return f
+    return _apply(opts, f)
 
 
 def _spec_settings(mode, n_draft, p_accept, p_split, p_recovery, p_decay, branches, max_inflight, no_continuous,
@@ -138,9 +141,7 @@ def sampling_options(f):
         click.option("--seed", default=None, type=int, help="Sampling seed."),
         click.option("--ignore-eos", is_flag=True, help="Keep generating after an end-of-generation token."),
     ]
-    for o in reversed(opts):
-        f = o(f)
-    return f
+    return _apply(opts, f)
 
 
 def job_options(f):
