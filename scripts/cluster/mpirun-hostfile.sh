@@ -25,16 +25,8 @@
 #   scripts/cluster/mpirun-hostfile.sh --hostfile hosts --dry-run -- generate -m /nfs/models/m.gguf -t 8 -p "Hello"
 set -euo pipefail
 
-usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
-# print a command line, quoting only the words that need it
-show() {
-  local out=() a
-  for a in "$@"; do
-    if [[ $a =~ ^[A-Za-z0-9_@%+=:,./-]+$ ]]; then out+=("$a"); else out+=("${a@Q}"); fi
-  done
-  echo "${out[*]}"
-}
-die() { echo "mpirun-hostfile.sh: error: $*" >&2; exit 2; }
+# shellcheck source=common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 MPIEXEC=${MPIEXEC:-mpiexec}
 read -r -a GGPIPE_CMD <<< "${GGPIPE:-ggpipe}"

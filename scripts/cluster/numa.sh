@@ -27,17 +27,8 @@
 #   scripts/cluster/numa.sh --dry-run -- generate -m smollm2-goliath-40l -p "Hello" -n 64
 set -euo pipefail
 
-usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
-# print a command line, quoting only the words that need it
-show() {
-  local out=() a
-  for a in "$@"; do
-    if [[ $a =~ ^[A-Za-z0-9_@%+=:,./-]+$ ]]; then out+=("$a"); else out+=("${a@Q}"); fi
-  done
-  echo "${out[*]}"
-}
-die() { echo "numa.sh: error: $*" >&2; exit 2; }
-warn() { echo "numa.sh: warning: $*" >&2; }
+# shellcheck source=common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 MPIEXEC=${MPIEXEC:-mpiexec}
 read -r -a GGPIPE_CMD <<< "${GGPIPE:-ggpipe}"
