@@ -64,15 +64,26 @@ def test_cancellation_aborts_a_run_mid_compute_on_a_middle_stage(goliath, smollm
 
 
 @pytest.mark.mpi
-def test_sampled_pipeinfer_generates(smollm2):
+def test_sampled_pipeinfer_generates(goliath, smollm2):
     """Stochastic verification end to end (the distribution itself is tested
-    in test_spec_statistics.py)."""
-    got = generate_json(smollm2, PROMPTS[1], 48, 2,
+    in test_spec_statistics.py). The draft is ~3x faster than this target, so
+    asynchronous speculation always gets drafts in; how many is timing."""
+    got = generate_json(goliath, PROMPTS[1], 48, 2,
                         ["-md", str(smollm2), "--mode", "pipeinfer", "--temp", "0.8", "--seed", "7", "--ignore-eos"])
     assert len(got["tokens"]) == 48
-    assert got["decoder"]["drafted"] > 0
-    # a model drafting for itself: sampled drafts are mostly accepted
-    assert got["decoder"]["acceptance_rate"] > 0.3
+    assert got["decoder"]["drafted"] > 0 and got["decoder"]["draft_accepted"] > 0, got["decoder"]
+
+
+@pytest.mark.mpi
+def test_sampled_self_drafting_is_mostly_accepted(smollm2):
+    """A model drafting for itself under sampling: the synchronous mode (no
+    timing in what is drafted) accepts nearly every draft token. Not all:
+    verification batches and single-token draft decodes differ in the last
+    bits, which top-p/min-p truncation can turn into p(x) = 0 at the edge."""
+    got = generate_json(smollm2, PROMPTS[1], 48, 2,
+                        ["-md", str(smollm2), "--mode", "speculative", "--temp", "0.8", "--seed", "7", "--ignore-eos"])
+    assert len(got["tokens"]) == 48
+    assert got["decoder"]["drafted"] >= 24 and got["decoder"]["acceptance_rate"] > 0.6, got["decoder"]
 
 
 @pytest.mark.mpi

@@ -329,8 +329,9 @@ cli.add_command(timeline_command)
 def _abort_mpi(code: int) -> None:
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.COMM_WORLD.Get_size() > 1:
-        sys.stderr.flush()
-        mpi.COMM_WORLD.Abort(code)
+        from ggpipe.transport.mpi import abort_world
+
+        abort_world(mpi.COMM_WORLD, code)
 
 
 def main(argv=None) -> None:

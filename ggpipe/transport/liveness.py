@@ -205,17 +205,16 @@ class Liveness:
                 f"--liveness-timeout {self.timeout_s:g}); stopping every rank")
 
     def _abort(self, line: str, grace_s: float = 1.0) -> None:
+        from ggpipe.transport.mpi import abort_world  # noqa: PLC0415
+
         sys.stdout.flush()
         sys.stderr.write(f"ggpipe: error: {line}\n")
-        sys.stderr.flush()
-        if self.before_abort:
-            for hook in self.before_abort:  # e.g. the server answers its clients with 503
-                try:
-                    hook(line)
-                except Exception:  # noqa: BLE001 - nothing may stop the abort
-                    pass
-            time.sleep(grace_s)
-        self.MPI.COMM_WORLD.Abort(1)
+        for hook in self.before_abort:  # e.g. the server answers its clients with 503
+            try:
+                hook(line)
+            except Exception:  # noqa: BLE001 - nothing may stop the abort
+                pass
+        abort_world(self.MPI.COMM_WORLD, 1, grace_s if self.before_abort else 0.5)
 
     # -- shutting down -----------------------------------------------------------
 

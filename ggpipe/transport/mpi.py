@@ -52,6 +52,22 @@ def mpi_world():
     return comm, comm.Get_rank(), comm.Get_size()
 
 
+def abort_world(comm, code: int, grace_s: float = 0.5) -> None:
+    """``MPI_Abort(code)`` on ``comm`` after flushing stdout/stderr and
+    waiting ``grace_s`` seconds: the launcher (hydra, orted) forwards a rank's
+    output through its proxy, and an abort right after the last write can
+    kill the proxy before the error line reaches the user's terminal."""
+    import sys  # noqa: PLC0415
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed pipe must not stop the abort
+            pass
+    time.sleep(grace_s)
+    comm.Abort(code)
+
+
 def _tight_timer_slack() -> None:
     """Best effort: 1 us timer slack for this thread (Linux), so a 10 us sleep
     lasts about 10 us rather than the default 50 us slack."""
