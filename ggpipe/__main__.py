@@ -1,3 +1,31 @@
-from ggpipe.frontends.cli import main
+"""Entry point of the ``ggpipe`` command and of ``python -m ggpipe``.
 
-main()
+Under an MPI launcher the launcher's SIGUSR1 is taken over before the CLI's
+imports (a few hundred ms) run, so a rank that ends during start-up is
+reported instead of silently killing the others
+(``ggpipe/transport/launcher_signal.py``).
+"""
+
+from __future__ import annotations
+
+import os
+
+_MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run ``ggpipe ARGV`` (default: ``sys.argv[1:]``); exits the process."""
+    if any(k in os.environ for k in _MPI_RANK_VARS):
+        import atexit
+
+        from ggpipe.transport.launcher_signal import ignore_launcher_signal, watch_launcher_signal
+
+        watch_launcher_signal()                   # until the heartbeat watch takes SIGUSR1 over
+        atexit.register(ignore_launcher_signal)   # and through MPI_Finalize
+    from ggpipe.frontends.cli import main as cli_main
+
+    cli_main(argv)
+
+
+if __name__ == "__main__":
+    main()

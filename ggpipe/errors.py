@@ -51,3 +51,10 @@ class RankTimeoutError(GGPipeError):
 
 class RankFailedError(GGPipeError):
     """Another rank reported an error and the job is shutting down."""
+
+
+class RankLostError(GGPipeError):
+    """A rank of the job ended or vanished before the heartbeat watch could
+    name it (the launcher reported it during start-up)."""
+
+    abort_job = True

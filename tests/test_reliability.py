@@ -229,3 +229,21 @@ def test_server_answers_in_flight_requests_with_503_when_a_rank_stops(smollm2):
     assert status is None or "the pipeline failed" in body, (status, body[-500:])
     assert queued[0][0] == 503 and "the pipeline failed" in queued[0][1], queued
     assert not job.leftovers()
+
+
+def test_rank_that_dies_before_the_ranks_meet(smollm2):
+    """A rank that ends after MPI_Init but before its HELLO (here a stand-in
+    process in an MPMD launch) stops the head's start-up wait at once (hydra's
+    SIGUSR1, ggpipe.transport.launcher_signal) instead of the 900 s load
+    time-out."""
+    dies = "from mpi4py import MPI; import os, time; time.sleep(1); os.kill(os.getpid(), 9)"
+    cmd = [mpiexec(), "-disable-auto-cleanup", "-n", "1", sys.executable, "-m", "ggpipe",
+           *_generate_args(smollm2, 8), ":", "-n", "1", sys.executable, "-c", dies]
+    t0 = time.monotonic()
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120,
+                       env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert p.returncode != 0
+    assert time.monotonic() - t0 < 1 + BOUND_S, p.stderr
+    if reported(p.stderr):
+        assert "ended during start-up" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr

@@ -335,7 +335,8 @@ def _abort_mpi(code: int) -> None:
 
 
 def main(argv=None) -> None:
-    """Console entry point: runs the click CLI and turns errors into one line."""
+    """Runs the click CLI and turns errors into one line (the console entry
+    point is :func:`ggpipe.__main__.main`, which calls this)."""
     rank = _rank()
     try:
         cli.main(args=argv, prog_name="ggpipe", standalone_mode=False)

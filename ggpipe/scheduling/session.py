@@ -231,6 +231,9 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
         digest = hashlib.sha256((config.digest() + json.dumps(list(args))).encode()).hexdigest()[:16]
         me = rank_info(rank)
         hello = {"digest": digest, "host": me["host"], "pid": me["pid"], "cpus": me["cpu_affinity"]}
+        from ggpipe.transport.launcher_signal import check_launcher_signal
+
+        transport.interrupt = check_launcher_signal  # a rank that ends before the heartbeats start
         got = _exchange(transport, rank, size, hello, "hello", config.load_timeout_s)
         if rank == 0:
             hosts = [h["host"] for h in got]
@@ -257,6 +260,7 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
     liveness = None
     if transport is not None:
         liveness = _start_liveness(transport, config, rank, size, hosts, pids, activity, described)
+        transport.interrupt = None
 
     memory = MemorySampler().start()
     err, loaded = None, None

@@ -19,7 +19,11 @@ scripts pass it) hydra's proxy instead sends SIGUSR1 to the surviving ranks
 of the dead one's host (whose default action would end them silently); this
 module catches it, checks at once which rank on this host is gone, names
 it, its host and what the job was doing, then calls ``MPI_Abort``. A rank on
-another host is found by its missing heartbeats.
+another host is found by its missing heartbeats. Before the heartbeats start
+(start-up, before the ranks have met) a SIGUSR1 only stops the start-up wait
+(``transport/launcher_signal.py``); after they stop it is ignored, because
+hydra also sends it when a rank exits normally while another is still
+finishing.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from ggpipe.transport.launcher_signal import ignore_launcher_signal
 
 HEARTBEAT_TAG = 77
 _LEAVING = 1
@@ -223,6 +229,7 @@ class Liveness:
         away normally (so they do not report it)."""
         if self._stop.is_set():
             return
+        ignore_launcher_signal()  # from here on a peer's exit is normal
         self._stop.set()
         self._wake.set()
         if self._thread.is_alive():

@@ -23,6 +23,7 @@ from __future__ import annotations
 import pickle
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import numpy as np
@@ -115,6 +116,7 @@ class Transport:
         self.bytes_sent = 0
         self.messages_sent = 0
         self._link = _link.from_env()  # GGPIPE_LINK: emulated interconnect (ggpipe/transport/link.py), or None
+        self.interrupt: Callable[[], None] | None = None  # called while a wait sleeps; may raise to end it
         _tight_timer_slack()
 
     # -- naming ----------------------------------------------------------------
@@ -211,6 +213,8 @@ class Transport:
             waited = time.monotonic() - t0
             if waited < self.spin_s:
                 continue
+            if self.interrupt is not None:
+                self.interrupt()
             if waited > timeout_s:
                 src = f" from {self.name(source)}" if source is not None else ""
                 raise RankTimeoutError(
