@@ -229,6 +229,16 @@ def test_statistics_helper_sanity():
     rows = [{"link": "shm", "ranks": 2, "mode": "iterative", "status": "ok", "exact": True, "tokens_per_s": x}
             for x in (10.0, 20.0)]
     assert report.aggregate(rows)[0]["tokens_per_s"] == statistics.mean([10.0, 20.0])
+    assert report.aggregate(rows)[0]["tokens_per_s_repeats"] is None
+
+
+def test_repeat_range_is_over_per_repeat_means():
+    rows = [{"link": "shm", "ranks": 2, "mode": "iterative", "status": "ok", "exact": True, "prompt": p,
+             "repeat": rep, "tokens_per_s": x}
+            for rep, xs in ((0, (10.0, 30.0)), (1, (12.0, 32.0)), (2, (11.0, 29.0))) for p, x in zip("ab", xs)]
+    agg = report.aggregate(rows)
+    assert agg[0]["tokens_per_s_repeats"] == (20.0, 22.0)
+    assert "| 20.7 (20.0-22.0) |" in report.markdown_table(agg, ref_mode="iterative")
 
 
 def test_trace_is_off_by_default_and_round_trips(tmp_path, monkeypatch):

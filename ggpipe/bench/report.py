@@ -2,7 +2,8 @@
 Figures 4-7 style): speed vs ranks per mode, TTFT, ITL, speed per MB of
 memory, and speed vs link.
 
-Every figure is the mean over prompts and repeats of one (link, ranks, mode).
+Every figure is the mean over prompts and repeats of one (link, ranks, mode);
+with repeats, the table adds the range of the per-repeat means of tokens/s.
 Peer rows (``peer.csv`` from scripts/peer_llamacpp.py: llama.cpp's own
 programs, one process) are drawn as horizontal reference lines and listed in
 the table.
@@ -28,8 +29,9 @@ def _link_order(link: str) -> float:
 
 def aggregate(rows: list[dict]) -> list[dict]:
     """One dict per (link, ranks, mode) over successful rows: means of the
-    metrics, ``n_runs``, ``n_failed``, ``n_inexact``, and per-rank peak RSS
-    (max over runs, MiB, ';'-joined)."""
+    metrics, ``n_runs``, ``n_failed``, ``n_inexact``, per-rank peak RSS
+    (max over runs, MiB, ';'-joined) and ``tokens_per_s_repeats`` (min, max
+    over repeats of the per-repeat mean tokens/s; None for one repeat)."""
     groups: dict[tuple, list[dict]] = {}
     order: list[tuple] = []
     for r in rows:
@@ -49,12 +51,27 @@ def aggregate(rows: list[dict]) -> list[dict]:
         a = {"link": k[0], "ranks": k[1], "mode": k[2], "n_runs": len(ok), "n_failed": len(rs) - len(ok),
              "n_inexact": sum(1 for r in ok if r.get("exact") is False), "peak_rss_mib_per_rank": per_rank,
              "threads": rs[0].get("threads")}
+        a["tokens_per_s_repeats"] = _repeat_range(ok)
         for col in ("tokens_per_s", "ttft_ms", "itl_mean_ms", "itl_p50_ms", "itl_p90_ms", "acceptance_rate",
                     "accepted_per_pass", "runs_cancelled", "aborted_mid_compute", "peak_rss_mib_max",
                     "tokens_per_s_per_mb", "wall_s"):
             a[col] = _mean([r.get(col) for r in ok])
         out.append(a)
     return out
+
+
+def _repeat_range(rows: list[dict]) -> tuple[float, float] | None:
+    """(min, max) over repeats of the tokens/s mean over prompts, or None
+    with fewer than two repeats: the run-to-run spread of one configuration,
+    without the prompts' own differences."""
+    per: dict[int, list[float]] = {}
+    for r in rows:
+        if r.get("tokens_per_s") is not None and r.get("repeat") not in (None, ""):
+            per.setdefault(int(r["repeat"]), []).append(float(r["tokens_per_s"]))
+    if len(per) < 2:
+        return None
+    means = [statistics.mean(v) for v in per.values()]
+    return min(means), max(means)
 
 
 def _f(x, spec=".1f", none="-"):
@@ -78,8 +95,12 @@ def markdown_table(agg: list[dict], peers: list[dict] = (), ref_mode: str | None
             exact += f" ({a['n_failed']} failed)"
         cancelled = "-" if a["mode"] == "iterative" else \
             f"{_f(a['runs_cancelled'], '.0f')} ({_f(a['aborted_mid_compute'], '.0f')})"
+        speed = _f(a["tokens_per_s"])
+        if a.get("tokens_per_s_repeats"):
+            lo, hi = a["tokens_per_s_repeats"]
+            speed += f" ({lo:.1f}-{hi:.1f})"
         lines.append(
-            f"| {a['link']} | {a['ranks']} | {a['mode']} | {_f(a['tokens_per_s'])} | {rel} | {_f(a['ttft_ms'])} | "
+            f"| {a['link']} | {a['ranks']} | {a['mode']} | {speed} | {rel} | {_f(a['ttft_ms'])} | "
             f"{_f(a['itl_mean_ms'])} / {_f(a['itl_p50_ms'])} / {_f(a['itl_p90_ms'])} | "
             f"{_f(a['acceptance_rate'], '.2f')} | {_f(a['accepted_per_pass'], '.2f')} | {cancelled} | "
             f"{(a['peak_rss_mib_per_rank'] or '-').replace(';', ', ')} | {_f(a['tokens_per_s_per_mb'], '.3f')} | "
