@@ -8,17 +8,13 @@ reported instead of silently killing the others
 
 from __future__ import annotations
 
-import os
-
-_MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
-
 
 def main(argv: list[str] | None = None) -> None:
     """Run ``ggpipe ARGV`` (default: ``sys.argv[1:]``); exits the process."""
-    if any(k in os.environ for k in _MPI_RANK_VARS):
-        import atexit
+    from ggpipe.transport.launcher_signal import ignore_launcher_signal, launched_rank, watch_launcher_signal
 
-        from ggpipe.transport.launcher_signal import ignore_launcher_signal, watch_launcher_signal
+    if launched_rank() is not None:
+        import atexit
 
         watch_launcher_signal()                   # until the heartbeat watch takes SIGUSR1 over
         atexit.register(ignore_launcher_signal)   # and through MPI_Finalize

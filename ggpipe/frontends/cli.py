@@ -24,18 +24,9 @@ from ggpipe.frontends.cli_bench import bench_command, timeline_command
 from ggpipe.frontends.cli_models import models_group, split_command
 from ggpipe.models.registry import DEFAULT_MODEL
 from ggpipe.scheduling.sampling import SamplingParams
+from ggpipe.transport.launcher_signal import launched_rank
 
 _state = {"verbose": 0}
-
-
-def _rank() -> int:
-    for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
-        if k in os.environ:
-            try:
-                return int(os.environ[k])
-            except ValueError:
-                pass
-    return 0
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -337,7 +328,7 @@ def _abort_mpi(code: int) -> None:
 def main(argv=None) -> None:
     """Runs the click CLI and turns errors into one line (the console entry
     point is :func:`ggpipe.__main__.main`, which calls this)."""
-    rank = _rank()
+    rank = launched_rank() or 0
     try:
         cli.main(args=argv, prog_name="ggpipe", standalone_mode=False)
     except click.exceptions.Abort:

@@ -35,6 +35,7 @@ from ggpipe.scheduling.pipeline import Pipeline
 from ggpipe.scheduling.roles import Roles
 from ggpipe.scheduling.split import parse_split, plan_layers
 from ggpipe.transport import messages as m
+from ggpipe.transport.launcher_signal import check_launcher_signal
 from ggpipe.transport.mpi import Transport, mpi_world
 
 
@@ -231,8 +232,6 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
         digest = hashlib.sha256((config.digest() + json.dumps(list(args))).encode()).hexdigest()[:16]
         me = rank_info(rank)
         hello = {"digest": digest, "host": me["host"], "pid": me["pid"], "cpus": me["cpu_affinity"]}
-        from ggpipe.transport.launcher_signal import check_launcher_signal
-
         transport.interrupt = check_launcher_signal  # a rank that ends before the heartbeats start
         got = _exchange(transport, rank, size, hello, "hello", config.load_timeout_s)
         if rank == 0:

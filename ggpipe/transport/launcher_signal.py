@@ -25,7 +25,19 @@ import threading
 
 from ggpipe.errors import RankLostError
 
+_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")  # MPICH/hydra, Open MPI, PMIx launchers
 _startup_signal = threading.Event()
+
+
+def launched_rank() -> int | None:
+    """This process's MPI rank as its launcher's environment gives it, or
+    None when no MPI launcher started it (read without initialising MPI)."""
+    for k in _RANK_VARS:
+        try:
+            return int(os.environ[k])
+        except (KeyError, ValueError):
+            pass
+    return None
 
 
 def watch_launcher_signal() -> None:

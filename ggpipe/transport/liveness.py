@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ggpipe.transport.launcher_signal import ignore_launcher_signal
+from ggpipe.transport.mpi import abort_world
 
 HEARTBEAT_TAG = 77
 _LEAVING = 1
@@ -211,8 +212,6 @@ class Liveness:
                 f"--liveness-timeout {self.timeout_s:g}); stopping every rank")
 
     def _abort(self, line: str, grace_s: float = 1.0) -> None:
-        from ggpipe.transport.mpi import abort_world  # noqa: PLC0415
-
         sys.stdout.flush()
         sys.stderr.write(f"ggpipe: error: {line}\n")
         for hook in self.before_abort:  # e.g. the server answers its clients with 503

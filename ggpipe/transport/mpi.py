@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import pickle
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -58,8 +59,6 @@ def abort_world(comm, code: int, grace_s: float = 0.5) -> None:
     waiting ``grace_s`` seconds: the launcher (hydra, orted) forwards a rank's
     output through its proxy, and an abort right after the last write can
     kill the proxy before the error line reaches the user's terminal."""
-    import sys  # noqa: PLC0415
-
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
