@@ -16,7 +16,7 @@ import pytest
 
 from ggpipe.errors import ConfigError
 from ggpipe.frontends.batch import done_ids, load_items
-from ggpipe.scheduling.sampling import SamplingParams
+from ggpipe.sampling import SamplingParams
 from tests.conftest import ROOT, ggpipe_cmd, run_ggpipe
 
 N = 12

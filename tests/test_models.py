@@ -401,7 +401,7 @@ def test_cli_models(smollm2: Path, cache_env: Path) -> None:
 
 def _split_module_available() -> bool:
     try:
-        from ggpipe.scheduling.split import parse_split, plan_layers  # noqa: F401
+        from ggpipe.cluster.split import parse_split, plan_layers  # noqa: F401
     except ImportError:
         return False
     return True
@@ -409,13 +409,13 @@ def _split_module_available() -> bool:
 
 @pytest.fixture
 def split_module(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Stand-in for ggpipe.scheduling.split if it is not there (test run only)."""
+    """Stand-in for ggpipe.cluster.split if it is not there (test run only)."""
     if _split_module_available():
         return
     import sys
     import types
 
-    mod = types.ModuleType("ggpipe.scheduling.split")
+    mod = types.ModuleType("ggpipe.cluster.split")
 
     class SplitSpec:
         def __init__(self, target, draft=None):  # noqa: ANN001
@@ -430,7 +430,7 @@ def split_module(monkeypatch: pytest.MonkeyPatch) -> None:
         return list(zip(bounds[:-1], bounds[1:]))
 
     mod.SplitSpec, mod.parse_split, mod.plan_layers = SplitSpec, parse_split, plan_layers  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "ggpipe.scheduling.split", mod)
+    monkeypatch.setitem(sys.modules, "ggpipe.cluster.split", mod)
 
 
 def test_cli_split(smollm2: Path, cache_env: Path, tmp_path: Path, split_module: None) -> None:

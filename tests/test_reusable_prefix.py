@@ -1,7 +1,7 @@
 """reusable_prefix: how much of a KV cache a new request (or the draft's next
 context) can keep — shared by the engine's prefix reuse and the proposer."""
 
-from ggpipe.scheduling.iterative import reusable_prefix
+from ggpipe.kv_reuse import reusable_prefix
 
 
 def test_common_prefix_and_the_last_token_is_decoded_again():

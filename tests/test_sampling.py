@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from ggpipe.errors import ConfigError
-from ggpipe.scheduling.sampling import Sampler, SamplingParams, target_probs
+from ggpipe.sampling import Sampler, SamplingParams, target_probs
 
 
 def _softmax(z):

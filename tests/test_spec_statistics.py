@@ -14,7 +14,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from ggpipe.scheduling.sampling import Sampler, SamplingParams, target_probs
+from ggpipe.sampling import Sampler, SamplingParams, target_probs
 from ggpipe.speculation.graph import SpecGraph
 from ggpipe.speculation.tree import SpecTree
 from ggpipe.speculation.verify import verify_step
@@ -265,7 +265,7 @@ PROMPT = "Once upon a time, a warrior named Goliath"
 def _next_logits(path, n_layer, prompt):
     from ggpipe.runtime.stage import Stage, StageSpec
     from ggpipe.runtime.vocab import Vocab
-    from ggpipe.scheduling.runs import Run
+    from ggpipe.pipeline.runs import Run
 
     s = Stage(StageSpec(model_path=path, n_layer=n_layer, first=True, last=True, n_ctx=256))
     try:

@@ -1,7 +1,7 @@
 import pytest
 
 from ggpipe.errors import GGPipeError, SplitError
-from ggpipe.scheduling.split import SplitSpec, describe_plan, parse_split, plan_layers
+from ggpipe.cluster.split import SplitSpec, describe_plan, parse_split, plan_layers
 
 
 # ---- parse_split ---------------------------------------------------------

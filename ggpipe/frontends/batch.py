@@ -46,7 +46,7 @@ from ggpipe.errors import ConfigError
 from ggpipe.frontends.engine import Engine
 from ggpipe.frontends.job import JobSpec, head_signals, ignore_signals, run_job
 from ggpipe.jsonl import iter_jsonl
-from ggpipe.scheduling.sampling import SamplingParams
+from ggpipe.sampling import SamplingParams
 
 _FIELDS = {"id", "prompt", "messages", "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop"}
 

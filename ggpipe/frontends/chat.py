@@ -22,7 +22,7 @@ import sys
 from ggpipe.errors import ConfigError
 from ggpipe.frontends.engine import Engine
 from ggpipe.frontends.job import JobSpec, head_signals, ignore_signals, run_job
-from ggpipe.scheduling.sampling import SamplingParams
+from ggpipe.sampling import SamplingParams
 
 HELP = "commands: /reset (new conversation), /stats (last reply), /quit"
 

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import click
 
-from ggpipe.errors import GGPipeError, RankFailedError
+from ggpipe.errors import ConfigError, GGPipeError, RankFailedError
 from ggpipe.frontends.cli_bench import bench_command, timeline_command
 from ggpipe.frontends.cli_models import models_group, split_command
 from ggpipe.models.registry import DEFAULT_MODEL
-from ggpipe.scheduling.sampling import SamplingParams
+from ggpipe.sampling import SamplingParams
 from ggpipe.transport.launcher_signal import launched_rank
 
 _state = {"verbose": 0}
@@ -77,12 +77,21 @@ def cluster_options(f):
 
 def speculation_options(f):
     """Speculation knobs (PipeInfer IV.B; defaults tuned in docs/BENCHMARKS.md)."""
-    from ggpipe.scheduling.speculative import SpecSettings  # noqa: PLC0415
+    from ggpipe.decoding.settings import MODES, SPEC_TYPES, SpecSettings  # noqa: PLC0415
 
     d = SpecSettings()
     opts = [
-        click.option("--mode", type=click.Choice(["iterative", "speculative", "pipeinfer"]), default="iterative",
+        click.option("--mode", type=click.Choice(list(MODES)), default="iterative",
                      show_default=True, help="Scheduling mode."),
+        click.option("--spec-type", type=click.Choice(list(SPEC_TYPES) + list(SPEC_TYPE_ALIASES)),
+                     default=d.spec_type, show_default=True,
+                     help="Drafting strategy of the speculative modes: draft (the draft model, -md) or ngram "
+                          "(prompt lookup in the request's own tokens, no draft model). llama.cpp's names "
+                          "draft-simple and ngram-simple are accepted."),
+        click.option("--spec-ngram-min", "ngram_min", default=d.ngram_min, show_default=True,
+                     type=click.IntRange(1, 64), help="Shortest suffix the n-gram proposer matches (tokens)."),
+        click.option("--spec-ngram-max", "ngram_max", default=d.ngram_max, show_default=True,
+                     type=click.IntRange(1, 64), help="Longest suffix the n-gram proposer matches (tokens)."),
         click.option("--draft", "n_draft", default=d.draft, show_default=True, type=click.IntRange(1, 64),
                      help="Most draft tokens per speculation tree / micro-batch."),
         click.option("--p-accept", default=d.p_accept, show_default=True, type=click.FloatRange(0, 1),
@@ -103,13 +112,20 @@ def speculation_options(f):
     return _apply(opts, f)
 
 
-def _spec_settings(mode, n_draft, p_accept, p_split, p_recovery, p_decay, branches, max_inflight, no_continuous,
-                   no_cancel):
-    from ggpipe.scheduling.speculative import SpecSettings  # noqa: PLC0415
+SPEC_TYPE_ALIASES = {"draft-simple": "draft", "ngram-simple": "ngram"}  # llama.cpp's --spec-type names
 
-    return SpecSettings(mode=mode if mode != "iterative" else "pipeinfer", draft=n_draft, p_accept=p_accept,
+
+def _spec_settings(mode, spec_type, n_draft, p_accept, p_split, p_recovery, p_decay, branches, max_inflight,
+                   no_continuous, no_cancel, ngram_min, ngram_max):
+    from ggpipe.decoding.settings import SpecSettings  # noqa: PLC0415
+
+    if ngram_min > ngram_max:
+        raise ConfigError(f"--spec-ngram-min {ngram_min} is larger than --spec-ngram-max {ngram_max}")
+    return SpecSettings(mode=mode if mode != "iterative" else "pipeinfer",
+                        spec_type=SPEC_TYPE_ALIASES.get(spec_type, spec_type), draft=n_draft, p_accept=p_accept,
                         p_split=p_split, p_recovery=p_recovery, p_decay=p_decay, width=branches,
-                        continuous=not no_continuous, cancel=not no_cancel, max_inflight=max_inflight)
+                        continuous=not no_continuous, cancel=not no_cancel, max_inflight=max_inflight,
+                        ngram_min=ngram_min, ngram_max=ngram_max)
 
 
 def auto_n_seq_max(mode: str, spec) -> int:
@@ -141,7 +157,7 @@ def job_options(f):
 
 
 _JOB_KEYS = ("model", "draft_model", "split", "threads", "ctx_size", "ubatch", "n_seq_max", "timeout",
-             "liveness_timeout", "mode",
+             "liveness_timeout", "mode", "spec_type", "ngram_min", "ngram_max",
              "n_draft", "p_accept", "p_split", "p_recovery", "p_decay", "branches", "max_inflight", "no_continuous",
              "no_cancel", "n_predict", "temp", "top_k", "top_p", "seed", "ignore_eos")
 
@@ -154,12 +170,13 @@ def split_job_options(kw: dict):
         ConfigError: impossible sampling settings.
     """
     from ggpipe.frontends.job import JobSpec
-    from ggpipe.scheduling.session import ClusterConfig
+    from ggpipe.cluster.session import ClusterConfig
 
     o = {k: kw.pop(k) for k in _JOB_KEYS}
     sampling = SamplingParams(temperature=o["temp"], top_k=o["top_k"], top_p=o["top_p"], seed=o["seed"]).validate()
-    spec = _spec_settings(o["mode"], o["n_draft"], o["p_accept"], o["p_split"], o["p_recovery"], o["p_decay"],
-                          o["branches"], o["max_inflight"], o["no_continuous"], o["no_cancel"])
+    spec = _spec_settings(o["mode"], o["spec_type"], o["n_draft"], o["p_accept"], o["p_split"], o["p_recovery"],
+                          o["p_decay"], o["branches"], o["max_inflight"], o["no_continuous"], o["no_cancel"],
+                          o["ngram_min"], o["ngram_max"])
     n_seq_max = o["n_seq_max"] if o["n_seq_max"] is not None else auto_n_seq_max(o["mode"], spec)
     cfg = ClusterConfig(model=o["model"], draft_model=o["draft_model"], split=o["split"], threads=o["threads"],
                         ctx_size=o["ctx_size"], n_seq_max=n_seq_max, ubatch=o["ubatch"], timeout_s=o["timeout"],
@@ -289,7 +306,7 @@ def plan(ctx, ranks, model, draft_model, split, ctx_size, threads, hostfile, map
         params = dict(model=model or DEFAULT_MODEL, draft_model=draft_model, split=split,
                       ctx_size=ctx_size or 2048, threads=threads or "1")
         argv = ["generate"] + [x for k, v in own.items() if v is not None for x in (k, str(v))] + ["-p", "…"]
-    from ggpipe.scheduling.session import ClusterConfig
+    from ggpipe.cluster.session import ClusterConfig
 
     cfg = ClusterConfig(model=params["model"], draft_model=params["draft_model"], split=params["split"],
                         threads=str(params["threads"]), ctx_size=params["ctx_size"])

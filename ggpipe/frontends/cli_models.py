@@ -120,7 +120,7 @@ def split_command(model: str, split_text: str | None, stages: int | None, out_di
     """Cut MODEL (registry name or .gguf) into one GGUF per pipeline stage.
 
     Writes DIR/<stem>.stage<i>-L<start>-<stop>.gguf (layers [start, stop))."""
-    from ggpipe.scheduling.split import parse_split, plan_layers
+    from ggpipe.cluster.split import parse_split, plan_layers
 
     spec = parse_split(split_text)
     if spec.draft is not None:

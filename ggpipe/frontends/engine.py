@@ -20,15 +20,15 @@ import numpy as np
 
 from ggpipe.errors import ConfigError
 from ggpipe.metrics import GenerationClock
-from ggpipe.runtime.stage import KV_CLEAR, KV_SEQ_RM
 from ggpipe.runtime.vocab import Vocab, check_prompt_fits
-from ggpipe.scheduling.iterative import IterativeDecoder, reusable_prefix
-from ggpipe.scheduling.sampling import Sampler, SamplingParams
-from ggpipe.scheduling.session import Session
-from ggpipe.scheduling.speculative import SpecSettings, SpeculativeDecoder
-from ggpipe.transport.messages import KvHeader
+from ggpipe.decoding.iterative import IterativeDecoder
+from ggpipe.kv_reuse import reusable_prefix
+from ggpipe.sampling import Sampler, SamplingParams
+from ggpipe.cluster.session import Session
+from ggpipe.decoding.pipelined import SpeculativeDecoder
+from ggpipe.decoding.settings import MODES, SpecSettings
+from ggpipe.speculation.proposers.base import ProposerConfig, make_proposer
 
-MODES = ("iterative", "speculative", "pipeinfer")
 
 
 @dataclass
@@ -89,9 +89,17 @@ class Engine:
         if mode == "iterative":
             self.decoder = IterativeDecoder(session.pipeline, cfg.ubatch, is_eog)
         else:
-            if session.draft_pipeline is None:
-                raise ConfigError(f"--mode {mode} needs a draft model: give one with -md (e.g. -md smollm2-135m)")
-            self.decoder = SpeculativeDecoder(session.pipeline, session.draft_pipeline, spec, cfg.n_seq_max,
+            if spec.spec_type == "draft" and session.draft_pipeline is None:
+                raise ConfigError(f"--mode {mode} needs a draft model: give one with -md (e.g. -md smollm2-135m), "
+                                  "or draft without one: --spec-type ngram")
+            try:
+                proposer = make_proposer(spec.spec_type, ProposerConfig(
+                    backend=session.draft_pipeline, n_vocab=session.pipeline.n_vocab, n_ubatch=cfg.ubatch,
+                    p_split=spec.p_split, width=spec.width, ngram_min=spec.ngram_min, ngram_max=spec.ngram_max,
+                    timeout_s=cfg.timeout_s))
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+            self.decoder = SpeculativeDecoder(session.pipeline, proposer, spec, cfg.n_seq_max,
                                               cfg.ubatch, is_eog, timeout_s=cfg.timeout_s)
         self.last: Completion | None = None
 
@@ -116,11 +124,10 @@ class Engine:
 
     def reset(self) -> None:
         """Forget the conversation: clear every stage's KV cache (target and draft)."""
-        self.session.pipeline.kv(KvHeader(KV_CLEAR))
+        self.session.pipeline.clear()
         if self.session.draft_pipeline is not None:
-            self.session.draft_pipeline.kv(KvHeader(KV_CLEAR))
-        if isinstance(self.decoder, SpeculativeDecoder):
-            self.decoder.draft_cursor.clear()
+            self.session.draft_pipeline.clear()
+        self.decoder.reset()
         self.kv_tokens = []
 
     def _keep_prefix(self, tokens: list[int]) -> int:
@@ -130,7 +137,7 @@ class Engine:
         common = reusable_prefix(self.kv_tokens, tokens) if self.reuse_kv else 0
         # every sequence: speculation partitions are released after each request,
         # but a cell past the prefix in any sequence must not survive
-        self.session.pipeline.kv(KvHeader(KV_SEQ_RM, seq=-1, p0=common, p1=-1))
+        self.session.pipeline.seq_rm(-1, common, -1)
         del self.kv_tokens[common:]
         return common
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from ggpipe.frontends.engine import Engine
 from ggpipe.frontends.job import JobSpec, run_job
-from ggpipe.scheduling.sampling import SamplingParams
+from ggpipe.sampling import SamplingParams
 
 
 @dataclass

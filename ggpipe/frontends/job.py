@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 from ggpipe.errors import GGPipeError
 from ggpipe.frontends.engine import Engine
-from ggpipe.scheduling.session import ClusterConfig, Session, open_session
-from ggpipe.scheduling.speculative import SpecSettings
+from ggpipe.cluster.session import ClusterConfig, Session, open_session
+from ggpipe.decoding.settings import SpecSettings
 
 
 @dataclass(frozen=True)

@@ -38,9 +38,9 @@ from ggpipe.errors import ConfigError
 from ggpipe.models.cache import remembered
 from ggpipe.models.gguf_info import field_value, load_gguf, read_model_info
 from ggpipe.models.registry import resolve
-from ggpipe.scheduling.roles import Roles
-from ggpipe.scheduling.session import ClusterConfig, parse_threads
-from ggpipe.scheduling.split import parse_split, plan_layers
+from ggpipe.cluster.roles import Roles
+from ggpipe.cluster.session import ClusterConfig, parse_threads
+from ggpipe.cluster.split import parse_split, plan_layers
 
 KV_BYTES_PER_ELEMENT = 2  # f16 K and V cells (llama.cpp's default cache type)
 _LAYER = re.compile(r"^blk\.(\d+)\.")

@@ -39,7 +39,7 @@ from ggpipe.errors import ConfigError, GGPipeError
 from ggpipe.frontends.engine import Engine
 from ggpipe.frontends.job import JobSpec, head_signals, ignore_signals, run_job
 from ggpipe.frontends.serve_app import APIError, ServerState, create_app
-from ggpipe.scheduling.sampling import SamplingParams
+from ggpipe.sampling import SamplingParams
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

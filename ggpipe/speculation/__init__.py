@@ -1,3 +1,4 @@
-"""Speculation building blocks, MPI-free: trees, verification, the head's
-speculation graph, KV partitions, the confidence-cutoff controller and the
-draft-model proposer. The modes in ggpipe.scheduling combine them."""
+"""Speculation building blocks, MPI-free (numpy and ggpipe.sampling only):
+trees, verification, the head's speculation graph, KV partitions, the
+confidence-cutoff controller, and the drafting strategies in ``proposers/``
+behind one protocol. ggpipe.decoding's loop combines them."""

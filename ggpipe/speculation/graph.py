@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ggpipe.scheduling.sampling import Sampler
+from ggpipe.sampling import Sampler
 from ggpipe.speculation.tree import SpecTree
 from ggpipe.speculation.verify import verify_step
 

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ggpipe.scheduling.sampling import Sampler, target_probs
+from ggpipe.sampling import Sampler, target_probs
 
 
 def verify_step(logits: np.ndarray, child_tokens: Sequence[int], child_q: Sequence[np.ndarray | None],

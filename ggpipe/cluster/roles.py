@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ggpipe.errors import ConfigError
-from ggpipe.scheduling.split import SplitSpec
+from ggpipe.cluster.split import SplitSpec
 
 
 @dataclass(frozen=True)

@@ -18,25 +18,26 @@ step with the tokens it has decoded (``cursor``) and only re-decodes what
 changed, so a micro-batch that continues the previous one costs one draft
 decode per level.
 
-Use: ``begin(context, cutoff, max_nodes)`` starts (it submits a draft run);
-each draft result goes to ``step(result)``, which submits the next draft run
-and returns None, or returns the finished tree (possibly empty: the draft was
-not confident enough). ``cut()`` hands over the tree drafted so far while a
-draft decode of its tip is in flight, and keeps drafting a new micro-batch
-below that tip (continuous speculation, PipeInfer IV.B.1).
+It implements :class:`~ggpipe.speculation.proposers.base.Proposer`
+(``--spec-type draft``): ``begin`` submits a draft run; each draft result
+that :meth:`poll` takes submits the next draft decode, until the tree is
+finished (possibly empty: the draft was not confident enough). ``cut()``
+hands over the tree drafted so far while a draft decode of its tip is in
+flight, and keeps drafting a new micro-batch below that tip (continuous
+speculation, PipeInfer IV.B.1). The draft model's pipeline is reached only
+through :class:`~ggpipe.speculation.proposers.base.DecodeBackend`.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
-from ggpipe.runtime.stage import KV_SEQ_RM
-from ggpipe.scheduling.iterative import reusable_prefix, submit_prompt
-from ggpipe.scheduling.pipeline import Pipeline
-from ggpipe.scheduling.runs import Run, RunResult
-from ggpipe.scheduling.sampling import SamplingParams, target_probs
+from ggpipe.kv_reuse import reusable_prefix
+from ggpipe.sampling import SamplingParams, target_probs
+from ggpipe.speculation.proposers.base import DecodeBackend, DraftResult, ProposerConfig
 from ggpipe.speculation.tree import SpecTree
-from ggpipe.transport.messages import KvHeader
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -48,33 +49,55 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     return x
 
 
-class DraftProposer:
+class DraftModelProposer:
     """Args:
-        pipe: the draft model's pipeline (head-driven).
-        params: the sampling parameters of the request (greedy or not).
-        rng: random generator for stochastic drafting.
-        p_split: probability above which a runner-up becomes a sibling leaf.
-        width: most leaves per tree (the partition width).
-        n_ubatch: largest draft decode (catch-up decodes are chunked).
+        cfg: ``backend`` (the draft model's pipeline, head-driven), ``p_split``
+            (probability above which a runner-up becomes a sibling leaf),
+            ``width`` (most leaves per tree) and ``n_ubatch`` (largest draft
+            decode; catch-up decodes are chunked) are read.
+
+    Raises:
+        ValueError: ``cfg.backend`` is None (the job has no draft model).
     """
 
-    def __init__(self, pipe: Pipeline, params: SamplingParams, rng: np.random.Generator, p_split: float,
-                 width: int, n_ubatch: int):
-        self.pipe = pipe
-        self.params = params
-        self.rng = rng
-        self.p_split = p_split
-        self.width = width
-        self.n_ubatch = n_ubatch
-        self.cursor: list[int] = []      # tokens in the draft's KV, positions 0..len-1
+    name = "draft"
+    instant = False
+
+    def __init__(self, cfg: ProposerConfig):
+        if cfg.backend is None:
+            raise ValueError("--spec-type draft needs a draft model: give one with -md (e.g. -md smollm2-135m)")
+        self.pipe: DecodeBackend = cfg.backend
+        self.params = SamplingParams()
+        self.rng = np.random.default_rng()
+        self.p_split = cfg.p_split
+        self.width = cfg.width
+        self.n_ubatch = cfg.n_ubatch
+        self.cursor: list[int] = []      # tokens in the draft's KV, positions 0..len-1 (kept across requests)
         self.active = False
         self.tree: SpecTree | None = None
         self._parent = -1
         self._cutoff = 1.0
         self._max_nodes = 0
         self._pending_runs = 0
+        self._cached: np.ndarray | None = None
         self._last_logits: tuple[int, np.ndarray] | None = None  # (cursor length, logits of its last token)
-        self.draft_decodes = 0
+        self.stats = {"draft_decodes": 0}
+
+    # stochastic trees are chains of draws from q (greedy trees may carry top-k siblings)
+    iid_children = True
+
+    def start(self, params: SamplingParams, rng: np.random.Generator) -> None:
+        """A new request: its sampling parameters and drafting RNG."""
+        self.params = params
+        self.rng = rng
+        self.active = False
+        self.tree = None
+
+    def reset(self) -> None:
+        """The draft's KV cache was cleared."""
+        self.cursor.clear()
+        self._last_logits = None
+        self.active = False
 
     # -- the draft's KV cache --------------------------------------------------
 
@@ -88,13 +111,13 @@ class DraftProposer:
         of draft runs submitted."""
         common = reusable_prefix(self.cursor, context, need_logits=want_logits)
         if common < len(self.cursor):
-            self.pipe.kv(KvHeader(KV_SEQ_RM, seq=0, p0=common, p1=-1))
+            self.pipe.seq_rm(0, common, -1)
             del self.cursor[common:]
             self._last_logits = None  # they were for a prefix that no longer exists
         todo = context[common:]
-        n = submit_prompt(self.pipe, todo, common, self.n_ubatch, want_logits=want_logits)
+        n = self.pipe.submit_prompt(todo, common, self.n_ubatch, want_logits=want_logits)
         self.cursor.extend(todo)
-        self.draft_decodes += n
+        self.stats["draft_decodes"] += n
         return n
 
     # -- growing a tree --------------------------------------------------------
@@ -118,33 +141,75 @@ class DraftProposer:
         else:
             self._pending_runs = self._sync(list(context), want_logits=True)
 
-    @property
-    def has_cached(self) -> bool:
-        """begin() found the anchor's logits cached: call step(None) at once."""
-        return self.active and self._cached is not None
+    def ready(self) -> bool:
+        """:meth:`poll` would make progress now: the anchor's logits were
+        cached, or a draft result has arrived."""
+        return self.active and (self._cached is not None or self.pipe.ready())
+
+    def poll(self) -> SpecTree | None:
+        """Take one draft result if there is one (never blocks); returns the
+        finished tree, or None (drafting goes on, or nothing arrived)."""
+        if not self.active:
+            return None
+        if self._cached is not None:
+            return self.step(None)
+        res = self.pipe.poll()
+        return None if res is None else self.step(res)
+
+    def salvage(self, decided: list[int]) -> tuple[SpecTree, int] | None:
+        """The target decided ``decided`` below the anchor of the tree being
+        drafted. If they lead into it and its tip is still below them: the
+        subtree below them and the tip's index in it (-1: the subtree's
+        anchor). Changes nothing; :meth:`cut` then hands the tree over."""
+        if not self.can_cut():
+            return None
+        sub, mp = self.tree.reanchor(decided)
+        if sub is None or self._parent not in mp:
+            return None
+        return sub, mp[self._parent]
+
+    def abandon(self) -> None:
+        """Drop the micro-batch being drafted (its in-flight results are
+        consumed later by :meth:`drain_one` / :meth:`settle`)."""
+        self.active = False
+
+    def busy(self) -> bool:
+        """Draft runs are in flight."""
+        return bool(self.pipe.inflight)
+
+    def drain_one(self, timeout_s: float) -> None:
+        """Wait (bounded) for the oldest in-flight draft run and consume it."""
+        res = self.pipe.wait(timeout_s)
+        if self.active and self.step(res) is not None:
+            self.active = False
+
+    def settle(self, timeout_s: float) -> None:
+        """Consume every in-flight draft run; the micro-batch, if any, is dropped."""
+        while self.pipe.inflight:
+            self.drain_one(timeout_s)
+        self.active = False
 
     def can_cut(self) -> bool:
         """A tree with nodes is being extended by an in-flight draft decode."""
         return self.active and self.tree is not None and len(self.tree) > 0 and self._pending_runs > 0
 
-    def cut(self, cutoff: float, max_nodes: int) -> tuple[SpecTree, int]:
+    def cut(self, cutoff: float, room: Callable[[int], int]) -> tuple[SpecTree, int]:
         """Hand over the tree drafted so far and its chain tip's index; keep
-        drafting a new tree below the tip (whose draft decode is in flight)."""
+        drafting a new tree below the tip (whose draft decode is in flight),
+        of at most ``room(tip position)`` nodes.
+
+        Raises:
+            RuntimeError: nothing to cut (see :meth:`can_cut`)."""
         if not self.can_cut():
             raise RuntimeError("nothing to cut")
         tree, tip = self.tree, self._parent
         self.tree = SpecTree(anchor_pos=tree.pos(tip))
         self._parent = -1
         self._cutoff = cutoff
-        self._max_nodes = max_nodes
+        self._max_nodes = room(self.tree.anchor_pos)
         return tree, tip
 
-    @property
-    def tip(self) -> int:
-        """Index of the chain tip in the tree being drafted (-1: the anchor)."""
-        return self._parent
-
-    def step(self, result: RunResult | None) -> SpecTree | None:
+    def step(self, result: DraftResult | None) -> SpecTree | None:
         """Consume one draft result (None: use the cached anchor logits);
         returns the finished tree, or None after submitting the next draft
         decode."""
@@ -186,10 +251,10 @@ class DraftProposer:
         pos = tree.pos(node)
         if pos != len(self.cursor):
             raise RuntimeError("draft KV out of step")
-        self.pipe.submit(Run.linear([tok], pos))
+        self.pipe.decode([tok], pos)
         self.cursor.append(tok)
         self._last_logits = None
-        self.draft_decodes += 1
+        self.stats["draft_decodes"] += 1
         self._pending_runs = 1
         return None
 

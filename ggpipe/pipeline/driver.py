@@ -30,8 +30,8 @@ from collections import deque
 import numpy as np
 
 from ggpipe.errors import GGPipeError, ProtocolError, RankTimeoutError
-from ggpipe.runtime.stage import Cancelled, InvalidBatch, Stage
-from ggpipe.scheduling.runs import Run, RunResult
+from ggpipe.runtime.stage import KV_CLEAR, KV_SEQ_CP, KV_SEQ_RM, Cancelled, InvalidBatch, Stage
+from ggpipe.pipeline.runs import Run, RunResult
 from ggpipe.trace import tracer
 from ggpipe.transport import messages as m
 
@@ -106,6 +106,46 @@ class Pipeline:
             self._jobs.put(("decode", run))
         else:
             self._decode_local(run)
+
+    def decode(self, tokens, start_pos: int, seq: int = 0, logits_last: bool = True) -> None:
+        """Start one run of consecutive ``tokens`` (int (n,)) at positions
+        ``start_pos``.. of sequence ``seq``, with logits of its last token
+        (``logits_last``) or none."""
+        self.submit(Run.linear(tokens, start_pos, seq=seq, output_last=logits_last))
+
+    def submit_prompt(self, tokens, start_pos: int, n_ubatch: int, seq: int = 0, want_logits: bool = True) -> int:
+        """Start ``tokens`` (int (n,)) at positions start_pos.. of sequence
+        ``seq`` as runs of at most ``n_ubatch`` tokens, back to back, so stage
+        k works on chunk i while stage k-1 works on chunk i+1 (pipelined
+        prefill); with ``want_logits`` the last chunk asks for logits of its
+        last token. Returns the number of runs started (nothing is waited for)."""
+        n = len(tokens)
+        for i in range(0, n, n_ubatch):
+            last = i + n_ubatch >= n
+            self.decode(tokens[i:i + n_ubatch], start_pos + i, seq=seq, logits_last=want_logits and last)
+        return -(-n // n_ubatch)
+
+    def prefill(self, tokens, start_pos: int, n_ubatch: int, seq: int = 0) -> np.ndarray:
+        """:meth:`submit_prompt`, then wait (bounded by the transport's
+        time-out); returns float32 (n_vocab,) logits of the last token."""
+        self.submit_prompt(tokens, start_pos, n_ubatch, seq)
+        return self.drain()[-1].logits[0]
+
+    # KV cache verbs (llama_memory_seq_rm / seq_cp / clear on every stage, in order)
+
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
+        """Remove the cells of sequence ``seq`` (-1: every sequence) at
+        positions [p0, p1) (-1: open end) on every stage."""
+        self.kv(m.KvHeader(KV_SEQ_RM, seq=seq, p0=p0, p1=p1))
+
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        """Add sequence ``dst`` to the cells of ``src`` at positions [p0, p1)
+        on every stage (metadata only: no tensor is copied)."""
+        self.kv(m.KvHeader(KV_SEQ_CP, seq=src, seq_dst=dst, p0=p0, p1=p1))
+
+    def clear(self) -> None:
+        """Empty the KV cache of every stage."""
+        self.kv(m.KvHeader(KV_CLEAR))
 
     def kv(self, header: m.KvHeader) -> None:
         """Apply a KV cache operation on the head's stage, then pipeline it to

@@ -31,9 +31,9 @@ from ggpipe.models.derive import stage_slice
 from ggpipe.models.gguf_info import read_model_info
 from ggpipe.models.registry import cache_dir, resolve
 from ggpipe.runtime.stage import Stage, StageSpec
-from ggpipe.scheduling.pipeline import Pipeline
-from ggpipe.scheduling.roles import Roles
-from ggpipe.scheduling.split import parse_split, plan_layers
+from ggpipe.pipeline.driver import Pipeline
+from ggpipe.cluster.roles import Roles
+from ggpipe.cluster.split import parse_split, plan_layers
 from ggpipe.transport import messages as m
 from ggpipe.transport.launcher_signal import check_launcher_signal
 from ggpipe.transport.mpi import Transport, mpi_world
@@ -147,7 +147,7 @@ class Session:
     def serve(self) -> None:
         """Worker ranks: serve the pipeline until the head shuts it down, then
         send this rank's statistics to the head."""
-        from ggpipe.scheduling.worker import Worker  # noqa: PLC0415
+        from ggpipe.pipeline.worker import Worker  # noqa: PLC0415
 
         w = Worker(self.stage, self.transport, max_tokens=self.config.ubatch, **self.roles.links(self.rank))
         if self.activity is not None:

@@ -1,0 +1,50 @@
+"""Decoding settings: the modes and the speculation knobs (CLI names in
+brackets). Pure data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODES = ("iterative", "speculative", "pipeinfer")
+SPEC_TYPES = ("draft", "ngram")
+
+
+@dataclass(frozen=True)
+class SpecSettings:
+    """Speculation knobs (CLI names in brackets).
+
+    Attributes:
+        mode: "speculative" or "pipeinfer".
+        spec_type: the drafting strategy, a name in
+            ``ggpipe.speculation.proposers.base.REGISTRY`` [--spec-type]:
+            "draft" (the draft model, -md) or "ngram" (prompt lookup, no model).
+        draft: most draft tokens per tree / micro-batch [--draft].
+        p_accept: confidence cutoff [--p-accept].
+        p_split: runner-up probability that adds a sibling leaf [--p-split].
+        p_recovery: cutoff increase per continued micro-batch [--p-recovery].
+        p_decay: cutoff decrease per failed idle attempt [--p-decay].
+        width: leaves (KV sequences) per tree [--branches].
+        continuous: continuous speculation (pipeinfer) [--no-continuous].
+        cancel: early inference cancellation (pipeinfer) [--no-cancel].
+        max_inflight: most speculative runs in flight (pipeinfer).
+        ngram_min, ngram_max: suffix lengths the n-gram proposer matches
+            (tokens) [--spec-ngram-min, --spec-ngram-max].
+    """
+
+    mode: str = "pipeinfer"
+    spec_type: str = "draft"
+    draft: int = 6
+    p_accept: float = 0.3
+    p_split: float = 0.2
+    p_recovery: float = 0.05
+    p_decay: float = 0.05
+    width: int = 1
+    continuous: bool = True
+    cancel: bool = True
+    max_inflight: int = 8
+    ngram_min: int = 1
+    ngram_max: int = 4
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.mode == "pipeinfer"

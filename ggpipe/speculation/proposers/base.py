@@ -1,0 +1,232 @@
+"""The proposer seam: what a drafting strategy offers the speculative decoding
+loop, and what it may ask of a model's pipeline. No MPI, no model.
+
+A *proposer* drafts speculation trees (micro-batches) below an anchor token.
+The loop (:mod:`ggpipe.decoding.pipelined`, PipeInfer section IV) knows only
+this protocol; it never learns which strategy it holds. The shape follows
+llama.cpp's ``common/speculative.h`` (begin / draft / accept, strategies
+chosen by name) and vLLM's n-gram proposer (a pure ``propose()`` tested
+without a model).
+
+Life of a proposer (one per decoder; it may keep caches across requests):
+
+* ``start(params, rng)`` at the start of each request, ``prefill(context)``
+  once the prompt is known (may start work and return at once);
+* ``begin(context, cutoff, max_nodes)`` starts a micro-batch below
+  ``context[-1]`` (the anchor, at position ``len(context) - 1``);
+* while ``active``: ``ready()`` says ``poll()`` would make progress without
+  waiting; ``poll()`` makes it and returns the finished tree (possibly empty:
+  nothing worth verifying), or None while drafting goes on;
+* continuous speculation (PipeInfer IV.B.1): ``can_cut()`` / ``cut(cutoff,
+  room)`` hand over the tree drafted so far and keep drafting below its tip
+  (at most ``room(tip position)`` nodes);
+* ``salvage(decided)``: the target decided ``decided`` below the anchor of the
+  tree being drafted; the part of that tree below them, if they lead into it;
+* ``abandon()`` drops the micro-batch; ``busy()`` / ``drain_one()`` consume
+  results of work already started; ``settle()`` consumes all of them;
+* ``reset()``: the KV caches were cleared (a new conversation).
+
+A proposer that drafts for another model talks to its pipeline only through
+:class:`DecodeBackend` (``ggpipe.pipeline.driver.Pipeline`` is one; the unit
+tests use an in-memory fake).
+
+Registration: :data:`REGISTRY` maps a ``--spec-type`` name to the class that
+implements it, as ``"module:Class"`` (imported on first use); a new strategy
+is one new module here plus one line in that table.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence, Sized, runtime_checkable
+
+import numpy as np
+
+from ggpipe.sampling import SamplingParams
+from ggpipe.speculation.tree import SpecTree
+
+
+class DraftResult(Protocol):
+    """A finished run: float32 (n_outputs, n_vocab) ``logits``, or None
+    (no row was asked for, or the run was cancelled)."""
+
+    logits: np.ndarray | None
+
+
+class DecodeBackend(Protocol):
+    """What a proposer may ask of a model's pipeline. Runs complete in the
+    order they were started; KV operations are applied in order with them."""
+
+    inflight: Sized  # runs started whose results were not taken yet
+
+    def decode(self, tokens: Sequence[int], start_pos: int, seq: int = 0, logits_last: bool = True) -> None:
+        """Start one run of consecutive tokens of sequence ``seq``."""
+
+    def submit_prompt(self, tokens: Sequence[int], start_pos: int, n_ubatch: int, seq: int = 0,
+                      want_logits: bool = True) -> int:
+        """Start ``tokens`` as chunks of at most ``n_ubatch``; returns the number of runs."""
+
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
+        """Remove cells of sequence ``seq`` at positions [p0, p1)."""
+
+    def ready(self) -> bool:
+        """The oldest run's result has arrived."""
+
+    def poll(self) -> DraftResult | None:
+        """The oldest run's result, or None if it has not arrived (never blocks)."""
+
+    def wait(self, timeout_s: float | None = None) -> DraftResult:
+        """The oldest run's result (bounded wait; raises RankTimeoutError)."""
+
+
+@dataclass
+class ProposerConfig:
+    """What every proposer may be built from (each takes what it needs).
+
+    Attributes:
+        backend: the draft model's pipeline (None when the job has no draft model).
+        n_vocab: vocabulary size (tokens), shared by target and draft.
+        n_ubatch: largest decode a proposer may start (tokens).
+        p_split: draft probability above which a runner-up becomes a sibling leaf.
+        width: most leaves (KV sequences) per tree.
+        ngram_min, ngram_max: shortest / longest suffix an n-gram lookup matches (tokens).
+        timeout_s: bound of every wait for the backend (seconds).
+    """
+
+    backend: DecodeBackend | None = None
+    n_vocab: int = 0
+    n_ubatch: int = 512
+    p_split: float = 0.2
+    width: int = 1
+    ngram_min: int = 1
+    ngram_max: int = 4
+    timeout_s: float = 60.0
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """A drafting strategy (see the module docstring for the call order).
+
+    Attributes:
+        name: the ``--spec-type`` name.
+        iid_children: every child a tree offers is an independent draw from
+            the distribution it carries (``SpecTree.draft_probs``), so
+            stochastic (SpecInfer MSS) verification stays exact.
+        instant: drafting costs nothing worth overlapping (it happens on the
+            head inside ``begin``; ``poll`` never waits).
+        stats: counters for ``--json`` (strategy specific).
+    """
+
+    name: str
+    iid_children: bool
+    instant: bool
+    active: bool
+    stats: dict
+
+    def start(self, params: SamplingParams, rng: np.random.Generator) -> None: ...
+    def prefill(self, context: list[int]) -> None: ...
+    def begin(self, context: list[int], cutoff: float, max_nodes: int) -> None: ...
+    def ready(self) -> bool: ...
+    def poll(self) -> SpecTree | None: ...
+    def can_cut(self) -> bool: ...
+    def cut(self, cutoff: float, room: Callable[[int], int]) -> tuple[SpecTree, int]: ...
+    def salvage(self, decided: list[int]) -> tuple[SpecTree, int] | None: ...
+    def abandon(self) -> None: ...
+    def busy(self) -> bool: ...
+    def drain_one(self, timeout_s: float) -> None: ...
+    def settle(self, timeout_s: float) -> None: ...
+    def reset(self) -> None: ...
+
+
+REGISTRY: dict[str, str] = {
+    "draft": "ggpipe.speculation.proposers.draft_model:DraftModelProposer",
+    "ngram": "ggpipe.speculation.proposers.ngram:NgramProposer",
+}
+
+
+def proposer_class(name: str) -> type:
+    """The class registered as ``name``.
+
+    Raises:
+        ValueError: no proposer of that name."""
+    try:
+        mod, cls = REGISTRY[name].split(":")
+    except KeyError:
+        raise ValueError(f"unknown speculation type {name!r}: choose one of {', '.join(REGISTRY)}") from None
+    return getattr(importlib.import_module(mod), cls)
+
+
+def make_proposer(name: str, cfg: ProposerConfig) -> Proposer:
+    """Build the proposer registered as ``name`` from ``cfg``.
+
+    Raises:
+        ValueError: unknown name, or the proposer needs what ``cfg`` lacks
+            (e.g. ``draft`` without a draft model)."""
+    return proposer_class(name)(cfg)
+
+
+class InstantProposer:
+    """Base of proposers that draft synchronously on the head from the
+    context alone (no model, no backend): ``begin`` computes the tree with
+    :meth:`propose`, ``poll`` hands it over. Subclasses implement
+    ``propose(context, max_nodes) -> SpecTree``."""
+
+    iid_children = True
+    instant = True
+
+    def __init__(self) -> None:
+        self.active = False
+        self.stats: dict = {}
+        self._tree: SpecTree | None = None
+
+    def start(self, params: SamplingParams, rng: np.random.Generator) -> None:
+        self.active = False
+        self._tree = None
+
+    def prefill(self, context: list[int]) -> None:
+        pass
+
+    def begin(self, context: list[int], cutoff: float, max_nodes: int) -> None:
+        if self.active:
+            raise RuntimeError("a micro-batch is already being drafted")
+        self._tree = self.propose(list(context), max_nodes)
+        self.active = True
+
+    def propose(self, context: list[int], max_nodes: int) -> SpecTree:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def ready(self) -> bool:
+        return self.active
+
+    def poll(self) -> SpecTree | None:
+        if not self.active:
+            return None
+        self.active = False
+        tree, self._tree = self._tree, None
+        return tree
+
+    def can_cut(self) -> bool:
+        return False
+
+    def cut(self, cutoff: float, room: Callable[[int], int]) -> tuple[SpecTree, int]:
+        raise RuntimeError("nothing to cut: this proposer drafts a whole micro-batch at once")
+
+    def salvage(self, decided: list[int]) -> tuple[SpecTree, int] | None:
+        return None
+
+    def abandon(self) -> None:
+        self.active = False
+        self._tree = None
+
+    def busy(self) -> bool:
+        return False
+
+    def drain_one(self, timeout_s: float) -> None:
+        raise RuntimeError("nothing in flight")
+
+    def settle(self, timeout_s: float) -> None:
+        self.abandon()
+
+    def reset(self) -> None:
+        self.abandon()

@@ -1,0 +1,97 @@
+"""N-gram proposer: prompt-lookup drafting from the request's own tokens
+(llama.cpp ``--spec-type ngram-simple`` / prompt lookup decoding, vLLM's
+``NgramProposer``; the lowest stage of Staged Speculative Decoding, Spector &
+Re 2023, section 3.2). No draft model: drafting costs a few microseconds on
+the head, so ``--mode pipeinfer`` on a single model works.
+
+Drafting: take the last n tokens of the context (prompt + accepted tokens +
+the speculative chain below the anchor), for n from ``ngram_max`` down to
+``ngram_min``; find their most recent earlier occurrence; propose the tokens
+that followed it, as a chain of at most ``max_nodes``.
+
+Stochastic sampling stays exact: each drafted token carries a one-hot
+"draft distribution" q (the proposal is deterministic given the context), so
+SpecInfer's multi-step speculative sampling accepts it with probability
+p(x) and otherwise samples from p with x removed (renormalised): exactly p.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from ggpipe.sampling import SamplingParams
+from ggpipe.speculation.proposers.base import InstantProposer, ProposerConfig
+from ggpipe.speculation.tree import SpecTree
+
+
+def ngram_lookup(context: Sequence[int], n_min: int, n_max: int, k: int) -> list[int]:
+    """Prompt lookup: the up to ``k`` tokens that followed the most recent
+    earlier occurrence of the longest suffix of ``context`` (length n_max down
+    to n_min) that occurred before.
+
+    Args:
+        context: token ids, oldest first.
+        n_min, n_max: suffix lengths tried, longest first (tokens, >= 1).
+        k: most tokens proposed.
+
+    Returns:
+        The proposed token ids ([] when no suffix occurred before).
+
+    Example::
+
+        >>> ngram_lookup([5, 6, 7, 8, 5, 6], 1, 3, 3)
+        [7, 8, 5]
+        >>> ngram_lookup([1, 2, 3], 1, 3, 4)
+        []
+    """
+    a = np.asarray(context, dtype=np.int64)
+    n_ctx = a.shape[0]
+    if k <= 0 or n_ctx < 2:
+        return []
+    for n in range(min(n_max, n_ctx - 1), max(n_min, 1) - 1, -1):
+        # windows a[i:i+n] with i + n <= n_ctx - 1: each has a continuation, and
+        # the suffix itself (i = n_ctx - n) is not among them
+        win = np.lib.stride_tricks.sliding_window_view(a[:n_ctx - 1], n)
+        hits = np.flatnonzero((win == a[n_ctx - n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return a[start:start + k].tolist()
+    return []
+
+
+class NgramProposer(InstantProposer):
+    """Args:
+        cfg: ``ngram_min``, ``ngram_max`` and ``n_vocab`` are read."""
+
+    name = "ngram"
+
+    def __init__(self, cfg: ProposerConfig):
+        super().__init__()
+        if not 1 <= cfg.ngram_min <= cfg.ngram_max:
+            raise ValueError(f"n-gram sizes must satisfy 1 <= min <= max, got {cfg.ngram_min}..{cfg.ngram_max}")
+        self.n_min = cfg.ngram_min
+        self.n_max = cfg.ngram_max
+        self.n_vocab = cfg.n_vocab
+        self.params = SamplingParams()
+        self.stats = {"ngram_lookups": 0, "ngram_hits": 0}
+
+    def start(self, params: SamplingParams, rng: np.random.Generator) -> None:
+        super().start(params, rng)
+        self.params = params
+
+    def propose(self, context: list[int], max_nodes: int) -> SpecTree:
+        """A chain below ``context[-1]`` (see :func:`ngram_lookup`)."""
+        tree = SpecTree(anchor_pos=len(context) - 1)
+        toks = ngram_lookup(context, self.n_min, self.n_max, max_nodes)
+        self.stats["ngram_lookups"] += 1
+        self.stats["ngram_hits"] += int(bool(toks))
+        parent = -1
+        for t in toks:
+            q = None
+            if not self.params.greedy:
+                q = np.zeros(self.n_vocab, dtype=np.float64)
+                q[t] = 1.0
+            parent = tree.add(t, parent, 1.0, probs=q)
+        return tree

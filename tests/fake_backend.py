@@ -1,0 +1,191 @@
+"""In-memory fakes of a model pipeline, for unit tests of the decoding loop
+and the proposers (no MPI, no model). Not a mock of llama.cpp's numerics: a
+toy language model whose logits depend only on the token sequence, and a KV
+cache that tracks which token each sequence holds at each position, so a
+wrong KV operation of the loop (a missing copy, a stale cell) shows up as an
+assertion or as a token that differs from the reference.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from ggpipe.pipeline.runs import Run, RunResult
+
+
+class ToyLM:
+    """Logits over ``n_vocab`` tokens from the last two tokens. ``flip``:
+    positions where the model prefers another token (a worse "draft").
+    ``period``: the preferred token repeats the one ``period`` positions back
+    (text that repeats itself, where n-gram drafting shines)."""
+
+    def __init__(self, n_vocab: int = 48, seed: int = 0, flip: float = 0.0, margin: float = 2.0,
+                 period: int = 0):
+        self.n_vocab = n_vocab
+        self.seed = seed
+        self.flip = flip
+        self.margin = margin
+        self.period = period
+
+    def logits(self, context: list[int]) -> np.ndarray:
+        a = context[-1]
+        b = context[-2] if len(context) > 1 else 0
+        rng = np.random.default_rng((a * 131 + b * 17 + len(context) * 7 + self.seed) % (2**32))
+        x = rng.normal(0.0, 1.0, self.n_vocab).astype(np.float32)
+        best = (5 * a + 3 * b + 1) % self.n_vocab
+        if self.period and len(context) >= self.period:
+            best = context[-self.period]
+        if self.flip and rng.random() < self.flip:
+            best = (best + 1 + len(context)) % self.n_vocab
+        x[best] += self.margin + 2.0
+        return x
+
+    def greedy(self, prompt: list[int], n: int) -> list[int]:
+        ctx = list(prompt)
+        out = []
+        for _ in range(n):
+            t = int(np.argmax(self.logits(ctx)))
+            out.append(t)
+            ctx.append(t)
+        return out
+
+
+class FakePipeline:
+    """The verbs of :class:`ggpipe.pipeline.driver.Pipeline` over a
+    :class:`ToyLM`. A run's result is ready ``latency`` calls of ready()/poll()
+    after it was submitted (a virtual clock); ``wait`` returns it at once.
+    Cancelling a run before its result is ready makes it come back cancelled,
+    without cells (as llama.cpp removes an aborted ubatch's cells)."""
+
+    def __init__(self, model: ToyLM, latency: int = 3, name: str = "target"):
+        self.model = model
+        self.n_vocab = model.n_vocab
+        self.latency = latency
+        self.name = name
+        self.inflight: deque[Run] = deque()
+        self._due: dict[int, int] = {}
+        self._cancelled: set[int] = set()
+        self._pending_cells: dict[int, list[tuple[int, int, int]]] = {}
+        self.cells: dict[int, dict[int, int]] = {}   # seq -> pos -> token
+        self.clock = 0
+        self.stats = {"cancelled_before_start": 0, "cancelled_mid_compute": 0}
+        self.n_runs = 0
+        self.run_sizes: list[int] = []
+
+    # -- issuing ---------------------------------------------------------------
+
+    def submit(self, run: Run) -> None:
+        self.inflight.append(run)
+        self._due[run.run_id] = self.clock + self.latency
+        self.n_runs += 1
+        self.run_sizes.append(run.n_tokens)
+        run.tag = self._evaluate(run)
+
+    def decode(self, tokens, start_pos: int, seq: int = 0, logits_last: bool = True) -> None:
+        self.submit(Run.linear(tokens, start_pos, seq=seq, output_last=logits_last))
+
+    def submit_prompt(self, tokens, start_pos: int, n_ubatch: int, seq: int = 0, want_logits: bool = True) -> int:
+        n = len(tokens)
+        for i in range(0, n, n_ubatch):
+            self.decode(tokens[i:i + n_ubatch], start_pos + i, seq, want_logits and i + n_ubatch >= n)
+        return -(-n // n_ubatch)
+
+    def prefill(self, tokens, start_pos: int, n_ubatch: int, seq: int = 0) -> np.ndarray:
+        self.submit_prompt(tokens, start_pos, n_ubatch, seq)
+        return self.drain()[-1].logits[0]
+
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
+        hi = p1 if p1 >= 0 else 1 << 30
+        lo = max(p0, 0)
+        for s, cells in self.cells.items():
+            if seq in (-1, s):
+                for p in [p for p in cells if lo <= p < hi]:
+                    del cells[p]
+
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        hi = p1 if p1 >= 0 else 1 << 30
+        lo = max(p0, 0)
+        dcells = self.cells.setdefault(dst, {})
+        for p, t in self.cells.get(src, {}).items():
+            if lo <= p < hi:
+                if p in dcells and dcells[p] != t:
+                    raise AssertionError(f"seq_cp {src}->{dst}: position {p} already holds another token")
+                dcells[p] = t
+
+    def clear(self) -> None:
+        self.cells.clear()
+
+    def cancel(self, run_id: int) -> None:
+        self._cancelled.add(run_id)
+
+    def head_idle(self) -> bool:
+        return True
+
+    # -- the toy model ----------------------------------------------------------
+
+    def _evaluate(self, run: Run):
+        """Logit rows of the run, computed now from the cells its sequences
+        hold (KV operations issued later must not change them); its own cells
+        are added now as well."""
+        rows = []
+        k = 0
+        new: list[tuple[int, int, int]] = []
+        for i in range(run.n_tokens):
+            seqs = [int(s) for s in run.seq_ids[k:k + int(run.n_seq_id[i])]]
+            k += int(run.n_seq_id[i])
+            tok, pos = int(run.tokens[i]), int(run.pos[i])
+            contexts = []
+            for s in seqs:
+                cells = dict(self.cells.get(s, {}))
+                cells.update({p: t for (ss, p, t) in new if ss == s})
+                ctx = [cells.get(p) for p in range(pos)]
+                if None in ctx:
+                    raise AssertionError(f"run {run.run_id}: sequence {s} lacks position {ctx.index(None)} "
+                                         f"below position {pos}")
+                contexts.append(ctx + [tok])
+            if any(c != contexts[0] for c in contexts):
+                raise AssertionError(f"run {run.run_id}: sequences {seqs} disagree below position {pos}")
+            for s in seqs:
+                new.append((s, pos, tok))
+            if run.outputs[i]:
+                rows.append(self.model.logits(contexts[0]))
+        for s, p, t in new:
+            cells = self.cells.setdefault(s, {})
+            if p in cells and cells[p] != t:
+                raise AssertionError(f"run {run.run_id}: sequence {s} already holds another token at {p}")
+            cells[p] = t
+        self._pending_cells[run.run_id] = new
+        return np.stack(rows) if rows else None
+
+    # -- results ----------------------------------------------------------------
+
+    def ready(self) -> bool:
+        self.clock += 1
+        return bool(self.inflight) and self.clock >= self._due[self.inflight[0].run_id]
+
+    def poll(self) -> RunResult | None:
+        return self._take() if self.ready() else None
+
+    def wait(self, timeout_s: float | None = None) -> RunResult:
+        if not self.inflight:
+            raise RuntimeError("no run in flight")
+        return self._take()
+
+    def drain(self, timeout_s: float | None = None) -> list[RunResult]:
+        return [self.wait() for _ in range(len(self.inflight))]
+
+    def _take(self) -> RunResult:
+        run = self.inflight.popleft()
+        due = self._due.pop(run.run_id)
+        new = self._pending_cells.pop(run.run_id)
+        if run.run_id in self._cancelled and self.clock < due:
+            self._cancelled.discard(run.run_id)
+            self.stats["cancelled_mid_compute"] += 1
+            for s, p, t in new:        # an aborted run leaves no cells
+                if self.cells.get(s, {}).get(p) == t:
+                    del self.cells[s][p]
+            return RunResult(run, None, cancelled=True)
+        self._cancelled.discard(run.run_id)
+        return RunResult(run, run.tag)

@@ -1,0 +1,240 @@
+"""The speculative decoding loop (PipeInfer IV) and the proposers against
+in-memory fake pipelines (tests/fake_backend.py): no MPI, no model. Greedy
+output must equal plain greedy decoding of the target, for every mode,
+proposer, tree width, latency and ablation; the fake KV cache asserts that
+every token of every run sees exactly its own context."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from ggpipe.decoding.iterative import IterativeDecoder
+from ggpipe.decoding.pipelined import SpeculativeDecoder
+from ggpipe.decoding.settings import SpecSettings
+from ggpipe.sampling import Sampler, SamplingParams
+from ggpipe.speculation.proposers.base import REGISTRY, Proposer, ProposerConfig, make_proposer, proposer_class
+from ggpipe.speculation.proposers.draft_model import DraftModelProposer
+from ggpipe.speculation.proposers.ngram import NgramProposer, ngram_lookup
+
+from fake_backend import FakePipeline, ToyLM
+
+V = 48
+PROMPT = [3, 9, 4, 3, 9, 4, 3, 9, 11, 5, 3, 9]
+
+
+def _decoder(spec: SpecSettings, spec_type: str, latency: int = 3, draft_latency: int = 1, flip: float = 0.3,
+             n_seq_max: int = 64, period: int = 0):
+    target = FakePipeline(ToyLM(V, period=period), latency=latency)
+    draft = FakePipeline(ToyLM(V, flip=flip, period=period), latency=draft_latency, name="draft")
+    prop = make_proposer(spec_type, ProposerConfig(backend=draft, n_vocab=V, n_ubatch=8, p_split=spec.p_split,
+                                                   width=spec.width))
+    dec = SpeculativeDecoder(target, prop, spec, n_seq_max=n_seq_max, n_ubatch=8, is_eog=lambda t: False,
+                             timeout_s=5)
+    return dec, target, draft
+
+
+def _reference(n: int, prompt=PROMPT, period: int = 0) -> list[int]:
+    return ToyLM(V, period=period).greedy(list(prompt), n)
+
+
+REPEATING = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]  # with period=len: the text repeats
+
+
+@pytest.mark.parametrize("mode,width,latency,continuous,cancel", [
+    ("speculative", 1, 3, True, True), ("speculative", 3, 2, True, True),
+    ("pipeinfer", 1, 3, True, True), ("pipeinfer", 1, 1, True, True), ("pipeinfer", 1, 6, True, True),
+    ("pipeinfer", 2, 4, True, True), ("pipeinfer", 1, 4, False, True), ("pipeinfer", 1, 4, True, False),
+])
+@pytest.mark.parametrize("spec_type", ["draft", "ngram"])
+def test_greedy_equals_reference(mode, width, latency, continuous, cancel, spec_type):
+    spec = SpecSettings(mode=mode, spec_type=spec_type, width=width, continuous=continuous, cancel=cancel,
+                        p_split=0.05)
+    dec, target, _ = _decoder(spec, spec_type, latency=latency)
+    out = dec.generate(np.array(PROMPT, np.int32), 40, Sampler(SamplingParams()))
+    assert out == _reference(40)
+    assert dec.stats["spec_type"] == spec_type
+    assert dec.stats["verified_runs"] + dec.stats["returned_cancelled"] == dec.stats["target_runs"]
+    assert not target.inflight
+
+
+def test_iterative_equals_reference():
+    target = FakePipeline(ToyLM(V))
+    out = IterativeDecoder(target, 8, lambda t: False).generate(np.array(PROMPT, np.int32), 20,
+                                                               Sampler(SamplingParams()))
+    assert out == _reference(20)
+
+
+def test_requests_share_the_draft_cache():
+    """A second request on a longer context decodes only what the draft's KV lacks."""
+    spec = SpecSettings(mode="pipeinfer")
+    dec, target, draft = _decoder(spec, "draft")
+    first = dec.generate(np.array(PROMPT, np.int32), 10, Sampler(SamplingParams()))
+    decodes = dec.stats["draft_decodes"]
+    hist = PROMPT + first[:-1]   # what sequence 0 of the target holds (the last token was never decoded)
+    # the target keeps its sequence 0 (as the engine's prefix reuse does); the request adds two tokens
+    second = dec.generate(np.array([first[-1], 7], np.int32), 10, Sampler(SamplingParams()), start_pos=len(hist),
+                          history=hist)
+    assert second == _reference(10, PROMPT + first + [7])
+    assert dec.stats["draft_decodes"] - decodes < len(hist)   # no full re-prefill
+    dec.reset()
+    assert dec.proposer.cursor == []
+
+
+def test_eog_and_emit_stop():
+    spec = SpecSettings(mode="pipeinfer", spec_type="ngram")
+    ref = _reference(30)
+    eog = ref[12]
+    dec, _, _ = _decoder(spec, "ngram")
+    dec.is_eog = lambda t: t == eog
+    out = dec.generate(np.array(PROMPT, np.int32), 30, Sampler(SamplingParams()))
+    assert out == ref[:ref.index(eog) + 1]
+    got = []
+    dec.is_eog = lambda t: False
+    out = dec.generate(np.array(PROMPT, np.int32), 30, Sampler(SamplingParams()),
+                       emit=lambda toks: got.extend(toks) or len(got) >= 5)
+    assert got == out and out == ref[:len(out)] and 5 <= len(out) <= 5 + spec.draft
+
+
+def test_ngram_drafts_make_long_passes_on_repetitive_text():
+    """On text the prompt already contains, n-gram drafting needs far fewer
+    target passes than tokens (the toy model continues the prompt's cycle)."""
+    prompt, period = REPEATING + [1, 2], len(REPEATING)
+    spec = SpecSettings(mode="speculative", spec_type="ngram", draft=8)
+    dec, target, _ = _decoder(spec, "ngram", period=period)
+    out = dec.generate(np.array(prompt, np.int32), 40, Sampler(SamplingParams()))
+    assert out == _reference(40, prompt, period)
+    assert dec.stats["accepted_per_pass"] > 3
+    assert dec.stats["ngram_hits"] > 0
+
+
+# -- proposers alone ----------------------------------------------------------------
+
+
+def test_registry_and_protocol():
+    assert set(REGISTRY) >= {"draft", "ngram"}
+    for name in REGISTRY:
+        cls = proposer_class(name)
+        assert cls.name == name
+    draft = FakePipeline(ToyLM(V), name="draft")
+    assert isinstance(make_proposer("draft", ProposerConfig(backend=draft, n_vocab=V)), Proposer)
+    assert isinstance(make_proposer("ngram", ProposerConfig(n_vocab=V)), Proposer)
+    with pytest.raises(ValueError, match="unknown speculation type"):
+        make_proposer("nope", ProposerConfig())
+    with pytest.raises(ValueError, match="needs a draft model"):
+        make_proposer("draft", ProposerConfig())
+    with pytest.raises(ValueError, match="n-gram sizes"):
+        make_proposer("ngram", ProposerConfig(ngram_min=3, ngram_max=2))
+
+
+@pytest.mark.parametrize("context,n_min,n_max,k,expected", [
+    ([5, 6, 7, 8, 5, 6], 1, 3, 3, [7, 8, 5]),
+    ([1, 2, 3], 1, 3, 4, []),
+    ([1, 2, 1, 3, 1], 1, 1, 2, [3, 1]),           # most recent occurrence of the 1-gram
+    ([1, 2, 9, 1, 2, 8, 2], 1, 2, 1, [8]),         # "2" alone: most recent earlier "2" is followed by 8
+    ([4, 1, 2, 7, 9, 1, 2], 2, 2, 3, [7, 9, 1]),
+    ([4, 1, 2, 7, 9, 1, 2], 3, 3, 3, []),           # no earlier 3-gram
+    ([7, 7, 7], 1, 2, 5, [7]),                      # the continuation stops at the context's end
+    ([5], 1, 3, 3, []),
+])
+def test_ngram_lookup(context, n_min, n_max, k, expected):
+    assert ngram_lookup(context, n_min, n_max, k) == expected
+
+
+def test_ngram_proposer_chain_and_onehot_q():
+    p = NgramProposer(ProposerConfig(n_vocab=V, ngram_min=1, ngram_max=3))
+    p.start(SamplingParams(temperature=0.8, seed=1), np.random.default_rng(0))
+    p.begin([5, 6, 7, 8, 5, 6], cutoff=0.5, max_nodes=2)
+    assert p.ready() and p.active
+    tree = p.poll()
+    assert not p.active and tree.tokens == [7, 8] and tree.parent == [-1, 0] and tree.anchor_pos == 5
+    assert tree.draft_probs[0][7] == 1.0 and tree.draft_probs[0].sum() == 1.0
+    assert p.stats == {"ngram_lookups": 1, "ngram_hits": 1}
+    assert not p.busy() and not p.can_cut() and p.salvage([7]) is None
+
+
+def test_draft_model_proposer_grows_a_greedy_chain_and_cuts():
+    model = ToyLM(V)
+    draft = FakePipeline(model, latency=1, name="draft")
+    p = DraftModelProposer(ProposerConfig(backend=draft, n_vocab=V, n_ubatch=4, p_split=1.0, width=1))
+    p.start(SamplingParams(), np.random.default_rng(0))
+    ctx = list(PROMPT)
+    p.prefill(ctx[:-1])
+    p.settle(5)
+    p.begin(ctx, cutoff=0.0, max_nodes=5)
+    tree = None
+    for _ in range(100):
+        if p.ready():
+            tree = p.poll()
+            if tree is not None:
+                break
+    assert tree.tokens == model.greedy(ctx, 5) and tree.parent == [-1, 0, 1, 2, 3]
+    assert p.cursor == ctx + tree.tokens[:-1]       # the last node's logits were never needed
+    # cut: begin again; after two levels hand them over and keep drafting below the tip
+    p.begin(ctx, cutoff=0.0, max_nodes=6)
+    while not (p.can_cut() and len(p.tree) == 2):
+        if p.ready():
+            assert p.poll() is None
+    got = p.salvage([tree.tokens[0]])
+    assert got is not None and got[0].tokens == tree.tokens[1:2] and got[1] == 0
+    first, tip = p.cut(0.0, lambda pos: 3)
+    assert first.tokens == tree.tokens[:2] and tip == 1
+    rest = None
+    while rest is None:
+        if p.ready():
+            rest = p.poll()
+    assert rest.anchor_pos == first.pos(tip) and rest.tokens == tree.tokens[2:5]
+    p.settle(5)
+    assert not p.busy()
+
+
+@pytest.mark.parametrize("spec_type", ["draft", "ngram"])
+def test_sampled_output_is_reproducible_with_a_seed(spec_type):
+    outs = []
+    for _ in range(2):
+        dec, _, _ = _decoder(SpecSettings(mode="pipeinfer", spec_type=spec_type), spec_type)
+        outs.append(dec.generate(np.array(PROMPT, np.int32), 30, Sampler(SamplingParams(temperature=0.9, seed=7))))
+    assert outs[0] == outs[1]
+
+
+def test_ngram_stochastic_verification_preserves_the_target_distribution():
+    """A deterministic (n-gram) proposal with one-hot q, verified by SpecInfer
+    MSS, yields tokens distributed exactly as the target's p (chi-square)."""
+    from ggpipe.speculation.verify import verify_step
+
+    logits = np.array([1.0, 0.2, -0.5, 0.7, 0.0], np.float32)
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=3)
+    sampler = Sampler(params)
+    from ggpipe.sampling import target_probs
+
+    p = target_probs(logits, params)
+    q = np.zeros(5)
+    q[3] = 1.0
+    n = 20000
+    counts = np.zeros(5)
+    for _ in range(n):
+        t, _ = verify_step(logits, [3], [q], sampler)
+        counts[t] += 1
+    chi2 = float((((counts - n * p) ** 2) / (n * p)).sum())
+    assert chi2 < 18.5   # 4 degrees of freedom, p = 0.001
+
+
+def test_instant_root_carries_its_draft():
+    """pipeinfer with an instant proposer sends a new root together with the
+    n-gram draft below it: no one-token root runs when a draft exists."""
+    prompt, period = REPEATING + [1, 2], len(REPEATING)
+    dec, target, _ = _decoder(SpecSettings(mode="pipeinfer", spec_type="ngram"), "ngram", period=period)
+    out = dec.generate(np.array(prompt, np.int32), 30, Sampler(SamplingParams()))
+    assert out == _reference(30, prompt, period)
+    assert dec.stats["root_runs"] <= 1
+
+
+def test_all_settings_combinations_stay_exact():
+    """A coarse sweep of knobs over both proposers (fast: no model)."""
+    for spec_type, draft_n, p_accept, latency in itertools.product(["draft", "ngram"], [1, 3, 8], [0.0, 0.5],
+                                                                   [1, 5]):
+        spec = SpecSettings(mode="pipeinfer", spec_type=spec_type, draft=draft_n, p_accept=p_accept)
+        dec, _, _ = _decoder(spec, spec_type, latency=latency, draft_latency=2)
+        assert dec.generate(np.array(PROMPT, np.int32), 25, Sampler(SamplingParams())) == _reference(25)
