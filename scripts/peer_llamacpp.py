@@ -46,10 +46,10 @@ import time
 from pathlib import Path
 
 VERSION = "0.3.36"
-TARGETS = ("llama-completion", "llama-speculative-simple")
+TARGETS = ("llama-completion", "llama-speculative-simple", "ggml-rpc-server")
 CMAKE_FLAGS = [
     "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
-    "-DGGML_AMX_BF16=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+    "-DGGML_AMX_BF16=OFF", "-DGGML_RPC=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
     "-DBUILD_SHARED_LIBS=OFF", "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
     "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
 ]

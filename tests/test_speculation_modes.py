@@ -101,3 +101,43 @@ def test_bad_speculation_settings(smollm2, extra, fragment):
     assert "Traceback" not in p.stderr
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and fragment in lines[0], p.stderr
+
+
+# -- n-gram drafting (prompt lookup, no draft model) ---------------------------------------
+
+NGRAM_LAYOUTS = [(None, "pipeinfer"), (2, "pipeinfer"), (3, "pipeinfer"), (2, "speculative")]
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks,mode", NGRAM_LAYOUTS, ids=[f"R{r or 1}-{m}" for r, m in NGRAM_LAYOUTS])
+def test_greedy_ngram_speculation_equals_single_node_target(goliath, reference, ranks, mode):
+    """--spec-type ngram: every target rank holds target layers (no draft
+    model); output equals single-node greedy decoding, token for token."""
+    drafted = 0
+    for prompt in PROMPTS:
+        got = generate_json(goliath, prompt, N_TOKENS, ranks, ["--mode", mode, "--spec-type", "ngram"])
+        assert got["tokens"] == reference(goliath, prompt, N_TOKENS), f"ngram {mode} ranks={ranks} {prompt!r}"
+        dec = got["decoder"]
+        assert dec["spec_type"] == "ngram" and dec["ngram_lookups"] > 0, dec
+        drafted += dec["drafted"]
+        assert all(r["model"] == "target" for r in got["ranks"])
+    assert drafted > 0
+
+
+@pytest.mark.mpi
+def test_sampled_ngram_pipeinfer_generates(goliath):
+    """Stochastic verification of n-gram drafts (one-hot q; the distribution
+    itself is tested in test_decoding_loop.py)."""
+    got = generate_json(goliath, PROMPTS[1], 48, 2, ["--mode", "pipeinfer", "--spec-type", "ngram-simple",
+                                                      "--temp", "0.8", "--seed", "7", "--ignore-eos"])
+    assert len(got["tokens"]) == 48 and got["decoder"]["spec_type"] == "ngram"
+
+
+@pytest.mark.mpi
+def test_bad_ngram_settings(smollm2):
+    p = run_ggpipe(["generate", "-m", str(smollm2), "-p", "hi", "-n", "4", "--mode", "pipeinfer", "--spec-type",
+                    "ngram", "--spec-ngram-min", "5", "--spec-ngram-max", "2"], 2, timeout=120)
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "--spec-ngram-min 5 is larger than --spec-ngram-max 2" in lines[0], p.stderr

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import click
 
-from ggpipe.errors import ConfigError, GGPipeError, RankFailedError
+from ggpipe.errors import GGPipeError, RankFailedError
 from ggpipe.frontends.cli_bench import bench_command, timeline_command
 from ggpipe.frontends.cli_models import models_group, split_command
 from ggpipe.models.registry import DEFAULT_MODEL
@@ -120,7 +120,7 @@ def _spec_settings(mode, spec_type, n_draft, p_accept, p_split, p_recovery, p_de
     from ggpipe.decoding.settings import SpecSettings  # noqa: PLC0415
 
     if ngram_min > ngram_max:
-        raise ConfigError(f"--spec-ngram-min {ngram_min} is larger than --spec-ngram-max {ngram_max}")
+        raise click.ClickException(f"--spec-ngram-min {ngram_min} is larger than --spec-ngram-max {ngram_max}")
     return SpecSettings(mode=mode if mode != "iterative" else "pipeinfer",
                         spec_type=SPEC_TYPE_ALIASES.get(spec_type, spec_type), draft=n_draft, p_accept=p_accept,
                         p_split=p_split, p_recovery=p_recovery, p_decay=p_decay, width=branches,
