@@ -238,3 +238,27 @@ def test_all_settings_combinations_stay_exact():
         spec = SpecSettings(mode="pipeinfer", spec_type=spec_type, draft=draft_n, p_accept=p_accept)
         dec, _, _ = _decoder(spec, spec_type, latency=latency, draft_latency=2)
         assert dec.generate(np.array(PROMPT, np.int32), 25, Sampler(SamplingParams())) == _reference(25)
+
+
+def test_adaptive_depth_stays_exact_and_learns():
+    """--p-accept auto: the calibration and cost curve adapt; output is exact."""
+    from ggpipe.speculation.adaptive import AcceptanceModel, PassCost, draft_threshold
+
+    for mode in ("pipeinfer", "speculative"):
+        dec, _, _ = _decoder(SpecSettings(mode=mode, p_accept=None), "draft", flip=0.2)
+        assert dec.adaptive
+        out = dec.generate(np.array(PROMPT, np.int32), 60, Sampler(SamplingParams()))
+        assert out == _reference(60)
+    # calibration: an under-confident draft (accepted far more often than q says) gets k < 1
+    m = AcceptanceModel(refit_every=8)
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        q = float(rng.uniform(0.1, 0.9))
+        m.observe(q, rng.random() < q ** 0.4)
+    assert 0.25 < m.k < 0.6 and m.p(0.25) > 0.4
+    # threshold: marginal over single-pass cost, clipped; default until two sizes are known
+    c = PassCost()
+    assert draft_threshold(c, 0.3) == 0.3
+    c.observe(1, 0.020)
+    c.observe(4, 0.035)
+    assert abs(c.cost(2) - 0.025) < 1e-9 and abs(draft_threshold(c, 0.3) - 0.25) < 1e-9

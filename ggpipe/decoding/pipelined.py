@@ -42,6 +42,7 @@ from ggpipe.errors import ProtocolError, RankTimeoutError
 from ggpipe.metrics import GenerationClock
 from ggpipe.pipeline.runs import Run, RunResult, next_run_id
 from ggpipe.sampling import Sampler
+from ggpipe.speculation.adaptive import AcceptanceModel, AdaptiveCutoff, PassCost
 from ggpipe.speculation.cutoff import CutoffController
 from ggpipe.speculation.graph import ACCEPTED, DEAD, SpecGraph
 from ggpipe.speculation.partitions import PartitionPool
@@ -81,6 +82,17 @@ class SpeculativeDecoder:
         self.timeout_s = timeout_s
         self.stats: dict = {}
         self.r: SpecRequest | None = None  # the request being generated
+        # adaptive speculation depth (--p-accept auto): learnt across requests
+        self.acceptance = AcceptanceModel()
+        self.pass_cost = PassCost()
+        self._last_finish = 0.0
+
+    @property
+    def adaptive(self) -> bool:
+        return self.s.p_accept is None
+
+    def _calib(self, q: float) -> float:
+        return self.acceptance.p(q) if self.adaptive else 1.0
 
     def reset(self) -> None:
         """The KV caches were cleared (target and draft)."""
@@ -107,12 +119,14 @@ class SpeculativeDecoder:
         clock.start()
         s = self.s
         tokens = [int(t) for t in prompt]
+        cutoff = (AdaptiveCutoff(self.acceptance, self.pass_cost, s.default_threshold) if self.adaptive
+                  else CutoffController(s.p_accept, s.p_recovery, s.p_decay))
         r = self.r = SpecRequest(n_predict=n_predict, emit=emit, clock=clock, graph=SpecGraph(sampler),
-                                 cutoff=CutoffController(s.p_accept, s.p_recovery, s.p_decay),
-                                 context=history + tokens)
+                                 cutoff=cutoff, context=history + tokens)
         p = self.proposer
         p.start(sampler.params, np.random.default_rng(
-            None if sampler.params.seed is None else sampler.params.seed + 1))
+            None if sampler.params.seed is None else sampler.params.seed + 1),
+            self.acceptance.p if self.adaptive else None)
 
         # prefill target and proposer, back to back (their pipelines work in parallel)
         self.target.submit_prompt(tokens, start_pos, self.n_ubatch)
@@ -136,7 +150,7 @@ class SpeculativeDecoder:
                 elif (s.asynchronous and (s.continuous or r.pending_root is not None)
                       and p.can_cut() and self.target.head_idle()):
                     # the head's target stage would idle: hand it what is drafted, keep drafting below it
-                    tree, tip = p.cut(r.cutoff.cutoff, self._room)
+                    tree, tip = p.cut(r.cutoff.at(r.spec_path), self._room)
                     ids = self._speculated(tree)
                     r.spec_anchor = ids.get(tip, ORPHAN) if ids else ORPHAN
                 else:
@@ -219,7 +233,7 @@ class SpeculativeDecoder:
             found = p.salvage(r.context[r.graph.nodes[a].pos + 1:])
             if found is not None:
                 sub, new_tip = found
-                p.cut(r.cutoff.cutoff, self._room)
+                p.cut(r.cutoff.at(r.spec_path), self._room)
                 if not self.s.continuous:
                     p.abandon()
                 return sub, new_tip
@@ -238,7 +252,12 @@ class SpeculativeDecoder:
         else:
             r.counts["verified_runs"] += 1
         g.set_result(rid, None if res.cancelled else res.logits)
+        if not res.cancelled:
+            self.pass_cost.observe(res.run.n_tokens, res.finished_at - max(res.run.started_at, self._last_finish))
+        self._last_finish = res.finished_at
         decisions = g.advance()
+        for dp, ok in g.take_verified():
+            self.acceptance.observe(dp, ok)
         if any(d.node is not None for d in decisions):
             r.cutoff.accepted()
         for seq, p0, p1 in g.take_swap_ops():           # buffer swap into sequence 0
@@ -273,13 +292,15 @@ class SpeculativeDecoder:
 
     def _may_speculate(self) -> bool:
         r = self.r
-        if r.done or r.cutoff.exhausted or self.pool.n_free == 0:
+        if r.done or self.pool.n_free == 0:
             return False
         if not self.s.asynchronous:
-            return r.pending_root is not None and not self.target.inflight
+            return r.pending_root is not None and not self.target.inflight and not r.cutoff.exhausted_at(1.0)
         if r.pending_root is not None:
-            return True
+            return not r.cutoff.exhausted_at(1.0)
         if r.graph.committed is None:
+            return False
+        if r.cutoff.exhausted_at(r.graph.path_p(r.graph.frontier(), self._calib)):
             return False
         inflight = r.graph.pending_runs(speculative_only=True)
         if inflight >= self.s.max_inflight:
@@ -315,7 +336,8 @@ class SpeculativeDecoder:
                 self._handle(self.target.wait(self.timeout_s))
             return
         r.spec_anchor = anchor
-        self.proposer.begin(ctx, r.cutoff.cutoff, max_nodes)
+        r.spec_path = 1.0 if anchor is None else r.graph.path_p(anchor, self._calib)
+        self.proposer.begin(ctx, r.cutoff.at(r.spec_path), max_nodes)
         if self.proposer.instant:
             self._speculated(self.proposer.poll())
 
@@ -430,6 +452,9 @@ class SpeculativeDecoder:
             drafted=drafted, draft_accepted=g.n_draft_accepted,
             acceptance_rate=(g.n_draft_accepted / drafted) if drafted else None,
             accepted_per_pass=(len(r.out) - 1) / passes if len(r.out) > 1 else None,
+            draft_threshold=r.cutoff.threshold if self.adaptive else None,
+            acceptance_exponent=self.acceptance.k if self.adaptive else None,
+            pass_cost_ms={n: round(1e3 * t, 2) for n, t in sorted(self.pass_cost.mean.items())},
             head_cancelled_before_start=self.target.stats["cancelled_before_start"],
             head_cancelled_mid_compute=self.target.stats["cancelled_mid_compute"],
         )

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ggpipe.metrics import GenerationClock
-from ggpipe.speculation.cutoff import CutoffController
 from ggpipe.speculation.graph import SpecGraph
 
 COUNTERS = ("target_runs", "spec_runs", "root_runs", "cancel_sent", "returned_cancelled", "failed_drafts",
@@ -32,6 +31,8 @@ class SpecRequest:
         pending_root: a decided token to put at the root of the next run.
         spec_anchor: the node the proposer drafts below (None: the pending
             root; ``ORPHAN``: a node that was never submitted).
+        spec_path: estimated probability that the spec anchor is reached
+            and accepted (1.0 for a verified anchor or the pending root).
         counts: event counters reported in ``stats``.
     """
 
@@ -39,12 +40,13 @@ class SpecRequest:
     emit: Callable[[list[int]], bool | None]
     clock: GenerationClock
     graph: SpecGraph
-    cutoff: CutoffController
+    cutoff: object  # CutoffController or AdaptiveCutoff
     context: list[int]
     out: list[int] = field(default_factory=list)
     done: bool = False
     pending_root: int | None = None
     spec_anchor: int | None = None
+    spec_path: float = 1.0
     counts: dict = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
 
     def room(self, anchor_pos: int, draft: int) -> int:

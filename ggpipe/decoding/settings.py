@@ -19,7 +19,10 @@ class SpecSettings:
             ``ggpipe.speculation.proposers.base.REGISTRY`` [--spec-type]:
             "draft" (the draft model, -md) or "ngram" (prompt lookup, no model).
         draft: most draft tokens per tree / micro-batch [--draft].
-        p_accept: confidence cutoff [--p-accept].
+        p_accept: confidence cutoff [--p-accept]; None (``auto``):
+            adaptive depth from the measured pass cost curve and calibrated
+            draft acceptance (ggpipe.speculation.adaptive). The default stays
+            0.3: auto measured 3% slower (docs/BENCHMARKS.md section 5).
         p_split: runner-up probability that adds a sibling leaf [--p-split].
         p_recovery: cutoff increase per continued micro-batch [--p-recovery].
         p_decay: cutoff decrease per failed idle attempt [--p-decay].
@@ -34,7 +37,7 @@ class SpecSettings:
     mode: str = "pipeinfer"
     spec_type: str = "draft"
     draft: int = 6
-    p_accept: float = 0.3
+    p_accept: float | None = 0.3
     p_split: float = 0.2
     p_recovery: float = 0.05
     p_decay: float = 0.05
@@ -44,6 +47,7 @@ class SpecSettings:
     max_inflight: int = 8
     ngram_min: int = 1
     ngram_max: int = 4
+    default_threshold: float = 0.25  # adaptive: path probability worth a token until costs are measured
 
     @property
     def asynchronous(self) -> bool:

@@ -94,14 +94,16 @@ def speculation_options(f):
                      type=click.IntRange(1, 64), help="Longest suffix the n-gram proposer matches (tokens)."),
         click.option("--draft", "n_draft", default=d.draft, show_default=True, type=click.IntRange(1, 64),
                      help="Most draft tokens per speculation tree / micro-batch."),
-        click.option("--p-accept", default=d.p_accept, show_default=True, type=click.FloatRange(0, 1),
-                     help="Confidence cutoff: drafting stops below it."),
+        click.option("--p-accept", default=str(d.p_accept), show_default=True, type=ProbabilityOrAuto(),
+                     help="Confidence cutoff: drafting stops when the draft's probability of its next token is "
+                          "below it; auto: from the measured pass cost curve and the draft's calibrated "
+                          "acceptance (docs/BENCHMARKS.md)."),
         click.option("--p-split", default=d.p_split, show_default=True, type=click.FloatRange(0, 1),
                      help="Runner-up draft probability that adds a sibling branch (greedy)."),
         click.option("--p-recovery", default=d.p_recovery, show_default=True, type=click.FloatRange(0, 1),
-                     help="Cutoff increase per continued micro-batch."),
+                     help="Cutoff increase per continued micro-batch (with a numeric --p-accept)."),
         click.option("--p-decay", default=d.p_decay, show_default=True, type=click.FloatRange(0, 1),
-                     help="Cutoff decrease per failed attempt while the pipeline waits."),
+                     help="Cutoff decrease per failed attempt while the pipeline waits (with a numeric --p-accept)."),
         click.option("--branches", default=d.width, show_default=True, type=click.IntRange(1, 16),
                      help="Most branches (KV sequences) per speculation tree."),
         click.option("--max-inflight", default=d.max_inflight, show_default=True, type=click.IntRange(1, 128),
@@ -110,6 +112,25 @@ def speculation_options(f):
         click.option("--no-cancel", is_flag=True, help="pipeinfer without early inference cancellation (ablation)."),
     ]
     return _apply(opts, f)
+
+
+class ProbabilityOrAuto(click.ParamType):
+    """A probability in [0, 1], or ``auto`` (None)."""
+
+    name = "P|auto"
+
+    def convert(self, value, param, ctx):
+        if value is None or value == "auto":
+            return None
+        if isinstance(value, float):
+            return value
+        try:
+            v = float(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither a probability nor 'auto'", param, ctx)
+        if not 0.0 <= v <= 1.0:
+            self.fail(f"{v} is not in [0, 1]", param, ctx)
+        return v
 
 
 SPEC_TYPE_ALIASES = {"draft-simple": "draft", "ngram-simple": "ngram"}  # llama.cpp's --spec-type names

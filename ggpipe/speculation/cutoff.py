@@ -50,3 +50,11 @@ class CutoffController:
         """Tokens of a run were accepted: back to ``p_accept``."""
         self._continued = 0
         self._failed = 0
+
+    def at(self, path_p: float) -> float:
+        """The cutoff, whatever the anchor's path probability (the fixed
+        controller raises it per continued micro-batch instead)."""
+        return self.cutoff
+
+    def exhausted_at(self, path_p: float) -> bool:
+        return self.exhausted

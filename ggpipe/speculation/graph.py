@@ -80,6 +80,7 @@ class SpecGraph:
         self.swap_ops: list[tuple[int, int, int]] = []   # (seq, p0, p1) to copy into seq 0
         self.n_drafted = 0
         self.n_draft_accepted = 0
+        self.verified: list[tuple[float, bool]] = []   # (draft probability, accepted) per verified child
 
     # -- building --------------------------------------------------------------
 
@@ -156,6 +157,7 @@ class SpecGraph:
             c.logits = None  # consumed; frees memory
             chosen = kids[k] if k is not None else None
             for j in kids:
+                self.verified.append((self.nodes[j].dp, j == chosen))
                 if j != chosen:
                     self._kill(j)
             out.append(Decision(t, chosen))
@@ -189,6 +191,25 @@ class SpecGraph:
         for j, n in enumerate(self.nodes):
             if n.state == PENDING:
                 self._kill(j)
+
+    def take_verified(self) -> list[tuple[float, bool]]:
+        """(draft probability, accepted) of every draft child verified since
+        the last call, for calibrating the draft's confidence."""
+        out, self.verified = self.verified, []
+        return out
+
+    def path_p(self, nid: int, p_of) -> float:
+        """Product of ``p_of(dp)`` over the pending nodes from ``nid`` up to
+        the committed node (1.0 for the committed node itself): the estimated
+        probability that ``nid`` is reached and accepted."""
+        p = 1.0
+        while nid != self.committed and nid >= 0:
+            n = self.nodes[nid]
+            if n.state != PENDING:
+                break
+            p *= p_of(n.dp)
+            nid = n.parent
+        return p
 
     def take_swap_ops(self) -> list[tuple[int, int, int]]:
         """Buffer-swap copies to send, merged into ranges per sequence:

@@ -10,7 +10,9 @@ without a model).
 
 Life of a proposer (one per decoder; it may keep caches across requests):
 
-* ``start(params, rng)`` at the start of each request, ``prefill(context)``
+* ``start(params, rng, acceptance)`` at the start of each request (with
+  ``acceptance``, a calibration draft probability -> P(accepted), the cutoff
+  applies to the product of calibrated acceptance along a path), ``prefill(context)``
   once the prompt is known (may start work and return at once);
 * ``begin(context, cutoff, max_nodes)`` starts a micro-batch below
   ``context[-1]`` (the anchor, at position ``len(context) - 1``);
@@ -124,7 +126,8 @@ class Proposer(Protocol):
     active: bool
     stats: dict
 
-    def start(self, params: SamplingParams, rng: np.random.Generator) -> None: ...
+    def start(self, params: SamplingParams, rng: np.random.Generator,
+              acceptance: Callable[[float], float] | None = None) -> None: ...
     def prefill(self, context: list[int]) -> None: ...
     def begin(self, context: list[int], cutoff: float, max_nodes: int) -> None: ...
     def ready(self) -> bool: ...
@@ -180,7 +183,8 @@ class InstantProposer:
         self.stats: dict = {}
         self._tree: SpecTree | None = None
 
-    def start(self, params: SamplingParams, rng: np.random.Generator) -> None:
+    def start(self, params: SamplingParams, rng: np.random.Generator,
+              acceptance: Callable[[float], float] | None = None) -> None:
         self.active = False
         self._tree = None
 

@@ -40,15 +40,6 @@ from ggpipe.speculation.proposers.base import DecodeBackend, DraftResult, Propos
 from ggpipe.speculation.tree import SpecTree
 
 
-def softmax(logits: np.ndarray) -> np.ndarray:
-    """float64 (n,) softmax of float32 (n,) logits."""
-    x = logits.astype(np.float64)
-    x -= x.max()
-    np.exp(x, out=x)
-    x /= x.sum()
-    return x
-
-
 class DraftModelProposer:
     """Args:
         cfg: ``backend`` (the draft model's pipeline, head-driven), ``p_split``
@@ -82,14 +73,22 @@ class DraftModelProposer:
         self._cached: np.ndarray | None = None
         self._last_logits: tuple[int, np.ndarray] | None = None  # (cursor length, logits of its last token)
         self.stats = {"draft_decodes": 0}
+        self.acceptance: Callable[[float], float] | None = None
+        self._path = 1.0
 
     # stochastic trees are chains of draws from q (greedy trees may carry top-k siblings)
     iid_children = True
 
-    def start(self, params: SamplingParams, rng: np.random.Generator) -> None:
-        """A new request: its sampling parameters and drafting RNG."""
+    def start(self, params: SamplingParams, rng: np.random.Generator,
+              acceptance: Callable[[float], float] | None = None) -> None:
+        """A new request: its sampling parameters and drafting RNG. With
+        ``acceptance`` (draft probability -> estimated acceptance), drafting
+        goes on while the product of estimated acceptance along the path
+        since :meth:`begin` stays at or above the cutoff; without it, while
+        each token's draft probability does (PipeInfer's fixed cutoff)."""
         self.params = params
         self.rng = rng
+        self.acceptance = acceptance
         self.active = False
         self.tree = None
 
@@ -130,6 +129,7 @@ class DraftModelProposer:
             raise RuntimeError("a micro-batch is already being drafted")
         self.tree = SpecTree(anchor_pos=len(context) - 1)
         self._parent = -1
+        self._path = 1.0
         self._cutoff = cutoff
         self._max_nodes = max_nodes
         self.active = True
@@ -196,7 +196,8 @@ class DraftModelProposer:
     def cut(self, cutoff: float, room: Callable[[int], int]) -> tuple[SpecTree, int]:
         """Hand over the tree drafted so far and its chain tip's index; keep
         drafting a new tree below the tip (whose draft decode is in flight),
-        of at most ``room(tip position)`` nodes.
+        of at most ``room(tip position)`` nodes. The path probability goes on
+        from the tip (it is not reset).
 
         Raises:
             RuntimeError: nothing to cut (see :meth:`can_cut`)."""
@@ -223,28 +224,42 @@ class DraftModelProposer:
         self._last_logits = (len(self.cursor), logits)
         tree = self.tree
         greedy = self.params.greedy
-        q = softmax(logits) if greedy else target_probs(logits, self.params)
-        top = int(np.argmax(q))
-        if q[top] < self._cutoff or len(tree) >= self._max_nodes:
+        if greedy:
+            # the draft's confidence only shapes the tree (verification is the
+            # target's argmax): float32, no full float64 distribution per step
+            top = int(np.argmax(logits))
+            z = float(np.exp(logits - logits[top]).sum())
+            q_top = 1.0 / z
+        else:
+            q = target_probs(logits, self.params)
+            top = int(np.argmax(q))
+            q_top = float(q[top])
+        prev_path = self._path
+        path = 1.0 if self.acceptance is None else prev_path * self.acceptance(q_top)
+        if (q_top if self.acceptance is None else path) < self._cutoff or len(tree) >= self._max_nodes:
             return self._finish()
+        self._path = path
         if greedy:
             tok = top
-            node = tree.add(tok, self._parent, float(q[tok]))
+            node = tree.add(tok, self._parent, q_top)
             leaves = len(tree.leaves())
             if self.width > leaves and len(tree) < self._max_nodes:
-                k = min(self.width - leaves + 1, q.shape[0] - 1)
-                cand = np.argpartition(-q, k)[: k + 1]
-                cand = cand[np.argsort(-q[cand], kind="stable")]
+                k = min(self.width - leaves + 1, logits.shape[0] - 1)
+                cand = np.argpartition(-logits, k)[: k + 1]
+                cand = cand[np.argsort(-logits[cand], kind="stable")]
                 for t in cand:
                     t = int(t)
-                    if t == tok or q[t] < self.p_split:
+                    qt = float(np.exp(logits[t] - logits[top])) / z
+                    if t == tok or qt < self.p_split:
                         continue
                     if len(tree.leaves()) >= self.width or len(tree) >= self._max_nodes:
                         break
-                    tree.add(t, self._parent, float(q[t]))
+                    tree.add(t, self._parent, qt)
         else:
             tok = int(self.rng.choice(q.shape[0], p=q))
             node = tree.add(tok, self._parent, float(q[tok]), probs=q)
+            if self.acceptance is not None:  # the path goes on through the drawn token
+                self._path = prev_path * self.acceptance(float(q[tok]))
         self._parent = node
         if len(tree) >= self._max_nodes:
             return self._finish()

@@ -17,7 +17,7 @@ p(x) and otherwise samples from p with x removed (renormalised): exactly p.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -77,8 +77,9 @@ class NgramProposer(InstantProposer):
         self.params = SamplingParams()
         self.stats = {"ngram_lookups": 0, "ngram_hits": 0}
 
-    def start(self, params: SamplingParams, rng: np.random.Generator) -> None:
-        super().start(params, rng)
+    def start(self, params: SamplingParams, rng: np.random.Generator,
+              acceptance: Callable[[float], float] | None = None) -> None:
+        super().start(params, rng, acceptance)
         self.params = params
 
     def propose(self, context: list[int], max_nodes: int) -> SpecTree:
