@@ -22,8 +22,9 @@ Rows (``--rows`` picks a subset, by name):
   1 thread (speculative modes: target on rank 0, draft on rank 1);
 * ``ggpipe pipeinfer (before)``: the same from another checkout (``--before``,
   run with ``PYTHONPATH`` pointing at it);
-* ``ggpipe ngram``: ``--mode pipeinfer --spec-type ngram``, 2 ranks x 1 thread,
-  both ranks target stages, no draft model.
+* ``ggpipe ngram (pipeinfer)``, ``ggpipe ngram (speculative)``: ``--spec-type
+  ngram`` in either mode, 2 ranks x 1 thread, both ranks target stages, no
+  draft model.
 
 Every round runs each prompt through every row (rows rotated each round, so
 no row always follows another); ``--repeat`` rounds. Each ggpipe run's tokens
@@ -76,7 +77,7 @@ class Rows:
     def names(self) -> list[str]:
         names = ["llama.cpp t1 fa-off", "llama.cpp t1 fa-auto", "llama.cpp t2 fa-off", "llama.cpp t2 fa-auto",
                  "llama.cpp rpc 2x1", "llama-speculative-simple t2", "ggpipe iterative", "ggpipe speculative",
-                 "ggpipe pipeinfer", "ggpipe ngram"]
+                 "ggpipe pipeinfer", "ggpipe ngram (pipeinfer)", "ggpipe ngram (speculative)"]
         if self.a.before:
             names.insert(names.index("ggpipe pipeinfer"), "ggpipe pipeinfer (before)")
         return names
@@ -145,8 +146,8 @@ class Rows:
             args += ["--mode", "pipeinfer", "-md", self.draft]
             if "before" in name:
                 env["PYTHONPATH"] = str(Path(self.a.before).resolve())
-        elif name == "ggpipe ngram":
-            args += ["--mode", "pipeinfer", "--spec-type", "ngram"]
+        elif name.startswith("ggpipe ngram"):
+            args += ["--mode", "speculative" if "speculative" in name else "pipeinfer", "--spec-type", "ngram"]
         cmd = [shutil.which("mpiexec"), "-n", "2", sys.executable, "-m", "ggpipe", *args, *self.a.ggpipe_args]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False, env=env, cwd="/")
         if p.returncode != 0:

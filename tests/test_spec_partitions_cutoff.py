@@ -174,3 +174,13 @@ def test_cutoff_model(ops, p_accept, rec, dec, floor):
         assert c.cutoff == pytest.approx(want)
         assert c.cutoff >= floor
         assert c.exhausted == (c.cutoff >= 1.0)
+
+
+def test_cutoff_rise_resets_on_a_new_root():
+    """Speculation that only ever fails must not lock the cutoff at 1."""
+    c = CutoffController(p_accept=0.3, p_recovery=0.1, p_decay=0.05)
+    for _ in range(8):
+        c.continued()
+    assert c.exhausted
+    c.rerooted()
+    assert abs(c.cutoff - 0.3) < 1e-12 and not c.exhausted

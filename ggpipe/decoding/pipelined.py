@@ -203,6 +203,7 @@ class SpeculativeDecoder:
         draft share one target pass."""
         r = self.r
         r.pending_root = token
+        r.cutoff.rerooted()
         if not self.s.asynchronous:
             return
         sub, tip = self._salvage()

@@ -140,8 +140,6 @@ def _spec_settings(mode, spec_type, n_draft, p_accept, p_split, p_recovery, p_de
                    no_continuous, no_cancel, ngram_min, ngram_max):
     from ggpipe.decoding.settings import SpecSettings  # noqa: PLC0415
 
-    if ngram_min > ngram_max:
-        raise click.ClickException(f"--spec-ngram-min {ngram_min} is larger than --spec-ngram-max {ngram_max}")
     return SpecSettings(mode=mode if mode != "iterative" else "pipeinfer",
                         spec_type=SPEC_TYPE_ALIASES.get(spec_type, spec_type), draft=n_draft, p_accept=p_accept,
                         p_split=p_split, p_recovery=p_recovery, p_decay=p_decay, width=branches,

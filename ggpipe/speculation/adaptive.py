@@ -159,3 +159,6 @@ class AdaptiveCutoff:
 
     def accepted(self) -> None:
         """(acceptance is observed per token, see AcceptanceModel.observe)"""
+
+    def rerooted(self) -> None:
+        """(the path probability restarts at the new root by itself)"""

@@ -5,7 +5,9 @@ below the cutoff. Starting from ``p_accept``, the cutoff rises by
 ``p_recovery`` for every further micro-batch speculated beyond the accepted
 tokens (deeper speculation needs more confidence), falls by ``p_decay`` each
 time speculation fails while no target logits are waiting (use the idle
-pipeline anyway), and resets when a run's tokens are accepted.
+pipeline anyway), and resets when a run's tokens are accepted; the rise also
+resets when the target decides a token no speculation carried (a new root:
+nothing speculated survives it).
 """
 
 from __future__ import annotations
@@ -45,6 +47,14 @@ class CutoffController:
     def failed_while_idle(self) -> None:
         """Drafting produced nothing and no logits are waiting."""
         self._failed += 1
+
+    def rerooted(self) -> None:
+        """The target decided a token no speculation carried: every run
+        speculated beyond the verified tokens is dead, so nothing is
+        speculated beyond unverified ones any more. Without this, a request
+        whose drafts all fail would keep a cutoff of 1 (no speculation, so
+        no acceptance to reset it) for the rest of its tokens."""
+        self._continued = 0
 
     def accepted(self) -> None:
         """Tokens of a run were accepted: back to ``p_accept``."""

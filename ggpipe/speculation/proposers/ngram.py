@@ -70,7 +70,8 @@ class NgramProposer(InstantProposer):
     def __init__(self, cfg: ProposerConfig):
         super().__init__()
         if not 1 <= cfg.ngram_min <= cfg.ngram_max:
-            raise ValueError(f"n-gram sizes must satisfy 1 <= min <= max, got {cfg.ngram_min}..{cfg.ngram_max}")
+            raise ValueError(f"n-gram sizes must satisfy 1 <= --spec-ngram-min <= --spec-ngram-max, "
+                             f"got {cfg.ngram_min} and {cfg.ngram_max}")
         self.n_min = cfg.ngram_min
         self.n_max = cfg.ngram_max
         self.n_vocab = cfg.n_vocab
