@@ -262,3 +262,29 @@ def test_adaptive_depth_stays_exact_and_learns():
     c.observe(1, 0.020)
     c.observe(4, 0.035)
     assert abs(c.cost(2) - 0.025) < 1e-9 and abs(draft_threshold(c, 0.3) - 0.25) < 1e-9
+
+
+def test_ngram_confidence_and_calibrated_truncation():
+    """Drafts carry n/(n+1) for a matched suffix of n tokens; with a
+    calibration, the chain stops where its path probability falls below the
+    cutoff; without one (numeric --p-accept) the whole continuation is kept."""
+    p = NgramProposer(ProposerConfig(n_vocab=V, ngram_min=1, ngram_max=3))
+    ctx = [5, 6, 7, 8, 9, 10, 5, 6]          # suffix [5, 6] matched (n = 2): confidence 2/3
+    p.start(SamplingParams(), np.random.default_rng(0))
+    p.begin(ctx, cutoff=0.9, max_nodes=5)
+    tree = p.poll()
+    assert tree.tokens == [7, 8, 9, 10, 5] and abs(tree.draft_p[0] - 2 / 3) < 1e-12
+    p.start(SamplingParams(), np.random.default_rng(0), acceptance=lambda q: q)
+    p.begin(ctx, cutoff=0.3, max_nodes=5)     # (2/3)^k >= 0.3 for k <= 2
+    tree = p.poll()
+    assert tree.tokens == [7, 8] and tree.parent == [-1, 0]
+    p.begin(ctx, cutoff=0.9, max_nodes=5)
+    assert len(p.poll()) == 0
+
+
+@pytest.mark.parametrize("mode", ["speculative", "pipeinfer"])
+def test_adaptive_ngram_stays_exact(mode):
+    prompt, period = REPEATING + [1, 2], len(REPEATING)
+    dec, _, _ = _decoder(SpecSettings(mode=mode, spec_type="ngram", p_accept=None), "ngram", period=period)
+    out = dec.generate(np.array(prompt + PROMPT, np.int32), 50, Sampler(SamplingParams()))
+    assert out == _reference(50, prompt + PROMPT, period)

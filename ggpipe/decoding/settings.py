@@ -21,8 +21,9 @@ class SpecSettings:
         draft: most draft tokens per tree / micro-batch [--draft].
         p_accept: confidence cutoff [--p-accept]; None (``auto``):
             adaptive depth from the measured pass cost curve and calibrated
-            draft acceptance (ggpipe.speculation.adaptive). The default stays
-            0.3: auto measured 3% slower (docs/BENCHMARKS.md section 5).
+            draft acceptance (ggpipe.speculation.adaptive). The CLI's default
+            is 0.3 for the draft model (auto measured 3% slower there) and
+            auto for n-gram drafts (7% faster); docs/BENCHMARKS.md section 4.
         p_split: runner-up probability that adds a sibling leaf [--p-split].
         p_recovery: cutoff increase per continued micro-batch [--p-recovery].
         p_decay: cutoff decrease per failed idle attempt [--p-decay].

@@ -94,10 +94,11 @@ def speculation_options(f):
                      type=click.IntRange(1, 64), help="Longest suffix the n-gram proposer matches (tokens)."),
         click.option("--draft", "n_draft", default=d.draft, show_default=True, type=click.IntRange(1, 64),
                      help="Most draft tokens per speculation tree / micro-batch."),
-        click.option("--p-accept", default=str(d.p_accept), show_default=True, type=ProbabilityOrAuto(),
-                     help="Confidence cutoff: drafting stops when the draft's probability of its next token is "
-                          "below it; auto: from the measured pass cost curve and the draft's calibrated "
-                          "acceptance (docs/BENCHMARKS.md)."),
+        click.option("--p-accept", default="default", type=ProbabilityOrAuto(),
+                     help=f"Confidence cutoff: drafting stops when the draft's probability of its next token is "
+                          f"below it; auto: from the measured pass cost curve and the drafts' calibrated "
+                          f"acceptance (docs/BENCHMARKS.md section 4). Default: {d.p_accept} with --spec-type draft, "
+                          f"auto with ngram (each measured better there)."),
         click.option("--p-split", default=d.p_split, show_default=True, type=click.FloatRange(0, 1),
                      help="Runner-up draft probability that adds a sibling branch (greedy)."),
         click.option("--p-recovery", default=d.p_recovery, show_default=True, type=click.FloatRange(0, 1),
@@ -122,6 +123,8 @@ class ProbabilityOrAuto(click.ParamType):
     def convert(self, value, param, ctx):
         if value is None or value == "auto":
             return None
+        if value == "default":   # chosen per --spec-type in _spec_settings
+            return value
         if isinstance(value, float):
             return value
         try:
@@ -140,8 +143,11 @@ def _spec_settings(mode, spec_type, n_draft, p_accept, p_split, p_recovery, p_de
                    no_continuous, no_cancel, ngram_min, ngram_max):
     from ggpipe.decoding.settings import SpecSettings  # noqa: PLC0415
 
-    return SpecSettings(mode=mode if mode != "iterative" else "pipeinfer",
-                        spec_type=SPEC_TYPE_ALIASES.get(spec_type, spec_type), draft=n_draft, p_accept=p_accept,
+    spec_type = SPEC_TYPE_ALIASES.get(spec_type, spec_type)
+    if p_accept == "default":
+        p_accept = None if spec_type == "ngram" else SpecSettings.p_accept
+    return SpecSettings(mode=mode if mode != "iterative" else "pipeinfer", spec_type=spec_type, draft=n_draft,
+                        p_accept=p_accept,
                         p_split=p_split, p_recovery=p_recovery, p_decay=p_decay, width=branches,
                         continuous=not no_continuous, cancel=not no_cancel, max_inflight=max_inflight,
                         ngram_min=ngram_min, ngram_max=ngram_max)

@@ -46,6 +46,11 @@ class SpecTree:
         self.draft_probs.append(probs)
         return len(self.tokens) - 1
 
+    def prefix(self, n: int) -> "SpecTree":
+        """The first ``n`` nodes (whose parents all come before them, as
+        :meth:`add` builds trees) as a tree of their own."""
+        return SpecTree(self.anchor_pos, self.tokens[:n], self.parent[:n], self.draft_probs[:n], self.draft_p[:n])
+
     def __len__(self) -> int:
         return len(self.tokens)
 

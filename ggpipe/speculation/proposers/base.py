@@ -182,19 +182,35 @@ class InstantProposer:
         self.active = False
         self.stats: dict = {}
         self._tree: SpecTree | None = None
+        self.acceptance: Callable[[float], float] | None = None
 
     def start(self, params: SamplingParams, rng: np.random.Generator,
               acceptance: Callable[[float], float] | None = None) -> None:
         self.active = False
         self._tree = None
+        self.acceptance = acceptance
 
     def prefill(self, context: list[int]) -> None:
         pass
 
     def begin(self, context: list[int], cutoff: float, max_nodes: int) -> None:
+        """Draft at once. With a calibration (``start(..., acceptance)``), a
+        chain is cut where the product of calibrated acceptance of its nodes'
+        confidences (``SpecTree.draft_p``) falls below ``cutoff``; without
+        one, the cutoff (a draft model's probability) does not apply."""
         if self.active:
             raise RuntimeError("a micro-batch is already being drafted")
-        self._tree = self.propose(list(context), max_nodes)
+        tree = self.propose(list(context), max_nodes)
+        if self.acceptance is not None and len(tree):
+            path, keep = 1.0, 0
+            for i in range(len(tree)):
+                path *= self.acceptance(tree.draft_p[i])
+                if path < cutoff:
+                    break
+                keep = i + 1
+            if keep < len(tree):
+                tree = tree.prefix(keep)
+        self._tree = tree
         self.active = True
 
     def propose(self, context: list[int], max_nodes: int) -> SpecTree:  # pragma: no cover - abstract

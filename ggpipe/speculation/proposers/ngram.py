@@ -9,6 +9,12 @@ the speculative chain below the anchor), for n from ``ngram_max`` down to
 ``ngram_min``; find their most recent earlier occurrence; propose the tokens
 that followed it, as a chain of at most ``max_nodes``.
 
+Each drafted token carries the confidence n / (n + 1) of the suffix length n
+it was found with (``SpecTree.draft_p``); with ``--p-accept auto`` the loop
+calibrates it against verified outcomes and drafts only as deep as pays
+(ggpipe.speculation.adaptive); with a numeric ``--p-accept`` the whole
+continuation up to ``--draft`` is proposed.
+
 Stochastic sampling stays exact: each drafted token carries a one-hot
 "draft distribution" q (the proposal is deterministic given the context), so
 SpecInfer's multi-step speculative sampling accepts it with probability
@@ -27,6 +33,19 @@ from ggpipe.speculation.tree import SpecTree
 
 
 def ngram_lookup(context: Sequence[int], n_min: int, n_max: int, k: int) -> list[int]:
+    """The proposed tokens of :func:`ngram_match` (see there).
+
+    Example::
+
+        >>> ngram_lookup([5, 6, 7, 8, 5, 6], 1, 3, 3)
+        [7, 8, 5]
+        >>> ngram_lookup([1, 2, 3], 1, 3, 4)
+        []
+    """
+    return ngram_match(context, n_min, n_max, k)[0]
+
+
+def ngram_match(context: Sequence[int], n_min: int, n_max: int, k: int) -> tuple[list[int], int]:
     """Prompt lookup: the up to ``k`` tokens that followed the most recent
     earlier occurrence of the longest suffix of ``context`` (length n_max down
     to n_min) that occurred before.
@@ -37,19 +56,18 @@ def ngram_lookup(context: Sequence[int], n_min: int, n_max: int, k: int) -> list
         k: most tokens proposed.
 
     Returns:
-        The proposed token ids ([] when no suffix occurred before).
+        (the proposed token ids, the length n of the suffix matched); ([], 0)
+        when no suffix occurred before.
 
     Example::
 
-        >>> ngram_lookup([5, 6, 7, 8, 5, 6], 1, 3, 3)
-        [7, 8, 5]
-        >>> ngram_lookup([1, 2, 3], 1, 3, 4)
-        []
+        >>> ngram_match([5, 6, 7, 8, 5, 6], 1, 3, 3)
+        ([7, 8, 5], 2)
     """
     a = np.asarray(context, dtype=np.int64)
     n_ctx = a.shape[0]
     if k <= 0 or n_ctx < 2:
-        return []
+        return [], 0
     for n in range(min(n_max, n_ctx - 1), max(n_min, 1) - 1, -1):
         # windows a[i:i+n] with i + n <= n_ctx - 1: each has a continuation, and
         # the suffix itself (i = n_ctx - n) is not among them
@@ -57,8 +75,8 @@ def ngram_lookup(context: Sequence[int], n_min: int, n_max: int, k: int) -> list
         hits = np.flatnonzero((win == a[n_ctx - n:]).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n
-            return a[start:start + k].tolist()
-    return []
+            return a[start:start + k].tolist(), n
+    return [], 0
 
 
 class NgramProposer(InstantProposer):
@@ -86,14 +104,15 @@ class NgramProposer(InstantProposer):
     def propose(self, context: list[int], max_nodes: int) -> SpecTree:
         """A chain below ``context[-1]`` (see :func:`ngram_lookup`)."""
         tree = SpecTree(anchor_pos=len(context) - 1)
-        toks = ngram_lookup(context, self.n_min, self.n_max, max_nodes)
+        toks, n = ngram_match(context, self.n_min, self.n_max, max_nodes)
         self.stats["ngram_lookups"] += 1
         self.stats["ngram_hits"] += int(bool(toks))
+        conf = n / (n + 1)   # a longer matched suffix predicts better (calibrated by --p-accept auto)
         parent = -1
         for t in toks:
             q = None
             if not self.params.greedy:
                 q = np.zeros(self.n_vocab, dtype=np.float64)
                 q[t] = 1.0
-            parent = tree.add(t, parent, 1.0, probs=q)
+            parent = tree.add(t, parent, conf, probs=q)
         return tree
