@@ -7,7 +7,8 @@ prompts, token counts and cores as ``ggpipe bench``.
 
 ``build`` downloads the sdist of the pinned ``llama-cpp-python==0.3.36`` with
 pip (``pip download --no-binary :all: --no-deps``), unpacks it and builds
-only the targets ``llama-completion`` and ``llama-speculative-simple`` of its
+only the targets ``llama-completion``, ``llama-speculative-simple`` and
+``ggml-rpc-server`` (``GGML_RPC=ON``) of its
 vendored llama.cpp with cmake (Release, ``-march=native`` as llama-cpp-python,
 AMX off: ``GGML_AMX_TILE/INT8/BF16=OFF`` and ``-mno-amx-*``, see
 NOTES-llamacpp), in a cache directory outside the repository
@@ -25,6 +26,11 @@ finished build is reused.
   --spec-draft-n-max 6`` (its
   synchronous speculative decoding; tokens/s from its "decoded N tokens in S
   seconds" line, which includes the first decoded token).
+
+* ``llama-completion ... --rpc 127.0.0.1:PORT -ngl L/2`` with a local
+  ``ggml-rpc-server -t T``: llama.cpp's own way across nodes (RPC), 2
+  processes x T threads, the last half of the layers on the server (mode
+  ``llama.cpp rpc``, ``ranks`` 2; ``--no-rpc`` skips it).
 
 ``--no-repack`` disables the extra (AMX/repacked) buffer types, as ggpipe
 does (``use_extra_bufts=False``). The rows go to ``peer.csv`` in the bench's
@@ -119,6 +125,7 @@ def parse_speculative(log: str) -> dict:
 
 def run(a) -> None:
     from ggpipe.bench.prompts import load_prompts, render_prompts
+    from ggpipe.models.gguf_info import read_model_info
     from ggpipe.models.registry import resolve
 
     for t in TARGETS:
@@ -130,35 +137,74 @@ def run(a) -> None:
     out = Path(a.output)
     (out / "peer").mkdir(parents=True, exist_ok=True)
     rows = []
+    n_layer = read_model_info(target).n_layer
     for t in [int(x) for x in a.threads.split(",")]:
-        for p, text in zip(prompts, texts):
-            pf = out / "peer" / f"prompt-{p['id']}.txt"
-            pf.write_text(text, encoding="utf-8")
-            common = ["-f", str(pf), "-n", str(a.n), "--ignore-eos", "--temp", "0", "-t", str(t), "-c", "2048",
-                      "--no-repack", "-s", "1"]
-            progs = [("llama.cpp", [str(bin_path("llama-completion")), "-m", target, *common, "-no-cnv",
-                                    "--no-display-prompt", "--no-warmup"], parse_completion)]
-            if draft:
-                progs.append(("llama.cpp speculative",
-                              [str(bin_path("llama-speculative-simple")), "-m", target, "-md", draft, *common,
-                               "-td", str(t), "--spec-type", "draft-simple", "--spec-draft-n-max", str(a.draft_max)],
-                              parse_speculative))
-            for mode, cmd, parse in progs:
-                t0 = time.perf_counter()
-                pr = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, check=False,
-                                    timeout=1800)
-                wall = time.perf_counter() - t0
-                if pr.returncode != 0:
-                    raise SystemExit(f"failed ({pr.returncode}): {' '.join(cmd)}\n{pr.stderr[-2000:]}")
-                r = parse(pr.stdout + pr.stderr)
-                row = {"mode": mode, "ranks": 1, "threads": t, "link": "none", "prompt": p["id"], "n": a.n,
-                       "tokens_per_s": r["tokens_per_s"], "itl_mean_ms": r.get("itl_mean_ms"),
-                       "acceptance_rate": r.get("acceptance_rate"), "wall_s": round(wall, 2),
-                       "command": " ".join(cmd)}
-                print(f"  {mode:22s} t={t} {p['id']:10s} {r['tokens_per_s']:6.1f} tok/s", flush=True)
-                rows.append(row)
-                write_rows(out / "peer.csv", rows)  # after every run: an interrupted sweep keeps its rows
+        rpc = None if a.no_rpc else RpcServer(t)
+        try:
+            _run_thread_count(a, target, draft, prompts, texts, out, t, rpc, n_layer, rows)
+        finally:
+            if rpc is not None:
+                rpc.stop()
     print(f"wrote {out / 'peer.csv'}")
+
+
+class RpcServer:
+    """A local ``ggml-rpc-server`` (127.0.0.1, a free port, ``threads``
+    threads): the second process of llama.cpp's RPC pipeline."""
+
+    def __init__(self, threads: int):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.addr = f"127.0.0.1:{port}"
+        self.proc = subprocess.Popen([str(bin_path("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port),
+                                      "-t", str(threads)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.0)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def _run_thread_count(a, target, draft, prompts, texts, out, t, rpc, n_layer, rows) -> None:
+    """Every prompt through every peer program at ``t`` threads; rows appended to ``rows`` and peer.csv."""
+    for p, text in zip(prompts, texts):
+        pf = out / "peer" / f"prompt-{p['id']}.txt"
+        pf.write_text(text, encoding="utf-8")
+        common = ["-f", str(pf), "-n", str(a.n), "--ignore-eos", "--temp", "0", "-t", str(t), "-c", "2048",
+                  "--no-repack", "-s", "1"]
+        progs = [("llama.cpp", [str(bin_path("llama-completion")), "-m", target, *common, "-no-cnv",
+                                "--no-display-prompt", "--no-warmup"], parse_completion)]
+        if rpc is not None:  # 2 processes x t threads: the last half of the layers on the RPC server
+            progs.append(("llama.cpp rpc", [str(bin_path("llama-completion")), "-m", target, *common, "-no-cnv",
+                                            "--no-display-prompt", "--no-warmup", "--rpc", rpc.addr,
+                                            "-ngl", str(n_layer // 2)], parse_completion))
+        if draft:
+            progs.append(("llama.cpp speculative",
+                          [str(bin_path("llama-speculative-simple")), "-m", target, "-md", draft, *common,
+                           "-td", str(t), "--spec-type", "draft-simple", "--spec-draft-n-max", str(a.draft_max)],
+                          parse_speculative))
+        for mode, cmd, parse in progs:
+            t0 = time.perf_counter()
+            pr = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, check=False,
+                                timeout=1800)
+            wall = time.perf_counter() - t0
+            if pr.returncode != 0:
+                raise SystemExit(f"failed ({pr.returncode}): {' '.join(cmd)}\n{pr.stderr[-2000:]}")
+            r = parse(pr.stdout + pr.stderr)
+            row = {"mode": mode, "ranks": 2 if mode == "llama.cpp rpc" else 1, "threads": t, "link": "none",
+                   "prompt": p["id"], "n": a.n,
+                   "tokens_per_s": r["tokens_per_s"], "itl_mean_ms": r.get("itl_mean_ms"),
+                   "acceptance_rate": r.get("acceptance_rate"), "wall_s": round(wall, 2),
+                   "command": " ".join(cmd)}
+            print(f"  {mode:22s} t={t} {p['id']:10s} {r['tokens_per_s']:6.1f} tok/s", flush=True)
+            rows.append(row)
+            write_rows(out / "peer.csv", rows)  # after every run: an interrupted sweep keeps its rows
 
 
 def write_rows(path: Path, rows: list[dict]) -> None:
@@ -183,6 +229,7 @@ def main() -> None:
     r.add_argument("--prompts", default="default", help="prompt set name or JSONL path")
     r.add_argument("--no-chat", action="store_true", help="feed prompts raw, without the chat template")
     r.add_argument("--draft-max", type=int, default=6, help="llama-speculative-simple's --spec-draft-n-max (ggpipe's --draft)")
+    r.add_argument("--no-rpc", action="store_true", help="skip the llama.cpp RPC rows (2 processes)")
     r.add_argument("-o", "--output", default="results/bench")
     a = ap.parse_args()
     if a.cmd == "build":

@@ -106,17 +106,20 @@ def markdown_table(agg: list[dict], peers: list[dict] = (), ref_mode: str | None
             f"{(a['peak_rss_mib_per_rank'] or '-').replace(';', ', ')} | {_f(a['tokens_per_s_per_mb'], '.3f')} | "
             f"{exact} |")
     for p in peer_aggregate(peers):
-        lines.append(f"| (none) | 1 process, {p['threads']} thread(s) | {p['mode']} | {_f(p['tokens_per_s'])} | - | - "
+        procs = f"{p['ranks']} processes x" if p["ranks"] > 1 else "1 process,"
+        lines.append(f"| (none) | {procs} {p['threads']} thread(s) | {p['mode']} | {_f(p['tokens_per_s'])} | - | - "
                      f"| {_f(p['itl_mean_ms'])} / - / - | {_f(p['acceptance_rate'], '.2f')} | - | - | - | - | - |")
     return "\n".join(lines)
 
 
 def peer_aggregate(peers: list[dict]) -> list[dict]:
-    """Mean tokens/s (and ITL, acceptance) per (peer program, threads) over prompts."""
+    """Mean tokens/s (and ITL, acceptance) per (peer program, processes, threads)
+    over prompts; ``ranks`` is the number of processes (2 for llama.cpp RPC,
+    1 otherwise; peer.csv files without the column count as 1)."""
     groups: dict[tuple, list[dict]] = {}
     for p in peers:
-        groups.setdefault((p["mode"], p["threads"]), []).append(p)
-    return [{"mode": k[0], "threads": k[1], "tokens_per_s": _mean([r["tokens_per_s"] for r in v]),
+        groups.setdefault((p["mode"], int(p.get("ranks") or 1), p["threads"]), []).append(p)
+    return [{"mode": k[0], "ranks": k[1], "threads": k[2], "tokens_per_s": _mean([r["tokens_per_s"] for r in v]),
              "itl_mean_ms": _mean([r.get("itl_mean_ms") for r in v]),
              "acceptance_rate": _mean([r.get("acceptance_rate") for r in v])} for k, v in groups.items()]
 
@@ -163,7 +166,7 @@ def plot_all(agg: list[dict], out: Path, peers: list[dict] = (), title: str = ""
             if name == "speed":
                 for i, p in enumerate(peer_aggregate(peers)):
                     ax.axhline(p["tokens_per_s"], color="0.4", linestyle=["--", ":", "-.", (0, (5, 1))][i % 4],
-                               linewidth=1, label=f"{p['mode']} ({p['threads']} thr)")
+                               linewidth=1, label=f"{p['mode']} ({p['ranks']}x{p['threads']} thr)")
             ax.set_title(f"link: {link}", fontsize=9)
             ax.set_xlabel("ranks")
             ax.set_xticks(ranks)
