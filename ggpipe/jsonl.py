@@ -13,7 +13,7 @@ from ggpipe.errors import ConfigError
 
 def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, object]]:
     """Yield ``(line number, value)`` for every non-blank line of ``path``
-    (numbered from 1).
+    (numbered from 1; a line ends at ``\n``, ``\r\n`` too).
 
     Raises:
         ConfigError: the file cannot be read, or a line is not valid JSON
@@ -24,10 +24,14 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, object]]:
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"cannot read {p}: {getattr(e, 'strerror', None) or e}") from None
-    for i, raw in enumerate(text.splitlines(), start=1):
+    # lines end at "\n" only: str.splitlines() would also split inside a JSON
+    # string at a raw U+2028/U+2029/U+0085, which JSON allows unescaped
+    for i, raw in enumerate(text.split("\n"), start=1):
         if not raw.strip():
             continue
         try:
             yield i, json.loads(raw)
         except json.JSONDecodeError as e:
             raise ConfigError(f"{p}:{i}: not valid JSON ({e.msg} at column {e.colno})") from None
+        except RecursionError:
+            raise ConfigError(f"{p}:{i}: JSON nested too deeply") from None

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -74,6 +75,12 @@ def test_load_items_defaults_and_overrides(tmp_path):
     ('{"id": "b", "prompt": "x", "stop": [1]}', "stop must be"),
     ('{"id": "b", "prompt": "x", "nn": 1}', "unknown field 'nn'"),
     ('{"id": "a", "prompt": "again"}', "id \"a\" already used on line 1"),
+    # the server's limits (request_limits.py): one validation for both
+    ('{"id": "b", "messages": [{"role": "robot", "content": "x"}]}', "role must be one of system, developer"),
+    ('{"id": "b", "messages": [{"role": "tool", "content": "x"}]}', "role must be one of"),
+    ('{"id": "b", "prompt": "x", "temperature": 5}', "temperature must be at most 2"),
+    ('{"id": "b", "prompt": "x", "stop": ["s"] * 17}'.replace('["s"] * 17', json.dumps(["s"] * 17)), "at most 16"),
+    ("[" * 100000 + "]" * 100000, "nested too deeply"),
 ])
 def test_bad_lines_name_their_line(tmp_path, line, message):
     f = tmp_path / "in.jsonl"
@@ -92,22 +99,34 @@ def test_empty_and_missing_input(tmp_path):
         load_items(tmp_path / "nope.jsonl", 8, SamplingParams())
 
 
+def _rec(rid) -> str:
+    return json.dumps({"id": rid, "text": "x", "tokens": [1], "finish_reason": "length", "n_prompt": 1,
+                       "n_reused": 0, "metrics": {}}) + "\n"
+
+
 def test_done_ids_drops_a_torn_last_line(tmp_path):
     out = tmp_path / "out.jsonl"
-    good = '{"id": "a", "text": "x"}\n{"id": 2, "text": "y"}\n'
+    good = _rec("a") + _rec(2)
     out.write_text(good + '{"id": "c", "te', encoding="utf-8")
     assert done_ids(out) == {'"a"', "2"}
     assert out.read_text(encoding="utf-8") == good
-    out.write_text(good + '{"id": "c"}', encoding="utf-8")  # complete JSON but no newline: torn too
+    out.write_text(good + _rec("c").strip(), encoding="utf-8")  # complete JSON but no newline: torn too
     assert done_ids(out) == {'"a"', "2"} and out.read_text(encoding="utf-8") == good
     assert done_ids(tmp_path / "missing.jsonl") == set()
 
 
 def test_done_ids_refuses_a_foreign_file(tmp_path):
     out = tmp_path / "out.jsonl"
-    out.write_text("hello\n" + '{"id": "a"}\n', encoding="utf-8")
+    out.write_text("hello\n" + _rec("a"), encoding="utf-8")
     with pytest.raises(ConfigError, match="out.jsonl:1 is not a ggpipe batch record"):
         done_ids(out)
+
+
+def test_a_raw_line_separator_inside_a_string_is_one_line(tmp_path):
+    f = tmp_path / "in.jsonl"
+    f.write_text('{"id": 1, "prompt": "a\u2028b\u2029c\x85d"}\r\n{"id": 2, "prompt": "e"}\n', encoding="utf-8")
+    items = load_items(f, 8, SamplingParams())
+    assert [i.prompt for i in items] == ["a\u2028b\u2029c\x85d", "e"] and [i.line for i in items] == [1, 2]
 
 
 # -- real ranks ------------------------------------------------------------------------
@@ -192,3 +211,32 @@ def test_bad_input_is_one_line_before_generating(tmp_path, smollm2):
     err = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert len(err) == 1 and err[0].startswith(f"ggpipe: error: {inp}:2: ") and "context" in err[0], p.stderr
     assert not out.exists() or out.read_text() == ""
+
+
+@pytest.mark.mpi
+def test_never_destroys_or_skips_data_it_did_not_write(tmp_path, smollm2):
+    """The issue's cases, for real: each is one line, exit 1, and every file
+    is exactly as it was (the refusal comes before any generation)."""
+    inp = tmp_path / "good.jsonl"
+    write_jsonl(inp, [{"id": "a", "prompt": "hi"}, {"id": "b", "prompt": "MPI is"}])
+    notes = tmp_path / "notes.txt"
+    cases = [
+        (notes, "precious data", "is not a ggpipe batch record"),
+        (notes, "precious data\n", "is not a ggpipe batch record"),
+        (notes, '{"id": "a", "mine": true}\n', "is not a ggpipe batch record"),   # unrelated JSON with an id
+        (inp, None, "is the input file"),
+        (Path("/dev/full"), None, "is not a regular file"),
+        (Path("/dev/stdout"), None, "is not a regular file"),  # a pipe here, as in `-o /dev/stdout | cat`
+    ]
+    before_in = inp.read_bytes()
+    for out, content, message in cases:
+        if content is not None:
+            out.write_text(content, encoding="utf-8")
+        p = run_ggpipe(["batch", str(inp), "-o", str(out), "-m", str(smollm2), "-n", "4", "--no-progress"], 2,
+                       timeout=120)
+        err = [ln for ln in p.stderr.splitlines() if ln.strip()]
+        assert p.returncode == 1 and len(err) == 1 and message in err[0], (out, p.stderr)
+        assert "Traceback" not in p.stderr
+        if content is not None:
+            assert out.read_text(encoding="utf-8") == content
+        assert inp.read_bytes() == before_in

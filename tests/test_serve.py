@@ -201,6 +201,10 @@ BAD = [
     ("/v1/chat/completions", '{"messages": [{"role": "bot", "content": "x"}]}', "role"),
     ("/v1/chat/completions", '{"messages": [{"role": "user"}]}', "content"),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}', "max_tokens"),
+    # the branch that matched names the problem, not "Input should be a valid string"
+    ("/v1/completions", '{"prompt": [-1]}', "prompt.0: Input should be greater than or equal to 0"),
+    ("/v1/completions", '{"prompt": "x", "stop": ' + json.dumps(["s"] * 17) + "}", "at most 16 items"),
+    ("/v1/completions", "[" * 100000 + "]" * 100000, "nested too deeply"),   # was HTTP 500 (RecursionError)
 ]
 
 

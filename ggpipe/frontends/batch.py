@@ -18,11 +18,15 @@ Output, one line per finished request, in input order::
     {"id": "q1", "text": "...", "tokens": [...], "finish_reason": "length",
      "n_prompt": 6, "metrics": {"tokens_per_s": ..., "ttft_wall_s": ..., ...}}
 
-Each record is written, flushed and fsync'd as soon as its request finishes,
-so a job killed at any moment loses nothing already written. Running the same
-command again with the same output file skips every id already there and
-appends the rest; a last line cut short by the kill is dropped (and its id
-done again).
+Each record is written (one write of the whole line) and fsync'd as soon as
+its request finishes, so a job killed at any moment loses nothing already
+written. Running the same command again with the same output file skips every
+id already there and appends the rest; a last record cut short by the kill is
+dropped (and its id done again). ggpipe only ever appends to a file of its own
+records: an output that holds anything else, is the input file, or is not a
+regular file (a device, a pipe, ``/dev/stdout`` on a pipe) is refused with one
+line and left as it is; a write that fails (disk full) is cut back, so no half
+record stays (:mod:`ggpipe.frontends.batch_output`).
 
 Ctrl-C or SIGTERM (Slurm's ``scancel``; ``mpiexec`` forwards both to every
 rank): worker ranks ignore them, the head stops the request in progress
@@ -43,7 +47,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ggpipe.errors import ConfigError
+from ggpipe.frontends.batch_output import RecordWriter, check_output_path, id_key, repair, scan_output
 from ggpipe.frontends.engine import Engine
+from ggpipe.frontends.request_limits import ROLES, STOP_MAX, TEMPERATURE_MAX, template_role
 from ggpipe.frontends.job import JobSpec, head_signals, ignore_signals, run_job
 from ggpipe.jsonl import iter_jsonl
 from ggpipe.sampling import SamplingParams
@@ -77,11 +83,6 @@ class BatchItem:
         return id_key(self.id)
 
 
-def id_key(value) -> str:
-    """Canonical text of an id (so 1 and "1" stay different ids)."""
-    return json.dumps(value)
-
-
 def _int(v, name: str, where: str, minimum: int) -> int:
     if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < minimum:
         raise ConfigError(f"{where}: {name} must be an integer >= {minimum}, got {json.dumps(v)}")
@@ -100,11 +101,11 @@ def check_messages(messages, where: str) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise ConfigError(f"{where}: messages must be a non-empty list of {{\"role\", \"content\"}} objects")
     for i, msg in enumerate(messages):
-        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not msg["role"]:
-            raise ConfigError(f"{where}: messages[{i}] must be an object with a string role")
+        if not isinstance(msg, dict) or msg.get("role") not in ROLES:
+            raise ConfigError(f"{where}: messages[{i}].role must be one of {', '.join(ROLES)}")
         if not isinstance(msg.get("content"), str):
             raise ConfigError(f"{where}: messages[{i}].content must be a string")
-    return messages
+    return [dict(m, role=template_role(m["role"])) for m in messages]
 
 
 def parse_item(obj, line: int, path: str, n_predict: int, sampling: SamplingParams) -> BatchItem:
@@ -144,6 +145,9 @@ def parse_item(obj, line: int, path: str, n_predict: int, sampling: SamplingPara
     over = {}
     if "temperature" in obj:
         over["temperature"] = _number(obj["temperature"], "temperature", where)
+        if over["temperature"] > TEMPERATURE_MAX:  # as the server (request_limits.py)
+            raise ConfigError(f"{where}: temperature must be at most {TEMPERATURE_MAX:g}, "
+                              f"got {json.dumps(obj['temperature'])}")
     if "top_p" in obj:
         over["top_p"] = _number(obj["top_p"], "top_p", where)
     if "top_k" in obj:
@@ -161,6 +165,8 @@ def parse_item(obj, line: int, path: str, n_predict: int, sampling: SamplingPara
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(x, str) and x for x in stop):
         raise ConfigError(f"{where}: stop must be a non-empty string or a list of them")
+    if len(stop) > STOP_MAX:
+        raise ConfigError(f"{where}: stop holds {len(stop)} strings, at most {STOP_MAX}")
     return BatchItem(line, rid, prompt, messages, n, s, stop)
 
 
@@ -185,44 +191,19 @@ def load_items(path: str | os.PathLike, n_predict: int, sampling: SamplingParams
 
 
 def done_ids(path: str | os.PathLike) -> set[str]:
-    """Ids (id_key) already in an existing output file; a last line cut short
-    by a killed run (not valid JSON, or no newline at its end) is removed from
-    the file so that its request runs again. A missing file -> empty set.
+    """Ids (id_key) already in an existing output file; a last record cut
+    short by a killed run is removed so that its request runs again (the only
+    change ever made to the file). A missing file -> empty set. See
+    :mod:`ggpipe.frontends.batch_output` for what counts as ggpipe's.
 
     Raises:
-        ConfigError: the file cannot be read, or a line before the last is
-            not a JSON record with an id (not ggpipe's output: refuse to append).
+        ConfigError: the file cannot be read or repaired, is not a regular
+            file, or holds anything that is not a ggpipe batch record
+            (refused; the file is left as it is).
     """
-    p = Path(path)
-    if not p.exists():
-        return set()
-    try:
-        data = p.read_bytes()
-    except OSError as e:
-        raise ConfigError(f"cannot read the output file {p}: {e.strerror or e}") from None
-    done: set[str] = set()
-    chunks = data.splitlines(keepends=True)
-    good_end = 0
-    for i, raw in enumerate(chunks, start=1):
-        final = i == len(chunks)
-        if raw.strip():
-            try:
-                rec = json.loads(raw)
-                ok = isinstance(rec, dict) and "id" in rec and raw.endswith(b"\n")
-            except ValueError:  # JSONDecodeError, UnicodeDecodeError
-                ok = False
-            if not ok:
-                if final:  # torn by a kill: drop it, its request runs again
-                    break
-                raise ConfigError(f"output file {p}:{i} is not a ggpipe batch record; "
-                                  f"give another -o or remove the file")
-            done.add(id_key(rec["id"]))
-        good_end += len(raw)
-    if good_end < len(data):
-        with open(p, "r+b") as f:
-            f.truncate(good_end)
-            f.flush()
-            os.fsync(f.fileno())
+    done, cut_at = scan_output(path)
+    if cut_at is not None:
+        repair(path, cut_at)
     return done
 
 
@@ -262,6 +243,7 @@ class BatchRunner:
     def prepare(self) -> list[tuple[BatchItem, object]]:
         """Validate everything before generating: input lines, chat template,
         prompt lengths; returns the (item, tokens) still to do."""
+        check_output_path(self.output_path, self.input_path)
         items = load_items(self.input_path, self.n_predict, self.sampling)
         has_template = bool(self.engine.vocab.chat_template())
         todo = []
@@ -288,11 +270,7 @@ class BatchRunner:
         if not todo:
             sys.stderr.write(f"ggpipe: every request is already in {self.output_path}: nothing to do\n")
             return 0
-        self.output_path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            out = open(self.output_path, "a", encoding="utf-8")
-        except OSError as e:
-            raise ConfigError(f"cannot write the output file {self.output_path}: {e.strerror or e}") from None
+        out = RecordWriter(self.output_path)
         n_tokens, t0 = 0, time.perf_counter()
         bar = tqdm(total=len(todo), unit="req", file=sys.stderr, disable=not self.progress, dynamic_ncols=True,
                    desc="batch")
@@ -305,9 +283,7 @@ class BatchRunner:
                                             should_stop=lambda: self.signal is not None)
                 if done.finish_reason == "interrupted":
                     break
-                out.write(json.dumps(record(item, done), ensure_ascii=False) + "\n")
-                out.flush()
-                os.fsync(out.fileno())
+                out.write(record(item, done))
                 written += 1
                 n_tokens += len(done.tokens)
                 bar.set_postfix_str(f"{n_tokens / max(time.perf_counter() - t0, 1e-9):.1f} tokens/s", refresh=False)

@@ -30,6 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics, generate_latest)
+from ggpipe.frontends.request_limits import ROLES, STOP_MAX, TEMPERATURE_MAX, template_role
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -69,11 +70,11 @@ class _Body(BaseModel):
 
     model: StrictStr | None = None
     max_tokens: PosInt | None = None
-    temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=TEMPERATURE_MAX, allow_inf_nan=False)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
     top_k: Annotated[StrictInt, Field(ge=0)] | None = None
     seed: Annotated[StrictInt, Field(ge=0, lt=2**63)] | None = None
-    stop: StrictStr | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(max_length=16)] | None = None
+    stop: StrictStr | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(max_length=STOP_MAX)] | None = None
     stream: StrictBool = False
     stream_options: dict[str, Any] | None = None
     n: Annotated[StrictInt, Field(ge=1, le=1)] = 1
@@ -101,12 +102,12 @@ class TextPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal[ROLES]  # type: ignore[valid-type]
     content: StrictStr | list[TextPart]
 
     def as_template_message(self) -> dict:
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        return {"role": template_role(self.role), "content": text}
 
 
 class ChatBody(_Body):
@@ -249,7 +250,12 @@ def _error_message(exc: ValidationError) -> tuple[str, str | None]:
     errs = exc.errors(include_url=False)
     if not errs:
         return "invalid request body", None
-    e = errs[0]
+    # With a union (stop: str | list[str]), pydantic reports every branch; the
+    # branch whose type matched says what is wrong ("at most 16 items", ">= 0"),
+    # not "Input should be a valid string": prefer constraint errors, then the
+    # deepest location (the branch that got furthest into the value).
+    constraint = [x for x in errs if not str(x.get("type", "")).endswith("_type")]
+    e = constraint[0] if constraint else max(errs, key=lambda x: len(x.get("loc", ())))
     # drop pydantic's union-branch names ("str", "list[...]", "constrained-str") from the location
     loc = [str(x) for x in e.get("loc", ()) if not (isinstance(x, str) and (x in ("str", "int", "float", "bool")
                                                                                or "[" in x or "-" in x))]
@@ -270,6 +276,8 @@ async def parse_body(request: Request, model: type[BaseModel]):
         obj = json.loads(raw)
     except ValueError as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
     if not isinstance(obj, dict):
         raise APIError(400, "the request body must be a JSON object")
     try:
