@@ -71,10 +71,19 @@ def files(tmp_path_factory, smollm2):
     long_prompt.write_text("word " * 300)
     out = d / "out"
     out.mkdir()
+    batch_in = d / "batch-in.jsonl"
+    batch_in.write_text('{"id": 1, "prompt": "hi"}\n{"id": 2, "prompt": "MPI is"}\n')
+    notes = d / "notes.txt"
+    notes.write_text("precious data")
+    notutf8 = d / "not-utf8.txt"
+    notutf8.write_bytes(b"hello \xff\xfe world")
+    nested = d / "nested.jsonl"
+    nested.write_text("[" * 100000 + "]" * 100000 + "\n")
     return {"smollm2": smollm2, "trunc": d / "truncated.gguf", "notgguf": d / "notgguf.gguf", "three": three,
             "gemma": fake(d / "gemma3-fake.gguf", "gemma3"), "othervocab": fake(d / "llama-3-tokens.gguf", "llama"),
             "bad_registry": bad_registry, "hash_registry": hash_registry, "cache": cache,
-            "long_prompt": long_prompt, "out": out}
+            "long_prompt": long_prompt, "out": out,
+            "batch_in": batch_in, "notes": notes, "notutf8": notutf8, "nested": nested}
 
 
 @pytest.mark.mpi
@@ -108,5 +117,10 @@ def test_documented_bad_input(row, files):
               if ln.strip() and "ggpipe: error: " not in ln and not re.match(r"^(deriving|Writing|cutting)", ln)]
     assert not others, p.stderr
     assert row["message"] in errors[0], errors[0]
+    if row["id"] == "batch-foreign-output":
+        assert files["notes"].read_text() == "precious data"
+    if row["id"] == "batch-disk-full":
+        data = (files["out"] / "results.jsonl").read_bytes()
+        assert data == b"" or data.endswith(b"\n"), data  # no half record
     if row["id"] == "disk-full":
         assert not [f for f in files["out"].iterdir() if f.suffix == ".gguf"], list(files["out"].iterdir())

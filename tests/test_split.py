@@ -147,3 +147,9 @@ def test_describe_plan():
     assert lines[3].split() == ["2", "16", "1"]
     text = describe_plan([(0, 4), (4, 8)], labels=["rank 1", "rank 0"])
     assert text.splitlines()[2].split() == ["rank", "0", "4-7", "4"]
+
+
+def test_huge_weights_are_ratios_not_an_overflow():
+    # --split 1e308,1e308 raised OverflowError from the weights' sum
+    assert plan_layers(40, 2, [1e308, 1e308]) == [(0, 20), (20, 40)]
+    assert plan_layers(40, 2, [1e308, 3e307]) == plan_layers(40, 2, [10, 3])

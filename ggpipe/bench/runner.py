@@ -4,9 +4,10 @@ configuration, under ``mpiexec -n R`` when R is given)."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
+
+from ggpipe.transport.launcher_path import find_launcher
 
 # One prompt per category of PipeInfer's evaluation (V.A): code generation
 # without explanation, a story about a warrior named Goliath, an encyclopedic text.
@@ -28,7 +29,7 @@ def ggpipe_run(model: str, prompt: str, n: int, ranks: int | None, args: list[st
     cmd = [sys.executable, "-m", "ggpipe", "generate", "-m", model, "-p", prompt, "-n", str(n), "--ignore-eos",
            "--json", *args]
     if ranks is not None:
-        cmd = [shutil.which("mpiexec"), "-n", str(ranks), *cmd]
+        cmd = [find_launcher("mpiexec"), "-n", str(ranks), *cmd]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
     if p.returncode != 0:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{p.stderr[-2000:]}")

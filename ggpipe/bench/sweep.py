@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ggpipe.transport.launcher_path import find_launcher
 from ggpipe.errors import ConfigError
 from ggpipe.transport.link import format_link, parse_link
 
@@ -134,6 +135,9 @@ class BenchSpec:
             raise ConfigError("a link is listed twice in --link")
         if "{ranks}" not in self.launcher:
             raise ConfigError(f"--launcher {self.launcher!r} must contain {{ranks}}, e.g. 'mpiexec -n {{ranks}}'")
+        exe = shlex.split(self.launcher.format(ranks=1))[0] if self.launcher.strip() else ""
+        if exe in ("mpiexec", "mpirun"):
+            find_launcher(exe)  # one line now rather than a failed run per configuration
         if self.n < 1 or self.repeat < 1:
             raise ConfigError("-n and --repeat must be at least 1")
         if not self.prompts:
@@ -170,7 +174,7 @@ def generate_args(spec: BenchSpec, cfg: Config, prompt_file: Path) -> list[str]:
 def launch_command(spec: BenchSpec, cfg: Config, prompt_file: Path) -> list[str]:
     prefix = shlex.split(spec.launcher.format(ranks=cfg.ranks))
     if prefix and prefix[0] in ("mpiexec", "mpirun"):
-        prefix[0] = shutil.which(prefix[0]) or prefix[0]
+        prefix[0] = find_launcher(prefix[0])
     return [*prefix, sys.executable, "-m", "ggpipe", *generate_args(spec, cfg, prompt_file)]
 
 
@@ -211,7 +215,11 @@ def environment(launcher: str) -> dict:
     """Versions, git commit, CPU model and core count of this machine."""
     exe = shlex.split(launcher.format(ranks=1))[0]
     mpi = None
-    if shutil.which(exe):
+    try:
+        exe = find_launcher(exe)
+    except ConfigError:
+        exe = None
+    if exe:
         try:
             p = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=20, check=False)
             mpi = " ".join((p.stdout or p.stderr).split("\n")[:2]).strip() or None

@@ -14,6 +14,12 @@ Start-up, under ``mpiexec -n R`` (rank 0 is the head):
 
 Every wait is bounded (``load_timeout_s``). Without an MPI launcher the job
 is a single process holding the whole model (no MPI library needed).
+
+A rank that fails before it reaches step 1 (a usage error, a bad option
+value: :func:`report_startup_error`) still initialises MPI and sends a HELLO
+carrying its error instead of a digest, so the job meets, the head prints one
+line naming that rank, and every rank exits within seconds. Without it the
+other ranks would wait inside ``MPI_Init`` for a process that never comes.
 """
 
 from __future__ import annotations
@@ -210,6 +216,56 @@ def _verdict(t: Transport, size: int, error: str | None, extra: dict | None = No
     t.flush(10.0)
 
 
+_startup = {"entered": False}  # open_session has begun meeting the other ranks
+
+
+def startup_entered() -> bool:
+    """True once this process has begun the start-up exchange (HELLO)."""
+    return _startup["entered"]
+
+
+def report_startup_error(message: str, timeout_s: float = 30.0) -> str | None:
+    """Meet the other ranks with an error instead of a HELLO (see the module
+    docstring) and return the line this rank should print: on the head, the
+    first error of any rank, named (its own first); on a worker, None when
+    the head answered (the head prints it), else its own error naming its
+    rank. Without an MPI launcher, or in a job of one rank: ``message``.
+
+    Every wait is bounded by ``timeout_s`` seconds (and ends early when the
+    launcher signals that another rank has ended).
+    """
+    if _startup["entered"]:
+        return message
+    _startup["entered"] = True
+    try:
+        world = mpi_world()
+    except Exception:  # noqa: BLE001 - no MPI library: report locally
+        return message
+    if world is None or world[2] == 1:
+        return message
+    comm, rank, size = world
+    transport = Transport(comm, timeout_s=timeout_s)
+    transport.interrupt = check_launcher_signal
+    me = rank_info(rank)
+    hello = {"digest": None, "error": message, "host": me["host"], "pid": me["pid"], "cpus": None}
+    try:
+        got = _exchange(transport, rank, size, hello, "hello", timeout_s)
+    except GGPipeError as exc:
+        return message if rank == 0 else f"rank {rank} ({me['host']}): {message} (and then: {exc})"
+    if rank == 0:
+        _verdict(transport, size, message, {"hosts": [g["host"] for g in got], "pids": [g["pid"] for g in got]})
+        return message
+    return None
+
+
+def _first_error(got: list[dict]) -> str | None:
+    """The first error a HELLO carries (rank order), named by rank and host."""
+    for r, h in enumerate(got):
+        if h.get("error"):
+            return h["error"] if r == 0 else f"rank {r} ({h['host']}): {h['error']}"
+    return None
+
+
 def open_session(config: ClusterConfig, argv: list[str] | None = None, async_head: bool = False) -> Session:
     """Bring up this rank (see the module docstring). ``argv`` (default
     ``sys.argv[1:]``) must be the same on every rank: its digest, with the
@@ -227,6 +283,7 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
         rank, size, transport, hosts = 0, 1, None, [socket.gethostname()]
     else:
         comm, rank, size = world
+        _startup["entered"] = True
         transport = Transport(comm, timeout_s=config.timeout_s)
         args = sys.argv[1:] if argv is None else argv
         digest = hashlib.sha256((config.digest() + json.dumps(list(args))).encode()).hexdigest()[:16]
@@ -241,8 +298,8 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
                     sys.stderr.write(f"ggpipe: rank {r}: host {h['host']}, pid {h['pid']}, "
                                      f"CPU affinity {_cpu_list(h['cpus'])}\n")
             bad = [r for r, h in enumerate(got) if h["digest"] != hello["digest"]]
-            err = None
-            if bad:
+            err = _first_error(got)
+            if bad and err is None:
                 err = (f"rank {bad[0]} ({hosts[bad[0]]}) was started with different arguments than rank 0: "
                        f"start every rank with the same ggpipe command")
             _verdict(transport, size, err, {"hosts": hosts, "pids": [h["pid"] for h in got]})

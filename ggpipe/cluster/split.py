@@ -151,9 +151,11 @@ def plan_layers(
             raise SplitError(
                 f"{OPTION}: {model} weight {i + 1} ({w}) must be a positive finite number"
             )
-    total = math.fsum(weights)
+    top = max(weights)  # only ratios matter: scaled, 1e308,1e308 cannot overflow the sum
+    scaled = [w / top for w in weights]
+    total = math.fsum(scaled)
     bounds, acc = [0], 0.0
-    for w in weights[:-1]:
+    for w in scaled[:-1]:
         acc += w
         bounds.append(int(math.floor(acc / total * n_layer + 0.5 + _ROUND_EPS)))
     bounds.append(n_layer)
@@ -163,7 +165,7 @@ def plan_layers(
             need = 1.0 / n_layer
             raise SplitError(
                 f"{OPTION}: {model} stage {i} (weight {weights[i]:g}, "
-                f"{weights[i] / total:.1%} of the total) gets no layers of {n_layer}; "
+                f"{scaled[i] / total:.1%} of the total) gets no layers of {n_layer}; "
                 f"give it at least {need:.1%} of the total weight or use fewer ranks"
             )
     return ranges

@@ -86,10 +86,22 @@ class ChatLoop:
         self.out.flush()
 
     def read(self) -> str | None:
+        """The next line of stdin without its newline; None at end of input.
+        A line that is not valid UTF-8 is not sent: one note, and "" (skipped)."""
         if self.interactive:
             self.say("> ")
-        line = self.stdin.readline()
-        return None if line == "" else line.rstrip("\n")
+        buffer = getattr(self.stdin, "buffer", None)
+        if buffer is None:  # a text stream (tests, embedding)
+            line = self.stdin.readline()
+            return None if line == "" else line.rstrip("\n")
+        raw = buffer.readline()
+        if raw == b"":
+            return None
+        try:
+            return raw.decode("utf-8").rstrip("\r\n")
+        except UnicodeDecodeError as e:
+            self.say(f"[that line is not valid UTF-8 (byte {e.start + 1}); it was not sent]\n")
+            return ""
 
     def run(self) -> int:
         if self.interactive:

@@ -5,9 +5,10 @@
     ggpipe split MODEL --split 0.3,0.7 -o DIR
 
 Errors a user can cause print one line, ``ggpipe: error: ...``, and exit 1
-(a traceback only with ``-v``). Under MPI only the head prints it; a worker
-that fails on its own prints its line (naming its rank) and aborts the job so
-nothing hangs.
+(usage errors: 2; a traceback only with ``-v``). Under MPI only the head
+prints it; a worker that fails on its own prints its line (naming its rank)
+and aborts the job so nothing hangs. An error before the ranks have met is
+carried to the head by the start-up exchange (``cluster/session.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 import click
 
 from ggpipe.errors import GGPipeError, RankFailedError
+from ggpipe.frontends.cli_types import SECONDS, Finite
 from ggpipe.frontends.cli_bench import bench_command, timeline_command
 from ggpipe.frontends.cli_models import models_group, split_command
 from ggpipe.models.registry import DEFAULT_MODEL
@@ -66,9 +68,9 @@ def cluster_options(f):
                      help="Micro-batch size (tokens): prompt chunk sent down the pipeline."),
         click.option("--n-seq-max", default=None, type=int,
                      help="KV sequence ids per target context (default: 1, or enough for the speculation settings)."),
-        click.option("--timeout", default=60.0, show_default=True, type=float,
+        click.option("--timeout", default=60.0, show_default=True, type=SECONDS,
                      help="Seconds any wait for another rank may last inside a transaction."),
-        click.option("--liveness-timeout", default=6.0, show_default=True, type=click.FloatRange(min=0.5),
+        click.option("--liveness-timeout", default=6.0, show_default=True, type=Finite(min=0.5),
                      help="Seconds of heartbeat silence after which a rank counts as dead or stuck "
                           "and the job stops, naming it."),
     ]
@@ -99,11 +101,11 @@ def speculation_options(f):
                           f"below it; auto: from the measured pass cost curve and the drafts' calibrated "
                           f"acceptance (docs/BENCHMARKS.md section 4). Default: {d.p_accept} with --spec-type draft, "
                           f"auto with ngram (each measured better there)."),
-        click.option("--p-split", default=d.p_split, show_default=True, type=click.FloatRange(0, 1),
+        click.option("--p-split", default=d.p_split, show_default=True, type=Finite(0, 1),
                      help="Runner-up draft probability that adds a sibling branch (greedy)."),
-        click.option("--p-recovery", default=d.p_recovery, show_default=True, type=click.FloatRange(0, 1),
+        click.option("--p-recovery", default=d.p_recovery, show_default=True, type=Finite(0, 1),
                      help="Cutoff increase per continued micro-batch (with a numeric --p-accept)."),
-        click.option("--p-decay", default=d.p_decay, show_default=True, type=click.FloatRange(0, 1),
+        click.option("--p-decay", default=d.p_decay, show_default=True, type=Finite(0, 1),
                      help="Cutoff decrease per failed attempt while the pipeline waits (with a numeric --p-accept)."),
         click.option("--branches", default=d.width, show_default=True, type=click.IntRange(1, 16),
                      help="Most branches (KV sequences) per speculation tree."),
@@ -167,9 +169,9 @@ def sampling_options(f):
     opts = [
         click.option("-n", "--n-predict", default=128, show_default=True, type=click.IntRange(min=1),
                      help="Tokens to generate (at most)."),
-        click.option("--temp", default=0.0, show_default=True, type=float, help="Temperature; 0 = greedy."),
+        click.option("--temp", default=0.0, show_default=True, type=Finite(min=0), help="Temperature; 0 = greedy."),
         click.option("--top-k", default=40, show_default=True, type=int, help="Top-k (0 = off)."),
-        click.option("--top-p", default=0.95, show_default=True, type=float, help="Top-p (1 = off)."),
+        click.option("--top-p", default=0.95, show_default=True, type=Finite(0, 1, min_open=True), help="Top-p (1 = off)."),
         click.option("--seed", default=None, type=int, help="Sampling seed."),
         click.option("--ignore-eos", is_flag=True, help="Keep generating after an end-of-generation token."),
     ]
@@ -185,6 +187,38 @@ _JOB_KEYS = ("model", "draft_model", "split", "threads", "ctx_size", "ubatch", "
              "liveness_timeout", "mode", "spec_type", "ngram_min", "ngram_max",
              "n_draft", "p_accept", "p_split", "p_recovery", "p_decay", "branches", "max_inflight", "no_continuous",
              "no_cancel", "n_predict", "temp", "top_k", "top_p", "seed", "ignore_eos")
+
+
+def utf8_prompt(text: str, what: str = "-p") -> str:
+    """``text`` from the command line, refused if it is not valid UTF-8 (Python
+    keeps undecodable argv bytes as lone surrogates).
+
+    Raises:
+        click.BadParameter: naming the byte position.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise click.BadParameter(f"the prompt is not valid UTF-8 (character {e.start + 1})", param_hint=what) from None
+    return text
+
+
+def read_prompt_file(path: Path) -> str:
+    """The prompt file's text (UTF-8).
+
+    Raises:
+        ConfigError: unreadable, or not valid UTF-8 (naming the byte offset).
+    """
+    from ggpipe.errors import ConfigError  # noqa: PLC0415
+
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"cannot read the prompt file {path}: {e.strerror or e}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"the prompt file {path} is not valid UTF-8 (byte {e.start + 1})") from None
 
 
 def split_job_options(kw: dict):
@@ -224,7 +258,7 @@ def generate(prompt, prompt_file, chat, as_json, **kw):
         raise click.UsageError("give a prompt with -p or -f")
     if prompt is not None and prompt_file is not None:
         raise click.UsageError("give either -p or -f, not both")
-    text = prompt if prompt is not None else prompt_file.read_text(encoding="utf-8")
+    text = utf8_prompt(prompt) if prompt is not None else read_prompt_file(prompt_file)
     job, sampling, n_predict = split_job_options(kw)
     code = run_generate(job, GenerateRequest(prompt=text, n_predict=n_predict, sampling=sampling, chat=chat), as_json)
     if code:
@@ -242,6 +276,8 @@ def chat(system, **kw):
     from ggpipe.frontends.chat import run_chat
 
     job, sampling, n_predict = split_job_options(kw)
+    if system is not None:
+        system = utf8_prompt(system, "--system")
     sys.exit(run_chat(job, sampling, n_predict, system))
 
 
@@ -273,7 +309,7 @@ def batch(prompts, output, progress, **kw):
 @click.option("--model-alias", default=None, help="Model name clients see (default: the GGUF file name).")
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(1),
               help="Most requests waiting for the pipeline; more get HTTP 503.")
-@click.option("--shutdown-grace", default=30.0, show_default=True, type=click.FloatRange(0),
+@click.option("--shutdown-grace", default=30.0, show_default=True, type=Finite(0),
               help="Seconds the running request may go on after SIGINT/SIGTERM.")
 def serve(host, port, api_key, model_alias, max_queue, shutdown_grace, **kw):
     """OpenAI-compatible HTTP server on the head rank (/v1/chat/completions, /v1/completions, /v1/models,
@@ -367,9 +403,47 @@ def _abort_mpi(code: int) -> None:
         abort_world(mpi.COMM_WORLD, code)
 
 
+def _usage_line(exc: click.ClickException) -> str:
+    """A click error as one line, with where to find help."""
+    msg = exc.format_message()
+    ctx = getattr(exc, "ctx", None)
+    if isinstance(exc, click.UsageError) and ctx is not None:
+        msg += f" (see '{ctx.command_path} --help')"
+    return msg
+
+
+def _fail(message: str, code: int, abort_job: bool = False) -> None:
+    """Print ``message`` as this rank's one error line (if it is this rank's
+    to print) and exit with ``code``."""
+    rank = launched_rank() or 0
+    if launched_rank() is not None:
+        from ggpipe.cluster.session import report_startup_error, startup_entered  # noqa: PLC0415
+
+        if not startup_entered():  # before the ranks have met: meet them with it, so no rank waits for this one
+            line = report_startup_error(message)
+            if line is not None:
+                sys.stderr.write(f"ggpipe: error: {line}\n")
+                if rank != 0:
+                    _abort_mpi(code)
+            sys.exit(code)
+    if rank == 0:
+        sys.stderr.write(f"ggpipe: error: {message}\n")
+        if abort_job:
+            _abort_mpi(code)
+        sys.exit(code)
+    sys.stderr.write(f"ggpipe: error: rank {rank}: {message}\n")
+    _abort_mpi(code)
+    sys.exit(code)
+
+
 def main(argv=None) -> None:
     """Runs the click CLI and turns errors into one line (the console entry
-    point is :func:`ggpipe.__main__.main`, which calls this)."""
+    point is :func:`ggpipe.__main__.main`, which calls this).
+
+    An error before the ranks have met (a usage error, a bad option value on
+    any rank) still meets them, so the job ends within seconds with one line
+    from the head naming the rank, instead of leaving the others in
+    ``MPI_Init``."""
     rank = launched_rank() or 0
     try:
         cli.main(args=argv, prog_name="ggpipe", standalone_mode=False)
@@ -377,9 +451,7 @@ def main(argv=None) -> None:
         sys.stderr.write("ggpipe: interrupted\n")
         sys.exit(130)
     except click.ClickException as exc:
-        if rank == 0:
-            exc.show()
-        sys.exit(exc.exit_code)
+        _fail(_usage_line(exc), exc.exit_code)
     except RankFailedError:
         # The head reports the error that stopped the job; workers exit quietly.
         if _state["verbose"]:
@@ -388,14 +460,7 @@ def main(argv=None) -> None:
     except GGPipeError as exc:
         if _state["verbose"]:
             traceback.print_exc()
-        if rank == 0:
-            sys.stderr.write(f"ggpipe: error: {exc}\n")
-            if exc.abort_job:
-                _abort_mpi(exc.exit_code)
-            sys.exit(exc.exit_code)
-        sys.stderr.write(f"ggpipe: error: rank {rank}: {exc}\n")
-        _abort_mpi(exc.exit_code)
-        sys.exit(exc.exit_code)
+        _fail(str(exc), exc.exit_code, exc.abort_job)
     except KeyboardInterrupt:
         sys.stderr.write("ggpipe: interrupted\n")
         _abort_mpi(130)

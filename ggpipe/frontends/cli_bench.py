@@ -15,6 +15,7 @@ from pathlib import Path
 import click
 
 from ggpipe.errors import ConfigError
+from ggpipe.frontends.cli_types import SECONDS, Finite
 
 
 def _int_list(text: str, what: str) -> list[int]:
@@ -58,7 +59,7 @@ def _links(values: tuple[str, ...]) -> list[str]:
 @click.option("--no-chat", is_flag=True, help="Feed prompts raw instead of as a user turn of the chat template.")
 @click.option("--timeline", is_flag=True,
               help="Record per-rank traces; draw OUT/timelines/<run>.png and Chrome trace JSON per run.")
-@click.option("--run-timeout", default=1800.0, show_default=True, type=float, help="Limit of one run (s).")
+@click.option("--run-timeout", default=1800.0, show_default=True, type=SECONDS, help="Limit of one run (s).")
 @click.option("-o", "--output", default="results/bench", show_default=True,
               type=click.Path(file_okay=False, path_type=Path), help="Results directory (resumable).")
 @click.option("--plots-only", is_flag=True,
@@ -109,8 +110,8 @@ def bench_command(target, draft, modes, ranks, prompt_set, n, repeat, links, thr
               help="PNG to write (default: TRACE_DIR/timeline.png).")
 @click.option("--chrome", default=None, type=click.Path(dir_okay=False, path_type=Path),
               help="Also write Chrome trace JSON here (chrome://tracing, ui.perfetto.dev).")
-@click.option("--start-ms", default=None, type=float, help="Window start, ms after the first run.")
-@click.option("--end-ms", default=None, type=float, help="Window end, ms after the first run.")
+@click.option("--start-ms", default=None, type=Finite(), help="Window start, ms after the first run.")
+@click.option("--end-ms", default=None, type=Finite(), help="Window end, ms after the first run.")
 def timeline_command(trace_dir, output, chrome, start_ms, end_ms):
     """Draw a per-rank Gantt chart (PipeInfer Fig. 3) from a GGPIPE_TRACE_DIR trace directory."""
     from ggpipe.bench import timeline

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import re
 import shlex
-import shutil
 import socket
 import subprocess
 from dataclasses import asdict, dataclass, field
@@ -35,6 +34,7 @@ from pathlib import Path
 import psutil
 
 from ggpipe.errors import ConfigError
+from ggpipe.transport.launcher_path import find_launcher
 from ggpipe.models.cache import remembered
 from ggpipe.models.gguf_info import field_value, load_gguf, read_model_info
 from ggpipe.models.registry import resolve
@@ -297,8 +297,9 @@ def format_table(plan: Plan) -> str:
 
 def detect_flavor(mpiexec: str = "mpiexec") -> str:
     """"openmpi", "mpich" (MPICH, Intel MPI, MVAPICH: Hydra) or "unknown", from ``mpiexec --version``."""
-    exe = shutil.which(mpiexec)
-    if exe is None:
+    try:
+        exe = find_launcher(mpiexec)
+    except ConfigError:
         return "unknown"
     try:
         out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=20).stdout

@@ -47,6 +47,12 @@ def mpi_world():
     )
     if not launched:
         return None
+    if "mpi4py.MPI" not in sys.modules:  # the import runs MPI_Init: guard it (transport/init_watchdog.py)
+        from ggpipe.transport.init_watchdog import init_watchdog  # noqa: PLC0415
+        from ggpipe.transport.launcher_signal import launched_rank  # noqa: PLC0415
+
+        with init_watchdog(launched_rank()):
+            from mpi4py import MPI  # noqa: PLC0415
     from mpi4py import MPI  # noqa: PLC0415
 
     comm = MPI.COMM_WORLD
