@@ -13,6 +13,8 @@ def main(argv: list[str] | None = None) -> None:
     """Run ``ggpipe ARGV`` (default: ``sys.argv[1:]``); exits the process."""
     from ggpipe.transport.launcher_signal import ignore_launcher_signal, launched_rank, watch_launcher_signal
 
+    if launched_rank() == 0:
+        _enlarge_stdin_pipe()                     # before the imports: the launcher may be pushing stdin already
     if launched_rank() is not None:
         import atexit
 
@@ -21,6 +23,26 @@ def main(argv: list[str] | None = None) -> None:
     from ggpipe.frontends.cli import main as cli_main
 
     cli_main(argv)
+
+
+def _enlarge_stdin_pipe() -> None:
+    """Let stdin's pipe hold up to ``/proc/sys/fs/pipe-max-size`` (often
+    1 MiB) instead of 64 KiB. MPICH's hydra forwards rank 0's stdin without
+    back-pressure and ends the job ("process reading stdin too slowly") when
+    a burst does not fit the pipe before the rank reads it (chat reads stdin
+    on a thread once it runs: ggpipe/frontends/chat.py). Linux only; else nothing."""
+    import os
+    import stat
+
+    try:
+        import fcntl
+
+        if stat.S_ISFIFO(os.fstat(0).st_mode):
+            with open("/proc/sys/fs/pipe-max-size") as f:
+                size = int(f.read())
+            fcntl.fcntl(0, getattr(fcntl, "F_SETPIPE_SZ", 1031), size)
+    except (OSError, ValueError, ImportError):
+        pass
 
 
 if __name__ == "__main__":

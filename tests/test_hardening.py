@@ -129,3 +129,22 @@ def test_a_process_that_never_starts_mpi_ends_the_job(smollm2):
     ours = [ln for ln in p.stderr.splitlines() if ln.startswith("ggpipe: error: ")]
     assert len(ours) == 1 and "MPI start-up (MPI_Init) did not complete within 3 s" in ours[0], p.stderr
     assert ours[0].startswith("ggpipe: error: rank 0 (")
+
+
+@pytest.mark.mpi
+def test_a_200kb_chat_line_under_mpiexec(smollm2, tmp_path):
+    """hydra forwards stdin without back-pressure and ended the job ("reading
+    stdin too slowly", exit 141) when a long line did not fit the pipe while
+    the head was busy; the head now drains stdin on a thread. A file given
+    at start goes through -i (hydra can overrun before any rank runs)."""
+    big = ("word " * 40000 + "\n").encode() + b"hi\n"
+    cmd = [mpiexec(), "-n", "2", *PY, "chat", "-m", str(smollm2), "-n", "4"]
+    p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    time.sleep(4)  # a paste while the head loads the model or waits for a turn
+    out, err = p.communicate(big, timeout=120)
+    assert p.returncode == 0, err.decode()[-2000:]
+    assert b"no longer fits the context" in out and len(out.strip().splitlines()) == 2, out  # + the reply to "hi"
+    f = tmp_path / "turns.txt"
+    f.write_bytes(big)
+    p = subprocess.run([*cmd, "-i", str(f)], capture_output=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 0 and b"no longer fits the context" in p.stdout, p.stderr.decode()[-2000:]

@@ -16,13 +16,17 @@ cleanly (a second Ctrl-C makes ``mpiexec`` abort the job).
 
 from __future__ import annotations
 
+import os
+import queue
 import signal
 import sys
+import threading
 
 from ggpipe.errors import ConfigError
 from ggpipe.frontends.engine import Engine
 from ggpipe.frontends.job import JobSpec, head_signals, ignore_signals, run_job
 from ggpipe.sampling import SamplingParams
+from ggpipe.transport.launcher_signal import launched_rank
 
 HELP = "commands: /reset (new conversation), /stats (last reply), /quit"
 
@@ -47,6 +51,52 @@ def format_stats(engine: Engine) -> str:
     return ", ".join(parts)
 
 
+class StdinReader:
+    """Reads stdin's lines (bytes) on a thread from the moment it starts, so
+    the pipe is always drained: MPICH's hydra forwards a rank's stdin without
+    back-pressure and aborts the job ("process reading stdin too slowly;
+    can't keep up", exit 141) when a burst (a 200 KB line, a scripted
+    conversation) does not fit the pipe while the head is loading or replying.
+
+    It reads the file descriptor with ``os.read`` (no Python file object: a
+    daemon thread blocked inside ``sys.stdin.buffer`` holds its lock, and the
+    interpreter aborts at exit when it cannot take it).
+
+    Args:
+        fd: the file descriptor to read (0 for stdin).
+    """
+
+    def __init__(self, fd: int = 0):
+        self.lines: queue.Queue[bytes] = queue.Queue()
+        self.thread = threading.Thread(target=self._run, args=(fd,), name="ggpipe-stdin", daemon=True)
+        self.thread.start()
+
+    def _run(self, fd: int) -> None:
+        pending = b""
+        try:
+            while True:
+                data = os.read(fd, 1 << 16)
+                if not data:
+                    break
+                pending += data
+                *lines, pending = pending.split(b"\n")
+                for ln in lines:
+                    self.lines.put(ln + b"\n")
+        except OSError:
+            pass
+        if pending:
+            self.lines.put(pending)
+        self.lines.put(b"")  # end of input
+
+    def readline(self) -> bytes:
+        """The next line with its newline; b"" at end of input."""
+        while True:
+            try:
+                return self.lines.get(timeout=0.5)  # a timed wait: Ctrl-C still reaches the main thread
+            except queue.Empty:
+                continue
+
+
 class ChatLoop:
     """The conversation state and the read-reply loop (head rank).
 
@@ -59,7 +109,7 @@ class ChatLoop:
     """
 
     def __init__(self, engine: Engine, sampling: SamplingParams, n_predict: int, system: str | None = None,
-                 stdin=None, stdout=None):
+                 stdin=None, stdout=None, reader: StdinReader | None = None):
         self.engine = engine
         self.sampling = sampling
         self.n_predict = n_predict
@@ -67,6 +117,7 @@ class ChatLoop:
         self.stdin = stdin or sys.stdin
         self.out = stdout or sys.stdout
         self.interactive = self.stdin.isatty()
+        self.reader = reader
         self.interrupted = False
         self.replying = False
         self.reset()
@@ -90,11 +141,13 @@ class ChatLoop:
         A line that is not valid UTF-8 is not sent: one note, and "" (skipped)."""
         if self.interactive:
             self.say("> ")
-        buffer = getattr(self.stdin, "buffer", None)
-        if buffer is None:  # a text stream (tests, embedding)
+        if self.reader is not None:
+            raw = self.reader.readline()
+        elif getattr(self.stdin, "buffer", None) is not None:
+            raw = self.stdin.buffer.readline()
+        else:  # a text stream (tests, embedding)
             line = self.stdin.readline()
             return None if line == "" else line.rstrip("\n")
-        raw = buffer.readline()
         if raw == b"":
             return None
         try:
@@ -154,18 +207,31 @@ class ChatLoop:
         self.messages.append({"role": "assistant", "content": done.text})
 
 
-def run_chat(job: JobSpec, sampling: SamplingParams, n_predict: int, system: str | None = None) -> int:
-    """Entry point of every rank; returns the exit code.
+def run_chat(job: JobSpec, sampling: SamplingParams, n_predict: int, system: str | None = None,
+             input_path=None) -> int:
+    """Entry point of every rank; returns the exit code. ``input_path``: read
+    the turns from this file instead of stdin (a scripted conversation: under
+    MPICH, stdin redirected from a file over 64 KiB can overrun hydra's
+    forwarding before any rank runs; see the README).
 
     Raises:
-        ConfigError: the model has no chat template.
+        ConfigError: the model has no chat template; the input file cannot be read.
     """
     ignore_signals((signal.SIGINT,))  # workers: the head decides what Ctrl-C means
+    reader = None
+    if (launched_rank() or 0) == 0:  # the launcher gives stdin to rank 0 only: drain it from now on
+        if input_path is not None:
+            try:
+                reader = StdinReader(os.open(input_path, os.O_RDONLY))
+            except OSError as e:
+                raise ConfigError(f"cannot read the chat input {input_path}: {e.strerror or e}") from None
+        else:
+            reader = StdinReader(sys.stdin.fileno())
 
     def head(engine: Engine) -> int:
         if not engine.vocab.chat_template():
             raise ConfigError("this model has no chat template (tokenizer.chat_template): ggpipe chat needs one")
-        loop = ChatLoop(engine, sampling, n_predict, system)
+        loop = ChatLoop(engine, sampling, n_predict, system, reader=reader)
         with head_signals(loop.on_sigint, (signal.SIGINT,)):
             return loop.run()
 

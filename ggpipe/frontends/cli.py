@@ -268,7 +268,9 @@ def generate(prompt, prompt_file, chat, as_json, **kw):
 @cli.command()
 @job_options
 @click.option("--system", default=None, help="System prompt (the first message of the conversation).")
-def chat(system, **kw):
+@click.option("-i", "--input", "input_path", default=None, type=click.Path(dir_okay=False, path_type=Path),
+              help="Read the turns from this file instead of stdin (scripted conversations; one turn per line).")
+def chat(system, input_path, **kw):
     """Interactive chat on the head rank (other ranks serve the pipeline).
 
     Reads one user turn per line from stdin (a terminal, or a piped script);
@@ -278,7 +280,7 @@ def chat(system, **kw):
     job, sampling, n_predict = split_job_options(kw)
     if system is not None:
         system = utf8_prompt(system, "--system")
-    sys.exit(run_chat(job, sampling, n_predict, system))
+    sys.exit(run_chat(job, sampling, n_predict, system, input_path))
 
 
 @cli.command()
