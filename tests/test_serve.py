@@ -266,3 +266,37 @@ def test_sigterm_finishes_the_running_request_and_exits_0(smollm2):
     finally:
         s.kill()
     assert "shutting down" in "".join(s.err) and "Traceback" not in "".join(s.err)
+
+
+def test_a_reply_cut_by_shutdown_says_so_and_health_answers_503(smollm2):
+    """--shutdown-grace cut a long reply and still answered 200 / "length";
+    and /health refused connections during the grace period."""
+    s = ServerProc(["-m", str(smollm2), "--ignore-eos", "--shutdown-grace", "3"])
+    try:
+        with ThreadPoolExecutor(1) as ex:
+            fut = ex.submit(http, s, "POST", "/v1/completions",
+                            json.dumps({"prompt": "Count: 1, 2, 3,", "max_tokens": 1500}), None)
+            time.sleep(3)  # the reply is running
+            s.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            status, text = http(s, "GET", "/health", key=None)
+            assert status == 503 and json.loads(text)["status"] == "shutting_down"
+            status, text = http(s, "POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 2}), None)
+            assert status == 503 and "shutting down" in text
+            status, text = fut.result(timeout=60)
+        err = json.loads(text)["error"]
+        assert status == 503 and err["code"] == "shutdown" and "the reply was cut after" in err["message"], text
+        assert s.proc.wait(60) == 0, "".join(s.err)[-3000:]
+    finally:
+        s.kill()
+
+
+@pytest.mark.parametrize("args,env,message", [
+    (["--api-key", ""], {}, "--api-key is empty"),
+    ([], {"GGPIPE_API_KEY": ""}, "GGPIPE_API_KEY is set but empty"),
+])
+def test_an_empty_api_key_is_refused(smollm2, args, env, message):
+    p = run_ggpipe(["serve", "-m", str(smollm2), "--port", "0", *args], 2, timeout=60,
+                   env=dict(os.environ, **env))
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 1 and len(lines) == 1 and message in lines[0], p.stderr

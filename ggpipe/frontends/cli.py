@@ -306,20 +306,36 @@ def batch(prompts, output, progress, **kw):
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every one).")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535),
               help="TCP port (0: any free port, printed at start).")
-@click.option("--api-key", default=None, envvar="GGPIPE_API_KEY",
-              help="Require 'Authorization: Bearer KEY' (or set GGPIPE_API_KEY).")
+@click.option("--api-key", default=None,
+              help="Require 'Authorization: Bearer KEY'. Visible to every local user in /proc/PID/cmdline: "
+                   "prefer --api-key-file or GGPIPE_API_KEY.")
+@click.option("--api-key-file", default=None, type=click.Path(dir_okay=False, path_type=Path),
+              help="Read the API key from this file (first line).")
+@click.option("--allowed-hosts", default="", help="Comma-separated Host names accepted besides IP addresses and "
+              "localhost (DNS-rebinding guard); .example.org for a domain, * for any.")
+@click.option("--allowed-origins", default="", help="Comma-separated browser origins allowed (CORS), e.g. "
+              "http://localhost:3000; none by default.")
+@click.option("--max-body-bytes", default=8 << 20, show_default=True, type=click.IntRange(1024),
+              help="Largest request body (bytes); larger gets HTTP 413.")
 @click.option("--model-alias", default=None, help="Model name clients see (default: the GGUF file name).")
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(1),
               help="Most requests waiting for the pipeline; more get HTTP 503.")
 @click.option("--shutdown-grace", default=30.0, show_default=True, type=Finite(0),
               help="Seconds the running request may go on after SIGINT/SIGTERM.")
-def serve(host, port, api_key, model_alias, max_queue, shutdown_grace, **kw):
+def serve(host, port, api_key, api_key_file, allowed_hosts, allowed_origins, max_body_bytes, model_alias, max_queue,
+          shutdown_grace, **kw):
     """OpenAI-compatible HTTP server on the head rank (/v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics). Requests run one at a time; -n and --temp etc. are the request defaults."""
-    from ggpipe.frontends.serve import run_serve
+    from ggpipe.frontends.serve import Access, read_api_key, run_serve
 
     job, sampling, n_predict = split_job_options(kw)
-    sys.exit(run_serve(job, host, port, api_key, n_predict, sampling, model_alias, max_queue, shutdown_grace))
+    key = read_api_key(api_key, api_key_file)
+
+    def names(text: str) -> tuple[str, ...]:
+        return tuple(x.strip() for x in text.split(",") if x.strip())
+
+    access = Access(names(allowed_hosts), names(allowed_origins), max_body_bytes)
+    sys.exit(run_serve(job, host, port, key, n_predict, sampling, model_alias, max_queue, shutdown_grace, access))
 
 
 @cli.command(context_settings={"allow_interspersed_args": False})

@@ -19,7 +19,18 @@ user message = ``generate --chat``).
 Shutdown: SIGINT or SIGTERM (``mpiexec`` forwards both to every rank; the
 workers ignore them) stops accepting requests, lets the running request
 finish (interrupted after ``--shutdown-grace`` seconds, or at once on a second
-signal), fails the queued ones with 503, shuts the pipeline down and exits 0.
+signal; a reply cut that way is answered 503 "the reply was cut after N
+tokens", or, when streaming, ends with that error event instead of a
+finish_reason), fails the queued ones with 503, shuts the pipeline down and
+exits 0. Until the running reply ends, the server keeps listening: new
+requests get 503 and ``/health`` answers 503 ``shutting_down``.
+
+Access: besides the API key (``--api-key-file`` or ``GGPIPE_API_KEY``; an
+``--api-key`` on the command line is visible in every rank's
+``/proc/PID/cmdline``), the Host header must be an IP address, localhost or an
+``--allowed-hosts`` name (DNS rebinding), a browser origin must be in
+``--allowed-origins`` (CORS; none by default), POST bodies must be
+``application/json`` and at most ``--max-body-bytes`` (ggpipe.frontends.http_guard).
 
 While no request comes, the head sends a no-op KV operation down every
 pipeline now and then, so that worker ranks, whose wait between
@@ -28,11 +39,13 @@ transactions is bounded, know the head is alive.
 
 from __future__ import annotations
 
+import os
 import queue
 import socket
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from ggpipe.errors import ConfigError, GGPipeError
@@ -65,6 +78,51 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+@dataclass(frozen=True)
+class Access:
+    """Who may use the server besides the API key (ggpipe.frontends.http_guard).
+
+    Attributes:
+        allowed_hosts: Host names accepted besides IP literals and localhost.
+        allowed_origins: browser origins allowed (CORS); none by default.
+        max_body_bytes: largest request body, bytes (larger: HTTP 413).
+    """
+
+    allowed_hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
+    max_body_bytes: int = 8 << 20
+
+
+def read_api_key(api_key: str | None, api_key_file: Path | None, env: dict | None = None) -> str | None:
+    """The API key from ``--api-key``, ``--api-key-file`` or ``GGPIPE_API_KEY``.
+
+    Raises:
+        ConfigError: an empty key (it would turn authentication off without
+            a word), both options given, or an unreadable key file.
+    """
+    env = os.environ if env is None else env
+    if api_key is not None and api_key_file is not None:
+        raise ConfigError("give --api-key or --api-key-file, not both")
+    if api_key_file is not None:
+        try:
+            api_key = Path(api_key_file).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read --api-key-file {api_key_file}: {getattr(e, 'strerror', None) or e}") \
+                from None
+        if not api_key:
+            raise ConfigError(f"--api-key-file {api_key_file} is empty: an empty key would turn authentication off")
+        return api_key
+    if api_key is None and "GGPIPE_API_KEY" in env:
+        api_key = env["GGPIPE_API_KEY"]
+        if not api_key.strip():
+            raise ConfigError("GGPIPE_API_KEY is set but empty: an empty key would turn authentication off; "
+                              "unset it to serve without a key")
+    if api_key is not None and not api_key.strip():
+        raise ConfigError("--api-key is empty: an empty key would turn authentication off; leave the option out "
+                          "to serve without a key")
+    return api_key
+
+
 class Server:
     """The head's side: the HTTP thread and the request loop.
 
@@ -81,7 +139,8 @@ class Server:
 
     def __init__(self, engine: Engine, host: str, port: int, api_key: str | None, n_predict: int,
                  sampling: SamplingParams, model_id: str | None = None, max_queue: int = 64,
-                 shutdown_grace_s: float = 30.0):
+                 shutdown_grace_s: float = 30.0, access: Access | None = None):
+        access = access or Access()
         self.engine = engine
         self.host = host
         self.sock = bind_socket(host, port)
@@ -90,7 +149,8 @@ class Server:
         self.state = ServerState(
             tokenize=lambda p, msgs: engine.tokenize(p, msgs), model_id=model_id or Path(session.model_path).stem,
             n_ctx=engine.n_ctx, n_vocab=int(session.stage.n_vocab), n_predict=n_predict, sampling=sampling,
-            api_key=api_key, max_queue=max_queue,
+            api_key=api_key, max_queue=max_queue, allowed_hosts=access.allowed_hosts,
+            allowed_origins=access.allowed_origins, max_body_bytes=access.max_body_bytes,
             info={"mode": engine.mode, "ranks": session.size, "hosts": session.hosts,
                   "chat_template": bool(engine.vocab.chat_template())})
         self.shutdown_grace_s = shutdown_grace_s
@@ -120,9 +180,7 @@ class Server:
         self.signals += 1
         now = time.monotonic()
         self.deadline = now if self.signals > 1 else now + self.shutdown_grace_s
-        self.state.stopping.set()
-        if self.http is not None:
-            self.http.should_exit = True
+        self.state.stopping.set()  # new requests get 503; /health says "shutting_down" until the reply ends
 
     # -- HTTP thread -----------------------------------------------------------------------
 
@@ -192,6 +250,11 @@ class Server:
         if job.finished:  # already answered (the pipeline failed meanwhile)
             return
         job.finished = True
+        if done.finish_reason == "interrupted" and not job.cancelled.is_set():  # cut by a shutdown: say so
+            job.push("error", APIError(503, f"the server is shutting down: the reply was cut after "
+                                       f"{len(done.tokens)} tokens (--shutdown-grace {self.shutdown_grace_s:g} s)",
+                                       "server_error", code="shutdown"))
+            return
         state.metrics.finished(done, waited)
         job.push("done", done)
 
@@ -225,7 +288,8 @@ def _url_host(host: str) -> str:
 
 
 def run_serve(job: JobSpec, host: str, port: int, api_key: str | None, n_predict: int, sampling: SamplingParams,
-              model_id: str | None = None, max_queue: int = 64, shutdown_grace_s: float = 30.0) -> int:
+              model_id: str | None = None, max_queue: int = 64, shutdown_grace_s: float = 30.0,
+              access: Access | None = None) -> int:
     """Entry point of every rank; returns the exit code (0 after a signal).
 
     Raises:
@@ -234,7 +298,8 @@ def run_serve(job: JobSpec, host: str, port: int, api_key: str | None, n_predict
     ignore_signals()
 
     def head(engine: Engine) -> int:
-        server = Server(engine, host, port, api_key, n_predict, sampling, model_id, max_queue, shutdown_grace_s)
+        server = Server(engine, host, port, api_key, n_predict, sampling, model_id, max_queue, shutdown_grace_s,
+                        access)
         with head_signals(server.on_signal):
             return server.serve()
 

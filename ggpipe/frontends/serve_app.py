@@ -30,9 +30,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics, generate_latest)
+from ggpipe.frontends.http_guard import host_allowed, is_json_content_type, origin_allowed
 from ggpipe.frontends.request_limits import ROLES, STOP_MAX, TEMPERATURE_MAX, template_role
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 from starlette.concurrency import run_in_threadpool
+from starlette.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ggpipe.sampling import SamplingParams
@@ -215,6 +217,9 @@ class ServerState:
         n_ctx, n_vocab: the context size and vocabulary size (tokens).
         n_predict: default max_tokens; sampling: default sampling settings.
         api_key: required bearer token, or None.
+        allowed_hosts: extra Host names accepted (http_guard.host_allowed).
+        allowed_origins: browser origins allowed (CORS), none by default.
+        max_body_bytes: largest request body (bytes); larger gets 413.
         max_queue: most requests waiting; more get 503.
         info: extra ``/v1/models`` metadata (mode, ranks, ...).
     """
@@ -226,6 +231,9 @@ class ServerState:
     n_predict: int
     sampling: SamplingParams
     api_key: str | None = None
+    allowed_hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
+    max_body_bytes: int = 8 << 20
     max_queue: int = 64
     info: dict = field(default_factory=dict)
     jobs: queue.Queue = field(default_factory=queue.Queue)
@@ -271,9 +279,13 @@ async def parse_body(request: Request, model: type[BaseModel]):
     Raises:
         APIError: 400 for a body that is not JSON, not an object, or not valid.
     """
-    raw = await request.body()
+    raw = bytearray()
+    async for chunk in request.stream():  # bounded, also when no Content-Length was sent (chunked)
+        raw += chunk
+        if len(raw) > state_of(request).max_body_bytes:
+            raise _too_large(state_of(request))
     try:
-        obj = json.loads(raw)
+        obj = json.loads(bytes(raw))
     except ValueError as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
     except RecursionError:
@@ -287,9 +299,42 @@ async def parse_body(request: Request, model: type[BaseModel]):
         raise APIError(400, msg, param=param) from None
 
 
+def _refuse(request: Request, state: ServerState) -> APIError | None:
+    """The Host / Origin / Content-Type / size checks (ggpipe.frontends.http_guard)."""
+    if not host_allowed(request.headers.get("host"), state.allowed_hosts):
+        return APIError(403, f"Host {request.headers.get('host')!r} is not allowed (a DNS-rebinding guard): "
+                        f"connect by IP address or localhost, or start ggpipe serve with --allowed-hosts NAME",
+                        code="host_not_allowed")
+    if not origin_allowed(request.headers.get("origin"), state.allowed_origins):
+        return APIError(403, f"cross-origin requests from {request.headers.get('origin')!r} are refused: start "
+                        f"ggpipe serve with --allowed-origins ORIGIN to allow a web page", code="origin_not_allowed")
+    if request.method == "POST":
+        if not is_json_content_type(request.headers.get("content-type")):
+            return APIError(415, "the request body must be sent as Content-Type: application/json",
+                            code="unsupported_media_type")
+        length = request.headers.get("content-length")
+        if length is not None and length.strip().isdigit() and int(length) > state.max_body_bytes:
+            return _too_large(state)
+    return None
+
+
+def _too_large(state: ServerState) -> APIError:
+    return APIError(413, f"the request body is larger than {state.max_body_bytes} bytes (--max-body-bytes)",
+                    code="request_too_large")
+
+
+def state_of(request: Request) -> ServerState:
+    """The ServerState of the app serving ``request``."""
+    return request.app.state.ggpipe
+
+
 def create_app(state: ServerState) -> FastAPI:
     """The FastAPI application serving ``state`` (see the module docstring)."""
     app = FastAPI(title="ggpipe", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ggpipe = state
+    # outermost: answers browsers' preflight requests, for the configured origins only
+    app.add_middleware(CORSMiddleware, allow_origins=list(state.allowed_origins), allow_methods=["GET", "POST"],
+                       allow_headers=["Authorization", "Content-Type"])
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):  # noqa: ARG001
@@ -308,7 +353,10 @@ def create_app(state: ServerState) -> FastAPI:
     @app.middleware("http")
     async def _count(request: Request, call_next):
         path = request.url.path
-        if state.api_key and path != "/health" and not _authorized(request, state.api_key):
+        refused = _refuse(request, state)
+        if refused is not None:
+            response = refused.response()
+        elif state.api_key and path != "/health" and not _authorized(request, state.api_key):
             response = APIError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
                                 code="invalid_api_key").response()
         else:

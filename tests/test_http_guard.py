@@ -1,0 +1,112 @@
+"""The server's access checks, without a model: the pure Host/Origin logic,
+the API key sources, and the FastAPI app with a fake tokenizer (Starlette's
+TestClient; no MPI, no ranks)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from starlette.testclient import TestClient
+
+from ggpipe.errors import ConfigError
+from ggpipe.frontends.http_guard import host_allowed, is_json_content_type, origin_allowed, split_host
+from ggpipe.frontends.serve import read_api_key
+from ggpipe.frontends.serve_app import ServerState, create_app
+from ggpipe.sampling import SamplingParams
+
+
+def test_split_host():
+    assert split_host("[::1]:8080") == "::1" and split_host("Example.ORG:80") == "example.org"
+    assert split_host("127.0.0.1") == "127.0.0.1" and split_host("localhost.") == "localhost"
+
+
+@pytest.mark.parametrize("host,allowed,ok", [
+    ("127.0.0.1:8080", (), True), ("[::1]:8080", (), True), ("localhost:8080", (), True),
+    ("10.1.2.3:8080", (), True), ("app.localhost", (), True), (None, (), True),
+    ("evil.example:8080", (), False),                       # DNS rebinding
+    ("evil.example", ("node1",), False), ("node1:8080", ("node1",), True),
+    ("a.cluster.org", (".cluster.org",), True), ("cluster.org", (".cluster.org",), True),
+    ("xcluster.org", (".cluster.org",), False), ("anything", ("*",), True),
+])
+def test_host_allowed(host, allowed, ok):
+    assert host_allowed(host, allowed) is ok
+
+
+def test_origin_allowed_and_content_type():
+    assert origin_allowed(None) and not origin_allowed("http://evil.example")
+    assert origin_allowed("http://localhost:3000/", ("http://localhost:3000",))
+    assert not origin_allowed("http://localhost:3001", ("http://localhost:3000",))
+    assert origin_allowed("https://x", ("*",))
+    assert is_json_content_type("application/json; charset=utf-8") and not is_json_content_type("text/plain")
+    assert not is_json_content_type(None)
+
+
+def test_api_key_sources(tmp_path):
+    for bad in ("", "   "):
+        with pytest.raises(ConfigError, match="--api-key is empty"):
+            read_api_key(bad, None, env={})
+        with pytest.raises(ConfigError, match="GGPIPE_API_KEY is set but empty"):
+            read_api_key(None, None, env={"GGPIPE_API_KEY": bad})
+    f = tmp_path / "key"
+    f.write_text("s3cret\n")
+    assert read_api_key(None, f, env={}) == "s3cret"
+    assert read_api_key(None, None, env={"GGPIPE_API_KEY": "k"}) == "k" and read_api_key(None, None, env={}) is None
+    f.write_text("\n")
+    with pytest.raises(ConfigError, match="is empty"):
+        read_api_key(None, f, env={})
+    with pytest.raises(ConfigError, match="not both"):
+        read_api_key("a", f, env={})
+    with pytest.raises(ConfigError, match="cannot read --api-key-file"):
+        read_api_key(None, tmp_path / "missing", env={})
+
+
+def app_client(**kw) -> TestClient:
+    state = ServerState(tokenize=lambda p, m: np.array([1, 2, 3], dtype=np.int32), model_id="m", n_ctx=64,
+                        n_vocab=100, n_predict=4, sampling=SamplingParams(), **kw)
+    return TestClient(create_app(state), base_url="http://127.0.0.1:8080")
+
+
+BODY = json.dumps({"prompt": "hi", "max_tokens": 2})
+
+
+def test_cross_site_and_rebinding_requests_are_refused():
+    c = app_client()
+    # a web page's "simple" cross-site POST: text/plain, foreign Origin
+    r = c.post("/v1/completions", content=BODY, headers={"Content-Type": "text/plain",
+                                                          "Origin": "http://evil.example"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
+    r = c.post("/v1/completions", content=BODY, headers={"Content-Type": "text/plain"})
+    assert r.status_code == 415 and "application/json" in r.json()["error"]["message"]
+    r = c.get("/v1/models", headers={"Host": "evil.example:8080"})  # DNS rebinding
+    assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed"
+    # preflight from a page: no CORS grant
+    r = c.options("/v1/completions", headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "POST",
+                                              "Access-Control-Request-Headers": "content-type"})
+    assert r.status_code >= 400 and "access-control-allow-origin" not in r.headers
+    assert c.get("/v1/models").status_code == 200 and c.get("/health", headers={"Host": "localhost"}).status_code == 200
+
+
+def test_configured_origins_and_hosts():
+    c = app_client(allowed_origins=("http://localhost:3000",), allowed_hosts=("node1",))
+    r = c.options("/v1/completions", headers={"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+                                              "Access-Control-Request-Headers": "content-type,authorization"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
+    r = c.get("/v1/models", headers={"Origin": "http://localhost:3000"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
+    assert c.get("/v1/models", headers={"Host": "node1:8080"}).status_code == 200
+
+
+def test_body_size_is_bounded():
+    c = app_client(max_body_bytes=2048)
+    big = json.dumps({"prompt": "x" * 5000})
+    r = c.post("/v1/completions", content=big, headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and "--max-body-bytes" in r.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: chunked transfer
+        for i in range(0, len(big), 500):
+            yield big[i:i + 500].encode()
+
+    r = c.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
+    assert r.status_code == 413
