@@ -148,3 +148,18 @@ def test_a_200kb_chat_line_under_mpiexec(smollm2, tmp_path):
     f.write_bytes(big)
     p = subprocess.run([*cmd, "-i", str(f)], capture_output=True, timeout=120, cwd=ROOT)
     assert p.returncode == 0 and b"no longer fits the context" in p.stdout, p.stderr.decode()[-2000:]
+
+
+@pytest.mark.mpi
+def test_a_process_that_starts_mpi_but_not_ggpipe_ends_the_job(smollm2):
+    """A non-ggpipe process that initialises MPI and exits normally: hydra
+    signals nothing; the HELLO wait is bounded by GGPIPE_INIT_TIMEOUT
+    (it was the 900 s load time-out)."""
+    env = dict(os.environ, GGPIPE_INIT_TIMEOUT="3")
+    t0 = time.monotonic()
+    p = subprocess.run([mpiexec(), "-n", "1", *PY, "generate", "-m", str(smollm2), "-n", "4", "-p", "hi", ":",
+                        "-n", "1", sys.executable, "-c", "from mpi4py import MPI"], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT, env=env)
+    assert time.monotonic() - t0 < 30 and p.returncode != 0
+    ours = [ln for ln in p.stderr.splitlines() if ln.startswith("ggpipe: error: ")]
+    assert len(ours) == 1 and "did not start a ggpipe job within 3 s" in ours[0], p.stderr

@@ -12,7 +12,9 @@ Start-up, under ``mpiexec -n R`` (rank 0 is the head):
   5. GO      head -> workers: serve, or stop (an error anywhere stops all,
              and the head prints the first one, naming the rank).
 
-Every wait is bounded (``load_timeout_s``). Without an MPI launcher the job
+Every wait is bounded: HELLO by ``GGPIPE_INIT_TIMEOUT`` (15 s: MPI_Init
+synchronises the processes and each sends HELLO right after it), the others
+by ``load_timeout_s``. Without an MPI launcher the job
 is a single process holding the whole model (no MPI library needed).
 
 A rank that fails before it reaches step 1 (a usage error, a bad option
@@ -31,7 +33,7 @@ import socket
 import sys
 from dataclasses import asdict, dataclass
 
-from ggpipe.errors import ConfigError, GGPipeError, RankFailedError
+from ggpipe.errors import ConfigError, GGPipeError, RankFailedError, RankTimeoutError
 from ggpipe.metrics import MemorySampler, rank_info
 from ggpipe.models.derive import stage_slice
 from ggpipe.models.gguf_info import read_model_info
@@ -41,6 +43,7 @@ from ggpipe.pipeline.driver import Pipeline
 from ggpipe.cluster.roles import Roles
 from ggpipe.cluster.split import parse_split, plan_layers
 from ggpipe.transport import messages as m
+from ggpipe.transport.init_watchdog import init_timeout_s
 from ggpipe.transport.launcher_signal import check_launcher_signal
 from ggpipe.transport.mpi import Transport, mpi_world
 
@@ -224,19 +227,21 @@ def startup_entered() -> bool:
     return _startup["entered"]
 
 
-def report_startup_error(message: str, timeout_s: float = 30.0) -> str | None:
+def report_startup_error(message: str, timeout_s: float | None = None) -> str | None:
     """Meet the other ranks with an error instead of a HELLO (see the module
     docstring) and return the line this rank should print: on the head, the
     first error of any rank, named (its own first); on a worker, None when
     the head answered (the head prints it), else its own error naming its
     rank. Without an MPI launcher, or in a job of one rank: ``message``.
 
-    Every wait is bounded by ``timeout_s`` seconds (and ends early when the
-    launcher signals that another rank has ended).
+    Every wait is bounded by ``timeout_s`` seconds (default
+    ``GGPIPE_INIT_TIMEOUT``, 15 s; it ends early when the launcher signals
+    that another rank has ended).
     """
     if _startup["entered"]:
         return message
     _startup["entered"] = True
+    timeout_s = init_timeout_s() if timeout_s is None else timeout_s
     try:
         world = mpi_world()
     except Exception:  # noqa: BLE001 - no MPI library: report locally
@@ -290,7 +295,14 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
         me = rank_info(rank)
         hello = {"digest": digest, "host": me["host"], "pid": me["pid"], "cpus": me["cpu_affinity"]}
         transport.interrupt = check_launcher_signal  # a rank that ends before the heartbeats start
-        got = _exchange(transport, rank, size, hello, "hello", config.load_timeout_s)
+        # MPI_Init synchronises the processes, and each sends its HELLO right after it: a rank that has
+        # not done so within the start-up bound is not a ggpipe rank of this job, or has ended
+        try:
+            got = _exchange(transport, rank, size, hello, "hello", init_timeout_s())
+        except RankTimeoutError as exc:
+            raise RankTimeoutError(f"{exc.args[0].split(':')[0]}: that rank did not start a ggpipe job within "
+                                   f"{init_timeout_s():g} s of MPI start-up: it runs another command, or it ended "
+                                   f"(its own output says which; GGPIPE_INIT_TIMEOUT sets the limit)") from None
         if rank == 0:
             hosts = [h["host"] for h in got]
             if os.environ.get("GGPIPE_VERBOSE"):
