@@ -16,10 +16,11 @@ MiB = 1 << 20
 
 
 @pytest.mark.mpi
-def test_pipeinfer_2000_tokens_rss_does_not_grow(smollm2):
+@pytest.mark.parametrize("temp", ["0", "0.8"])  # stochastic: each draft node carries a 393 KB distribution
+def test_pipeinfer_2000_tokens_rss_does_not_grow(smollm2, temp):
     from ggpipe.models.gguf_info import read_model_info
 
-    args = ["-md", str(smollm2), "--mode", "pipeinfer", "--ignore-eos", "-c", "4096"]
+    args = ["-md", str(smollm2), "--mode", "pipeinfer", "--ignore-eos", "-c", "4096", "--temp", temp, "--seed", "3"]
     short = generate_json(smollm2, "Once upon a time", 200, 2, args)
     long = generate_json(smollm2, "Once upon a time", 2000, 2, args)
     assert len(long["tokens"]) == 2000
@@ -28,3 +29,16 @@ def test_pipeinfer_2000_tokens_rss_does_not_grow(smollm2):
     for a, b in zip(short["ranks"], long["ranks"]):
         growth = b["peak_rss_bytes"] - a["peak_rss_bytes"]
         assert growth <= min(16 * MiB, kv_per_token * 1800), (a["rank"], growth / MiB)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("extra", [[], ["--branches", "3", "--draft", "8"]])
+def test_speculation_fills_the_context_to_its_last_cell(smollm2, goliath, extra):
+    """Prompt + -n = -c exactly: the speculative modes draft no further than
+    the tokens left (SpecRequest.draft_room), so their KV cells never exceed
+    the context (the hardening issue expected "KV cache is full" here)."""
+    args = ["-md", str(smollm2), "--mode", "pipeinfer", "--ignore-eos", "-c", "256", *extra]
+    prompt = "Write a Python function that returns the n-th Fibonacci number."  # 14 tokens
+
+    out = generate_json(goliath, prompt, 242, 2, args)
+    assert out["n_prompt"] + len(out["tokens"]) == 256

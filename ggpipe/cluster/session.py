@@ -45,7 +45,7 @@ from ggpipe.cluster.split import parse_split, plan_layers
 from ggpipe.transport import messages as m
 from ggpipe.transport.init_watchdog import init_timeout_s
 from ggpipe.transport.launcher_signal import check_launcher_signal
-from ggpipe.transport.mpi import Transport, mpi_world
+from ggpipe.transport.mpi import Transport, mpi_world, thread_level_problem
 
 
 @dataclass(frozen=True)
@@ -293,7 +293,8 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
         args = sys.argv[1:] if argv is None else argv
         digest = hashlib.sha256((config.digest() + json.dumps(list(args))).encode()).hexdigest()[:16]
         me = rank_info(rank)
-        hello = {"digest": digest, "host": me["host"], "pid": me["pid"], "cpus": me["cpu_affinity"]}
+        hello = {"digest": digest, "host": me["host"], "pid": me["pid"], "cpus": me["cpu_affinity"],
+                 "error": thread_level_problem()}
         transport.interrupt = check_launcher_signal  # a rank that ends before the heartbeats start
         # MPI_Init synchronises the processes, and each sends its HELLO right after it: a rank that has
         # not done so within the start-up bound is not a ggpipe rank of this job, or has ended

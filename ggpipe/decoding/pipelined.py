@@ -458,4 +458,5 @@ class SpeculativeDecoder:
             pass_cost_ms={n: round(1e3 * t, 2) for n, t in sorted(self.pass_cost.mean.items())},
             head_cancelled_before_start=self.target.stats["cancelled_before_start"],
             head_cancelled_mid_compute=self.target.stats["cancelled_mid_compute"],
+            head_dropped_after_cancel=self.target.stats.get("dropped_after_cancel", 0),
         )

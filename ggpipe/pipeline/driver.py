@@ -68,7 +68,7 @@ class Pipeline:
         self._current: int | None = None
         self._busy = False
         self.busy_s = 0.0  # time the head spent computing its own stage
-        self.stats = {"cancelled_before_start": 0, "cancelled_mid_compute": 0}
+        self.stats = {"cancelled_before_start": 0, "cancelled_mid_compute": 0, "dropped_after_cancel": 0}
         self._jobs: queue.Queue | None = None
         self._error: BaseException | None = None
         if async_local and stage is not None:
@@ -211,9 +211,13 @@ class Pipeline:
             except Cancelled:
                 self.stats["cancelled_mid_compute"] += 1
             except InvalidBatch:
-                if not (run.speculative and run.run_id in self._cancelled):
+                if not run.speculative:
                     raise
-                self.stats["cancelled_mid_compute"] += 1
+                # It builds on cells of a run aborted here before this run's own
+                # cancel was registered (cancels are issued one at a time): it is
+                # dead too. Dropped as the workers do (worker.py); the decoder
+                # checks that it does cancel it when the result comes back.
+                self.stats["dropped_after_cancel"] += 1
             finally:
                 self._current = None
                 self.busy_s += time.perf_counter() - t0
@@ -299,6 +303,7 @@ class Pipeline:
         with self._done_cv:
             res = self._done.popleft()
         run = self.inflight.popleft()
+        self._cancelled.discard(res.run.run_id)  # as _receive does: the set stays bounded for a serve job
         if run.run_id != res.run.run_id:
             raise ProtocolError(f"local result order broken: run {res.run.run_id} before {run.run_id}")
         return res

@@ -157,6 +157,7 @@ class SpecGraph:
             c.logits = None  # consumed; frees memory
             chosen = kids[k] if k is not None else None
             for j in kids:
+                self.nodes[j].q = None  # verified: its draft distribution (float64 (n_vocab,)) is not needed again
                 self.verified.append((self.nodes[j].dp, j == chosen))
                 if j != chosen:
                     self._kill(j)
@@ -183,6 +184,7 @@ class SpecGraph:
                 continue
             n.state = DEAD
             n.logits = None
+            n.q = None
             stack.extend(n.children)
 
     def kill_all_pending(self) -> None:

@@ -60,6 +60,22 @@ def mpi_world():
     return comm, comm.Get_rank(), comm.Get_size()
 
 
+def thread_level_problem() -> str | None:
+    """None when the MPI library gives ``MPI_THREAD_MULTIPLE``, else why
+    ggpipe cannot run on it: the head's stage executor, its main thread and
+    every rank's heartbeat thread all call MPI (call after :func:`mpi_world`)."""
+    from mpi4py import MPI  # noqa: PLC0415
+
+    got = MPI.Query_thread()
+    if got == MPI.THREAD_MULTIPLE:
+        return None
+    names = {MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE", MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED",
+             MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED"}
+    return (f"the MPI library gives {names.get(got, got)}, but ggpipe calls MPI from several threads and needs "
+            f"MPI_THREAD_MULTIPLE: use an MPI built with thread support (pip install \"ggpipe[mpich]\" has it), "
+            f"and do not lower mpi4py's thread level (MPI4PY_RC_THREAD_LEVEL)")
+
+
 def abort_world(comm, code: int, grace_s: float = 0.5) -> None:
     """``MPI_Abort(code)`` on ``comm`` after flushing stdout/stderr and
     waiting ``grace_s`` seconds: the launcher (hydra, orted) forwards a rank's

@@ -1,0 +1,71 @@
+"""The head's Pipeline with only a local stage (no MPI): cancellation
+bookkeeping and runs built on aborted cells (fake stage, no model)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ggpipe.pipeline.driver import Pipeline
+from ggpipe.pipeline.runs import Run
+from ggpipe.runtime.stage import InvalidBatch
+
+
+class FakeHooks:
+    def cancel(self) -> None:
+        pass
+
+    def clear_cancel(self) -> None:
+        pass
+
+
+class FakeStage:
+    """Returns one-hot logits; raises InvalidBatch for the runs in ``invalid``
+    (a run whose parent cells were removed by an aborted run)."""
+
+    def __init__(self, n_vocab: int = 8, invalid=()):
+        self.hooks = FakeHooks()
+        self.n_vocab = n_vocab
+        self.invalid = set(invalid)
+        self.calls = 0
+
+    def decode(self, tokens, pos, n_seq_id, seq_ids, outputs):
+        self.calls += 1
+        if self.calls in self.invalid:
+            raise InvalidBatch("positions do not continue the sequence")
+        n = int(np.count_nonzero(outputs)) if outputs is not None else 1
+        return np.zeros((max(n, 1), self.n_vocab), dtype=np.float32)
+
+    def kv(self, *a) -> None:
+        pass
+
+
+def test_cancel_set_stays_bounded_for_a_local_pipeline():
+    """Pipeline._cancelled was never pruned without other ranks: it grew for
+    the life of a serve job."""
+    p = Pipeline(FakeStage(), None, [], 8, n_seq_max=4, max_outputs=8, async_local=True)
+    try:
+        for i in range(50):
+            run = Run.linear([1, 2], 10 * i, seq=1, speculative=True)
+            p.submit(run)
+            p.cancel(run.run_id)
+            p.wait(10)
+        assert p._cancelled == set()
+    finally:
+        p.close()
+
+
+def test_a_speculative_run_on_aborted_cells_is_dropped_not_an_error():
+    """Cancels are issued one at a time: a run can fail (InvalidBatch) before
+    its own cancel is registered. Workers drop it; the head's stage does too
+    (it ended the generation with an executor error)."""
+    p = Pipeline(FakeStage(invalid={2}), None, [], 8, n_seq_max=4, max_outputs=8, async_local=True)
+    try:
+        first, second = Run.linear([1], 0, seq=1, speculative=True), Run.linear([2], 1, seq=1, speculative=True)
+        p.submit(first)
+        p.submit(second)
+        res = [p.wait(10), p.wait(10)]
+        assert [r.run.run_id for r in res] == [first.run_id, second.run_id]
+        assert not res[0].cancelled and res[1].cancelled
+        assert p.stats["dropped_after_cancel"] == 1
+    finally:
+        p.close()
