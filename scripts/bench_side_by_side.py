@@ -24,7 +24,9 @@ Rows (``--rows`` picks a subset, by name):
   run with ``PYTHONPATH`` pointing at it);
 * ``ggpipe ngram (pipeinfer)``, ``ggpipe ngram (speculative)``: ``--spec-type
   ngram`` in either mode, 2 ranks x 1 thread, both ranks target stages, no
-  draft model.
+  draft model;
+* ``ggpipe iterative fa-on``, ``ggpipe pipeinfer fa-on``: the same with
+  ``-fa on`` (compared for exactness with ``ggpipe iterative fa-on``).
 
 Every round runs each prompt through every row (rows rotated each round, so
 no row always follows another); ``--repeat`` rounds. Each ggpipe run's tokens
@@ -77,7 +79,8 @@ class Rows:
     def names(self) -> list[str]:
         names = ["llama.cpp t1 fa-off", "llama.cpp t1 fa-auto", "llama.cpp t2 fa-off", "llama.cpp t2 fa-auto",
                  "llama.cpp rpc 2x1", "llama-speculative-simple t2", "ggpipe iterative", "ggpipe speculative",
-                 "ggpipe pipeinfer", "ggpipe ngram (pipeinfer)", "ggpipe ngram (speculative)"]
+                 "ggpipe pipeinfer", "ggpipe ngram (pipeinfer)", "ggpipe ngram (speculative)",
+                 "ggpipe iterative fa-on", "ggpipe pipeinfer fa-on"]
         if self.a.before:
             names.insert(names.index("ggpipe pipeinfer"), "ggpipe pipeinfer (before)")
         return names
@@ -138,7 +141,7 @@ class Rows:
         args = ["generate", "-m", self.target, "-f", str(pf), "-n", str(self.a.n), "--ignore-eos", "--json",
                 "-t", "1", "-c", "4096"]
         env = dict(os.environ)
-        if name == "ggpipe iterative":
+        if name.startswith("ggpipe iterative"):
             args += ["--mode", "iterative"]
         elif name == "ggpipe speculative":
             args += ["--mode", "speculative", "-md", self.draft]
@@ -148,6 +151,8 @@ class Rows:
                 env["PYTHONPATH"] = str(Path(self.a.before).resolve())
         elif name.startswith("ggpipe ngram"):
             args += ["--mode", "speculative" if "speculative" in name else "pipeinfer", "--spec-type", "ngram"]
+        if name.endswith(" fa-on"):
+            args += ["-fa", "on"]
         cmd = [shutil.which("mpiexec"), "-n", "2", sys.executable, "-m", "ggpipe", *args, *self.a.ggpipe_args]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False, env=env, cwd="/")
         if p.returncode != 0:
@@ -176,7 +181,7 @@ def measure(a) -> None:
     if a.prompts:
         prompts = [p for p in prompts if p["id"] in a.prompts.split(",")]
     texts = render_prompts(target, prompts)
-    out = Path(a.output)
+    out = Path(a.output).resolve()  # the ggpipe rows run with cwd / (no module shadowing)
     (out / "prompts").mkdir(parents=True, exist_ok=True)
     files = {}
     for p, text in zip(prompts, texts):
@@ -214,8 +219,9 @@ def measure(a) -> None:
                         toks = res.pop("tokens", None)
                         exact = ""
                         if toks is not None:
-                            key = p["id"]
-                            if name == "ggpipe iterative" and key not in ref_tokens:
+                            fa = " fa-on" if name.endswith(" fa-on") else ""  # compared within one setting
+                            key = p["id"] + fa
+                            if name == "ggpipe iterative" + fa and key not in ref_tokens:
                                 ref_tokens[key] = toks
                                 tok_path.write_text(json.dumps(ref_tokens))
                             if key in ref_tokens:

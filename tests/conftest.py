@@ -51,13 +51,14 @@ _REF_CACHE: dict = {}
 
 @pytest.fixture(scope="session")
 def reference():
-    """reference(model_path, prompt, n) -> greedy token ids, computed once per
-    (model, prompt, n) in a subprocess-free, cached way."""
+    """reference(model_path, prompt, n, flash_attn="off") -> greedy token ids
+    of single-node llama.cpp (1 thread, as each rank), computed once per
+    (model, prompt, n, flash attention) in a subprocess-free, cached way."""
 
-    def get(model_path: Path, prompt: str, n: int) -> list[int]:
-        key = (str(model_path), prompt, n)
+    def get(model_path: Path, prompt: str, n: int, flash_attn: str = "off") -> list[int]:
+        key = (str(model_path), prompt, n, flash_attn)
         if key not in _REF_CACHE:
-            _REF_CACHE[key] = baseline.greedy(model_path, prompt, n).tokens
+            _REF_CACHE[key] = baseline.greedy(model_path, prompt, n, flash_attn=flash_attn).tokens
         return _REF_CACHE[key]
 
     return get

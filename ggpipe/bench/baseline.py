@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ggpipe.runtime.llama import flash_attn_type
+
 
 @dataclass
 class BaselineResult:
@@ -37,7 +39,7 @@ class BaselineResult:
         return n / self.gen_s if n > 0 and self.gen_s > 0 else None
 
 
-def _open(L, model_path, n_ctx: int, n_threads: int):
+def _open(L, model_path, n_ctx: int, n_threads: int, flash_attn: str = "off"):
     mp = L.llama_model_default_params()
     mp.use_extra_bufts = False
     model = L.llama_model_load_from_file(str(model_path).encode(), mp)
@@ -47,7 +49,7 @@ def _open(L, model_path, n_ctx: int, n_threads: int):
     cp.n_ctx = n_ctx
     cp.n_batch = cp.n_ubatch = 512
     cp.n_threads = cp.n_threads_batch = n_threads
-    cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    cp.flash_attn_type = flash_attn_type(flash_attn)
     return model, L.llama_init_from_model(model, cp)
 
 
@@ -87,13 +89,14 @@ def _greedy_after(L, ctx, vocab, tokens: list[int], n_predict: int, ignore_eos: 
 
 
 def greedy(model_path: str | Path, prompt: str, n_predict: int, n_threads: int = 1, n_ctx: int = 2048,
-           ignore_eos: bool = False) -> BaselineResult:
+           ignore_eos: bool = False, flash_attn: str = "off") -> BaselineResult:
     """Greedy generation of up to ``n_predict`` tokens after ``prompt``
-    (tokenized with BOS per the model and special tokens parsed, as ggpipe)."""
+    (tokenized with BOS per the model and special tokens parsed, as ggpipe);
+    ``flash_attn``: "off" (the reference configuration), "on" or "auto"."""
     from ggpipe.runtime.llama import lib
 
     L = lib()
-    model, ctx = _open(L, model_path, n_ctx, n_threads)
+    model, ctx = _open(L, model_path, n_ctx, n_threads, flash_attn)
     vocab = L.llama_model_get_vocab(model)
     try:
         toks = _tokenize(L, vocab, prompt)

@@ -67,6 +67,7 @@ class ClusterConfig:
             dead or stuck and the job is stopped (ggpipe.transport.liveness);
             it also bounds a worker's wait between transactions, which has no
             time-out of its own (a chat or server may idle for days).
+        flash_attn: ``-fa``: "off" (the exactness reference), "on", "auto".
     """
 
     model: str
@@ -79,6 +80,7 @@ class ClusterConfig:
     timeout_s: float = 60.0
     load_timeout_s: float = 900.0
     liveness_timeout_s: float = 6.0
+    flash_attn: str = "off"
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
@@ -446,13 +448,14 @@ def _load(config: ClusterConfig, rank: int, size: int) -> _Loaded:
         model_path=stage_slice(m_path, start, stop, cache_dir()), n_layer=stop - start,
         first=index == 0, last=index == n_stages - 1, n_ctx=config.ctx_size, n_threads=threads[rank],
         n_seq_max=config.n_seq_max if model == "target" else 1, n_ubatch=config.ubatch,
+        flash_attn=config.flash_attn,
     ))
     draft_stage = None
     if rank == 0 and roles.has_draft and roles.n_draft == 0:
         try:
             draft_stage = Stage(StageSpec(model_path=draft_path, n_layer=draft_info.n_layer, first=True, last=True,
                                           n_ctx=config.ctx_size, n_threads=threads[0], n_seq_max=1,
-                                          n_ubatch=config.ubatch))
+                                          n_ubatch=config.ubatch, flash_attn=config.flash_attn))
         except BaseException:
             stage.close()
             raise

@@ -68,6 +68,10 @@ def cluster_options(f):
                      help="Micro-batch size (tokens): prompt chunk sent down the pipeline."),
         click.option("--n-seq-max", default=None, type=int,
                      help="KV sequence ids per target context (default: 1, or enough for the speculation settings)."),
+        click.option("-fa", "--flash-attn", type=click.Choice(["on", "off", "auto"]), default="off",
+                     show_default=True,
+                     help="Flash attention, llama.cpp's meaning (its tools default to auto). off is "
+                          "llama-cpp-python's default and the reference of ggpipe's exactness guarantee."),
         click.option("--timeout", default=60.0, show_default=True, type=SECONDS,
                      help="Seconds any wait for another rank may last inside a transaction."),
         click.option("--liveness-timeout", default=6.0, show_default=True, type=Finite(min=0.5),
@@ -183,7 +187,7 @@ def job_options(f):
     return cluster_options(speculation_options(sampling_options(f)))
 
 
-_JOB_KEYS = ("model", "draft_model", "split", "threads", "ctx_size", "ubatch", "n_seq_max", "timeout",
+_JOB_KEYS = ("model", "draft_model", "split", "threads", "ctx_size", "ubatch", "n_seq_max", "timeout", "flash_attn",
              "liveness_timeout", "mode", "spec_type", "ngram_min", "ngram_max",
              "n_draft", "p_accept", "p_split", "p_recovery", "p_decay", "branches", "max_inflight", "no_continuous",
              "no_cancel", "n_predict", "temp", "top_k", "top_p", "seed", "ignore_eos")
@@ -239,7 +243,7 @@ def split_job_options(kw: dict):
     n_seq_max = o["n_seq_max"] if o["n_seq_max"] is not None else auto_n_seq_max(o["mode"], spec)
     cfg = ClusterConfig(model=o["model"], draft_model=o["draft_model"], split=o["split"], threads=o["threads"],
                         ctx_size=o["ctx_size"], n_seq_max=n_seq_max, ubatch=o["ubatch"], timeout_s=o["timeout"],
-                        liveness_timeout_s=o["liveness_timeout"])
+                        liveness_timeout_s=o["liveness_timeout"], flash_attn=o["flash_attn"])
     return JobSpec(cfg, o["mode"], spec, o["ignore_eos"]), sampling, o["n_predict"]
 
 

@@ -32,6 +32,25 @@ def lib():
     return llama_cpp
 
 
+FLASH_ATTN = ("off", "on", "auto")
+
+
+def flash_attn_type(mode: str) -> int:
+    """llama.cpp's ``llama_flash_attn_type`` for ``-fa on|off|auto`` (its
+    tools' meaning: auto = on where the backend supports it, which the CPU
+    backend does).
+
+    Raises:
+        ValueError: another value.
+    """
+    L = lib()
+    types = {"off": L.LLAMA_FLASH_ATTN_TYPE_DISABLED, "on": L.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+             "auto": L.LLAMA_FLASH_ATTN_TYPE_AUTO}
+    if mode not in types:
+        raise ValueError(f"flash attention must be one of {', '.join(FLASH_ATTN)}, got {mode!r}")
+    return types[mode]
+
+
 def set_verbose(verbose: bool) -> None:
     """Let llama.cpp's own log through to stderr (``-v``); call before :func:`lib`."""
     _state["verbose"] = bool(verbose)

@@ -50,6 +50,8 @@ class StageSpec:
         n_threads: CPU threads for llama.cpp.
         n_seq_max: sequence ids the context accepts (1..256, LLAMA_MAX_SEQ).
         n_ubatch: largest batch one decode call takes (tokens); also n_batch.
+        flash_attn: "off" (llama-cpp-python's Llama() default, the exactness
+            reference), "on" or "auto" (llama.cpp's tools' default).
     """
 
     model_path: Path
@@ -60,6 +62,7 @@ class StageSpec:
     n_threads: int = 1
     n_seq_max: int = 1
     n_ubatch: int = 512
+    flash_attn: str = "off"
 
 
 # KV cache operations (the transaction layer carries these codes).
@@ -105,9 +108,9 @@ class Stage:
         cparams.n_threads_batch = spec.n_threads
         cparams.kv_unified = True  # partial seq_cp needs a unified KV buffer
         cparams.no_perf = True
-        # llama-cpp-python's Llama() default (flash_attn=False); keeps the
-        # numerics identical to the single-node reference.
-        cparams.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        # off by default: llama-cpp-python's Llama() default (flash_attn=False),
+        # the single-node reference of the exactness tests; -fa on|auto as llama.cpp
+        cparams.flash_attn_type = _llama.flash_attn_type(spec.flash_attn)
         cparams.embeddings = False
         if not spec.last:
             cparams.cb_eval = L.ggml_backend_sched_eval_callback(native.eval_callback_address())
