@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -62,6 +63,48 @@ def reference():
         return _REF_CACHE[key]
 
     return get
+
+
+def _mpi_flavor() -> str:
+    """"mpich", "openmpi" or "unknown": the launcher the MPI tests will use."""
+    from ggpipe.frontends.plan import detect_flavor
+
+    return detect_flavor()
+
+
+MPI_FLAVOR = _mpi_flavor()
+if MPI_FLAVOR == "openmpi":
+    # CI and these machines run as root, on 2 cores with up to 4 ranks: Open MPI
+    # refuses both unless told (the README's Open MPI launch line says the same)
+    os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    os.environ.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``hydra`` use MPICH's launcher (its flags, PMI_RANK, its
+    signals): skipped under another MPI, with the reason."""
+    if MPI_FLAVOR == "mpich":
+        return
+    skip = pytest.mark.skip(reason=f"needs MPICH's hydra launcher; this mpiexec is {MPI_FLAVOR}")
+    for item in items:
+        if "hydra" in item.keywords:
+            item.add_marker(skip)
+
+
+def stderr_lines(stderr: str) -> list[str]:
+    """The non-blank lines of a job's stderr without the launcher's own
+    banners: Open MPI's prterun adds a block framed by dashed lines whenever a
+    process exits non-zero ("prterun detected that one or more processes
+    exited with non-zero status"); ggpipe's one line is what the tests check."""
+    out, in_banner = [], False
+    for ln in stderr.splitlines():
+        if re.fullmatch(r"-{20,}", ln.strip()):
+            in_banner = not in_banner
+            continue
+        if ln.strip() and not in_banner:
+            out.append(ln)
+    return out
 
 
 def mpiexec() -> str:

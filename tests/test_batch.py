@@ -18,7 +18,7 @@ import pytest
 from ggpipe.errors import ConfigError
 from ggpipe.frontends.batch import done_ids, load_items
 from ggpipe.sampling import SamplingParams
-from tests.conftest import ROOT, ggpipe_cmd, run_ggpipe
+from tests.conftest import ROOT, ggpipe_cmd, run_ggpipe, stderr_lines
 
 N = 12
 PROMPTS = [
@@ -143,6 +143,7 @@ def head_pid(mpiexec_pid: int) -> int | None:
     return None
 
 
+@pytest.mark.hydra
 @pytest.mark.mpi
 def test_kill_and_resume_loses_nothing(tmp_path, smollm2, reference):
     rows = [{"id": f"p{i}", "prompt": p} for i, p in enumerate(PROMPTS)]
@@ -208,7 +209,7 @@ def test_bad_input_is_one_line_before_generating(tmp_path, smollm2):
     inp.write_text('{"id": 1, "prompt": "fine"}\n{"id": 2, "prompt": "x", "n": 3000}\n', encoding="utf-8")
     p = run_ggpipe(["batch", str(inp), "-o", str(out), "-m", str(smollm2), "-c", "256"], 2, timeout=120)
     assert p.returncode == 1
-    err = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    err = stderr_lines(p.stderr)
     assert len(err) == 1 and err[0].startswith(f"ggpipe: error: {inp}:2: ") and "context" in err[0], p.stderr
     assert not out.exists() or out.read_text() == ""
 
@@ -234,7 +235,7 @@ def test_never_destroys_or_skips_data_it_did_not_write(tmp_path, smollm2):
             out.write_text(content, encoding="utf-8")
         p = run_ggpipe(["batch", str(inp), "-o", str(out), "-m", str(smollm2), "-n", "4", "--no-progress"], 2,
                        timeout=120)
-        err = [ln for ln in p.stderr.splitlines() if ln.strip()]
+        err = stderr_lines(p.stderr)
         assert p.returncode == 1 and len(err) == 1 and message in err[0], (out, p.stderr)
         assert "Traceback" not in p.stderr
         if content is not None:

@@ -133,6 +133,7 @@ def _read_until(fd: int, pattern: str, timeout: float, buf: list[str]) -> bool:
     return False
 
 
+@pytest.mark.hydra
 def test_ctrl_c_stops_the_reply_not_the_ranks(smollm2):
     """Under a pseudo-terminal, ^C (the terminal's SIGINT to mpiexec, which
     forwards it to every rank) stops the current reply; the chat goes on."""

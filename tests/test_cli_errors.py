@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+pytestmark = pytest.mark.hydra  # finds ranks by PMI_RANK
+
 
 
 # The bad-input cases (missing/truncated/non-GGUF files, splits, context, draft

@@ -15,13 +15,13 @@ import pytest
 from ggpipe.errors import ConfigError
 from ggpipe.frontends.cli_types import SECONDS, Finite
 from ggpipe.transport.launcher_path import find_launcher
-from tests.conftest import ROOT, mpiexec
+from tests.conftest import ROOT, mpiexec, stderr_lines
 
 PY = [sys.executable, "-m", "ggpipe"]
 
 
 def _one_error_line(stderr: str) -> str:
-    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    lines = stderr_lines(stderr)
     assert len(lines) == 1 and lines[0].startswith("ggpipe: error: "), stderr
     assert "Traceback" not in stderr
     return lines[0]
@@ -117,6 +117,7 @@ def test_same_usage_error_on_every_rank_is_one_line():
     assert p.returncode != 0 and "'nan' is not a finite number" in _one_error_line(p.stderr)
 
 
+@pytest.mark.hydra
 @pytest.mark.mpi
 def test_a_process_that_never_starts_mpi_ends_the_job(smollm2):
     """A non-ggpipe process in the job: MPI_Init cannot return; the watchdog
@@ -131,6 +132,7 @@ def test_a_process_that_never_starts_mpi_ends_the_job(smollm2):
     assert ours[0].startswith("ggpipe: error: rank 0 (")
 
 
+@pytest.mark.hydra  # hydra's stdin forwarding; under Open MPI this hangs (not investigated)
 @pytest.mark.mpi
 def test_a_200kb_chat_line_under_mpiexec(smollm2, tmp_path):
     """hydra forwards stdin without back-pressure and ended the job ("reading
@@ -150,6 +152,7 @@ def test_a_200kb_chat_line_under_mpiexec(smollm2, tmp_path):
     assert p.returncode == 0 and b"no longer fits the context" in p.stdout, p.stderr.decode()[-2000:]
 
 
+@pytest.mark.hydra
 @pytest.mark.mpi
 def test_a_process_that_starts_mpi_but_not_ggpipe_ends_the_job(smollm2):
     """A non-ggpipe process that initialises MPI and exits normally: hydra

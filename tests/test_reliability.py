@@ -21,7 +21,7 @@ import pytest
 
 from tests.conftest import ROOT, mpiexec
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.hydra]  # hydra: its flags, PMI_RANK, its SIGUSR1
 
 BOUND_S = 10.0
 

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from tests.conftest import ROOT, generate_json, ggpipe_cmd, run_ggpipe
+from tests.conftest import MPI_FLAVOR, ROOT, generate_json, ggpipe_cmd, run_ggpipe, stderr_lines
 
 pytestmark = pytest.mark.mpi
 
@@ -70,7 +70,8 @@ def server(smollm2):
     s = ServerProc(["-m", str(smollm2), "-n", str(N), "--api-key", KEY, "--max-queue", "8"])
     yield s
     code = s.stop()
-    assert code == 0, "".join(s.err)[-3000:]
+    if MPI_FLAVOR == "mpich":  # Open MPI's launcher ends the ranks on SIGTERM instead of forwarding it
+        assert code == 0, "".join(s.err)[-3000:]
     assert "Traceback" not in "".join(s.err)
 
 
@@ -246,6 +247,7 @@ def test_port_in_use_is_one_line(server, smollm2):
     assert p.stderr.strip() == f"ggpipe: error: cannot listen on 127.0.0.1:{server.port}: Address already in use"
 
 
+@pytest.mark.hydra  # Open MPI's launcher ends the ranks on SIGTERM instead of forwarding it
 def test_sigterm_finishes_the_running_request_and_exits_0(smollm2):
     s = ServerProc(["-m", str(smollm2), "--ignore-eos", "--shutdown-grace", "60"])
     try:
@@ -268,6 +270,7 @@ def test_sigterm_finishes_the_running_request_and_exits_0(smollm2):
     assert "shutting down" in "".join(s.err) and "Traceback" not in "".join(s.err)
 
 
+@pytest.mark.hydra  # Open MPI's launcher ends the ranks on SIGTERM instead of forwarding it
 def test_a_reply_cut_by_shutdown_says_so_and_health_answers_503(smollm2):
     """--shutdown-grace cut a long reply and still answered 200 / "length";
     and /health refused connections during the grace period."""
@@ -298,5 +301,5 @@ def test_a_reply_cut_by_shutdown_says_so_and_health_answers_503(smollm2):
 def test_an_empty_api_key_is_refused(smollm2, args, env, message):
     p = run_ggpipe(["serve", "-m", str(smollm2), "--port", "0", *args], 2, timeout=60,
                    env=dict(os.environ, **env))
-    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    lines = stderr_lines(p.stderr)
     assert p.returncode == 1 and len(lines) == 1 and message in lines[0], p.stderr

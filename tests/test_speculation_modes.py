@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import PROMPTS, generate_json, run_ggpipe
+from conftest import PROMPTS, generate_json, run_ggpipe, stderr_lines
 
 N_TOKENS = 128
 
@@ -99,7 +99,7 @@ def test_bad_speculation_settings(smollm2, extra, fragment):
     p = run_ggpipe(args, 2, timeout=120)
     assert p.returncode != 0
     assert "Traceback" not in p.stderr
-    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    lines = stderr_lines(p.stderr)
     assert len(lines) == 1 and fragment in lines[0], p.stderr
 
 

