@@ -12,7 +12,7 @@ Start-up, under ``mpiexec -n R`` (rank 0 is the head):
   5. GO      head -> workers: serve, or stop (an error anywhere stops all,
              and the head prints the first one, naming the rank).
 
-Every wait is bounded: HELLO by ``GGPIPE_INIT_TIMEOUT`` (15 s: MPI_Init
+Every wait is bounded: HELLO by ``GGPIPE_INIT_TIMEOUT`` (30 s: MPI_Init
 synchronises the processes and each sends HELLO right after it), the others
 by ``load_timeout_s``. Without an MPI launcher the job
 is a single process holding the whole model (no MPI library needed).
@@ -237,7 +237,7 @@ def report_startup_error(message: str, timeout_s: float | None = None) -> str | 
     rank. Without an MPI launcher, or in a job of one rank: ``message``.
 
     Every wait is bounded by ``timeout_s`` seconds (default
-    ``GGPIPE_INIT_TIMEOUT``, 15 s; it ends early when the launcher signals
+    ``GGPIPE_INIT_TIMEOUT``, 30 s; it ends early when the launcher signals
     that another rank has ended).
     """
     if _startup["entered"]:

@@ -15,7 +15,7 @@ one line naming it, when
   writes the signal number to a wakeup fd even while the main thread is
   inside ``MPI_Init`` (:func:`signal.set_wakeup_fd`), and that fd is the
   child's pipe, so this is immediate; or
-* ``GGPIPE_INIT_TIMEOUT`` seconds pass (default 15).
+* ``GGPIPE_INIT_TIMEOUT`` seconds pass (default 30).
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ import time
 from contextlib import contextmanager
 from collections.abc import Iterator
 
-DEFAULT_TIMEOUT_S = 15.0
+DEFAULT_TIMEOUT_S = 30.0  # room for ranks that start seconds apart (ssh launch, Python on NFS)
 
 
 def init_timeout_s() -> float:
-    """``GGPIPE_INIT_TIMEOUT`` (seconds, > 0), else the default 15 s."""
+    """``GGPIPE_INIT_TIMEOUT`` (seconds, > 0), else the default 30 s."""
     try:
         v = float(os.environ.get("GGPIPE_INIT_TIMEOUT", DEFAULT_TIMEOUT_S))
     except ValueError:
