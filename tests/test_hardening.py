@@ -4,12 +4,15 @@ UTF-8, non-finite option values, a launcher beside the interpreter."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
 
 import click
+import psutil
 import pytest
 
 from ggpipe.errors import ConfigError
@@ -141,9 +144,19 @@ def test_a_200kb_chat_line_under_mpiexec(smollm2, tmp_path):
     at start goes through -i (hydra can overrun before any rank runs)."""
     big = ("word " * 40000 + "\n").encode() + b"hi\n"
     cmd = [mpiexec(), "-n", "2", *PY, "chat", "-m", str(smollm2), "-n", "4"]
-    p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
-    time.sleep(4)  # a paste while the head loads the model or waits for a turn
-    out, err = p.communicate(big, timeout=120)
+    p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
+                         start_new_session=True)
+    try:
+        time.sleep(4)  # a paste while the head loads the model or waits for a turn
+        out, err = p.communicate(big, timeout=120)
+    finally:  # a hung job must not outlive the test (its ranks would spin on the cores of later runs)
+        if p.poll() is None:
+            ranks = psutil.Process(p.pid).children(recursive=True)  # hydra puts each rank in its own session
+            os.killpg(p.pid, signal.SIGKILL)
+            for c in ranks:
+                with contextlib.suppress(psutil.Error):
+                    c.kill()
+            p.wait(30)
     assert p.returncode == 0, err.decode()[-2000:]
     assert b"no longer fits the context" in out and len(out.strip().splitlines()) == 2, out  # + the reply to "hi"
     f = tmp_path / "turns.txt"

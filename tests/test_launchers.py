@@ -6,6 +6,7 @@ at once the launcher's own banner is all there is.)"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -45,6 +46,7 @@ def test_a_killed_rank_ends_the_job_and_leaves_nothing_running(goliath):
            "Tell me a long story.", "-n", "4000", "-c", "4096", "--ignore-eos"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                          env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+    procs: dict[int, psutil.Process] = {}
     try:
         procs = rank_procs(p.pid, 3)
         assert sorted(procs) == [0, 1, 2], (MPI_FLAVOR, sorted(procs))
@@ -56,7 +58,10 @@ def test_a_killed_rank_ends_the_job_and_leaves_nothing_running(goliath):
         time.sleep(1)
         alive = [r for r, c in procs.items() if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
         assert not alive, (MPI_FLAVOR, alive, err[-2000:])
-    finally:
+    finally:  # nothing of the job outlives the test, whatever failed (hydra gives each rank its own session)
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait(30)
+        for c in procs.values():
+            with contextlib.suppress(psutil.Error):
+                c.kill()
