@@ -118,3 +118,16 @@ except ConfigError as e:
     assert data.endswith(b"\n") and len(data) <= 600
     assert scan_output(out)[1] is None and len(scan_output(out)[0]) == data.count(b"\n") >= 1
     assert resource.getrlimit(resource.RLIMIT_FSIZE)  # (this process is not limited)
+
+
+def test_what_record_writes_is_recognised_as_a_record():
+    """record() and is_record() are one definition of the shape: a record
+    ggpipe writes is never refused as foreign on the next run."""
+    from types import SimpleNamespace
+
+    from ggpipe.frontends.batch_output import is_record, record
+
+    done = SimpleNamespace(metrics={"tokens_per_s": 1.0}, decoder={"acceptance_rate": 0.5, "other": 1},
+                           text="hi", tokens=[1, 2], finish_reason="stop", n_prompt=3, n_reused=0)
+    rec = record("q1", done)
+    assert is_record(json.loads(json.dumps(rec))) and rec["metrics"] == {"tokens_per_s": 1.0, "acceptance_rate": 0.5}

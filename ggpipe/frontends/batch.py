@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ggpipe.errors import ConfigError
-from ggpipe.frontends.batch_output import RecordWriter, check_output_path, id_key, repair, scan_output
+from ggpipe.frontends.batch_output import RecordWriter, check_output_path, id_key, record, repair, scan_output
 from ggpipe.frontends.engine import Engine
 from ggpipe.frontends.request_limits import ROLES, STOP_MAX, TEMPERATURE_MAX, template_role
 from ggpipe.frontends.job import JobSpec, head_signals, ignore_signals, run_job
@@ -207,15 +207,6 @@ def done_ids(path: str | os.PathLike) -> set[str]:
     return done
 
 
-def record(item: BatchItem, done) -> dict:
-    """The output record of a finished request (``done``: a Completion)."""
-    m = dict(done.metrics)
-    m.update({k: v for k, v in done.decoder.items() if k in ("acceptance_rate", "accepted_per_pass", "drafted",
-                                                              "draft_accepted", "target_passes")})
-    return {"id": item.id, "text": done.text, "tokens": done.tokens, "finish_reason": done.finish_reason,
-            "n_prompt": done.n_prompt, "n_reused": done.n_reused, "metrics": m}
-
-
 class BatchRunner:
     """The head's side of a batch job.
 
@@ -283,7 +274,7 @@ class BatchRunner:
                                             should_stop=lambda: self.signal is not None)
                 if done.finish_reason == "interrupted":
                     break
-                out.write(record(item, done))
+                out.write(record(item.id, done))
                 written += 1
                 n_tokens += len(done.tokens)
                 bar.set_postfix_str(f"{n_tokens / max(time.perf_counter() - t0, 1e-9):.1f} tokens/s", refresh=False)

@@ -7,9 +7,9 @@ Rules (never destroy or skip data ggpipe did not write):
   input file. A device, a FIFO, a terminal or ``/dev/stdout`` on a pipe is
   refused before anything is read from it.
 * Every non-blank line must be a ggpipe batch record: a JSON object whose
-  keys are those :func:`ggpipe.frontends.batch.record` writes (``id``,
-  ``text``, ``tokens``, ``finish_reason``, and optionally ``n_prompt``,
-  ``n_reused``, ``metrics``), ending in a newline. Anything else, anywhere,
+  keys are those :func:`record` writes (``id``, ``text``, ``tokens``,
+  ``finish_reason``, ``n_prompt``, ``n_reused``, ``metrics``; records of
+  older versions lack the last three), ending in a newline. Anything else, anywhere,
   and the file is refused untouched.
 * The one repair: a last line with **no** newline that begins the way every
   ggpipe record begins (``{"id": ``) is a record a kill cut short (the newline
@@ -34,6 +34,17 @@ RECORD_KEYS = frozenset({"id", "text", "tokens", "finish_reason"})
 OPTIONAL_KEYS = frozenset({"n_prompt", "n_reused", "metrics"})
 #: How every record line starts (``json.dumps`` of a dict whose first key is "id").
 RECORD_PREFIX = b'{"id": '
+
+
+def record(rid: str | int, done) -> dict:
+    """The output record of a finished request ``rid`` (``done``: a
+    Completion); its keys are RECORD_KEYS | OPTIONAL_KEYS, which
+    :func:`is_record` checks."""
+    m = dict(done.metrics)
+    m.update({k: v for k, v in done.decoder.items() if k in ("acceptance_rate", "accepted_per_pass", "drafted",
+                                                              "draft_accepted", "target_passes")})
+    return {"id": rid, "text": done.text, "tokens": done.tokens, "finish_reason": done.finish_reason,
+            "n_prompt": done.n_prompt, "n_reused": done.n_reused, "metrics": m}
 
 
 def id_key(value) -> str:
