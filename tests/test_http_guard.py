@@ -11,7 +11,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from ggpipe.errors import ConfigError
-from ggpipe.frontends.http_guard import host_allowed, is_json_content_type, origin_allowed, split_host
+from ggpipe.frontends.http_guard import Access, host_allowed, is_json_content_type, origin_allowed, split_host
 from ggpipe.frontends.serve import read_api_key
 from ggpipe.frontends.serve_app import ServerState, create_app
 from ggpipe.sampling import SamplingParams
@@ -89,7 +89,7 @@ def test_cross_site_and_rebinding_requests_are_refused():
 
 
 def test_configured_origins_and_hosts():
-    c = app_client(allowed_origins=("http://localhost:3000",), allowed_hosts=("node1",))
+    c = app_client(access=Access(allowed_hosts=("node1",), allowed_origins=("http://localhost:3000",)))
     r = c.options("/v1/completions", headers={"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
                                               "Access-Control-Request-Headers": "content-type,authorization"})
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
@@ -99,7 +99,7 @@ def test_configured_origins_and_hosts():
 
 
 def test_body_size_is_bounded():
-    c = app_client(max_body_bytes=2048)
+    c = app_client(access=Access(max_body_bytes=2048))
     big = json.dumps({"prompt": "x" * 5000})
     r = c.post("/v1/completions", content=big, headers={"Content-Type": "application/json"})
     assert r.status_code == 413 and "--max-body-bytes" in r.json()["error"]["message"]

@@ -22,6 +22,7 @@ import click
 
 from ggpipe.errors import GGPipeError, RankFailedError
 from ggpipe.frontends.cli_types import SECONDS, Finite
+from ggpipe.frontends.http_guard import Access
 from ggpipe.frontends.cli_bench import bench_command, timeline_command
 from ggpipe.frontends.cli_models import models_group, split_command
 from ggpipe.models.registry import DEFAULT_MODEL
@@ -319,7 +320,7 @@ def batch(prompts, output, progress, **kw):
               "localhost (DNS-rebinding guard); .example.org for a domain, * for any.")
 @click.option("--allowed-origins", default="", help="Comma-separated browser origins allowed (CORS), e.g. "
               "http://localhost:3000; none by default.")
-@click.option("--max-body-bytes", default=8 << 20, show_default=True, type=click.IntRange(1024),
+@click.option("--max-body-bytes", default=Access.max_body_bytes, show_default=True, type=click.IntRange(1024),
               help="Largest request body (bytes); larger gets HTTP 413.")
 @click.option("--model-alias", default=None, help="Model name clients see (default: the GGUF file name).")
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(1),
@@ -330,7 +331,7 @@ def serve(host, port, api_key, api_key_file, allowed_hosts, allowed_origins, max
           shutdown_grace, **kw):
     """OpenAI-compatible HTTP server on the head rank (/v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics). Requests run one at a time; -n and --temp etc. are the request defaults."""
-    from ggpipe.frontends.serve import Access, read_api_key, run_serve
+    from ggpipe.frontends.serve import read_api_key, run_serve
 
     job, sampling, n_predict = split_job_options(kw)
     key = read_api_key(api_key, api_key_file)

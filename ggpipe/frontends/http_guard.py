@@ -17,6 +17,22 @@ opens. Two attacks follow, and two checks stop them:
 from __future__ import annotations
 
 import ipaddress
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Access:
+    """Who may use the server besides the API key (the checks below).
+
+    Attributes:
+        allowed_hosts: Host names accepted besides IP literals and localhost.
+        allowed_origins: browser origins allowed (CORS); none by default.
+        max_body_bytes: largest request body, bytes (larger: HTTP 413).
+    """
+
+    allowed_hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
+    max_body_bytes: int = 8 << 20
 
 
 def split_host(header: str) -> str:

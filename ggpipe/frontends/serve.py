@@ -45,12 +45,12 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from ggpipe.errors import ConfigError, GGPipeError
 from ggpipe.frontends.engine import Engine
 from ggpipe.frontends.job import JobSpec, head_signals, ignore_signals, run_job
+from ggpipe.frontends.http_guard import Access
 from ggpipe.frontends.serve_app import APIError, ServerState, create_app
 from ggpipe.sampling import SamplingParams
 
@@ -76,21 +76,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
         raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     sock.set_inheritable(True)
     return sock
-
-
-@dataclass(frozen=True)
-class Access:
-    """Who may use the server besides the API key (ggpipe.frontends.http_guard).
-
-    Attributes:
-        allowed_hosts: Host names accepted besides IP literals and localhost.
-        allowed_origins: browser origins allowed (CORS); none by default.
-        max_body_bytes: largest request body, bytes (larger: HTTP 413).
-    """
-
-    allowed_hosts: tuple[str, ...] = ()
-    allowed_origins: tuple[str, ...] = ()
-    max_body_bytes: int = 8 << 20
 
 
 def read_api_key(api_key: str | None, api_key_file: Path | None, env: dict | None = None) -> str | None:
@@ -140,7 +125,6 @@ class Server:
     def __init__(self, engine: Engine, host: str, port: int, api_key: str | None, n_predict: int,
                  sampling: SamplingParams, model_id: str | None = None, max_queue: int = 64,
                  shutdown_grace_s: float = 30.0, access: Access | None = None):
-        access = access or Access()
         self.engine = engine
         self.host = host
         self.sock = bind_socket(host, port)
@@ -149,8 +133,7 @@ class Server:
         self.state = ServerState(
             tokenize=lambda p, msgs: engine.tokenize(p, msgs), model_id=model_id or Path(session.model_path).stem,
             n_ctx=engine.n_ctx, n_vocab=int(session.stage.n_vocab), n_predict=n_predict, sampling=sampling,
-            api_key=api_key, max_queue=max_queue, allowed_hosts=access.allowed_hosts,
-            allowed_origins=access.allowed_origins, max_body_bytes=access.max_body_bytes,
+            api_key=api_key, max_queue=max_queue, access=access or Access(),
             info={"mode": engine.mode, "ranks": session.size, "hosts": session.hosts,
                   "chat_template": bool(engine.vocab.chat_template())})
         self.shutdown_grace_s = shutdown_grace_s

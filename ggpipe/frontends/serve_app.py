@@ -30,7 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics, generate_latest)
-from ggpipe.frontends.http_guard import host_allowed, is_json_content_type, origin_allowed
+from ggpipe.frontends.http_guard import Access, host_allowed, is_json_content_type, origin_allowed
 from ggpipe.frontends.request_limits import ROLES, STOP_MAX, TEMPERATURE_MAX, template_role
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 from starlette.concurrency import run_in_threadpool
@@ -217,9 +217,7 @@ class ServerState:
         n_ctx, n_vocab: the context size and vocabulary size (tokens).
         n_predict: default max_tokens; sampling: default sampling settings.
         api_key: required bearer token, or None.
-        allowed_hosts: extra Host names accepted (http_guard.host_allowed).
-        allowed_origins: browser origins allowed (CORS), none by default.
-        max_body_bytes: largest request body (bytes); larger gets 413.
+        access: Host / Origin allow-lists and the body size limit (http_guard).
         max_queue: most requests waiting; more get 503.
         info: extra ``/v1/models`` metadata (mode, ranks, ...).
     """
@@ -231,9 +229,7 @@ class ServerState:
     n_predict: int
     sampling: SamplingParams
     api_key: str | None = None
-    allowed_hosts: tuple[str, ...] = ()
-    allowed_origins: tuple[str, ...] = ()
-    max_body_bytes: int = 8 << 20
+    access: Access = field(default_factory=Access)
     max_queue: int = 64
     info: dict = field(default_factory=dict)
     jobs: queue.Queue = field(default_factory=queue.Queue)
@@ -282,7 +278,7 @@ async def parse_body(request: Request, model: type[BaseModel]):
     raw = bytearray()
     async for chunk in request.stream():  # bounded, also when no Content-Length was sent (chunked)
         raw += chunk
-        if len(raw) > state_of(request).max_body_bytes:
+        if len(raw) > state_of(request).access.max_body_bytes:
             raise _too_large(state_of(request))
     try:
         obj = json.loads(bytes(raw))
@@ -301,11 +297,11 @@ async def parse_body(request: Request, model: type[BaseModel]):
 
 def _refuse(request: Request, state: ServerState) -> APIError | None:
     """The Host / Origin / Content-Type / size checks (ggpipe.frontends.http_guard)."""
-    if not host_allowed(request.headers.get("host"), state.allowed_hosts):
+    if not host_allowed(request.headers.get("host"), state.access.allowed_hosts):
         return APIError(403, f"Host {request.headers.get('host')!r} is not allowed (a DNS-rebinding guard): "
                         f"connect by IP address or localhost, or start ggpipe serve with --allowed-hosts NAME",
                         code="host_not_allowed")
-    if not origin_allowed(request.headers.get("origin"), state.allowed_origins):
+    if not origin_allowed(request.headers.get("origin"), state.access.allowed_origins):
         return APIError(403, f"cross-origin requests from {request.headers.get('origin')!r} are refused: start "
                         f"ggpipe serve with --allowed-origins ORIGIN to allow a web page", code="origin_not_allowed")
     if request.method == "POST":
@@ -313,13 +309,13 @@ def _refuse(request: Request, state: ServerState) -> APIError | None:
             return APIError(415, "the request body must be sent as Content-Type: application/json",
                             code="unsupported_media_type")
         length = request.headers.get("content-length")
-        if length is not None and length.strip().isdigit() and int(length) > state.max_body_bytes:
+        if length is not None and length.strip().isdigit() and int(length) > state.access.max_body_bytes:
             return _too_large(state)
     return None
 
 
 def _too_large(state: ServerState) -> APIError:
-    return APIError(413, f"the request body is larger than {state.max_body_bytes} bytes (--max-body-bytes)",
+    return APIError(413, f"the request body is larger than {state.access.max_body_bytes} bytes (--max-body-bytes)",
                     code="request_too_large")
 
 
@@ -333,7 +329,7 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="ggpipe", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ggpipe = state
     # outermost: answers browsers' preflight requests, for the configured origins only
-    app.add_middleware(CORSMiddleware, allow_origins=list(state.allowed_origins), allow_methods=["GET", "POST"],
+    app.add_middleware(CORSMiddleware, allow_origins=list(state.access.allowed_origins), allow_methods=["GET", "POST"],
                        allow_headers=["Authorization", "Content-Type"])
 
     @app.exception_handler(APIError)
