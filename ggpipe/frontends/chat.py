@@ -67,6 +67,7 @@ class StdinReader:
     """
 
     def __init__(self, fd: int = 0):
+        self.interactive = os.isatty(fd)  # a terminal: show the prompt and the banner
         self.lines: queue.Queue[bytes] = queue.Queue()
         self.thread = threading.Thread(target=self._run, args=(fd,), name="ggpipe-stdin", daemon=True)
         self.thread.start()
@@ -105,19 +106,19 @@ class ChatLoop:
         sampling: sampling settings of every reply.
         n_predict: most tokens per reply.
         system: optional system prompt.
-        stdin, stdout: text streams.
+        reader: where the turns come from (stdin, or a file with ``-i``).
+        stdout: text stream for the replies.
     """
 
-    def __init__(self, engine: Engine, sampling: SamplingParams, n_predict: int, system: str | None = None,
-                 stdin=None, stdout=None, reader: StdinReader | None = None):
+    def __init__(self, engine: Engine, sampling: SamplingParams, n_predict: int, system: str | None,
+                 reader: StdinReader, stdout=None):
         self.engine = engine
         self.sampling = sampling
         self.n_predict = n_predict
         self.system = system
-        self.stdin = stdin or sys.stdin
-        self.out = stdout or sys.stdout
-        self.interactive = self.stdin.isatty()
         self.reader = reader
+        self.out = stdout or sys.stdout
+        self.interactive = reader.interactive
         self.interrupted = False
         self.replying = False
         self.reset()
@@ -141,13 +142,7 @@ class ChatLoop:
         A line that is not valid UTF-8 is not sent: one note, and "" (skipped)."""
         if self.interactive:
             self.say("> ")
-        if self.reader is not None:
-            raw = self.reader.readline()
-        elif getattr(self.stdin, "buffer", None) is not None:
-            raw = self.stdin.buffer.readline()
-        else:  # a text stream (tests, embedding)
-            line = self.stdin.readline()
-            return None if line == "" else line.rstrip("\n")
+        raw = self.reader.readline()
         if raw == b"":
             return None
         try:
@@ -231,7 +226,7 @@ def run_chat(job: JobSpec, sampling: SamplingParams, n_predict: int, system: str
     def head(engine: Engine) -> int:
         if not engine.vocab.chat_template():
             raise ConfigError("this model has no chat template (tokenizer.chat_template): ggpipe chat needs one")
-        loop = ChatLoop(engine, sampling, n_predict, system, reader=reader)
+        loop = ChatLoop(engine, sampling, n_predict, system, reader)
         with head_signals(loop.on_sigint, (signal.SIGINT,)):
             return loop.run()
 
