@@ -44,9 +44,15 @@ class ProtocolError(GGPipeError):
 
 class RankTimeoutError(GGPipeError):
     """A bounded MPI wait ran out. The message names the rank waited for and
-    what this rank was doing."""
+    what this rank was doing; ``waited_for`` is its first part ("rank 0
+    waited 30 s for its hello from rank 1"), for a caller that knows better
+    why the wait ran out than "it stopped answering"."""
 
     abort_job = True
+
+    def __init__(self, message: str, waited_for: str | None = None):
+        super().__init__(message)
+        self.waited_for = waited_for or message
 
 
 class RankFailedError(GGPipeError):

@@ -303,7 +303,7 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
         try:
             got = _exchange(transport, rank, size, hello, "hello", init_timeout_s())
         except RankTimeoutError as exc:
-            raise RankTimeoutError(f"{exc.args[0].split(':')[0]}: that rank did not start a ggpipe job within "
+            raise RankTimeoutError(f"{exc.waited_for}: that rank did not start a ggpipe job within "
                                    f"{init_timeout_s():g} s of MPI start-up: it runs another command, or it ended "
                                    f"(its own output says which; GGPIPE_INIT_TIMEOUT sets the limit)") from None
         if rank == 0:

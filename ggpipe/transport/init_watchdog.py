@@ -20,6 +20,7 @@ one line naming it, when
 
 from __future__ import annotations
 
+import math
 import os
 import select
 import signal
@@ -37,12 +38,11 @@ def init_timeout_s() -> float:
         v = float(os.environ.get("GGPIPE_INIT_TIMEOUT", DEFAULT_TIMEOUT_S))
     except ValueError:
         return DEFAULT_TIMEOUT_S
-    return v if v > 0 and v == v and v != float("inf") else DEFAULT_TIMEOUT_S
+    return v if math.isfinite(v) and v > 0 else DEFAULT_TIMEOUT_S
 
 
 def _child(r: int, parent: int, rank: int | None, timeout_s: float) -> None:
     """Body of the watchdog process (never returns)."""
-    code = 0
     try:
         who = f"rank {rank} ({socket.gethostname()}, pid {parent})" if rank is not None else f"pid {parent}"
         deadline = time.monotonic() + timeout_s
@@ -67,8 +67,8 @@ def _child(r: int, parent: int, rank: int | None, timeout_s: float) -> None:
             os.write(2, f"ggpipe: error: {who}: {why}\n".encode())
             os.kill(parent, signal.SIGKILL)
     except BaseException:  # noqa: BLE001 - the watchdog must never outlive or hurt the rank
-        code = 0
-    os._exit(code)
+        pass
+    os._exit(0)
 
 
 @contextmanager

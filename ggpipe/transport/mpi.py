@@ -238,10 +238,9 @@ class Transport:
                 self.interrupt()
             if waited > timeout_s:
                 src = f" from {self.name(source)}" if source is not None else ""
-                raise RankTimeoutError(
-                    f"{self.name(self.rank)} waited {waited:.0f} s for {what}{src}: "
-                    f"it stopped answering (raise --timeout if it is only slow)"
-                )
+                waited_for = f"{self.name(self.rank)} waited {waited:.0f} s for {what}{src}"
+                raise RankTimeoutError(f"{waited_for}: it stopped answering (raise --timeout if it is only slow)",
+                                       waited_for)
             if self._pending and self.progress():
                 # a large (rendezvous) send only moves while we are inside MPI:
                 # keep driving it with short sleeps until it is done
