@@ -121,6 +121,6 @@ def test_documented_bad_input(row, files):
         assert files["notes"].read_text() == "precious data"
     if row["id"] == "batch-disk-full":
         data = (files["out"] / "results.jsonl").read_bytes()
-        assert data == b"" or data.endswith(b"\n"), data  # no half record
+        assert data == b"", data  # the first record does not fit in 200 bytes: cut back, no half record
     if row["id"] == "disk-full":
         assert not [f for f in files["out"].iterdir() if f.suffix == ".gguf"], list(files["out"].iterdir())
