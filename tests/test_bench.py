@@ -10,7 +10,7 @@ import json
 import statistics
 
 import pytest
-from conftest import ROOT, run_ggpipe
+from conftest import ROOT, mpiexec, run_ggpipe
 
 from ggpipe.bench import report, sweep
 from ggpipe.bench.prompts import DEFAULT, load_prompts
@@ -61,12 +61,11 @@ def _pingpong(link: str, nbytes: int = 2344, iters: int = 40) -> dict:
 
 def run_ggpipe_module(args: list[str], link: str):
     import os
-    import shutil
     import subprocess
     import sys
 
     env = dict(os.environ, GGPIPE_LINK=link)
-    return subprocess.run([shutil.which("mpiexec"), "-n", "2", sys.executable, "-m", *args], capture_output=True, check=False,
+    return subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", *args], capture_output=True, check=False,
                           text=True, timeout=120, env=env, cwd=ROOT)
 
 
