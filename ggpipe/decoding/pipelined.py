@@ -18,7 +18,11 @@ own ranks, n-gram lookup, ...: the loop never learns which):
 * results come back in order; :class:`SpecGraph` decides tokens as far as
   logits allow; accepted cells are copied into sequence 0 ("buffer swap",
   IV.C.1-2), dead runs are cancelled (IV.D), retired partitions are cleared
-  and returned to the FIFO.
+  and returned to the FIFO;
+* before a run is placed, the cells dead runs left at and above its first
+  position are removed on every stage (:meth:`SpeculativeDecoder._trim_kv`),
+  so a chain's cells sit at index = position as in a single-token loop and
+  verification is bit-exact in every run (README "Exactness").
 
 ``speculative``: one run in flight; draft a tree, verify it, repeat.
 ``pipeinfer``: while no target logits are waiting, keep speculating
@@ -130,6 +134,7 @@ class SpeculativeDecoder:
 
         # prefill target and proposer, back to back (their pipelines work in parallel)
         self.target.submit_prompt(tokens, start_pos, self.n_ubatch)
+        r.kv_top = len(r.context)
         p.prefill(r.context[:-1])
         logits = self.target.drain(self.timeout_s)[-1].logits[0]
         p.settle(self.timeout_s)
@@ -390,6 +395,7 @@ class SpeculativeDecoder:
             if anchor is not None:
                 return None
             tree = SpecTree(anchor_pos=tree.anchor_pos)  # a root is never dropped: send it alone
+        self._trim_kv(tree.anchor_pos if anchor is None else tree.anchor_pos + 1)
         run_id = next_run_id()
         seqs = self.pool.seqs(part)[: len(tree.leaves())] if part is not None else []
         tokens, pos, n_seq_id, seq_ids, leaf_seq = tree.batch(seqs) if len(tree) else (
@@ -416,6 +422,7 @@ class SpeculativeDecoder:
             speculative = True
         run = Run(run_id=run_id, tokens=tokens, pos=pos, n_seq_id=n_seq_id, seq_ids=seq_ids,
                   outputs=np.ones(tokens.shape[0], dtype=np.int8), speculative=speculative)
+        r.kv_top = max(r.kv_top, int(pos.max()) + 1)
         self.target.submit(run)
         r.counts["target_runs"] += 1
         r.counts["spec_runs"] += int(speculative)
@@ -424,6 +431,27 @@ class SpeculativeDecoder:
         if speculative and anchor is not None:
             self._cancel_dead()
         return ids
+
+    def _trim_kv(self, p0: int) -> None:
+        """Before a run whose first position is ``p0`` is placed: remove, on
+        every stage and pipelined behind the runs already issued, the cells
+        that dead runs left at positions >= p0 (``seq_rm(-1, p0, -1)``).
+
+        llama.cpp's KV cache places a batch in the first free cells from its
+        ``head``, and ``seq_rm`` lowers ``head`` to the first freed cell
+        (llama-kv-cache.cpp ``find_slot``, ``seq_rm``). With no stale cell at
+        or above ``p0``, the run's cells land at index = position, as a
+        single-token loop puts them; attention then sums over the same cells
+        in the same order, and (with a build whose batched and single-token
+        matmuls agree, README "Exactness") verified logits equal the
+        single-node reference bit for bit, whatever the timing. Skipped while
+        a pending node still lives at or above ``p0`` (a sibling branch of a
+        tree), whose cells must stay."""
+        r = self.r
+        if r.kv_top > p0 and r.graph.pending_top() <= p0:
+            self.target.seq_rm(-1, p0, -1)
+            r.counts["kv_trims"] += 1
+            r.kv_top = p0
 
     # -- the end -----------------------------------------------------------------
 

@@ -13,7 +13,8 @@ from ggpipe.metrics import GenerationClock
 from ggpipe.speculation.graph import SpecGraph
 
 COUNTERS = ("target_runs", "spec_runs", "root_runs", "cancel_sent", "returned_cancelled", "failed_drafts",
-            "verified_runs", "stale_drafts", "reanchored_drafts", "no_partition", "salvaged_drafts", "deferred_roots")
+            "verified_runs", "stale_drafts", "reanchored_drafts", "no_partition", "salvaged_drafts", "deferred_roots",
+            "kv_trims")
 
 
 @dataclass
@@ -33,6 +34,9 @@ class SpecRequest:
             root; ``ORPHAN``: a node that was never submitted).
         spec_path: estimated probability that the spec anchor is reached
             and accepted (1.0 for a verified anchor or the pending root).
+        kv_top: one past the highest position any run of this request
+            (or its prompt) placed in the target's KV cache: cells may exist
+            below it, none above.
         counts: event counters reported in ``stats``.
     """
 
@@ -47,6 +51,7 @@ class SpecRequest:
     pending_root: int | None = None
     spec_anchor: int | None = None
     spec_path: float = 1.0
+    kv_top: int = 0
     counts: dict = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
 
     def room(self, anchor_pos: int, draft: int) -> int:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from ggpipe.frontends.engine import Engine
 from ggpipe.frontends.job import JobSpec, run_job
+from ggpipe.runtime.llama import llamafile_sgemm
 from ggpipe.sampling import SamplingParams
 
 
@@ -41,7 +42,10 @@ def generate_on_head(engine: Engine, req: GenerateRequest, stream=None) -> dict:
     done = engine.generate(tokens, req.n_predict, req.sampling, on_text=write if stream is not None else None)
     if stream is not None:
         write("\n")
-    return {"mode": engine.mode, "model": engine.session.model_path, **done.as_dict()}
+    # llamafile_sgemm: whether this llama.cpp build computes batches with another kernel than single
+    # tokens (then speculative greedy output may differ from the reference at near-ties: README "Exactness")
+    return {"mode": engine.mode, "model": engine.session.model_path, "llamafile_sgemm": llamafile_sgemm(),
+            **done.as_dict()}
 
 
 def run_generate(job: JobSpec, req: GenerateRequest, as_json: bool) -> int:

@@ -51,6 +51,26 @@ def flash_attn_type(mode: str) -> int:
     return types[mode]
 
 
+def llamafile_sgemm() -> bool:
+    """Whether the loaded llama.cpp was built with llamafile's sgemm
+    (``GGML_LLAMAFILE``, on by default; ``ggml_cpu_has_llamafile``).
+
+    With it, a token evaluated inside a batch of 2+ tokens goes through
+    another matmul kernel than a token evaluated alone (llamafile/sgemm.cpp
+    declines one-column products), so F16/F32 logits differ in the last bits
+    between a speculative verification batch and the single-token reference
+    (NOTES-llamacpp "Batched vs single-token rows"); quantized weights such
+    as Q4_1 agree either way. Built with ``CMAKE_ARGS=-DGGML_LLAMAFILE=OFF``
+    (README "Install"), both use ``ggml_vec_dot`` and agree bit for bit."""
+    L = lib()
+    fn = getattr(L.llama_cpp._lib, "ggml_cpu_has_llamafile", None)
+    if fn is None:
+        return True  # not exported: assume the default build
+    fn.restype = ctypes.c_int
+    fn.argtypes = []
+    return bool(fn())
+
+
 def set_verbose(verbose: bool) -> None:
     """Let llama.cpp's own log through to stderr (``-v``); call before :func:`lib`."""
     _state["verbose"] = bool(verbose)

@@ -277,6 +277,18 @@ class SpecGraph:
             nid = self.nodes[nid].parent
         return out[::-1]
 
+    def pending_top(self) -> int:
+        """One past the highest position of a pending node (0 when none is
+        pending): KV cells at positions from there on belong to no path that
+        can still be accepted."""
+        top = 0
+        for info in self.runs.values():
+            for j in info.nodes:
+                n = self.nodes[j]
+                if n.state == PENDING:
+                    top = max(top, n.pos + 1)
+        return top
+
     def pending_runs(self, speculative_only: bool = False) -> int:
         """Runs started and not yet returned (only speculative ones, if asked)."""
         return sum(1 for r in self.runs.values() if not r.returned and (r.speculative or not speculative_only))

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# pip install, with llama-cpp-python built as the README's install line builds
+# it: without llamafile's sgemm (-DGGML_LLAMAFILE=OFF), so that batched and
+# single-token logits agree bit for bit (README "Exactness"). pip's wheel cache
+# does not know build flags, so this uses a cache of its own that only ever
+# holds wheels built with these flags, then checks the llama.cpp it installed
+# (rebuilding it once if an earlier install in the same venv had other flags).
+#   bash scripts/pip_install.sh -e ".[mpich,test]"
+set -euo pipefail
+export CMAKE_ARGS="-DGGML_LLAMAFILE=OFF${CMAKE_ARGS:+ $CMAKE_ARGS}"
+export PIP_CACHE_DIR="${GGPIPE_PIP_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ggpipe/pip-llamafile-off}"
+python -m pip install --quiet "$@"
+has_sgemm() {
+  python -c 'import ctypes, sys, llama_cpp
+f = llama_cpp.llama_cpp._lib.ggml_cpu_has_llamafile
+f.restype = ctypes.c_int
+sys.exit(0 if f() else 1)'
+}
+if has_sgemm; then
+  echo "pip_install: llama-cpp-python has llamafile's sgemm (installed earlier with other flags); rebuilding it" >&2
+  python -m pip install --quiet --force-reinstall --no-deps "$(python -c 'import importlib.metadata as m; print("llama-cpp-python==" + m.version("llama-cpp-python"))')"
+  if has_sgemm; then echo "pip_install: llama-cpp-python still has llamafile's sgemm" >&2; exit 1; fi
+fi
