@@ -1,8 +1,10 @@
 """Entry point of the ``ggpipe`` command and of ``python -m ggpipe``.
 
-Under an MPI launcher the launcher's SIGUSR1 is taken over before the CLI's
-imports (a few hundred ms) run, so a rank that ends during start-up is
-reported instead of silently killing the others
+Under an MPI launcher, first the rank forks off its guard, a parent process
+that names the rank if it dies of a signal, whatever the launcher then does to
+the others (``ggpipe/transport/rank_guard.py``); then the launcher's SIGUSR1
+is taken over before the CLI's imports (a few hundred ms) run, so a rank that
+ends during start-up is reported instead of silently killing the others
 (``ggpipe/transport/launcher_signal.py``).
 """
 
@@ -11,8 +13,11 @@ from __future__ import annotations
 
 def main(argv: list[str] | None = None) -> None:
     """Run ``ggpipe ARGV`` (default: ``sys.argv[1:]``); exits the process."""
+    from ggpipe.transport import rank_guard
     from ggpipe.transport.launcher_signal import ignore_launcher_signal, launched_rank, watch_launcher_signal
 
+    if launched_rank() is not None and rank_guard.enabled():
+        rank_guard.start(launched_rank())         # returns in the rank; its guard waits for it
     if launched_rank() == 0:
         _enlarge_stdin_pipe()                     # before the imports: the launcher may be pushing stdin already
     if launched_rank() is not None:

@@ -31,10 +31,14 @@ def test_ranks_started_with_different_arguments(smollm2):
 def _rank_pids(root_pid: int, rank: int) -> list[int]:
     import psutil
 
+    from ggpipe.transport.rank_guard import GUARD_NAME
+
     out = []
     for c in psutil.Process(root_pid).children(recursive=True):
         try:
-            if c.environ().get("PMI_RANK") == str(rank) and "ggpipe" in " ".join(c.cmdline()):
+            # the rank itself, not its guard (ggpipe/transport/rank_guard.py)
+            if (c.environ().get("PMI_RANK") == str(rank) and "ggpipe" in " ".join(c.cmdline())
+                    and c.name() != GUARD_NAME):
                 out.append(c.pid)
         except psutil.Error:
             pass

@@ -1,13 +1,15 @@
-"""What holds under any MPI launcher (MPICH's hydra or Open MPI's prte): a
-rank killed mid-generation ends the whole job, non-zero, with nothing left
-running. (Naming the dead rank is what tests/test_reliability.py checks under
-hydra with -disable-auto-cleanup; under a launcher that kills the survivors
-at once the launcher's own banner is all there is.)"""
+"""What holds under any MPI launcher (MPICH's hydra with its default flags or
+the scripts' ``-disable-auto-cleanup``, Open MPI's prte): a rank killed at
+start-up, mid-generation or while idle is named in one line by its guard
+within 10 s, the whole job ends non-zero, and nothing is left running.
+(tests/test_reliability.py checks what the surviving ranks add under hydra
+with -disable-auto-cleanup.)"""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,52 +18,92 @@ import time
 import psutil
 import pytest
 
+from ggpipe.transport.rank_guard import GUARD_NAME
 from tests.conftest import MPI_FLAVOR, ROOT, mpiexec
 
 RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 
 
+def _rank_var(proc: psutil.Process) -> str | None:
+    env = proc.environ()
+    return next((env[k] for k in RANK_VARS if k in env), None)
+
+
 def rank_procs(launcher_pid: int, n: int, timeout: float = 60) -> dict[int, psutil.Process]:
-    """The python rank processes under the launcher, by rank (any launcher)."""
+    """The processes holding the ranks' stages under the launcher, by rank
+    (any launcher): the children of the ranks' guards
+    (ggpipe/transport/rank_guard.py), not the guards themselves nor the
+    watchdog a rank forks around MPI_Init (its parent is the rank)."""
     found: dict[int, psutil.Process] = {}
     end = time.monotonic() + timeout
     while time.monotonic() < end and len(found) < n:
         for c in psutil.Process(launcher_pid).children(recursive=True):
             try:
-                env = c.environ()
-                if "python" not in c.name():
+                r = _rank_var(c)
+                parent = c.parent()
+                if r is None or "python" not in c.name() or parent is None:
+                    continue
+                if parent.name() != GUARD_NAME:  # not forked off its guard yet, or the MPI_Init watchdog
                     continue
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
-            r = next((env[k] for k in RANK_VARS if k in env), None)
-            if r is not None:
-                found[int(r)] = c
+            found[int(r)] = c
         time.sleep(0.05)
     return found
 
 
+FLAGS = [pytest.param((), id="default-flags"),
+         pytest.param(("-disable-auto-cleanup",), id="disable-auto-cleanup", marks=pytest.mark.hydra)]
+
+
 @pytest.mark.mpi
-def test_a_killed_rank_ends_the_job_and_leaves_nothing_running(goliath):
-    cmd = [mpiexec(), "-n", "3", sys.executable, "-m", "ggpipe", "generate", "-m", str(goliath), "-p",
-           "Tell me a long story.", "-n", "4000", "-c", "4096", "--ignore-eos"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                         env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+@pytest.mark.parametrize("flags", FLAGS)
+@pytest.mark.parametrize("phase", ["start-up", "generating", "idle-chat"])
+def test_a_killed_rank_is_named_and_ends_the_job_leaving_nothing_running(goliath, flags, phase):
+    """kill -9 of rank 1's process (the one holding its stage), at start-up,
+    mid-generation or while a chat waits for the user: whatever the launcher
+    then does to the other ranks, rank 1's guard (ggpipe/transport/rank_guard.py)
+    names it within 10 s; the job ends non-zero; nothing is left running."""
+    if phase == "idle-chat":
+        args = ["chat", "-m", str(goliath), "-n", "8"]
+    else:
+        args = ["generate", "-m", str(goliath), "-p", "Tell me a long story.", "-n", "4000", "-c", "4096",
+                "--ignore-eos"]
+    cmd = [mpiexec(), *flags, "-n", "3", sys.executable, "-m", "ggpipe", *args]
+    p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
     procs: dict[int, psutil.Process] = {}
+    everything: list[psutil.Process] = []
     try:
         procs = rank_procs(p.pid, 3)
         assert sorted(procs) == [0, 1, 2], (MPI_FLAVOR, sorted(procs))
-        assert p.stdout.read(1)  # generating
-        procs[1].send_signal(signal.SIGKILL)
+        if phase == "generating":
+            assert p.stdout.read(1)
+        elif phase == "idle-chat":
+            p.stdin.write("/stats\n")
+            p.stdin.flush()
+            assert p.stdout.readline()  # answered: the ranks are up, and now wait for the next line
+            time.sleep(0.5)
+        everything = psutil.Process(p.pid).children(recursive=True)
+        victim = procs[1]
+        victim.send_signal(signal.SIGKILL)
         t0 = time.monotonic()
         out, err = p.communicate(timeout=60)
-        assert time.monotonic() - t0 < 30 and p.returncode != 0, err[-2000:]
+        took = time.monotonic() - t0
+        assert p.returncode != 0, err[-2000:]
+        line = re.search(rf"ggpipe: error: rank 1 \([^,]+, pid {victim.pid}(, target layers \d+-\d+)?\) died "
+                         rf"\(killed by SIGKILL\) while [^\n]+", err)
+        assert line, (MPI_FLAVOR, err[-2000:])
+        if phase != "start-up":
+            assert "target layers" in line.group(0), line.group(0)
+        assert took < 10, (took, err[-2000:])
         time.sleep(1)
-        alive = [r for r, c in procs.items() if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+        alive = [c.pid for c in everything if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
         assert not alive, (MPI_FLAVOR, alive, err[-2000:])
     finally:  # nothing of the job outlives the test, whatever failed (hydra gives each rank its own session)
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait(30)
-        for c in procs.values():
+        for c in [*procs.values(), *everything]:
             with contextlib.suppress(psutil.Error):
                 c.kill()

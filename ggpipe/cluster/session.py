@@ -43,6 +43,7 @@ from ggpipe.pipeline.driver import Pipeline
 from ggpipe.cluster.roles import Roles
 from ggpipe.cluster.split import parse_split, plan_layers
 from ggpipe.transport import messages as m
+from ggpipe.transport import rank_guard
 from ggpipe.transport.init_watchdog import init_timeout_s
 from ggpipe.transport.launcher_signal import check_launcher_signal
 from ggpipe.transport.mpi import Transport, mpi_world, thread_level_problem
@@ -112,9 +113,11 @@ class Activity:
     def __init__(self, doing: str = "starting up"):
         self.doing = doing
         self.clock = None  # a GenerationClock while a request runs
+        rank_guard.set_doing(doing)
 
     def set(self, doing: str, clock=None) -> None:
         self.doing, self.clock = doing, clock
+        rank_guard.set_doing(doing)  # what this rank's guard says if the rank dies
 
     def __str__(self) -> str:
         c = self.clock
@@ -339,6 +342,8 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
         loaded = _load(config, rank, size)
     except GGPipeError as exc:
         err = str(exc)
+    if loaded is not None:
+        rank_guard.set_role(_role(loaded.roles, rank, loaded.layers))
     if transport is not None:
         role = None if loaded is None else _role(loaded.roles, rank, loaded.layers)
         got = _exchange(transport, rank, size, {"ok": err is None, "error": err, "role": role}, "ready",

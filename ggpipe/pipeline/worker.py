@@ -30,6 +30,7 @@ from ggpipe.errors import ProtocolError
 from ggpipe.runtime.stage import Cancelled, InvalidBatch, Stage
 from ggpipe.trace import tracer
 from ggpipe.transport import messages as m
+from ggpipe.transport import rank_guard
 
 _TR = tracer()  # per-rank event trace (GGPIPE_TRACE_DIR), None when off
 
@@ -60,6 +61,7 @@ class Worker:
         self.cancel_fwd = cancel_fwd
         self.cancelled: set[int] = set()
         self.current: int | None = None
+        self.idle_doing = f"waiting for the next transaction from rank {prev}"
         self.last_run = -1
         self.stats = {"runs": 0, "tokens": 0, "busy_s": 0.0, "kv_ops": 0,
                       "cancelled_before_start": 0, "cancelled_mid_compute": 0, "dropped_after_cancel": 0}
@@ -100,6 +102,7 @@ class Worker:
                 self._take_cancels()
             return self.t.probe(self.prev, MPI.ANY_TAG)
 
+        rank_guard.set_doing(self.idle_doing)
         while True:
             t_idle = time.perf_counter()
             self.t._wait(ready, float("inf"), "the next transaction", self.prev)
@@ -137,6 +140,7 @@ class Worker:
             return
         self.current = h.run_id
         self.stage.hooks.clear_cancel()
+        rank_guard.set_doing(f"decoding run {h.run_id} ({h.n_tokens} tokens at positions {int(h.pos[0])}..)")
         t0 = time.perf_counter()
         aborted = False
         try:
@@ -159,6 +163,7 @@ class Worker:
             return
         finally:
             self.current = None
+            rank_guard.set_doing(self.idle_doing)
             self.stats["busy_s"] += time.perf_counter() - t0
             if _TR:
                 _TR.span("run", t0, time.perf_counter(), "stage", run=h.run_id, n=h.n_tokens,

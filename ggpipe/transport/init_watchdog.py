@@ -29,6 +29,8 @@ import time
 from contextlib import contextmanager
 from collections.abc import Iterator
 
+from ggpipe.transport.rank_guard import mark_reported
+
 DEFAULT_TIMEOUT_S = 30.0  # room for ranks that start seconds apart (ssh launch, Python on NFS)
 
 
@@ -65,6 +67,7 @@ def _child(r: int, parent: int, rank: int | None, timeout_s: float) -> None:
                        "output says which); stopping")
         if os.getppid() == parent:
             os.write(2, f"ggpipe: error: {who}: {why}\n".encode())
+            mark_reported()  # the rank's guard (transport/rank_guard.py) need not name it again
             os.kill(parent, signal.SIGKILL)
     except BaseException:  # noqa: BLE001 - the watchdog must never outlive or hurt the rank
         pass

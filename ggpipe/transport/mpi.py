@@ -32,6 +32,7 @@ import numpy as np
 from ggpipe.errors import ProtocolError, RankTimeoutError
 from ggpipe.transport import link as _link
 from ggpipe.transport.messages import TYPE_NAMES
+from ggpipe.transport.rank_guard import mark_reported, set_doing
 
 _DTYPES = {np.dtype(np.int32): "INT32_T", np.dtype(np.float32): "FLOAT", np.dtype(np.int8): "INT8_T"}
 
@@ -51,8 +52,10 @@ def mpi_world():
         from ggpipe.transport.init_watchdog import init_watchdog  # noqa: PLC0415
         from ggpipe.transport.launcher_signal import launched_rank  # noqa: PLC0415
 
+        set_doing("starting MPI (MPI_Init)")
         with init_watchdog(launched_rank()):
             from mpi4py import MPI  # noqa: PLC0415
+        set_doing("meeting the other ranks")
     from mpi4py import MPI  # noqa: PLC0415
 
     comm = MPI.COMM_WORLD
@@ -81,6 +84,7 @@ def abort_world(comm, code: int, grace_s: float = 0.5) -> None:
     waiting ``grace_s`` seconds: the launcher (hydra, orted) forwards a rank's
     output through its proxy, and an abort right after the last write can
     kill the proxy before the error line reaches the user's terminal."""
+    mark_reported()  # the error line is out: the rank's guard stays quiet about the abort's signals
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -1,0 +1,190 @@
+"""The rank guard: a small parent process that outlives its rank, so a rank
+that dies is named whatever the launcher does to the others next.
+
+Under an MPI launcher the ``ggpipe`` entry point calls :func:`start` first
+thing. It forks: the child is the rank (it starts MPI, loads its stage and
+serves); the parent, the process the launcher started and watches, only
+waits for it. When the rank dies of a signal that the guard did not pass on
+to it (``kill -9``, the kernel's OOM killer, a crash inside llama.cpp), the
+guard writes one line to stderr naming the rank, its host, its pid, its
+layers and what it was doing (a page of shared memory the rank keeps up to
+date: :func:`set_role`, :func:`set_doing`), and then dies of the same signal,
+so the launcher sees what it would have seen and ends the job its own way.
+
+Why a parent: MPICH's hydra, with its default flags, kills every other
+process of a job the instant one of them ends, before any surviving rank can
+say which one it was; Open MPI's ``prterun`` does the same. The guard learns
+of its child's death (``waitpid``) before the launcher learns of anything.
+
+* Signals the guard gets (SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1,
+  SIGUSR2: Ctrl-C, ``scancel``, hydra's SIGUSR1) are passed on to the rank,
+  which handles them as before; a rank that then dies of one of them is not
+  reported as a failure.
+* The rank dies with its guard (``PR_SET_PDEATHSIG``): a guard killed by the
+  launcher's clean-up leaves nothing running.
+* Exit codes pass through unchanged.
+* ``GGPIPE_GUARD=0`` turns it off (then a rank is one process, as before).
+
+Each rank is then two processes with the same command line and environment:
+the guard, named ``ggpipe-guard`` in ``ps``/``top``, and its child that holds
+the stage (the one to look at with ``top`` or a debugger). Kept free of heavy imports: the entry point runs it
+before anything else.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+import signal
+import socket
+import sys
+
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+_FIELD = 1024          # bytes per status field in the shared page
+_ROLE, _DOING, _REPORTED = 0, _FIELD, 2 * _FIELD
+_PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
+GUARD_NAME = "ggpipe-guard"   # the guard's process name (/proc/PID/comm)
+
+_page: mmap.mmap | None = None
+
+
+def enabled() -> bool:
+    """``GGPIPE_GUARD`` is not "0"."""
+    return os.environ.get("GGPIPE_GUARD", "1") != "0"
+
+
+def start(rank: int) -> None:
+    """Fork the rank off its guard. Returns in the child (the rank); the
+    parent becomes the guard and never returns (it exits as its child did).
+    Call before any thread is started and before MPI is initialised."""
+    global _page
+    page = mmap.mmap(-1, 3 * _FIELD)  # anonymous and shared: written by the rank, read by its guard
+    guard_pid = os.getpid()
+    name = _comm()
+    # named before the fork, so that no one listing processes ever sees the guard under the rank's name
+    _prctl(_PR_SET_NAME, ctypes.c_char_p(GUARD_NAME.encode()))
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)  # none may be lost between fork and the handlers
+    try:
+        pid = os.fork()
+    except OSError:
+        pid = -1
+    if pid < 0:
+        _prctl(_PR_SET_NAME, ctypes.c_char_p(name))
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+        return  # no guard: the rank runs as one process
+    if pid == 0:
+        _prctl(_PR_SET_NAME, ctypes.c_char_p(name))
+        _die_with(guard_pid)
+        _page = page
+        set_doing("starting (before MPI start-up)")
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+        return
+    _guard(rank, pid, page)
+
+
+def set_role(text: str) -> None:
+    """The rank's part of the job, e.g. "target layers 20-39" (no-op
+    without a guard)."""
+    _write(_ROLE, text)
+
+
+def set_doing(text: str) -> None:
+    """What the rank is doing now, e.g. "decoding run 57 (4 tokens)" (no-op
+    without a guard; a few microseconds with one)."""
+    _write(_DOING, text)
+
+
+def mark_reported() -> None:
+    """ggpipe has already printed why this rank ends (a time-out, a dead
+    peer) and is about to kill it or abort the job: the guard stays quiet
+    if the rank then dies of a signal."""
+    if _page is not None:
+        _page[_REPORTED] = 1
+
+
+def _write(offset: int, text: str) -> None:
+    if _page is None:
+        return
+    b = text.encode("utf-8", "replace")[: _FIELD - 1] + b"\0"
+    _page[offset:offset + len(b)] = b
+
+
+def _read(page: mmap.mmap, offset: int) -> str:
+    raw = page[offset:offset + _FIELD]
+    return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
+
+
+def _die_with(guard_pid: int) -> None:
+    """In the child: get SIGKILL when the guard dies (Linux; elsewhere the
+    launcher's own clean-up has to do); exit at once if it already has."""
+    _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    if os.getppid() != guard_pid:
+        os._exit(1)
+
+
+def _prctl(option: int, *args) -> None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(option, *args, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux
+
+
+def _comm() -> bytes:
+    """This process's name (/proc/self/comm), e.g. b"python3"."""
+    try:
+        with open("/proc/self/comm", "rb") as f:
+            return f.read().strip()[:15]
+    except OSError:
+        return b"python"
+
+
+def _guard(rank: int, child: int, page: mmap.mmap) -> None:
+    passed_on: set[int] = set()
+
+    def forward(signum, frame):  # noqa: ARG001 (signal handler signature)
+        passed_on.add(signum)
+        try:
+            os.kill(child, signum)
+        except ProcessLookupError:
+            pass
+
+    for s in FORWARDED:
+        signal.signal(s, forward)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+    while True:
+        try:
+            _, status = os.waitpid(child, 0)  # retried after a signal handler runs (PEP 475)
+            break
+        except ChildProcessError:
+            os._exit(1)
+    if os.WIFEXITED(status):
+        os._exit(os.WEXITSTATUS(status))
+    sig = os.WTERMSIG(status)
+    if sig not in passed_on and not page[_REPORTED]:
+        os.write(2, (death_line(rank, socket.gethostname(), child, sig, _read(page, _ROLE), _read(page, _DOING))
+                     + "\n").encode("utf-8", "replace"))
+    for s in {*FORWARDED, sig}:
+        try:
+            signal.signal(s, signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass  # SIGKILL, SIGSTOP: their action cannot be changed, and is the default
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
+    sys.stderr.flush()
+    os.kill(os.getpid(), sig)   # die as the rank died, so the launcher reports what it always has
+    os._exit(128 + sig)
+
+
+def death_line(rank: int, host: str, pid: int, sig: int, role: str, doing: str) -> str:
+    """The guard's one line, e.g. ``ggpipe: error: rank 1 (node2, pid 4242,
+    target layers 20-39) died (killed by SIGKILL) while decoding run 57 (4
+    tokens); the job stops``."""
+    try:
+        name = signal.Signals(sig).name
+    except ValueError:
+        name = f"signal {sig}"
+    who = "the head, rank 0" if rank == 0 else f"rank {rank}"
+    return (f"ggpipe: error: {who} ({host}, pid {pid}{', ' + role if role else ''}) died (killed by {name})"
+            f"{' while ' + doing if doing else ''}; the job stops")

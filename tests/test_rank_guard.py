@@ -1,0 +1,103 @@
+"""The rank guard (ggpipe/transport/rank_guard.py), without MPI: a process that
+calls ``start`` becomes the guard of a forked child, which plays the rank."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+
+from ggpipe.transport import rank_guard
+
+GUARDED = """
+import os, signal, sys, time
+from ggpipe.transport import rank_guard
+rank_guard.start(3)
+rank_guard.set_role("target layers 10-19")
+rank_guard.set_doing("decoding run 7 (4 tokens at positions 12..)")
+{body}
+"""
+
+
+def _run(body: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", GUARDED.format(body=body)], capture_output=True, text=True,
+                          timeout=30)
+
+
+def _start(setup: str, body: str = "time.sleep(30)") -> tuple[subprocess.Popen, int]:
+    """A guard whose rank runs ``setup``, prints its pid, then runs ``body``."""
+    code = GUARDED.format(body=f"{setup}\nprint(os.getpid(), flush=True)\n{body}")
+    p = subprocess.Popen([sys.executable, "-c", code],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return p, int(p.stdout.readline())
+
+
+def test_a_rank_killed_by_a_signal_is_named_by_its_guard():
+    p = _run("os.kill(os.getpid(), signal.SIGKILL)")
+    assert p.returncode == -signal.SIGKILL  # the guard dies as its rank did: the launcher sees the same
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1, p.stderr
+    assert re.fullmatch(r"ggpipe: error: rank 3 \([^,]+, pid \d+, target layers 10-19\) died \(killed by SIGKILL\) "
+                        r"while decoding run 7 \(4 tokens at positions 12\.\.\); the job stops", lines[0]), lines[0]
+
+
+def test_a_crash_is_named_too():
+    p = _run("os.kill(os.getpid(), signal.SIGSEGV)")
+    assert p.returncode == -signal.SIGSEGV
+    assert "died (killed by SIGSEGV)" in p.stderr
+
+
+def test_exit_codes_pass_through_silently():
+    for code in (0, 1, 7, 143):
+        p = _run(f"sys.exit({code})")
+        assert p.returncode == code and p.stderr == ""
+
+
+def test_signals_are_passed_on_to_the_rank_and_not_reported():
+    p, rank_pid = _start("signal.signal(signal.SIGTERM, lambda s, f: sys.exit(143))")
+    assert rank_pid != p.pid
+    p.send_signal(signal.SIGTERM)       # to the guard, as mpiexec or scancel would
+    _, err = p.communicate(timeout=10)
+    assert p.returncode == 143 and err == ""
+    # default action (explicitly: a shell that starts jobs in the background sets some to "ignore"):
+    # the rank dies of it, which is no failure
+    p, _ = _start("signal.signal(signal.SIGUSR2, signal.SIG_DFL)")
+    p.send_signal(signal.SIGUSR2)
+    _, err = p.communicate(timeout=10)
+    assert p.returncode == -signal.SIGUSR2 and "died" not in err
+
+
+def test_quiet_when_ggpipe_already_reported():
+    p = _run("rank_guard.mark_reported()\nos.kill(os.getpid(), signal.SIGKILL)")
+    assert p.returncode == -signal.SIGKILL and p.stderr == ""
+
+
+def test_the_rank_dies_with_its_guard_and_the_guard_is_named():
+    p, rank_pid = _start("", "time.sleep(60)")
+    assert psutil.Process(p.pid).name() == rank_guard.GUARD_NAME
+    assert psutil.Process(rank_pid).ppid() == p.pid
+    p.kill()                            # the launcher's clean-up kills the process it started
+    p.wait(timeout=10)
+    end = time.monotonic() + 5
+    while time.monotonic() < end and psutil.pid_exists(rank_pid):
+        try:
+            if psutil.Process(rank_pid).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.05)
+    else:
+        if psutil.pid_exists(rank_pid):
+            os.kill(rank_pid, signal.SIGKILL)
+            raise AssertionError("the rank outlived its guard")
+
+
+def test_switch_and_line():
+    assert rank_guard.enabled() == (os.environ.get("GGPIPE_GUARD", "1") != "0")
+    line = rank_guard.death_line(0, "n1", 42, int(signal.SIGKILL), "", "")
+    assert line == "ggpipe: error: the head, rank 0 (n1, pid 42) died (killed by SIGKILL); the job stops"
