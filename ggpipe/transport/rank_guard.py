@@ -19,7 +19,8 @@ of its child's death (``waitpid``) before the launcher learns of anything.
 * Signals the guard gets (SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1,
   SIGUSR2: Ctrl-C, ``scancel``, hydra's SIGUSR1) are passed on to the rank,
   which handles them as before; a rank that then dies of one of them is not
-  reported as a failure.
+  reported as a failure. The rank has a process group of its own, so a
+  signal a launcher sends to the guard's group reaches it once.
 * The rank dies with its guard (``PR_SET_PDEATHSIG``): a guard killed by the
   launcher's clean-up leaves nothing running.
 * Exit codes pass through unchanged.
@@ -77,6 +78,13 @@ def start(rank: int) -> None:
     if pid == 0:
         _prctl(_PR_SET_NAME, ctypes.c_char_p(name))
         _die_with(guard_pid)
+        try:
+            # a process group of its own: a launcher that signals the guard's group (hydra does)
+            # reaches the rank once, through the guard, not twice (a second SIGTERM would cut
+            # a server's shutdown grace short)
+            os.setpgid(0, 0)
+        except OSError:
+            pass
         _page = page
         set_doing("starting (before MPI start-up)")
         signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
