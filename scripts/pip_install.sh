@@ -10,11 +10,8 @@ set -euo pipefail
 export CMAKE_ARGS="-DGGML_LLAMAFILE=OFF${CMAKE_ARGS:+ $CMAKE_ARGS}"
 export PIP_CACHE_DIR="${GGPIPE_PIP_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ggpipe/pip-llamafile-off}"
 python -m pip install --quiet "$@"
-has_sgemm() {
-  python -c 'import ctypes, sys, llama_cpp
-f = llama_cpp.llama_cpp._lib.ggml_cpu_has_llamafile
-f.restype = ctypes.c_int
-sys.exit(0 if f() else 1)'
+has_sgemm() {  # ggpipe's own check of the loaded llama.cpp (ggpipe/runtime/llama.py)
+  python -c 'import sys; from ggpipe.runtime.llama import llamafile_sgemm; sys.exit(0 if llamafile_sgemm() else 1)'
 }
 if has_sgemm; then
   echo "pip_install: llama-cpp-python has llamafile's sgemm (installed earlier with other flags); rebuilding it" >&2

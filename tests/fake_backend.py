@@ -209,17 +209,14 @@ class FakePipeline:
         hold (KV operations issued later must not change them); its own cells
         are added now as well."""
         rows = []
-        k = 0
         new: list[tuple[int, int, int]] = []
-        run_seqs = [[int(s) for s in run.seq_ids[sum(run.n_seq_id[:i]):sum(run.n_seq_id[:i + 1])]]
-                    for i in range(run.n_tokens)]
+        ends = np.cumsum(run.n_seq_id)
+        run_seqs = [[int(s) for s in run.seq_ids[end - n:end]] for n, end in zip(run.n_seq_id, ends)]
         self.kv_cells.place([int(p) for p in run.pos], run_seqs)
         if self.cell_order:
             for i in range(run.n_tokens):
                 self.kv_cells.check_in_order(run.run_id, run_seqs[i], int(run.pos[i]))
-        for i in range(run.n_tokens):
-            seqs = [int(s) for s in run.seq_ids[k:k + int(run.n_seq_id[i])]]
-            k += int(run.n_seq_id[i])
+        for i, seqs in enumerate(run_seqs):
             tok, pos = int(run.tokens[i]), int(run.pos[i])
             contexts = []
             for s in seqs:

@@ -12,13 +12,12 @@ import subprocess
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from ggpipe.errors import ConfigError
 from ggpipe.frontends.batch import done_ids, load_items
 from ggpipe.sampling import SamplingParams
-from tests.conftest import ROOT, ggpipe_cmd, run_ggpipe, stderr_lines
+from tests.conftest import ROOT, ggpipe_cmd, rank_processes, run_ggpipe, stderr_lines
 
 N = 12
 PROMPTS = [
@@ -133,14 +132,9 @@ def test_a_raw_line_separator_inside_a_string_is_one_line(tmp_path):
 
 
 def head_pid(mpiexec_pid: int) -> int | None:
-    """The pid of rank 0 under a running mpiexec (None until it exists)."""
-    for p in psutil.Process(mpiexec_pid).children(recursive=True):
-        try:
-            if p.environ().get("PMI_RANK") == "0" and "python" in p.name():
-                return p.pid
-        except psutil.Error:
-            pass
-    return None
+    """The pid of rank 0 (its stage process) under a running mpiexec (None until it exists)."""
+    head = rank_processes(mpiexec_pid).get(0)
+    return None if head is None else head.pid
 
 
 @pytest.mark.hydra

@@ -28,23 +28,6 @@ def test_ranks_started_with_different_arguments(smollm2):
     assert "Traceback" not in p.stderr
 
 
-def _rank_pids(root_pid: int, rank: int) -> list[int]:
-    import psutil
-
-    from ggpipe.transport.rank_guard import GUARD_NAME
-
-    out = []
-    for c in psutil.Process(root_pid).children(recursive=True):
-        try:
-            # the rank itself, not its guard (ggpipe/transport/rank_guard.py)
-            if (c.environ().get("PMI_RANK") == str(rank) and "ggpipe" in " ".join(c.cmdline())
-                    and c.name() != GUARD_NAME):
-                out.append(c.pid)
-        except psutil.Error:
-            pass
-    return out
-
-
 @pytest.mark.mpi
 def test_stopped_rank_is_reported_by_name_within_the_timeout(smollm2):
     """A rank that stops answering (SIGSTOP) during generation is reported
@@ -58,7 +41,7 @@ def test_stopped_rank_is_reported_by_name_within_the_timeout(smollm2):
 
     import psutil
 
-    from conftest import ROOT, mpiexec
+    from conftest import ROOT, mpiexec, wait_for_ranks
 
     cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "ggpipe", "generate", "-m", str(smollm2),
            "-p", "Once upon a time", "-n", "1500", "--ignore-eos", "--timeout", "3"]
@@ -66,8 +49,9 @@ def test_stopped_rank_is_reported_by_name_within_the_timeout(smollm2):
                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
         assert p.stdout.read(1)  # the head has started streaming tokens
-        pids = _rank_pids(p.pid, 1)
-        assert pids, "rank 1 not found"
+        procs = wait_for_ranks(p.pid, 2)
+        assert 1 in procs, "rank 1 not found"
+        pids = [procs[1].pid]
         children = psutil.Process(p.pid).children(recursive=True)
         t0 = time.monotonic()
         for pid in pids:

@@ -18,39 +18,7 @@ import time
 import psutil
 import pytest
 
-from ggpipe.transport.rank_guard import GUARD_NAME
-from tests.conftest import MPI_FLAVOR, ROOT, mpiexec
-
-RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
-
-
-def _rank_var(proc: psutil.Process) -> str | None:
-    env = proc.environ()
-    return next((env[k] for k in RANK_VARS if k in env), None)
-
-
-def rank_procs(launcher_pid: int, n: int, timeout: float = 60) -> dict[int, psutil.Process]:
-    """The processes holding the ranks' stages under the launcher, by rank
-    (any launcher): the children of the ranks' guards
-    (ggpipe/transport/rank_guard.py), not the guards themselves nor the
-    watchdog a rank forks around MPI_Init (its parent is the rank)."""
-    found: dict[int, psutil.Process] = {}
-    end = time.monotonic() + timeout
-    while time.monotonic() < end and len(found) < n:
-        for c in psutil.Process(launcher_pid).children(recursive=True):
-            try:
-                r = _rank_var(c)
-                parent = c.parent()
-                if r is None or "python" not in c.name() or parent is None:
-                    continue
-                if parent.name() != GUARD_NAME:  # not forked off its guard yet, or the MPI_Init watchdog
-                    continue
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-            found[int(r)] = c
-        time.sleep(0.05)
-    return found
-
+from tests.conftest import MPI_FLAVOR, ROOT, mpiexec, wait_for_ranks
 
 FLAGS = [pytest.param((), id="default-flags"),
          pytest.param(("-disable-auto-cleanup",), id="disable-auto-cleanup", marks=pytest.mark.hydra)]
@@ -75,7 +43,7 @@ def test_a_killed_rank_is_named_and_ends_the_job_leaving_nothing_running(goliath
     procs: dict[int, psutil.Process] = {}
     everything: list[psutil.Process] = []
     try:
-        procs = rank_procs(p.pid, 3)
+        procs = wait_for_ranks(p.pid, 3)
         assert sorted(procs) == [0, 1, 2], (MPI_FLAVOR, sorted(procs))
         if phase == "generating":
             assert p.stdout.read(1)

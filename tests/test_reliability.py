@@ -20,8 +20,7 @@ import time
 import psutil
 import pytest
 
-from ggpipe.transport.rank_guard import GUARD_NAME
-from tests.conftest import ROOT, mpiexec
+from tests.conftest import ROOT, mpiexec, wait_for_ranks
 
 pytestmark = [pytest.mark.mpi, pytest.mark.hydra]  # hydra: its flags, PMI_RANK, its SIGUSR1
 
@@ -56,21 +55,8 @@ class Job:
         self.guards: dict[int, psutil.Process] = {}
 
     def find_ranks(self, timeout: float = 60) -> dict[int, psutil.Process]:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end and len(self.procs) < self.ranks:
-            for c in psutil.Process(self.p.pid).children(recursive=True):
-                try:
-                    r = c.environ().get("PMI_RANK")
-                    parent = c.parent()
-                    # the process holding the stage: its guard's child (not the guard, nor the
-                    # watchdog the rank forks around MPI_Init)
-                    if r is None or parent is None or parent.name() != GUARD_NAME:
-                        continue
-                except (psutil.NoSuchProcess, psutil.AccessDenied):
-                    continue
-                self.procs[int(r)] = c
-                self.guards[int(r)] = parent
-            time.sleep(0.05)
+        self.procs = wait_for_ranks(self.p.pid, self.ranks, timeout)
+        self.guards = {r: c.parent() for r, c in self.procs.items()}
         assert len(self.procs) == self.ranks, f"found ranks {sorted(self.procs)}"
         return self.procs
 

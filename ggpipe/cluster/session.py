@@ -111,11 +111,10 @@ class Activity:
     The head updates it; the liveness thread reads it."""
 
     def __init__(self, doing: str = "starting up"):
-        self.doing = doing
-        self.clock = None  # a GenerationClock while a request runs
-        rank_guard.set_doing(doing)
+        self.set(doing)
 
     def set(self, doing: str, clock=None) -> None:
+        """``clock``: a GenerationClock while a request runs."""
         self.doing, self.clock = doing, clock
         rank_guard.set_doing(doing)  # what this rank's guard says if the rank dies
 
@@ -342,10 +341,10 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
         loaded = _load(config, rank, size)
     except GGPipeError as exc:
         err = str(exc)
-    if loaded is not None:
-        rank_guard.set_role(_role(loaded.roles, rank, loaded.layers))
+    role = None if loaded is None else _role(loaded.roles, rank, loaded.layers)
+    if role is not None:
+        rank_guard.set_role(role)
     if transport is not None:
-        role = None if loaded is None else _role(loaded.roles, rank, loaded.layers)
         got = _exchange(transport, rank, size, {"ok": err is None, "error": err, "role": role}, "ready",
                         config.load_timeout_s)
         if rank == 0:
