@@ -200,7 +200,8 @@ class Session:
             self.liveness.stop(leaving=True)
 
     def close(self) -> None:
-        self.stop_liveness()
+        if self.liveness is not None:  # leaving; the peers' last heartbeats received before MPI_Finalize
+            self.liveness.close()
         self.memory.stop()
         self.stage.close()
         if self.draft_stage is not None:
@@ -356,11 +357,11 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
                 msg = e if (r == 0 or e == err) else f"{transport.name(r)}: {e}"
             _verdict(transport, size, msg)
             if msg:
-                liveness.stop()
+                liveness.close()
                 _close_loaded(loaded)
                 raise GGPipeError(msg)
         elif not got["ok"]:
-            liveness.stop()
+            liveness.close()
             _close_loaded(loaded)
             raise RankFailedError(got["error"])
     elif err:

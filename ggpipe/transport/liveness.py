@@ -136,6 +136,7 @@ class Liveness:
         self._peer_signal = False
         self.before_abort: list[Callable[[str], None]] = []  # front ends: answer clients first
         self.fired = False
+        self._leaving = False
         if threading.current_thread() is threading.main_thread():
             # hydra (-disable-auto-cleanup) signals a rank's death with SIGUSR1
             signal.signal(signal.SIGUSR1, self._on_sigusr1)
@@ -225,7 +226,8 @@ class Liveness:
 
     def stop(self, leaving: bool = True) -> None:
         """Stop watching; with ``leaving`` tell the peers this rank is going
-        away normally (so they do not report it)."""
+        away normally (so they do not report it). Heartbeats still arriving
+        are received until :meth:`close`."""
         if self._stop.is_set():
             return
         ignore_launcher_signal()  # from here on a peer's exit is normal
@@ -234,14 +236,36 @@ class Liveness:
         if self._thread.is_alive():
             self._thread.join()
         if leaving and not self.fired:
+            self._wait_sends(1.0)  # a beat still in flight first: the LEAVING one must not be skipped
             self._send_all(_LEAVING)
+        self._leaving = leaving and not self.fired
+
+    def close(self, wait_s: float = 2.0) -> None:
+        """Stop (leaving) if not stopped, then receive the peers' heartbeats
+        until every peer has said it is leaving (at most ``wait_s`` seconds),
+        and release the requests. A heartbeat left unreceived at
+        ``MPI_Finalize`` is an unmatched message: UCX prints a warning for
+        each on stdout ("unexpected tag-receive descriptor ... was not
+        matched"), seen between hosts (scripts/netns_cluster.py). MPI keeps
+        the order of one sender's messages on a communicator, so a peer's
+        LEAVING beat is its last."""
+        self.stop(leaving=True)
+        if self._leaving:
+            deadline = time.monotonic() + wait_s
+            while set(self.peers) - self.monitor.departed and time.monotonic() < deadline:
+                self._receive_all()
+                time.sleep(1e-3)
         for req in self._recvs.values():
             try:
                 req.Cancel()
                 req.Wait()
             except self.MPI.Exception:
                 pass
-        deadline = time.monotonic() + 1.0
+        self._recvs = {}
+        self._wait_sends(1.0)
+
+    def _wait_sends(self, wait_s: float) -> None:
+        deadline = time.monotonic() + wait_s
         for req, _ in self._sends.values():
             while not req.Test() and time.monotonic() < deadline:
                 time.sleep(1e-3)
