@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ggpipe.logits import TopRow, argmax
+
 from ggpipe.errors import ConfigError
 
 __all__ = ["SamplingParams", "target_probs", "Sampler"]
@@ -177,9 +179,17 @@ class Sampler:
         self.params = (params or SamplingParams()).validate()
         self.rng = np.random.default_rng(self.params.seed)
 
-    def sample(self, logits: np.ndarray) -> int:
-        """Token id for ``logits`` (shape (n_vocab,)): greedy -> ``argmax``
-        (first index among ties); else one draw from :func:`target_probs`."""
+    def sample(self, logits: np.ndarray | TopRow) -> int:
+        """Token id for ``logits`` (shape (n_vocab,), or a compact row of a
+        greedy run, ggpipe.logits): greedy -> ``argmax`` (first index among
+        ties); else one draw from :func:`target_probs`.
+
+        Raises:
+            ValueError: stochastic sampling of a compact row."""
+        if isinstance(logits, TopRow):
+            if not self.params.greedy:
+                raise ValueError("a compact logits row (reply_k > 0) holds too little to sample from; ask for full rows")
+            return argmax(logits)
         if self.params.greedy:
             return int(np.argmax(_check_logits(logits)))
         return self.sample_from(target_probs(logits, self.params))

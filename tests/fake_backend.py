@@ -12,6 +12,7 @@ from collections import deque
 
 import numpy as np
 
+from ggpipe.logits import top_k
 from ggpipe.pipeline.runs import Run, RunResult
 
 
@@ -140,6 +141,7 @@ class FakePipeline:
         self.n_vocab = model.n_vocab
         self.latency = latency
         self.name = name
+        self.reply_k = 0  # as Pipeline.reply_k: k > 0 gives compact rows (ggpipe.logits)
         self.inflight: deque[Run] = deque()
         self._due: dict[int, int] = {}
         self._cancelled: set[int] = set()
@@ -153,6 +155,7 @@ class FakePipeline:
     # -- issuing ---------------------------------------------------------------
 
     def submit(self, run: Run) -> None:
+        run.reply_k = self.reply_k
         self.inflight.append(run)
         self._due[run.run_id] = self.clock + self.latency
         self.n_runs += 1
@@ -239,7 +242,9 @@ class FakePipeline:
                 raise AssertionError(f"run {run.run_id}: sequence {s} already holds another token at {p}")
             cells[p] = t
         self._pending_cells[run.run_id] = new
-        return np.stack(rows) if rows else None
+        if not rows:
+            return None
+        return top_k(np.stack(rows), run.reply_k) if run.reply_k else np.stack(rows)
 
     # -- results ----------------------------------------------------------------
 

@@ -41,8 +41,10 @@ def test_decode_round_trip():
         (lambda a: a.__setitem__(1, m.T_KV), "tag"),
         (lambda a: a.__setitem__(3, 99), "tokens"),
         (lambda a: a.__setitem__(5, 7), "payload"),
-        (lambda a: a.__setitem__(6, -1), "negative"),
-        (lambda a: a.__setitem__(6 + 3 + 1, 9), "sequence"),
+        (lambda a: a.__setitem__(6, -1), "reply_k"),
+        (lambda a: a.__setitem__(6, 100_000), "reply_k"),
+        (lambda a: a.__setitem__(m.DECODE_FIXED, -1), "negative"),
+        (lambda a: a.__setitem__(m.DECODE_FIXED + 3 + 1, 9), "sequence"),
         (lambda a: a.__setitem__(-1, 3), "output flags"),
     ],
 )

@@ -48,6 +48,7 @@ class IterativeDecoder:
             RankTimeoutError, ProtocolError: from the pipeline."""
         clock = clock or GenerationClock()
         clock.start()
+        self.pipe.reply_k = 1 if sampler.params.greedy else 0  # greedy reads the argmax only (ggpipe.logits)
         logits = self.pipe.prefill(prompt, start_pos, self.n_ubatch)
         clock.prompt_done()
         pos = start_pos + int(prompt.shape[0])

@@ -127,6 +127,7 @@ class SpeculativeDecoder:
                   else CutoffController(s.p_accept, s.p_recovery, s.p_decay))
         r = self.r = SpecRequest(n_predict=n_predict, emit=emit, clock=clock, graph=SpecGraph(sampler),
                                  cutoff=cutoff, context=history + tokens)
+        self.target.reply_k = 1 if sampler.params.greedy else 0  # greedy verification reads the argmax only
         p = self.proposer
         p.start(sampler.params, np.random.default_rng(
             None if sampler.params.seed is None else sampler.params.seed + 1),

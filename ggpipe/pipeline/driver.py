@@ -30,6 +30,7 @@ from collections import deque
 import numpy as np
 
 from ggpipe.errors import GGPipeError, ProtocolError, RankTimeoutError
+from ggpipe.logits import top_k, unpack
 from ggpipe.runtime.stage import KV_CLEAR, KV_SEQ_CP, KV_SEQ_RM, Cancelled, InvalidBatch, Stage
 from ggpipe.pipeline.runs import Run, RunResult
 from ggpipe.trace import tracer
@@ -48,6 +49,14 @@ class Pipeline:
         max_outputs: most logit rows one run may return.
         async_local: run the head's stage on an executor thread.
         name: "target" or "draft", for messages.
+
+    Attributes:
+        reply_k: the form of the results of the runs submitted from now on
+            (the decoders set it per request): 0 full float32 logit rows;
+            k > 0 per row the k best token ids, their logits and the row's
+            log-sum-exp (ggpipe.logits.TopLogits): (2k + 1) floats instead of
+            n_vocab on the link back from the last stage. Greedy decoding
+            reads no more than that.
     """
 
     def __init__(self, stage: Stage | None, transport, ranks: list[int], n_vocab: int,
@@ -61,6 +70,7 @@ class Pipeline:
         self.n_seq_max = n_seq_max
         self.max_outputs = max_outputs
         self.name = name
+        self.reply_k = 0
         self.inflight: deque[Run] = deque()
         self._done: deque[RunResult] = deque()  # local (single-stage) results, in order
         self._done_cv = threading.Condition()
@@ -94,12 +104,14 @@ class Pipeline:
         is done; asynchronous: returns at once."""
         self._check()
         run.started_at = time.perf_counter()
+        run.reply_k = self.reply_k
         self.inflight.append(run)
         if _TR:
             _TR.instant("submit", "head", run=run.run_id, n=int(run.pos.shape[0]), spec=bool(run.speculative),
                         pipeline=self.name)
         if self.stage is None:
-            header = m.DecodeHeader(run.run_id, run.pos, run.n_seq_id, run.seq_ids, run.outputs, m.PAYLOAD_TOKENS)
+            header = m.DecodeHeader(run.run_id, run.pos, run.n_seq_id, run.seq_ids, run.outputs, m.PAYLOAD_TOKENS,
+                                    run.reply_k)
             self._send_decode(header, run.tokens)
         elif self._jobs is not None:
             self._busy = True
@@ -190,7 +202,8 @@ class Pipeline:
                 self._done_cv.notify_all()
 
     def _decode_local(self, run: Run) -> None:
-        header = m.DecodeHeader(run.run_id, run.pos, run.n_seq_id, run.seq_ids, run.outputs, m.PAYLOAD_EMBD)
+        header = m.DecodeHeader(run.run_id, run.pos, run.n_seq_id, run.seq_ids, run.outputs, m.PAYLOAD_EMBD,
+                                run.reply_k)
         out = None
         if run.run_id in self._cancelled:
             self.stats["cancelled_before_start"] += 1
@@ -232,6 +245,8 @@ class Pipeline:
             else:
                 self._send_decode(header, out)
         else:
+            if out is not None and run.reply_k:  # the same form as from a last stage on another rank
+                out = top_k(out, run.reply_k)
             with self._done_cv:
                 self._done.append(RunResult(run, out, cancelled=out is None, finished_at=time.perf_counter()))
                 self._done_cv.notify_all()
@@ -317,14 +332,22 @@ class Pipeline:
         h = m.decode_logits(start, self.n_vocab, self.max_outputs)
         if h.run_id != run.run_id:
             raise ProtocolError(f"expected the result of run {run.run_id}, {t.name(src)} sent run {h.run_id}")
+        if h.n_outputs and h.top_k != min(run.reply_k, self.n_vocab):  # a cancelled run's header carries no rows
+            raise ProtocolError(f"logits of run {run.run_id}: top_k {h.top_k}, asked for {run.reply_k}")
         logits = None
         if h.n_outputs:
             _, flat = t.recv(src, m.T_LOGITS, np.float32, f"the {self.name} logits of run {run.run_id}", timeout_s,
-                             max_items=h.n_outputs * self.n_vocab)
-            if flat.shape[0] != h.n_outputs * self.n_vocab:
+                             max_items=h.n_outputs * h.row_floats)
+            if flat.shape[0] != h.n_outputs * h.row_floats:
                 raise ProtocolError(f"logits of run {run.run_id}: {flat.shape[0]} floats, "
-                                    f"expected {h.n_outputs} x {self.n_vocab}")
-            logits = flat.reshape(h.n_outputs, self.n_vocab)
+                                    f"expected {h.n_outputs} x {h.row_floats}")
+            if h.top_k:
+                try:
+                    logits = unpack(flat, h.n_outputs, h.top_k, self.n_vocab)
+                except ValueError as e:
+                    raise ProtocolError(f"logits of run {run.run_id}: {e}") from None
+            else:
+                logits = flat.reshape(h.n_outputs, self.n_vocab)
         self.inflight.popleft()
         self._cancelled.discard(run.run_id)
         if _TR:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ggpipe.logits import TopLogits
+
 _ids = itertools.count(1)
 
 
@@ -36,6 +38,9 @@ class Run:
         speculative: a speculative run (may be cancelled mid-stream) or a
             non-speculative one (always evaluated in full, PipeInfer IV.D.3).
         tag: free slot for the scheduling policy (e.g. the tree node ids).
+        reply_k: the result's form: 0 full float32 logit rows; k > 0 the k
+            best tokens of each row and its log-sum-exp (ggpipe.logits;
+            set by the pipeline from its ``reply_k`` when submitted).
     """
 
     run_id: int
@@ -47,6 +52,7 @@ class Run:
     speculative: bool = False
     tag: object = None
     started_at: float = 0.0
+    reply_k: int = 0
 
     @property
     def n_tokens(self) -> int:
@@ -79,10 +85,11 @@ class Run:
 
 @dataclass
 class RunResult:
-    """What came back for a run: float32 (n_outputs, n_vocab) logits, or
+    """What came back for a run: float32 (n_outputs, n_vocab) logits, their
+    compact form (ggpipe.logits.TopLogits, when the run's reply_k > 0), or
     nothing if it was cancelled."""
 
     run: Run
-    logits: np.ndarray | None
+    logits: np.ndarray | TopLogits | None
     cancelled: bool = False
     finished_at: float = 0.0

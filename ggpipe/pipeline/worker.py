@@ -27,6 +27,7 @@ import time
 import numpy as np
 
 from ggpipe.errors import ProtocolError
+from ggpipe.logits import pack, top_k
 from ggpipe.runtime.stage import Cancelled, InvalidBatch, Stage
 from ggpipe.trace import tracer
 from ggpipe.transport import messages as m
@@ -94,7 +95,7 @@ class Worker:
         """Serve until SHUTDOWN; returns this rank's statistics. The wait
         between transactions has no time-out: the heartbeats watch the head."""
         MPI = self.t.MPI
-        max_items = 6 + 3 * self.max_tokens + self.max_tokens * self.stage.spec.n_seq_max
+        max_items = m.DECODE_FIXED + 3 * self.max_tokens + self.max_tokens * self.stage.spec.n_seq_max
         separate_cancels = self.cancel_src is not None and self.cancel_src != self.prev
 
         def ready():
@@ -177,9 +178,11 @@ class Worker:
             self.t.send(self.next, m.T_DECODE, m.encode_decode(h))
             self.t.send(self.next, m.T_DECODE, out.reshape(-1))
         else:
-            self.t.send(self.head, m.T_LOGITS, m.encode_logits(m.LogitsHeader(h.run_id, out.shape[0], out.shape[1])))
-            if out.shape[0]:
-                self.t.send(self.head, m.T_LOGITS, out.reshape(-1))
+            n_out, n_vocab = out.shape
+            k = min(h.reply_k, n_vocab)  # greedy: the k best of each row and its log-sum-exp (ggpipe/logits.py)
+            self.t.send(self.head, m.T_LOGITS, m.encode_logits(m.LogitsHeader(h.run_id, n_out, n_vocab, top_k=k)))
+            if n_out:
+                self.t.send(self.head, m.T_LOGITS, out.reshape(-1) if k == 0 else pack(top_k(out, k)))
 
     def _receive_payload(self, h: m.DecodeHeader) -> dict:
         spec = self.stage.spec

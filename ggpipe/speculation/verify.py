@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ggpipe.logits import argmax
 from ggpipe.sampling import Sampler, target_probs
 
 
@@ -30,7 +31,8 @@ def verify_step(logits: np.ndarray, child_tokens: Sequence[int], child_q: Sequen
     """Decide one position.
 
     Args:
-        logits: float32 (n_vocab,) target logits at the parent.
+        logits: float32 (n_vocab,) target logits at the parent (greedy: or
+            its compact form, ggpipe.logits.TopRow).
         child_tokens: the draft tokens offered as children (may be empty).
         child_q: per child, the draft distribution (float64 (n_vocab,)) it
             was drawn from; only read when sampling is stochastic.
@@ -46,7 +48,7 @@ def verify_step(logits: np.ndarray, child_tokens: Sequence[int], child_q: Sequen
     """
     params = sampler.params
     if params.greedy:
-        t = int(np.argmax(logits))
+        t = argmax(logits)  # a full row or a compact one (ggpipe.logits): the same token
         for k, c in enumerate(child_tokens):
             if c == t:
                 return t, k

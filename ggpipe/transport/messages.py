@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ggpipe.errors import ProtocolError
+from ggpipe.logits import MAX_REPLY_K
 
 MAGIC = 0x6770
 
@@ -47,6 +48,7 @@ PAYLOAD_TOKENS = 1  # int32 (n,) token ids (a pipeline's first stage)
 PAYLOAD_EMBD = 2    # float32 (n, n_embd) hidden states
 
 _PREFIX = 3
+DECODE_FIXED = 7  # ints of a decode start message before its per-token arrays
 
 
 def _check_prefix(msg: np.ndarray, ttype: int, min_len: int) -> None:
@@ -71,6 +73,9 @@ class DecodeHeader:
         seq_ids: int32 (sum n_seq_id,) the KV sequence ids, token by token.
         outputs: int8 (n,) 1 where the last stage must return logits.
         payload: PAYLOAD_NONE / PAYLOAD_TOKENS / PAYLOAD_EMBD.
+        reply_k: 0: the last stage returns full float32 logit rows; k in
+            1..MAX_REPLY_K: per row the k best token ids, their logits and
+            the row's log-sum-exp (ggpipe.logits; greedy decoding).
     """
 
     run_id: int
@@ -79,6 +84,7 @@ class DecodeHeader:
     seq_ids: np.ndarray
     outputs: np.ndarray
     payload: int
+    reply_k: int = 0
 
     @property
     def n_tokens(self) -> int:
@@ -92,7 +98,7 @@ class DecodeHeader:
 def encode_decode(h: DecodeHeader) -> np.ndarray:
     """Start message of a decode transaction, int32:
 
-        [MAGIC, T_DECODE, run_id, n, n_seq_total, payload,
+        [MAGIC, T_DECODE, run_id, n, n_seq_total, payload, reply_k,
          pos[0..n), n_seq_id[0..n), seq_ids[0..n_seq_total), outputs[0..n)]
 
     It is followed (same tag) by one payload message unless payload is
@@ -101,9 +107,9 @@ def encode_decode(h: DecodeHeader) -> np.ndarray:
     """
     n = h.n_tokens
     total = int(h.seq_ids.shape[0])
-    out = np.empty(6 + 3 * n + total, dtype=np.int32)
-    out[:6] = (MAGIC, T_DECODE, h.run_id, n, total, h.payload)
-    o = 6
+    out = np.empty(DECODE_FIXED + 3 * n + total, dtype=np.int32)
+    out[:DECODE_FIXED] = (MAGIC, T_DECODE, h.run_id, n, total, h.payload, h.reply_k)
+    o = DECODE_FIXED
     out[o:o + n] = h.pos
     o += n
     out[o:o + n] = h.n_seq_id
@@ -120,19 +126,23 @@ def decode_decode(msg: np.ndarray, n_seq_max: int, max_tokens: int) -> DecodeHea
     Raises:
         ProtocolError: wrong magic/type, inconsistent lengths, a token count
             outside 1..max_tokens, sequence ids outside 0..n_seq_max-1,
-            negative positions or an unknown payload kind.
+            negative positions, an unknown payload kind or a reply_k
+            outside 0..MAX_REPLY_K.
     """
-    _check_prefix(msg, T_DECODE, 6)
-    run_id, n, total, payload = (int(x) for x in msg[2:6])
+    _check_prefix(msg, T_DECODE, DECODE_FIXED)
+    run_id, n, total, payload, reply_k = (int(x) for x in msg[2:DECODE_FIXED])
     if not 1 <= n <= max_tokens:
         raise ProtocolError(f"decode run {run_id}: {n} tokens (1..{max_tokens} allowed)")
     if total < n or total > n * n_seq_max:
         raise ProtocolError(f"decode run {run_id}: {total} sequence ids for {n} tokens")
-    if msg.shape[0] != 6 + 3 * n + total:
-        raise ProtocolError(f"decode run {run_id}: start message has {msg.shape[0]} ints, expected {6 + 3 * n + total}")
+    if msg.shape[0] != DECODE_FIXED + 3 * n + total:
+        raise ProtocolError(f"decode run {run_id}: start message has {msg.shape[0]} ints, "
+                            f"expected {DECODE_FIXED + 3 * n + total}")
     if payload not in (PAYLOAD_NONE, PAYLOAD_TOKENS, PAYLOAD_EMBD):
         raise ProtocolError(f"decode run {run_id}: unknown payload kind {payload}")
-    o = 6
+    if not 0 <= reply_k <= MAX_REPLY_K:
+        raise ProtocolError(f"decode run {run_id}: reply_k {reply_k} (0..{MAX_REPLY_K} allowed)")
+    o = DECODE_FIXED
     pos = msg[o:o + n].copy()
     o += n
     n_seq_id = msg[o:o + n].copy()
@@ -148,7 +158,7 @@ def decode_decode(msg: np.ndarray, n_seq_max: int, max_tokens: int) -> DecodeHea
         raise ProtocolError(f"decode run {run_id}: sequence id outside 0..{n_seq_max - 1}")
     if ((outputs != 0) & (outputs != 1)).any():
         raise ProtocolError(f"decode run {run_id}: output flags must be 0 or 1")
-    return DecodeHeader(run_id, pos, n_seq_id, seq_ids, outputs.astype(np.int8), payload)
+    return DecodeHeader(run_id, pos, n_seq_id, seq_ids, outputs.astype(np.int8), payload, reply_k)
 
 
 @dataclass
@@ -158,22 +168,31 @@ class LogitsHeader:
     Attributes:
         run_id: the run these logits belong to.
         n_outputs: rows of logits that follow (0: no payload message).
-        n_vocab: columns.
+        n_vocab: the vocabulary size (a full row's length).
         cancelled: 1 if the run was cancelled (no payload).
+        top_k: 0: full rows follow; k > 0: compact rows (the run's reply_k,
+            capped at n_vocab), ggpipe.logits.pack's layout.
     """
 
     run_id: int
     n_outputs: int
     n_vocab: int
     cancelled: int = 0
+    top_k: int = 0
+
+    @property
+    def row_floats(self) -> int:
+        """float32 values per row of the payload."""
+        return self.n_vocab if self.top_k == 0 else 2 * self.top_k + 1
 
 
 def encode_logits(h: LogitsHeader) -> np.ndarray:
     """Start message of a logits transaction, int32:
-    ``[MAGIC, T_LOGITS, run_id, n_outputs, n_vocab, cancelled]``, followed
-    (same tag) by float32 (n_outputs * n_vocab,) logits, row-major in batch
-    order of the output tokens, when n_outputs > 0."""
-    return np.array([MAGIC, T_LOGITS, h.run_id, h.n_outputs, h.n_vocab, h.cancelled], dtype=np.int32)
+    ``[MAGIC, T_LOGITS, run_id, n_outputs, n_vocab, cancelled, top_k]``,
+    followed (same tag), when n_outputs > 0, by float32 (n_outputs *
+    row_floats,): full logit rows (top_k 0) or compact ones (ggpipe.logits.pack),
+    row-major in batch order of the output tokens."""
+    return np.array([MAGIC, T_LOGITS, h.run_id, h.n_outputs, h.n_vocab, h.cancelled, h.top_k], dtype=np.int32)
 
 
 def decode_logits(msg: np.ndarray, n_vocab: int, max_outputs: int) -> LogitsHeader:
@@ -182,16 +201,18 @@ def decode_logits(msg: np.ndarray, n_vocab: int, max_outputs: int) -> LogitsHead
     Raises:
         ProtocolError: wrong layout, vocabulary size or output count.
     """
-    _check_prefix(msg, T_LOGITS, 6)
-    if msg.shape[0] != 6:
-        raise ProtocolError(f"logits start message has {msg.shape[0]} ints, expected 6")
-    h = LogitsHeader(int(msg[2]), int(msg[3]), int(msg[4]), int(msg[5]))
+    _check_prefix(msg, T_LOGITS, 7)
+    if msg.shape[0] != 7:
+        raise ProtocolError(f"logits start message has {msg.shape[0]} ints, expected 7")
+    h = LogitsHeader(*(int(x) for x in msg[2:7]))
     if h.n_vocab != n_vocab:
         raise ProtocolError(f"logits of run {h.run_id}: n_vocab {h.n_vocab}, expected {n_vocab}")
     if not 0 <= h.n_outputs <= max_outputs:
         raise ProtocolError(f"logits of run {h.run_id}: {h.n_outputs} rows (0..{max_outputs} allowed)")
     if h.cancelled not in (0, 1) or (h.cancelled and h.n_outputs):
         raise ProtocolError(f"logits of run {h.run_id}: bad cancelled flag")
+    if not 0 <= h.top_k <= min(MAX_REPLY_K, n_vocab):
+        raise ProtocolError(f"logits of run {h.run_id}: top_k {h.top_k} (0..{min(MAX_REPLY_K, n_vocab)} allowed)")
     return h
 
 

@@ -45,15 +45,17 @@ from typing import Callable, Protocol, Sequence, Sized, runtime_checkable
 
 import numpy as np
 
+from ggpipe.logits import TopLogits
 from ggpipe.sampling import SamplingParams
 from ggpipe.speculation.tree import SpecTree
 
 
 class DraftResult(Protocol):
-    """A finished run: float32 (n_outputs, n_vocab) ``logits``, or None
-    (no row was asked for, or the run was cancelled)."""
+    """A finished run: float32 (n_outputs, n_vocab) ``logits`` (with the
+    backend's ``reply_k`` > 0 their compact form, ggpipe.logits.TopLogits),
+    or None (no row was asked for, or the run was cancelled)."""
 
-    logits: np.ndarray | None
+    logits: np.ndarray | TopLogits | None
 
 
 class DecodeBackend(Protocol):
@@ -61,6 +63,7 @@ class DecodeBackend(Protocol):
     order they were started; KV operations are applied in order with them."""
 
     inflight: Sized  # runs started whose results were not taken yet
+    reply_k: int     # results of runs started from now on: 0 full logit rows, k the k best (ggpipe.logits)
 
     def decode(self, tokens: Sequence[int], start_pos: int, seq: int = 0, logits_last: bool = True) -> None:
         """Start one run of consecutive tokens of sequence ``seq``."""

@@ -35,6 +35,7 @@ from typing import Callable
 import numpy as np
 
 from ggpipe.kv_reuse import reusable_prefix
+from ggpipe.logits import best
 from ggpipe.sampling import SamplingParams, target_probs
 from ggpipe.speculation.proposers.base import DecodeBackend, DraftResult, ProposerConfig
 from ggpipe.speculation.tree import SpecTree
@@ -62,6 +63,7 @@ class DraftModelProposer:
         self.rng = np.random.default_rng()
         self.p_split = cfg.p_split
         self.width = cfg.width
+        self.reply_k = 0  # the form of the draft's results (ggpipe.logits), set per request by start()
         self.n_ubatch = cfg.n_ubatch
         self.cursor: list[int] = []      # tokens in the draft's KV, positions 0..len-1 (kept across requests)
         self.active = False
@@ -91,6 +93,12 @@ class DraftModelProposer:
         self.acceptance = acceptance
         self.active = False
         self.tree = None
+        # greedy drafting reads the best width+1 tokens of a row: the draft's last
+        # stage sends those instead of the whole row (ggpipe.logits)
+        reply_k = (self.width + 1 if self.width > 1 else 1) if params.greedy else 0
+        if reply_k != self.reply_k:
+            self._last_logits = None  # the cached anchor row is of the other form
+        self.reply_k = self.pipe.reply_k = reply_k
 
     def reset(self) -> None:
         """The draft's KV cache was cleared."""
@@ -226,10 +234,9 @@ class DraftModelProposer:
         greedy = self.params.greedy
         if greedy:
             # the draft's confidence only shapes the tree (verification is the
-            # target's argmax): float32, no full float64 distribution per step
-            top = int(np.argmax(logits))
-            z = float(np.exp(logits - logits[top]).sum())
-            q_top = 1.0 / z
+            # target's argmax): the reply_k best tokens and their probabilities
+            cand, cand_q = best(logits, self.reply_k)
+            top, q_top = int(cand[0]), float(cand_q[0])
         else:
             q = target_probs(logits, self.params)
             top = int(np.argmax(q))
@@ -244,12 +251,9 @@ class DraftModelProposer:
             node = tree.add(tok, self._parent, q_top)
             leaves = len(tree.leaves())
             if self.width > leaves and len(tree) < self._max_nodes:
-                k = min(self.width - leaves + 1, logits.shape[0] - 1)
-                cand = np.argpartition(-logits, k)[: k + 1]
-                cand = cand[np.argsort(-logits[cand], kind="stable")]
-                for t in cand:
-                    t = int(t)
-                    qt = float(np.exp(logits[t] - logits[top])) / z
+                k = self.width - leaves + 1
+                for t, qt in zip(cand[: k + 1], cand_q[: k + 1]):
+                    t, qt = int(t), float(qt)
                     if t == tok or qt < self.p_split:
                         continue
                     if len(tree.leaves()) >= self.width or len(tree) >= self._max_nodes:
