@@ -5,15 +5,18 @@ A pipeline's last stage returns one float32 row of ``n_vocab`` logits per
 output token: 196,608 bytes for SmolLM2's 49,152 tokens, 1.6 ms on a
 1 Gbit/s link, per token, for a decision that in greedy mode reads only the
 argmax (the target's verification) or the few best tokens and their
-probabilities (the draft's tree). With ``reply_k = k`` a run's result carries,
-per row, the k best token ids, their logits and the log-sum-exp of the whole
-row: (2k + 1) x 4 bytes.
+probabilities (the draft's tree), and with top-k sampling only the top-k
+logits. With ``reply_k = k`` a run's result carries, per row, the k best
+token ids, their logits and the log-sum-exp of the whole row: (2k + 1) x 4
+bytes.
 
-Exactness: :func:`top_k` puts ``np.argmax(row)`` first (the first index
-among ties, as ``llama_sampler_greedy_apply`` and :class:`ggpipe.sampling.Sampler`
-do), so :func:`argmax` of the compact row is the argmax of the full row.
-Probabilities are ``exp(logit - lse)``; the stochastic modes still get full
-rows (``reply_k = 0``).
+Exactness: :func:`top_k` selects and orders as :mod:`ggpipe.sampling`'s top-k
+filter does (:func:`top_k_sorted`: by logit descending, ties lowest id
+first), so its first id is ``np.argmax`` (llama_sampler_greedy_apply's
+choice) and, for ``k >= top_k``, :func:`dense` (the kept logits, ``-inf``
+elsewhere) gives :func:`ggpipe.sampling.target_probs` exactly the
+distribution of the full row (top-k, then top-p over the survivors, then
+temperature). :func:`reply_k_for` says which k a request needs (0: full rows).
 """
 
 from __future__ import annotations
@@ -23,6 +26,30 @@ from dataclasses import dataclass
 import numpy as np
 
 MAX_REPLY_K = 256  # most candidates per row a run may ask for
+
+
+def top_k_sorted(x: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest values of x, sorted by value descending, ties by
+    index ascending. O(n + k log k)."""
+    n = x.size
+    if k >= n:
+        return np.argsort(-x, kind="stable")
+    v = np.partition(x, n - k)[n - k]  # k-th largest value
+    above = np.flatnonzero(x > v)
+    at = np.flatnonzero(x == v)[: k - above.size]
+    cand = np.sort(np.concatenate([above, at]))
+    return cand[np.argsort(-x[cand], kind="stable")]
+
+
+def reply_k_for(greedy: bool, top_k: int, width: int = 1) -> int:
+    """The smallest reply that decides like the full row: greedy reads the
+    ``width`` best tokens and the next (a tree of that width; 1 for a chain or
+    the target's argmax), top-k sampling the top ``top_k``; 0 (full rows)
+    when sampling keeps more than MAX_REPLY_K tokens or is not top-k
+    limited."""
+    if greedy:
+        return width + 1 if width > 1 else 1
+    return top_k if 0 < top_k <= MAX_REPLY_K else 0
 
 
 @dataclass(frozen=True)
@@ -77,14 +104,7 @@ def top_k(logits: np.ndarray, k: int) -> TopLogits:
     k = max(1, min(int(k), v))
     ids = np.empty((n, k), dtype=np.int32)
     for i in range(n):
-        row = logits[i]
-        top = int(np.argmax(row))
-        ids[i, 0] = top
-        if k > 1:
-            cand = np.argpartition(-row, k)[: k + 1] if k < v else np.arange(v)
-            cand = cand[cand != top]
-            order = np.lexsort((cand, -row[cand]))[: k - 1]
-            ids[i, 1:] = cand[order]
+        ids[i] = np.argmax(logits[i]) if k == 1 else top_k_sorted(logits[i], k)
     values = np.take_along_axis(logits, ids, axis=1)
     mx = values[:, :1]
     lse = (mx[:, 0] + np.log(np.exp(logits - mx).sum(axis=1))).astype(np.float32)
@@ -117,6 +137,14 @@ def unpack(flat: np.ndarray, n: int, k: int, n_vocab: int) -> TopLogits:
     return TopLogits(ids, rows[:, k:2 * k].copy(), rows[:, 2 * k].copy(), n_vocab)
 
 
+def dense(row: TopRow) -> np.ndarray:
+    """float32 (n_vocab,): the row's kept logits at their ids, ``-inf``
+    elsewhere (what sampling's top-k filter leaves of the full row)."""
+    out = np.full(row.n_vocab, -np.inf, dtype=np.float32)
+    out[row.ids] = row.values
+    return out
+
+
 def argmax(row: np.ndarray | TopRow) -> int:
     """The greedy token of a full float32 (n_vocab,) row or a compact one:
     the first index among ties."""
@@ -140,12 +168,6 @@ def best(row: np.ndarray | TopRow, k: int) -> tuple[np.ndarray, np.ndarray]:
         return ids, p
     top = int(np.argmax(row))
     z = float(np.exp(row - row[top]).sum())
-    k = min(k, row.shape[0])
-    if k == 1:
-        return np.array([top]), np.array([1.0 / z])
-    cand = np.argpartition(-row, k)[: k + 1] if k < row.shape[0] else np.arange(row.shape[0])
-    cand = cand[cand != top]
-    cand = cand[np.lexsort((cand, -row[cand]))][: k - 1]
-    ids = np.concatenate([[top], cand]).astype(np.int64)
+    ids = (np.array([top]) if k <= 1 else top_k_sorted(row, k)).astype(np.int64)
     p = np.exp((row[ids] - row[top]).astype(np.float64)) / z
     return ids, p

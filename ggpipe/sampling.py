@@ -34,9 +34,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ggpipe.logits import TopRow, argmax
-
 from ggpipe.errors import ConfigError
+from ggpipe.logits import TopRow, argmax, dense
+from ggpipe.logits import top_k_sorted as _top_k_sorted
 
 __all__ = ["SamplingParams", "target_probs", "Sampler"]
 
@@ -94,19 +94,6 @@ def _softmax(z: np.ndarray) -> np.ndarray:
     return e / e.sum()
 
 
-def _top_k_sorted(x: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the k largest values of x, sorted by value descending, ties by
-    index ascending. O(n + k log k)."""
-    n = x.size
-    if k >= n:
-        return np.argsort(-x, kind="stable")
-    v = np.partition(x, n - k)[n - k]  # k-th largest value
-    above = np.flatnonzero(x > v)
-    at = np.flatnonzero(x == v)[: k - above.size]
-    cand = np.sort(np.concatenate([above, at]))
-    return cand[np.argsort(-x[cand], kind="stable")]
-
-
 def target_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """The distribution that sampling with ``params`` draws from.
 
@@ -116,10 +103,21 @@ def target_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     ``argmax`` (first index among ties). Algorithm and order: see the module
     docstring (llama.cpp top_k -> top_p -> temperature -> dist).
 
+    A compact row (ggpipe.logits.TopRow) stands for its full row when it
+    holds at least the ``top_k`` tokens that sampling keeps (its reply was
+    ``reply_k_for``): the other logits cannot change the distribution.
+
     Raises ConfigError for invalid params; ValueError for a wrong shape, NaN or
-    +inf logits, or logits that are all -inf.
+    +inf logits, logits that are all -inf, or a compact row holding fewer
+    than the tokens sampling keeps.
     """
     params.validate()
+    if isinstance(logits, TopRow):
+        kept = logits.ids.shape[0]
+        if not params.greedy and not (0 < params.top_k <= kept or kept >= logits.n_vocab):
+            raise ValueError(f"a compact logits row of {kept} tokens cannot be sampled with top_k {params.top_k}; "
+                             "ask for full rows")
+        logits = dense(logits)
     x = _check_logits(logits)
     if np.isneginf(x).all():
         raise ValueError("all logits are -inf")
@@ -185,10 +183,9 @@ class Sampler:
         ties); else one draw from :func:`target_probs`.
 
         Raises:
-            ValueError: stochastic sampling of a compact row."""
-        if isinstance(logits, TopRow):
-            if not self.params.greedy:
-                raise ValueError("a compact logits row (reply_k > 0) holds too little to sample from; ask for full rows")
+            ValueError: a compact row holding fewer tokens than sampling
+                keeps (see :func:`target_probs`)."""
+        if isinstance(logits, TopRow) and self.params.greedy:
             return argmax(logits)
         if self.params.greedy:
             return int(np.argmax(_check_logits(logits)))

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ggpipe.logits import MAX_REPLY_K, TopRow, argmax, best, pack, top_k, unpack
-from ggpipe.sampling import Sampler, SamplingParams
+from ggpipe.logits import MAX_REPLY_K, TopRow, argmax, best, pack, reply_k_for, top_k, unpack
+from ggpipe.sampling import Sampler, SamplingParams, target_probs
 from ggpipe.speculation.verify import verify_step
 from ggpipe.transport import messages as m
 
@@ -86,10 +86,24 @@ def test_greedy_decisions_on_compact_rows_equal_full_rows():
         assert verify_step(c, kids, [None] * 3, g) == verify_step(x, kids, [None] * 3, g)
 
 
-def test_stochastic_sampling_refuses_a_compact_row():
-    s = Sampler(SamplingParams(temperature=0.8, seed=1))
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 10_000), st.integers(1, 60), st.sampled_from([1.0, 0.95, 0.5]), st.booleans())
+def test_top_k_sampling_of_a_compact_row_is_the_full_rows_distribution(seed, k, top_p, ties):
+    """target_probs of the reply reply_k_for gives equals that of the full
+    row, exactly (ties at the top-k cut included): the stochastic modes draw
+    from the same distribution over the link's compact rows."""
+    params = SamplingParams(temperature=0.7, top_k=k, top_p=top_p)
+    x = rows(seed, ties=ties)[0]
+    c = top_k(x[None], reply_k_for(False, k))[0]
+    np.testing.assert_array_equal(target_probs(c, params), target_probs(x, params))
+
+
+def test_sampling_refuses_a_compact_row_that_holds_too_little():
+    s = Sampler(SamplingParams(temperature=0.8, top_k=10, seed=1))
     with pytest.raises(ValueError, match="ask for full rows"):
         s.sample(top_k(rows(3), 4)[0])
+    assert reply_k_for(False, 0) == 0 and reply_k_for(False, MAX_REPLY_K + 1) == 0  # full rows then
+    assert reply_k_for(True, 40) == 1 and reply_k_for(True, 40, width=3) == 4
 
 
 def test_messages_carry_reply_k_and_top_k():

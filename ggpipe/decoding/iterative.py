@@ -10,6 +10,7 @@ from typing import Callable
 
 import numpy as np
 
+from ggpipe.logits import reply_k_for
 from ggpipe.metrics import GenerationClock
 from ggpipe.pipeline.driver import Pipeline
 from ggpipe.sampling import Sampler
@@ -48,7 +49,8 @@ class IterativeDecoder:
             RankTimeoutError, ProtocolError: from the pipeline."""
         clock = clock or GenerationClock()
         clock.start()
-        self.pipe.reply_k = 1 if sampler.params.greedy else 0  # greedy reads the argmax only (ggpipe.logits)
+        sp = sampler.params  # greedy reads the argmax, top-k sampling the top k (ggpipe.logits)
+        self.pipe.reply_k = reply_k_for(sp.greedy, sp.top_k)
         logits = self.pipe.prefill(prompt, start_pos, self.n_ubatch)
         clock.prompt_done()
         pos = start_pos + int(prompt.shape[0])

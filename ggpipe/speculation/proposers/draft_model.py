@@ -35,7 +35,7 @@ from typing import Callable
 import numpy as np
 
 from ggpipe.kv_reuse import reusable_prefix
-from ggpipe.logits import best
+from ggpipe.logits import best, reply_k_for
 from ggpipe.sampling import SamplingParams, target_probs
 from ggpipe.speculation.proposers.base import DecodeBackend, DraftResult, ProposerConfig
 from ggpipe.speculation.tree import SpecTree
@@ -93,9 +93,9 @@ class DraftModelProposer:
         self.acceptance = acceptance
         self.active = False
         self.tree = None
-        # greedy drafting reads the best width+1 tokens of a row: the draft's last
-        # stage sends those instead of the whole row (ggpipe.logits)
-        reply_k = (self.width + 1 if self.width > 1 else 1) if params.greedy else 0
+        # greedy drafting reads the best width+1 tokens of a row, top-k sampling the
+        # top k: the draft's last stage sends those instead of the whole row (ggpipe.logits)
+        reply_k = reply_k_for(params.greedy, params.top_k, self.width)
         if reply_k != self.reply_k:
             self._last_logits = None  # the cached anchor row is of the other form
         self.reply_k = self.pipe.reply_k = reply_k
