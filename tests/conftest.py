@@ -160,6 +160,27 @@ def wait_for_ranks(root_pid: int, n: int, timeout: float = 60) -> dict:
     return found
 
 
+def guard_line(err: str, rank: int, pid: int, host: str = r"[^,]+") -> re.Match | None:
+    """The line of the guard of ``rank`` (ggpipe/transport/rank_guard.py)
+    naming it killed by SIGKILL: ``ggpipe: error: rank 1 (host, pid 123,
+    target layers 14-26) died (killed by SIGKILL) while ...``; ``host`` is a
+    regular expression."""
+    who = "the head, rank 0" if rank == 0 else f"rank {rank}"
+    return re.search(rf"ggpipe: error: {who} \({host}, pid {pid}(, [^)]*)?\) died \(killed by SIGKILL\) while [^\n]+",
+                     err)
+
+
+def kill_and_wait(p: subprocess.Popen, victim, timeout: float = 60) -> tuple[str, str, float]:
+    """SIGKILL ``victim`` (a psutil.Process of job ``p``), then wait for the
+    job to end: (stdout, stderr, seconds from the kill to the end)."""
+    import signal
+
+    victim.send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    out, err = p.communicate(timeout=timeout)
+    return out, err, time.monotonic() - t0
+
+
 def ggpipe_cmd(args: list[str], ranks: int | None) -> list[str]:
     base = [sys.executable, "-m", "ggpipe", *args]
     return base if ranks is None else [mpiexec(), "-n", str(ranks), *base]

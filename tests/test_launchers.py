@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import time
 import psutil
 import pytest
 
-from tests.conftest import MPI_FLAVOR, ROOT, mpiexec, wait_for_ranks
+from tests.conftest import MPI_FLAVOR, ROOT, guard_line, kill_and_wait, mpiexec, wait_for_ranks
 
 FLAGS = [pytest.param((), id="default-flags"),
          pytest.param(("-disable-auto-cleanup",), id="disable-auto-cleanup", marks=pytest.mark.hydra)]
@@ -54,13 +53,9 @@ def test_a_killed_rank_is_named_and_ends_the_job_leaving_nothing_running(goliath
             time.sleep(0.5)
         everything = psutil.Process(p.pid).children(recursive=True)
         victim = procs[1]
-        victim.send_signal(signal.SIGKILL)
-        t0 = time.monotonic()
-        out, err = p.communicate(timeout=60)
-        took = time.monotonic() - t0
+        out, err, took = kill_and_wait(p, victim)
         assert p.returncode != 0, err[-2000:]
-        line = re.search(rf"ggpipe: error: rank 1 \([^,]+, pid {victim.pid}(, target layers \d+-\d+)?\) died "
-                         rf"\(killed by SIGKILL\) while [^\n]+", err)
+        line = guard_line(err, 1, victim.pid)
         assert line, (MPI_FLAVOR, err[-2000:])
         if phase != "start-up":
             assert "target layers" in line.group(0), line.group(0)

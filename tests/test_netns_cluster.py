@@ -26,7 +26,7 @@ import psutil
 import pytest
 
 from ggpipe.bench.prompts import load_prompts, render_prompts
-from tests.conftest import ROOT, mpiexec, wait_for_ranks
+from tests.conftest import ROOT, guard_line, kill_and_wait, mpiexec, wait_for_ranks
 
 pytestmark = pytest.mark.mpi
 
@@ -144,14 +144,10 @@ def test_a_rank_killed_on_another_host_is_named(cluster, goliath):
         assert sorted(procs) == [0, 1, 2], sorted(procs)
         assert p.stdout.read(1)  # generating
         victim = procs[1]
-        victim.send_signal(signal.SIGKILL)
-        t0 = time.monotonic()
-        _, err = p.communicate(timeout=60)
-        took = time.monotonic() - t0
+        _, err, took = kill_and_wait(p, victim)
         assert p.returncode != 0, err[-2000:]
-        host2 = cluster["hosts"][1]["namespace"]
-        assert re.search(rf"ggpipe: error: rank 1 \({host2}, pid {victim.pid}, target layers \d+-\d+\) died "
-                         rf"\(killed by SIGKILL\) while [^\n]+", err), err[-2000:]
+        line = guard_line(err, 1, victim.pid, host=cluster["hosts"][1]["namespace"])
+        assert line and "target layers" in line.group(0), err[-2000:]
         assert took < 10, (took, err[-2000:])
         deadline = time.monotonic() + 5
         left = ["?"]

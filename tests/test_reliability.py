@@ -20,7 +20,7 @@ import time
 import psutil
 import pytest
 
-from tests.conftest import ROOT, mpiexec, wait_for_ranks
+from tests.conftest import ROOT, guard_line, mpiexec, wait_for_ranks
 
 pytestmark = [pytest.mark.mpi, pytest.mark.hydra]  # hydra: its flags, PMI_RANK, its SIGUSR1
 
@@ -29,8 +29,7 @@ BOUND_S = 10.0
 
 def guard_named(err: str, rank: int, pid: int) -> bool:
     """The dead rank's guard (ggpipe/transport/rank_guard.py) named it: every time."""
-    who = "the head, rank 0" if rank == 0 else f"rank {rank}"
-    return re.search(rf"ggpipe: error: {who} \([^,]+, pid {pid}[,)].* died \(killed by SIGKILL\)", err) is not None
+    return guard_line(err, rank, pid) is not None
 
 
 def reported(err: str) -> bool:
