@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""Adaptive speculation length against every fixed length, per prompt
+(Minions section 3.3's claim, issue "Minions and PipeDec"): does
+``--p-accept auto`` (ggpipe/speculation/adaptive.py: drafting goes on while
+the calibrated probability that the whole path is accepted pays for the
+measured marginal cost of a token in a target pass) land within 5% of the
+best fixed length for each prompt, without being told which?
+
+Rows: ``fixed L`` = ``--draft L --p-accept 0`` (always L draft tokens per
+verification), ``auto`` = ``--draft MAX --p-accept auto``, and ``default`` =
+the CLI's defaults. All rows interleaved, rotated each round.
+
+    python scripts/bench_spec_length.py --mode speculative --rounds 2 -n 128
+    python scripts/bench_spec_length.py --lengths 1,2,4,8 --prompts default --json out.json
+
+Prints a markdown table per prompt and a summary: auto / best fixed, per prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from ggpipe.bench.prompts import load_prompts, render_prompts
+from ggpipe.models.registry import fetch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-m", "--model", default="smollm2-goliath-40l-f32")
+    ap.add_argument("-md", "--draft-model", default="smollm2-135m")
+    ap.add_argument("--mode", default="speculative", choices=["speculative", "pipeinfer"])
+    ap.add_argument("--lengths", default="1,2,3,4,6,8")
+    ap.add_argument("--max-draft", type=int, default=8, help="--draft of the auto row")
+    ap.add_argument("--prompts", default="default")
+    ap.add_argument("-n", "--n-predict", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    model = str(fetch(a.model, progress=False)) if not a.model.endswith(".gguf") else a.model
+    prompts = load_prompts(a.prompts)
+    texts = render_prompts(model, prompts)
+    rows = {f"fixed {L}": ["--draft", L, "--p-accept", "0"] for L in a.lengths.split(",")}
+    rows["auto"] = ["--draft", str(a.max_draft), "--p-accept", "auto"]
+    rows["default"] = []
+    names = list(rows)
+    res: dict = {p["id"]: {r: [] for r in names} for p in prompts}
+    tokens: dict = {}
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    mpiexec = str(Path(sys.executable).with_name("mpiexec"))
+    for rnd in range(a.rounds):
+        order = names[rnd % len(names):] + names[:rnd % len(names)]
+        for p, text in zip(prompts, texts):
+            for r in order:
+                cmd = [mpiexec, "-n", "2", sys.executable, "-m", "ggpipe", "generate", "-m", model, "-md",
+                       a.draft_model, "--mode", a.mode, "-p", text, "-n", str(a.n_predict), "--ignore-eos", "--json",
+                       *rows[r]]
+                g = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd="/", timeout=900)
+                if g.returncode != 0:
+                    raise SystemExit(f"{r} on {p['id']} failed:\n{g.stderr[-2000:]}")
+                j = json.loads(g.stdout)
+                d = j["decoder"]
+                res[p["id"]][r].append({"tokens_per_s": j["metrics"]["tokens_per_s"],
+                                        "per_pass": d.get("accepted_per_pass"), "acceptance": d.get("acceptance_rate")})
+                same = tokens.setdefault(p["id"], j["tokens"]) == j["tokens"]
+                if not same:
+                    raise SystemExit(f"{r} on {p['id']}: tokens differ from the first run's")
+            print(f"round {rnd + 1}/{a.rounds}: {p['id']} done", file=sys.stderr, flush=True)
+    med = {pid: {r: statistics.median(x["tokens_per_s"] for x in v) for r, v in rr.items()} for pid, rr in res.items()}
+    print(f"{a.mode}, {a.model} + {a.draft_model}, 2 ranks x 1 thread, {a.n_predict} tokens, {a.rounds} rounds, "
+          f"median tokens/s (tokens per target pass, acceptance)\n")
+    print("| prompt | " + " | ".join(names) + " | best fixed | auto / best fixed |")
+    print("|---|" + "---:|" * (len(names) + 2))
+    for pid, rr in res.items():
+        fixed = {r: v for r, v in med[pid].items() if r.startswith("fixed")}
+        best = max(fixed, key=fixed.get)
+        cells = []
+        for r in names:
+            pp = statistics.median(x["per_pass"] or 0 for x in rr[r])
+            cells.append(f"{med[pid][r]:.1f} ({pp:.2f})")
+        print(f"| {pid} | " + " | ".join(cells) + f" | {best} | {med[pid]['auto'] / fixed[best]:.2f}x |")
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
