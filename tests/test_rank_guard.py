@@ -9,8 +9,10 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
+import pytest
 
 from ggpipe.transport import rank_guard
 
@@ -58,17 +60,45 @@ def test_exit_codes_pass_through_silently():
         assert p.returncode == code and p.stderr == ""
 
 
+def _signal_state(pid: int) -> str:
+    """A process's state and signal masks (/proc/PID/status), and where it sleeps."""
+    try:
+        st = Path(f"/proc/{pid}/status").read_text().splitlines()
+        wchan = Path(f"/proc/{pid}/wchan").read_text()
+    except OSError as e:
+        return f"pid {pid}: {e}"
+    keep = ("State", "Threads", "SigQ", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")
+    return f"pid {pid}: " + ", ".join(ln.replace("\t", " ") for ln in st if ln.split(":")[0] in keep) + f", wchan {wchan}"
+
+
+def _ended(p: subprocess.Popen, rank_pid: int, timeout: float = 10) -> str:
+    """The guard's stderr once it has ended; if it has not within ``timeout``
+    (seen once in a full suite run on the loaded 2-core VM, never alone),
+    fail with both processes' signal state, and end them."""
+    try:
+        return p.communicate(timeout=timeout)[1]
+    except subprocess.TimeoutExpired:
+        state = f"guard {_signal_state(p.pid)}; rank {_signal_state(rank_pid)}"
+        for pid in (rank_pid, p.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        p.communicate()
+        pytest.fail(f"the guard did not end within {timeout} s of the signal: {state}")
+
+
 def test_signals_are_passed_on_to_the_rank_and_not_reported():
     p, rank_pid = _start("signal.signal(signal.SIGTERM, lambda s, f: sys.exit(143))")
     assert rank_pid != p.pid
     p.send_signal(signal.SIGTERM)       # to the guard, as mpiexec or scancel would
-    _, err = p.communicate(timeout=10)
+    err = _ended(p, rank_pid)
     assert p.returncode == 143 and err == ""
     # default action (explicitly: a shell that starts jobs in the background sets some to "ignore"):
     # the rank dies of it, which is no failure
-    p, _ = _start("signal.signal(signal.SIGUSR2, signal.SIG_DFL)")
+    p, rank_pid = _start("signal.signal(signal.SIGUSR2, signal.SIG_DFL)")
     p.send_signal(signal.SIGUSR2)
-    _, err = p.communicate(timeout=10)
+    err = _ended(p, rank_pid)
     assert p.returncode == -signal.SIGUSR2 and "died" not in err
 
 
