@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ggpipe.errors import ConfigError
-from ggpipe.logits import TopRow, argmax, dense
+from ggpipe.logits import TopRow, argmax, dense, reply_k_for
 from ggpipe.logits import top_k_sorted as _top_k_sorted
 
 __all__ = ["SamplingParams", "target_probs", "Sampler"]
@@ -56,6 +56,13 @@ class SamplingParams:
     top_k: int = 40
     top_p: float = 0.95
     seed: int | None = None
+
+    def reply_k(self, width: int = 1) -> int:
+        """How much of a logits row decides like the whole row for these
+        settings (a run's ``reply_k``, ggpipe.logits.reply_k_for): greedy
+        the argmax (a tree of ``width`` > 1: its width + 1 best), top-k
+        sampling the top ``top_k``; 0 (full rows) otherwise."""
+        return reply_k_for(self.greedy, self.top_k, width)
 
     @property
     def greedy(self) -> bool:
@@ -185,10 +192,8 @@ class Sampler:
         Raises:
             ValueError: a compact row holding fewer tokens than sampling
                 keeps (see :func:`target_probs`)."""
-        if isinstance(logits, TopRow) and self.params.greedy:
-            return argmax(logits)
         if self.params.greedy:
-            return int(np.argmax(_check_logits(logits)))
+            return argmax(logits if isinstance(logits, TopRow) else _check_logits(logits))
         return self.sample_from(target_probs(logits, self.params))
 
     def sample_from(self, probs: np.ndarray) -> int:

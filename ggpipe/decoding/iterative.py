@@ -10,7 +10,6 @@ from typing import Callable
 
 import numpy as np
 
-from ggpipe.logits import reply_k_for
 from ggpipe.metrics import GenerationClock
 from ggpipe.pipeline.driver import Pipeline
 from ggpipe.sampling import Sampler
@@ -49,8 +48,7 @@ class IterativeDecoder:
             RankTimeoutError, ProtocolError: from the pipeline."""
         clock = clock or GenerationClock()
         clock.start()
-        sp = sampler.params  # greedy reads the argmax, top-k sampling the top k (ggpipe.logits)
-        self.pipe.reply_k = reply_k_for(sp.greedy, sp.top_k)
+        self.pipe.reply_k = sampler.params.reply_k()  # greedy reads the argmax, top-k sampling the top k
         logits = self.pipe.prefill(prompt, start_pos, self.n_ubatch)
         clock.prompt_done()
         pos = start_pos + int(prompt.shape[0])

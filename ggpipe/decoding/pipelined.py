@@ -43,7 +43,6 @@ import numpy as np
 from ggpipe.decoding.request import SpecRequest
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.errors import ProtocolError, RankTimeoutError
-from ggpipe.logits import reply_k_for
 from ggpipe.metrics import GenerationClock
 from ggpipe.pipeline.runs import Run, RunResult, next_run_id
 from ggpipe.sampling import Sampler
@@ -128,8 +127,7 @@ class SpeculativeDecoder:
                   else CutoffController(s.p_accept, s.p_recovery, s.p_decay))
         r = self.r = SpecRequest(n_predict=n_predict, emit=emit, clock=clock, graph=SpecGraph(sampler),
                                  cutoff=cutoff, context=history + tokens)
-        sp = sampler.params  # greedy verification reads the argmax, top-k sampling the top k (ggpipe.logits)
-        self.target.reply_k = reply_k_for(sp.greedy, sp.top_k)
+        self.target.reply_k = sampler.params.reply_k()  # greedy verification reads the argmax, top-k sampling the top k
         p = self.proposer
         p.start(sampler.params, np.random.default_rng(
             None if sampler.params.seed is None else sampler.params.seed + 1),

@@ -30,7 +30,7 @@ from collections import deque
 import numpy as np
 
 from ggpipe.errors import GGPipeError, ProtocolError, RankTimeoutError
-from ggpipe.logits import top_k, unpack
+from ggpipe.logits import unpack
 from ggpipe.runtime.stage import KV_CLEAR, KV_SEQ_CP, KV_SEQ_RM, Cancelled, InvalidBatch, Stage
 from ggpipe.pipeline.runs import Run, RunResult
 from ggpipe.trace import tracer
@@ -51,12 +51,14 @@ class Pipeline:
         name: "target" or "draft", for messages.
 
     Attributes:
-        reply_k: the form of the results of the runs submitted from now on
-            (the decoders set it per request): 0 full float32 logit rows;
-            k > 0 per row the k best token ids, their logits and the row's
-            log-sum-exp (ggpipe.logits.TopLogits): (2k + 1) floats instead of
-            n_vocab on the link back from the last stage. Greedy decoding
-            reads no more than that.
+        reply_k: what a last stage on another rank returns for the runs
+            submitted from now on (the decoders set it per request): 0 full
+            float32 logit rows; k > 0 per row the k best token ids, their
+            logits and the row's log-sum-exp (ggpipe.logits.TopLogits):
+            (2k + 1) floats instead of n_vocab on the link back. A pipeline
+            whose last stage is the head's own returns full rows (nothing to
+            send); consumers read either form (ggpipe.logits.argmax, best,
+            ggpipe.sampling.target_probs).
     """
 
     def __init__(self, stage: Stage | None, transport, ranks: list[int], n_vocab: int,
@@ -245,8 +247,6 @@ class Pipeline:
             else:
                 self._send_decode(header, out)
         else:
-            if out is not None and run.reply_k:  # the same form as from a last stage on another rank
-                out = top_k(out, run.reply_k)
             with self._done_cv:
                 self._done.append(RunResult(run, out, cancelled=out is None, finished_at=time.perf_counter()))
                 self._done_cv.notify_all()

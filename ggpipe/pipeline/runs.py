@@ -38,9 +38,10 @@ class Run:
         speculative: a speculative run (may be cancelled mid-stream) or a
             non-speculative one (always evaluated in full, PipeInfer IV.D.3).
         tag: free slot for the scheduling policy (e.g. the tree node ids).
-        reply_k: the result's form: 0 full float32 logit rows; k > 0 the k
-            best tokens of each row and its log-sum-exp (ggpipe.logits;
-            set by the pipeline from its ``reply_k`` when submitted).
+        reply_k: what a last stage on another rank returns: 0 full float32
+            logit rows; k > 0 the k best tokens of each row and its
+            log-sum-exp (ggpipe.logits; set by the pipeline from its
+            ``reply_k`` when submitted).
     """
 
     run_id: int
@@ -86,8 +87,8 @@ class Run:
 @dataclass
 class RunResult:
     """What came back for a run: float32 (n_outputs, n_vocab) logits, their
-    compact form (ggpipe.logits.TopLogits, when the run's reply_k > 0), or
-    nothing if it was cancelled."""
+    compact form (ggpipe.logits.TopLogits, when the run's reply_k > 0 and its
+    last stage is on another rank), or nothing if it was cancelled."""
 
     run: Run
     logits: np.ndarray | TopLogits | None

@@ -35,7 +35,7 @@ from typing import Callable
 import numpy as np
 
 from ggpipe.kv_reuse import reusable_prefix
-from ggpipe.logits import best, reply_k_for
+from ggpipe.logits import best
 from ggpipe.sampling import SamplingParams, target_probs
 from ggpipe.speculation.proposers.base import DecodeBackend, DraftResult, ProposerConfig
 from ggpipe.speculation.tree import SpecTree
@@ -63,7 +63,6 @@ class DraftModelProposer:
         self.rng = np.random.default_rng()
         self.p_split = cfg.p_split
         self.width = cfg.width
-        self.reply_k = 0  # the form of the draft's results (ggpipe.logits), set per request by start()
         self.n_ubatch = cfg.n_ubatch
         self.cursor: list[int] = []      # tokens in the draft's KV, positions 0..len-1 (kept across requests)
         self.active = False
@@ -95,10 +94,10 @@ class DraftModelProposer:
         self.tree = None
         # greedy drafting reads the best width+1 tokens of a row, top-k sampling the
         # top k: the draft's last stage sends those instead of the whole row (ggpipe.logits)
-        reply_k = reply_k_for(params.greedy, params.top_k, self.width)
-        if reply_k != self.reply_k:
-            self._last_logits = None  # the cached anchor row is of the other form
-        self.reply_k = self.pipe.reply_k = reply_k
+        reply_k = params.reply_k(self.width)
+        if reply_k != self.pipe.reply_k:
+            self._last_logits = None  # the cached anchor row may be of the other form
+        self.pipe.reply_k = reply_k
 
     def reset(self) -> None:
         """The draft's KV cache was cleared."""
@@ -235,7 +234,7 @@ class DraftModelProposer:
         if greedy:
             # the draft's confidence only shapes the tree (verification is the
             # target's argmax): the reply_k best tokens and their probabilities
-            cand, cand_q = best(logits, self.reply_k)
+            cand, cand_q = best(logits, self.pipe.reply_k)
             top, q_top = int(cand[0]), float(cand_q[0])
         else:
             q = target_probs(logits, self.params)
