@@ -76,9 +76,7 @@ def main() -> int:
     except nc.ClusterError as e:
         print(f"bench_network_path: error: {e}", file=sys.stderr)
         return 2
-    d = Path(desc["dir"])
-    across = [str(d / "mpiexec"), *(["-f", str(d / "hosts")] if desc["flavor"] == "mpich"
-                                    else ["--hostfile", str(d / "hosts.openmpi"), "--map-by", "node"])]
+    across = desc["launch"]
     # (label, launcher prefix, GGPIPE_LINK, tc rate on host 2's link)
     paths = [("one host, shared memory", [mpiexec], None, None)]
     paths += [(f"one host, emulated {e}", [mpiexec], e, None) for e in emulate]

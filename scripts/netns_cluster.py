@@ -52,6 +52,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+try:
+    from ggpipe.frontends.plan import detect_flavor
+except ImportError:
+    print(f"netns_cluster: error: ggpipe is not importable by {sys.executable}: run this script with the Python "
+          f"of the environment ggpipe is installed in (sudo \"$(command -v python)\" {sys.argv[0]} ...)", file=sys.stderr)
+    sys.exit(2)
+
 STATE_ROOT = Path("/run/ggpipe-netns")
 IFNAMSIZ = 15  # Linux interface names: 15 characters at most
 
@@ -120,15 +127,6 @@ def subnet_in_use(net: ipaddress.IPv4Network) -> str | None:
     return None
 
 
-def launcher_flavor(mpiexec: str) -> str:
-    out = sh(mpiexec, "--version", check=False).stdout
-    if re.search(r"Open MPI|OpenRTE|open-mpi\.org", out):
-        return "openmpi"
-    if re.search(r"HYDRA|MPICH|Intel\(R\) MPI", out):
-        return "mpich"
-    raise ClusterError(f"{mpiexec}: neither MPICH's Hydra nor Open MPI (its --version: {out.strip()[:80]!r})")
-
-
 SSH = """#!/bin/sh
 # ggpipe emulated cluster {name}: `ssh [-x] HOST COMMAND...` runs COMMAND in
 # HOST's network namespace with the host's hostname. Written by
@@ -176,12 +174,18 @@ def up(name: str, n: int, subnet: str, directory: str | None, mpiexec: str) -> d
     hosts_ip = [str(net.network_address + i) for i in range(1, n + 1)]
     bridge_ip = str(net.broadcast_address - 1)
     mpiexec = shutil.which(mpiexec) or mpiexec
-    flavor = launcher_flavor(mpiexec)
-    d = state_dir(name, directory)
+    flavor = detect_flavor(mpiexec)  # ggpipe plan's detection, from `mpiexec --version`
+    if flavor == "unknown":
+        raise ClusterError(f"{mpiexec}: neither MPICH's Hydra nor Open MPI (see its --version)")
+    d = state_dir(name, directory).resolve()
+    # the launch prefix of a job across the hosts, one rank per host: Hydra fills each host's one slot
+    # in turn; Open MPI is told (a default mapping policy of oversubscribe would put every rank on host 1)
+    launch = ([str(d / "mpiexec"), "-f", str(d / "hosts")] if flavor == "mpich"
+              else [str(d / "mpiexec"), "--hostfile", str(d / "hosts.openmpi"), "--map-by", "node"])
     desc = {"name": name, "dir": str(d), "subnet": str(net), "bridge": nm["bridge"], "bridge_ip": bridge_ip,
             "hosts": [{"host": i + 1, "ip": ip, "namespace": ns, "veth": v, "shaped": None}
                       for i, (ip, ns, v) in enumerate(zip(hosts_ip, nm["namespaces"], nm["veths"]))],
-            "mpiexec": mpiexec, "flavor": flavor}
+            "mpiexec": mpiexec, "flavor": flavor, "launch": launch}
     d.mkdir(parents=True, exist_ok=True)
     (d / "cluster.json").write_text(json.dumps(desc, indent=1))  # first: `down` can undo a half-built cluster
     try:
@@ -338,15 +342,12 @@ def main() -> int:
     if a.json:
         print(json.dumps(desc))
         return 0
-    d = desc["dir"]
     for h in desc["hosts"]:
         b = desc.get("bytes", {}).get(h["host"])
         extra = f"  sent {b['tx']:,} B, received {b['rx']:,} B" if b else ""
         print(f"host {h['host']}: {h['ip']:<15} namespace {h['namespace']:<12} link {h['shaped'] or 'unshaped'}{extra}")
     if a.cmd == "up":
-        hf = f"{d}/hosts" if desc["flavor"] == "mpich" else f"{d}/hosts.openmpi"
-        flag = "-f" if desc["flavor"] == "mpich" else "--hostfile"
-        print(f"\nrun a job across it:\n  {d}/mpiexec {flag} {hf} -n {len(desc['hosts'])} "
+        print(f"\nrun a job across it:\n  {shlex.join(desc['launch'])} -n {len(desc['hosts'])} "
               f"ggpipe generate -m smollm2-135m -p \"Hello\" -n 32\nremove it:\n  "
               f"python {sys.argv[0]} down --name {desc['name']}")
     return 0
