@@ -1,5 +1,5 @@
 """The speculative decoding loop (PipeInfer IV) and the proposers against
-in-memory fake pipelines (tests/fake_backend.py): no MPI, no model. Greedy
+in-memory fake pipelines (ggpipe/sim/toy.py): no MPI, no model. Greedy
 output must equal plain greedy decoding of the target, for every mode,
 proposer, tree width, latency and ablation; the fake KV cache asserts that
 every token of every run sees exactly its own context."""
@@ -19,7 +19,7 @@ from ggpipe.speculation.proposers.base import REGISTRY, Proposer, ProposerConfig
 from ggpipe.speculation.proposers.draft_model import DraftModelProposer
 from ggpipe.speculation.proposers.ngram import NgramProposer, ngram_lookup
 
-from fake_backend import FakePipeline, ToyLM
+from ggpipe.sim.toy import FakePipeline, ToyLM
 
 V = 48
 PROMPT = [3, 9, 4, 3, 9, 4, 3, 9, 11, 5, 3, 9]

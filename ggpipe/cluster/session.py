@@ -232,6 +232,13 @@ def startup_entered() -> bool:
     return _startup["entered"]
 
 
+def enter_startup() -> None:
+    """This process meets the other ranks by other means than
+    :func:`open_session` (``ggpipe calibrate``): an error from now on ends
+    the job (MPI_Abort) instead of being carried by a HELLO."""
+    _startup["entered"] = True
+
+
 def report_startup_error(message: str, timeout_s: float | None = None) -> str | None:
     """Meet the other ranks with an error instead of a HELLO (see the module
     docstring) and return the line this rank should print: on the head, the

@@ -68,6 +68,10 @@ class SpeculativeDecoder:
         n_ubatch: prefill chunk size (tokens).
         is_eog: token -> end of generation?
         timeout_s: bound of every wait for a result (seconds).
+        idle: called when neither the target nor the proposer has a result
+            ready, returns when one may have; None: poll with growing sleeps
+            (20-200 us) up to ``timeout_s``. The simulator (ggpipe.sim) passes
+            one that moves its virtual clock to the next event.
 
     Raises:
         ValueError: stochastic sampling with a proposer whose trees are not
@@ -75,8 +79,9 @@ class SpeculativeDecoder:
     """
 
     def __init__(self, target, proposer: Proposer, settings: SpecSettings, n_seq_max: int, n_ubatch: int,
-                 is_eog: Callable[[int], bool], timeout_s: float = 60.0):
+                 is_eog: Callable[[int], bool], timeout_s: float = 60.0, idle: Callable[[], None] | None = None):
         self.target = target
+        self._idle = idle
         self.proposer = proposer
         self.s = settings
         self.name = settings.mode
@@ -172,6 +177,9 @@ class SpeculativeDecoder:
         return r.out
 
     def _wait_any(self) -> None:
+        if self._idle is not None:
+            self._idle()
+            return
         t0 = time.monotonic()
         delay = 20e-6
         while not (self.target.ready() or self.proposer.ready()):

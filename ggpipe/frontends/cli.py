@@ -24,6 +24,7 @@ from ggpipe.errors import GGPipeError, RankFailedError
 from ggpipe.frontends.cli_types import SECONDS, Finite
 from ggpipe.frontends.http_guard import Access
 from ggpipe.frontends.cli_bench import bench_command, timeline_command
+from ggpipe.frontends.cli_sim import calibrate_command, simulate_command
 from ggpipe.frontends.cli_models import models_group, split_command
 from ggpipe.models.registry import DEFAULT_MODEL
 from ggpipe.sampling import SamplingParams
@@ -61,7 +62,8 @@ def cluster_options(f):
                      help="Draft model for --mode speculative|pipeinfer (name or path; same vocabulary)."),
         click.option("--split", default=None,
                      help="Layer split weights per rank, e.g. 0.3,0.7; with a draft model TARGET/DRAFT, "
-                          "e.g. 0.5,0.5/1.0 (default: even; the draft gets one rank when there are 2+)."),
+                          "e.g. 0.5,0.5/1.0 (default: even; the draft gets one rank when there are 2+); "
+                          "auto:PROFILE.json: balanced from measured costs (ggpipe calibrate)."),
         click.option("-t", "--threads", default="1", show_default=True,
                      help="Threads per rank: one value, or one per rank (2,1,1)."),
         click.option("-c", "--ctx-size", default=2048, show_default=True, type=int, help="KV cache size (tokens)."),
@@ -242,6 +244,11 @@ def split_job_options(kw: dict):
                           o["p_decay"], o["branches"], o["max_inflight"], o["no_continuous"], o["no_cancel"],
                           o["ngram_min"], o["ngram_max"])
     n_seq_max = o["n_seq_max"] if o["n_seq_max"] is not None else auto_n_seq_max(o["mode"], spec)
+    if o["split"] is not None and o["split"].startswith("auto"):
+        from ggpipe.frontends.plan import auto_split
+        from ggpipe.transport.launcher_signal import launched_size
+
+        o["split"] = auto_split(o["split"], dict(o), launched_size() or 1)
     cfg = ClusterConfig(model=o["model"], draft_model=o["draft_model"], split=o["split"], threads=o["threads"],
                         ctx_size=o["ctx_size"], n_seq_max=n_seq_max, ubatch=o["ubatch"], timeout_s=o["timeout"],
                         liveness_timeout_s=o["liveness_timeout"], flash_attn=o["flash_attn"])
@@ -359,17 +366,23 @@ def serve(host, port, api_key, api_key_file, allowed_hosts, allowed_origins, max
 @click.option("--launcher", type=click.Choice(["auto", "mpich", "openmpi", "srun"]), default="auto",
               show_default=True, help="Command syntax (auto: from mpiexec --version).")
 @click.option("--mem-per-node", default=None, help="Memory of the other hosts (e.g. 64G), for the fit warning.")
+@click.option("--balance", "balance_profile", default=None, type=click.Path(dir_okay=False, path_type=Path),
+              help="Choose the split from this profile (ggpipe calibrate): no stage a bottleneck, no rank out of "
+                   "memory; speculative modes: also how many ranks the draft gets (simulated).")
+@click.option("--acceptance", default=0.7, show_default=True, type=Finite(0.01, 0.99),
+              help="With --balance: draft acceptance rate the draft rank choice is simulated with.")
 @click.option("--no-command", is_flag=True, help="Print only the table.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
 def plan(ctx, ranks, model, draft_model, split, ctx_size, threads, hostfile, map_by, bind_to, launcher,
-         mem_per_node, no_command, as_json, command):
+         mem_per_node, balance_profile, acceptance, no_command, as_json, command):
     """Print the launcher command and the rank -> host -> layers -> memory table of a job.
 
     Either give the model options here (ggpipe plan -n 4 -m MODEL --hostfile hosts), or the
     whole ggpipe command after -- (ggpipe plan -n 4 --hostfile hosts -- generate -m MODEL -p "…").
-    Warns when a host's ranks need more memory than it has."""
+    Warns when a host's ranks need more memory than it has. With --balance PROFILE the split is
+    chosen from measured costs (ggpipe calibrate) and put in the printed command."""
     import json as _json
     import shlex
 
@@ -392,12 +405,21 @@ def plan(ctx, ranks, model, draft_model, split, ctx_size, threads, hostfile, map
         argv = ["generate"] + [x for k, v in own.items() if v is not None for x in (k, str(v))] + ["-p", "…"]
     from ggpipe.cluster.session import ClusterConfig
 
-    cfg = ClusterConfig(model=params["model"], draft_model=params["draft_model"], split=params["split"],
-                        threads=str(params["threads"]), ctx_size=params["ctx_size"])
     hosts = P.parse_hostfile(hostfile) if hostfile else None
     placed = P.place_ranks(ranks, hosts, map_by)
     mem = P.parse_bytes(mem_per_node) if mem_per_node else None
+    balanced = None
+    if balance_profile is not None:
+        if params["split"] is not None:
+            raise click.UsageError("--balance chooses the split: leave --split out of the command")
+        balanced = P.balanced_placement(balance_profile, params, ranks, placed, mem, acceptance)
+        params["split"] = balanced.split
+        argv = argv[:1] + ["--split", balanced.split] + argv[1:]
+    cfg = ClusterConfig(model=params["model"], draft_model=params["draft_model"], split=params["split"],
+                        threads=str(params["threads"]), ctx_size=params["ctx_size"])
     result = P.plan_job(cfg, ranks, placed, mem)
+    if balanced is not None:
+        result.balance = P.balance_summary(balanced)
     flavor = P.detect_flavor() if launcher == "auto" else launcher
     result.command = P.launcher_command(flavor, ranks, hostfile, map_by, bind_to,
                                         max(r.threads for r in result.ranks)) + ["ggpipe", *argv]
@@ -408,6 +430,8 @@ def plan(ctx, ranks, model, draft_model, split, ctx_size, threads, hostfile, map
             click.echo(shlex.join(result.command))
             click.echo()
         click.echo(P.format_table(result))
+        if balanced is not None:
+            click.echo(P.format_balance(result.balance))
     for w in result.warnings:
         click.echo(f"ggpipe: warning: {w}", err=True)
 
@@ -416,6 +440,8 @@ cli.add_command(models_group)
 cli.add_command(split_command)
 cli.add_command(bench_command)
 cli.add_command(timeline_command)
+cli.add_command(calibrate_command)
+cli.add_command(simulate_command)
 
 
 def _abort_mpi(code: int) -> None:

@@ -21,13 +21,11 @@ import numpy as np
 from ggpipe.errors import ConfigError
 from ggpipe.metrics import GenerationClock
 from ggpipe.runtime.vocab import Vocab, check_prompt_fits
-from ggpipe.decoding.iterative import IterativeDecoder
 from ggpipe.kv_reuse import reusable_prefix
 from ggpipe.sampling import Sampler, SamplingParams
 from ggpipe.cluster.session import Session
-from ggpipe.decoding.pipelined import SpeculativeDecoder
-from ggpipe.decoding.settings import MODES, SpecSettings
-from ggpipe.speculation.proposers.base import ProposerConfig, make_proposer
+from ggpipe.decoding.factory import build_decoder
+from ggpipe.decoding.settings import SpecSettings
 
 
 
@@ -76,8 +74,6 @@ class Engine:
 
     def __init__(self, session: Session, mode: str = "iterative", spec: SpecSettings = SpecSettings(),
                  ignore_eos: bool = False, reuse_kv: bool = True):
-        if mode not in MODES:
-            raise ConfigError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
         self.session = session
         self.mode = mode
         self.vocab = Vocab(session.stage.model, session.stage.vocab)
@@ -86,21 +82,8 @@ class Engine:
         self.kv_tokens: list[int] = []  # tokens in sequence 0 of the target's KV, position i at index i
         is_eog = (lambda t: False) if ignore_eos else self.vocab.is_eog
         cfg = session.config
-        if mode == "iterative":
-            self.decoder = IterativeDecoder(session.pipeline, cfg.ubatch, is_eog)
-        else:
-            if spec.spec_type == "draft" and session.draft_pipeline is None:
-                raise ConfigError(f"--mode {mode} needs a draft model: give one with -md (e.g. -md smollm2-135m), "
-                                  "or draft without one: --spec-type ngram")
-            try:
-                proposer = make_proposer(spec.spec_type, ProposerConfig(
-                    backend=session.draft_pipeline, n_vocab=session.pipeline.n_vocab, n_ubatch=cfg.ubatch,
-                    p_split=spec.p_split, width=spec.width, ngram_min=spec.ngram_min, ngram_max=spec.ngram_max,
-                    timeout_s=cfg.timeout_s))
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
-            self.decoder = SpeculativeDecoder(session.pipeline, proposer, spec, cfg.n_seq_max,
-                                              cfg.ubatch, is_eog, timeout_s=cfg.timeout_s)
+        self.decoder = build_decoder(mode, spec, session.pipeline, session.draft_pipeline, n_ubatch=cfg.ubatch,
+                                     n_seq_max=cfg.n_seq_max, is_eog=is_eog, timeout_s=cfg.timeout_s)
         self.last: Completion | None = None
 
     # -- tokens ------------------------------------------------------------------

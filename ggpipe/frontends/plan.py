@@ -35,83 +35,10 @@ import psutil
 
 from ggpipe.errors import ConfigError
 from ggpipe.transport.launcher_path import find_launcher
-from ggpipe.models.cache import remembered
-from ggpipe.models.gguf_info import field_value, load_gguf, read_model_info
-from ggpipe.models.registry import resolve
+from ggpipe.models.sizes import ModelSizes, model_sizes  # noqa: F401 (ggpipe plan's sizes)
 from ggpipe.cluster.roles import Roles
 from ggpipe.cluster.session import ClusterConfig, parse_threads
 from ggpipe.cluster.split import parse_split, plan_layers
-
-KV_BYTES_PER_ELEMENT = 2  # f16 K and V cells (llama.cpp's default cache type)
-_LAYER = re.compile(r"^blk\.(\d+)\.")
-
-
-@dataclass
-class ModelSizes:
-    """What the memory estimate needs from one GGUF (bytes, counts)."""
-
-    path: str
-    n_layer: int
-    layer_bytes: list[int]
-    embd_bytes: int
-    output_bytes: int  # output_norm + output
-    other_bytes: int  # tensors outside blocks that every stage keeps (rope factors, ...)
-    kv_bytes_per_layer_cell: int
-    tied: bool = False  # no output tensor: the last stage's LM head reads token_embd
-
-    def slice_bytes(self, start: int, stop: int, first: bool, last: bool) -> int:
-        """Weight bytes a stage of layers [start, stop) computes with."""
-        uses_embd = first or (last and self.tied)
-        return (sum(self.layer_bytes[start:stop]) + self.other_bytes + (self.embd_bytes if uses_embd else 0)
-                + (self.output_bytes if last else 0))
-
-    def kv_bytes(self, n_layers: int, n_ctx: int) -> int:
-        return n_layers * n_ctx * self.kv_bytes_per_layer_cell
-
-
-def model_sizes(name_or_path: str) -> ModelSizes:
-    """Tensor sizes of a model (registry name or path) grouped by layer.
-
-    Raises:
-        ModelError: unknown name, unreadable or non-GGUF file.
-    """
-    path = resolve(name_or_path)
-    info = read_model_info(path)  # validates the file in a bounded child process first
-
-    def compute() -> dict:
-        reader = load_gguf(path)
-        layer = [0] * info.n_layer
-        embd = out = other = 0
-        has_output = False
-        for t in reader.tensors:
-            n = int(t.n_bytes)
-            m = _LAYER.match(t.name)
-            if m and int(m.group(1)) < info.n_layer:
-                layer[int(m.group(1))] += n
-            elif t.name.startswith("token_embd."):
-                embd += n
-            elif t.name.startswith(("output.", "output_norm.")):
-                out += n
-                has_output = has_output or t.name.startswith("output.")
-            else:
-                other += n
-        n_head = info.n_head or 1
-        n_head_kv = info.n_head_kv or n_head
-        head_k = field_value(reader, f"{info.arch}.attention.key_length") or info.n_embd // n_head
-        head_v = field_value(reader, f"{info.arch}.attention.value_length") or info.n_embd // n_head
-        per_cell = (int(head_k) + int(head_v)) * n_head_kv * KV_BYTES_PER_ELEMENT
-        return {"format": _SIZES_FORMAT, "n_layer": info.n_layer, "layer_bytes": layer, "embd_bytes": embd,
-                "output_bytes": out, "other_bytes": other, "kv_bytes_per_layer_cell": per_cell,
-                "tied": not has_output}
-
-    # GGUFReader takes seconds on a large vocabulary: remember the sizes per file (as ModelInfo)
-    rec = remembered(path, "plan", compute, None, lambda v: isinstance(v, dict) and v.get("format") == _SIZES_FORMAT,
-                     strict=False)
-    return ModelSizes(str(path), **{k: v for k, v in rec.items() if k != "format"})
-
-
-_SIZES_FORMAT = 1
-
 
 # -- hosts -------------------------------------------------------------------------------
 
@@ -200,6 +127,7 @@ class Plan:
     command: list[str] = field(default_factory=list)
     host_memory: dict[str, int | None] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    balance: dict | None = None  # --balance: the chosen split and its predicted costs
 
     def host_totals(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -211,7 +139,7 @@ class Plan:
         return {"command": self.command, "ranks": [dict(asdict(r), total_bytes=r.total_bytes) for r in self.ranks],
                 "hosts": {h: {"ranks": [r.rank for r in self.ranks if r.host == h], "total_bytes": t,
                               "memory_bytes": self.host_memory.get(h)} for h, t in self.host_totals().items()},
-                "warnings": self.warnings}
+                "warnings": self.warnings, **({"balance": self.balance} if self.balance else {})}
 
 
 def plan_job(config: ClusterConfig, n_ranks: int, hosts: list[str], mem_per_node: int | None = None) -> Plan:
@@ -347,3 +275,78 @@ def launcher_command(flavor: str, n_ranks: int, hostfile: str | None, map_by: st
 
 def shell_join(args: list[str]) -> str:
     return shlex.join(args)
+
+
+# -- balanced splits (--balance PROFILE) ------------------------------------------------
+
+
+def balanced_placement(profile_path, params: dict, n_ranks: int, hosts: list[str] | None, mem_per_node: int | None,
+                       acceptance: float, simulate_draft: bool = True):
+    """The balanced placement (ggpipe.sim.placement) of the job ``params``
+    (the job command's parsed options) on ``n_ranks`` ranks placed on
+    ``hosts`` (None: the profile's hosts). A rank may use its host's memory
+    (the profile's, else ``mem_per_node``, else unlimited) divided by the
+    ranks placed there. ``simulate_draft``: compare draft rank counts by
+    simulation (else one draft rank).
+
+    Raises:
+        ConfigError: unreadable profile; SplitError: nothing fits."""
+    from ggpipe.decoding.settings import SpecSettings
+    from ggpipe.sim.model import from_gguf
+    from ggpipe.sim.placement import place
+    from ggpipe.sim.profile import Profile
+    from ggpipe.sim.run import SimConfig
+
+    prof = Profile.load(profile_path)
+    hosts = hosts or [prof.host(r).host for r in range(n_ranks)]
+    mode = params.get("mode") or "iterative"
+    target = from_gguf(params["model"])
+    draft = from_gguf(params["draft_model"]) if params.get("draft_model") else None
+    sizes = model_sizes(params["model"])
+    ctx = int(params.get("ctx_size") or 2048)
+    on_host = {h: hosts.count(h) for h in hosts}
+
+    def fits(rank: int, start: int, stop: int, n_stages: int) -> bool:
+        mem = prof.host(rank).mem_bytes or mem_per_node or 0
+        if mem <= 0:
+            return True
+        need = sizes.slice_bytes(start, stop, start == 0, stop == sizes.n_layer) + sizes.kv_bytes(stop - start, ctx)
+        return need <= mem / on_host.get(hosts[rank], 1)
+
+    cfg = None
+    if draft is not None and mode != "iterative" and simulate_draft:
+        spec = SpecSettings(mode=mode)
+        cfg = SimConfig(prof, target, draft, mode=mode, ranks=n_ranks, spec=spec, acceptance=acceptance,
+                        prompts=1, n_predict=64)
+    return place(prof, target, draft, n_ranks, mode, fits, cfg)
+
+
+def balance_summary(p) -> dict:
+    return {"split": p.split, "target_layers": p.target, "draft_layers": p.draft,
+            "stage_ms": [round(1e3 * t, 3) for t in p.stage_s], "tokens_per_s": p.tokens_per_s,
+            "draft_ranks_tried": p.tried}
+
+
+def format_balance(b: dict) -> str:
+    lines = [f"balanced split: --split {b['split']}  (target stage times: "
+             + ", ".join(f"{t:.2f}" for t in b["stage_ms"]) + " ms per run)"]
+    if b.get("draft_ranks_tried"):
+        lines.append("draft ranks, simulated tokens/s: "
+                     + ", ".join(f"{k}: {v:.1f}" for k, v in sorted(b["draft_ranks_tried"].items())))
+    return "\n".join(lines)
+
+
+def auto_split(text: str, params: dict, n_ranks: int) -> str:
+    """``--split auto:PROFILE``: the balanced split of this job from the
+    profile (every rank computes the same one from the same file; one draft
+    rank in the speculative modes), as ``--split`` text; other text unchanged.
+
+    Raises:
+        ConfigError: no profile named, or an unreadable one; SplitError: nothing fits."""
+    if not text.startswith("auto"):
+        return text
+    path = text[5:] if text.startswith("auto:") else ""
+    if not path:
+        raise ConfigError("--split auto needs the profile to balance with: --split auto:PROFILE.json "
+                          "(made by ggpipe calibrate)")
+    return balanced_placement(path, params, n_ranks, None, None, 0.7, simulate_draft=False).split

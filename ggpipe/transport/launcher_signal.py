@@ -40,6 +40,23 @@ def launched_rank() -> int | None:
     return None
 
 
+_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "SLURM_NTASKS")
+
+
+def launched_size() -> int | None:
+    """The job's number of ranks as its launcher's environment gives it, or
+    None when no MPI launcher started this process (read without
+    initialising MPI)."""
+    if launched_rank() is None:
+        return None
+    for k in _SIZE_VARS:
+        try:
+            return int(os.environ[k])
+        except (KeyError, ValueError):
+            pass
+    return None
+
+
 def watch_launcher_signal() -> None:
     """From process start until the heartbeat watch begins (main thread
     only): remember a SIGUSR1 from hydra instead of dying of it, so the

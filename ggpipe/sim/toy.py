@@ -1,9 +1,15 @@
-"""In-memory fakes of a model pipeline, for unit tests of the decoding loop
-and the proposers (no MPI, no model). Not a mock of llama.cpp's numerics: a
-toy language model whose logits depend only on the token sequence, and a KV
-cache that tracks which token each sequence holds at each position, so a
-wrong KV operation of the loop (a missing copy, a stale cell) shows up as an
-assertion or as a token that differs from the reference.
+"""In-memory model pipelines (no MPI, no model), for the unit tests of the
+decoding loop and the proposers, and for the simulator (ggpipe.sim.backend).
+Not a mock of llama.cpp's numerics: a toy language model whose logits depend
+only on the token sequence, and a KV cache that tracks which token each
+sequence holds at each position, so a wrong KV operation of the loop (a
+missing copy, a stale cell) shows up as an assertion or as a token that
+differs from the reference.
+
+:class:`ToyPipeline` has the verbs of ``ggpipe.pipeline.driver.Pipeline``
+and leaves *when* a result is ready to a subclass: :class:`FakePipeline`
+counts calls (unit tests), ``ggpipe.sim.backend.SimPipeline`` runs a virtual
+clock against measured costs.
 """
 
 from __future__ import annotations
@@ -127,40 +133,57 @@ class KvCells:
                     f"{'nothing' if self.pos[k] < 0 else f'position {self.pos[k]} of {sorted(self.seqs[k])}'}")
 
 
-class FakePipeline:
+class ToyPipeline:
     """The verbs of :class:`ggpipe.pipeline.driver.Pipeline` over a
-    :class:`ToyLM`. A run's result is ready ``latency`` calls of ready()/poll()
-    after it was submitted (a virtual clock); ``wait`` returns it at once.
-    Cancelling a run before its result is ready makes it come back cancelled,
-    without cells (as llama.cpp removes an aborted ubatch's cells)."""
+    :class:`ToyLM`: logits are computed at submit time from the cells the
+    run's sequences hold (KV operations apply in issue order, as on a real
+    pipeline). Subclasses decide when a result is ready (:meth:`ready`,
+    :meth:`wait`) and whether a cancel came in time (:meth:`_in_time`):
+    a run cancelled in time comes back cancelled, without cells (as
+    llama.cpp removes an aborted ubatch's cells)."""
 
-    def __init__(self, model: ToyLM, latency: int = 3, name: str = "target", cell_order: bool = False):
+    def __init__(self, model: ToyLM, name: str = "target", cell_order: bool = False):
         self.model = model
         self.kv_cells = KvCells()
         self.cell_order = cell_order  # assert every token's cells sit at index = position
         self.n_vocab = model.n_vocab
-        self.latency = latency
         self.name = name
         self.reply_k = 0  # as Pipeline.reply_k: k > 0 gives compact rows (ggpipe.logits)
         self.inflight: deque[Run] = deque()
-        self._due: dict[int, int] = {}
         self._cancelled: set[int] = set()
         self._pending_cells: dict[int, list[tuple[int, int, int]]] = {}
         self.cells: dict[int, dict[int, int]] = {}   # seq -> pos -> token
-        self.clock = 0
         self.stats = {"cancelled_before_start": 0, "cancelled_mid_compute": 0}
         self.n_runs = 0
         self.run_sizes: list[int] = []
+
+    # -- timing (subclasses) -----------------------------------------------------
+
+    def _scheduled(self, run: Run) -> None:
+        """``run`` was just appended to ``inflight``."""
+
+    def _in_time(self, run: Run) -> bool:
+        """A cancel of ``run`` reached it before its result was complete."""
+        raise NotImplementedError
+
+    def _taken(self, run: Run) -> None:
+        """``run``'s result was just taken."""
+
+    def ready(self) -> bool:
+        raise NotImplementedError
+
+    def wait(self, timeout_s: float | None = None) -> RunResult:
+        raise NotImplementedError
 
     # -- issuing ---------------------------------------------------------------
 
     def submit(self, run: Run) -> None:
         run.reply_k = self.reply_k
         self.inflight.append(run)
-        self._due[run.run_id] = self.clock + self.latency
         self.n_runs += 1
         self.run_sizes.append(run.n_tokens)
         run.tag = self._evaluate(run)
+        self._scheduled(run)
 
     def decode(self, tokens, start_pos: int, seq: int = 0, logits_last: bool = True) -> None:
         self.submit(Run.linear(tokens, start_pos, seq=seq, output_last=logits_last))
@@ -248,31 +271,55 @@ class FakePipeline:
 
     # -- results ----------------------------------------------------------------
 
+    def poll(self) -> RunResult | None:
+        return self._take() if self.ready() else None
+
+    def drain(self, timeout_s: float | None = None) -> list[RunResult]:
+        return [self.wait(timeout_s) for _ in range(len(self.inflight))]
+
+    def _take(self) -> RunResult:
+        run = self.inflight.popleft()
+        new = self._pending_cells.pop(run.run_id)
+        cancelled = run.run_id in self._cancelled and self._in_time(run)
+        self._cancelled.discard(run.run_id)
+        self._taken(run)
+        if cancelled:
+            self.stats["cancelled_mid_compute"] += 1
+            for s, p, t in new:        # an aborted run leaves no cells
+                if self.cells.get(s, {}).get(p) == t:
+                    del self.cells[s][p]
+            return self._result(run, None, True)
+        return self._result(run, run.tag, False)
+
+    def _result(self, run: Run, logits, cancelled: bool) -> RunResult:
+        return RunResult(run, logits, cancelled=cancelled)
+
+
+class FakePipeline(ToyPipeline):
+    """A :class:`ToyPipeline` on a virtual clock that counts calls: a run's
+    result is ready ``latency`` calls of ready()/poll() after it was
+    submitted; ``wait`` returns it at once."""
+
+    def __init__(self, model: ToyLM, latency: int = 3, name: str = "target", cell_order: bool = False):
+        super().__init__(model, name, cell_order)
+        self.latency = latency
+        self.clock = 0
+        self._due: dict[int, int] = {}
+
+    def _scheduled(self, run: Run) -> None:
+        self._due[run.run_id] = self.clock + self.latency
+
+    def _in_time(self, run: Run) -> bool:
+        return self.clock < self._due[run.run_id]
+
+    def _taken(self, run: Run) -> None:
+        del self._due[run.run_id]
+
     def ready(self) -> bool:
         self.clock += 1
         return bool(self.inflight) and self.clock >= self._due[self.inflight[0].run_id]
-
-    def poll(self) -> RunResult | None:
-        return self._take() if self.ready() else None
 
     def wait(self, timeout_s: float | None = None) -> RunResult:
         if not self.inflight:
             raise RuntimeError("no run in flight")
         return self._take()
-
-    def drain(self, timeout_s: float | None = None) -> list[RunResult]:
-        return [self.wait() for _ in range(len(self.inflight))]
-
-    def _take(self) -> RunResult:
-        run = self.inflight.popleft()
-        due = self._due.pop(run.run_id)
-        new = self._pending_cells.pop(run.run_id)
-        if run.run_id in self._cancelled and self.clock < due:
-            self._cancelled.discard(run.run_id)
-            self.stats["cancelled_mid_compute"] += 1
-            for s, p, t in new:        # an aborted run leaves no cells
-                if self.cells.get(s, {}).get(p) == t:
-                    del self.cells[s][p]
-            return RunResult(run, None, cancelled=True)
-        self._cancelled.discard(run.run_id)
-        return RunResult(run, run.tag)

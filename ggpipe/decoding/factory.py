@@ -1,0 +1,48 @@
+"""Build the decoder of a mode over a target pipeline and, for the
+speculative modes, a proposer: the one place that wires them, shared by the
+engine (real pipelines) and the simulator (ggpipe.sim, simulated ones)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ggpipe.decoding.iterative import IterativeDecoder
+from ggpipe.decoding.pipelined import SpeculativeDecoder
+from ggpipe.decoding.settings import MODES, SpecSettings
+from ggpipe.errors import ConfigError
+from ggpipe.speculation.proposers.base import ProposerConfig, make_proposer
+
+
+def build_decoder(mode: str, spec: SpecSettings, target, draft, *, n_ubatch: int, n_seq_max: int,
+                  is_eog: Callable[[int], bool], timeout_s: float,
+                  idle: Callable[[], None] | None = None):
+    """The decoder of ``mode`` ("iterative", "speculative", "pipeinfer").
+
+    Args:
+        target: the target pipeline (``ggpipe.pipeline.driver.Pipeline`` or
+            an object with its verbs, e.g. ``ggpipe.sim.backend.SimPipeline``).
+        draft: the draft model's pipeline, or None (no draft model).
+        n_ubatch: prefill chunk size (tokens).
+        n_seq_max: KV sequence ids of the target contexts.
+        timeout_s: bound of every wait for a result (seconds).
+        idle: the speculative loop's wait for "any result" (see
+            ``SpeculativeDecoder``); None for real pipelines.
+
+    Raises:
+        ConfigError: unknown mode; a draft-model proposer without a draft
+            model; a proposer that cannot be built from these settings.
+    """
+    if mode not in MODES:
+        raise ConfigError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
+    if mode == "iterative":
+        return IterativeDecoder(target, n_ubatch, is_eog)
+    if spec.spec_type == "draft" and draft is None:
+        raise ConfigError(f"--mode {mode} needs a draft model: give one with -md (e.g. -md smollm2-135m), "
+                          "or draft without one: --spec-type ngram")
+    try:
+        proposer = make_proposer(spec.spec_type, ProposerConfig(
+            backend=draft, n_vocab=target.n_vocab, n_ubatch=n_ubatch, p_split=spec.p_split, width=spec.width,
+            ngram_min=spec.ngram_min, ngram_max=spec.ngram_max, timeout_s=timeout_s))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return SpeculativeDecoder(target, proposer, spec, n_seq_max, n_ubatch, is_eog, timeout_s=timeout_s, idle=idle)

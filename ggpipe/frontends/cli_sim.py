@@ -1,0 +1,169 @@
+"""``ggpipe calibrate`` and ``ggpipe simulate`` (click commands; see
+ggpipe/sim/calibrate.py and ggpipe/sim/run.py).
+
+    mpiexec -n 2 ggpipe calibrate -m smollm2-goliath-40l-f32 -md smollm2-135m -o profile.json
+    ggpipe simulate --profile profile.json -m smollm2-goliath-40l-f32 -md smollm2-135m \\
+        --modes iterative,speculative,pipeinfer --ranks 2,3 --link shm --link 1gbit,200us --acceptance 0.7
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from ggpipe.errors import ConfigError, GGPipeError
+from ggpipe.frontends.cli_types import Finite
+
+
+def _say(msg: str) -> None:
+    sys.stderr.write(f"ggpipe calibrate: {msg}\n")
+    sys.stderr.flush()
+
+
+@click.command("calibrate")
+@click.option("-m", "--model", default="smollm2-135m", show_default=True,
+              help="Target model the costs are measured on (registry name or .gguf path).")
+@click.option("-md", "--draft-model", "draft", default=None, help="Draft model to measure as well.")
+@click.option("-t", "--threads", default=1, show_default=True, type=click.IntRange(1, 1024),
+              help="llama.cpp threads per rank (as the job will use).")
+@click.option("--reps", default=5, show_default=True, type=click.IntRange(1, 100), help="Timed calls per figure.")
+@click.option("--concurrent", is_flag=True,
+              help="Ranks on the same host measure at the same time (default: one after another).")
+@click.option("-o", "--output", default="profile.json", show_default=True,
+              type=click.Path(dir_okay=False, path_type=Path),
+              help="Profile to write (JSON); an existing file is replaced only if it is a ggpipe profile.")
+@click.option("--timeout", "timeout_s", default=60.0, show_default=True, type=Finite(1.0, 3600.0),
+              help="Bound of every wait for another rank (s).")
+def calibrate_command(model, draft, threads, reps, concurrent, output, timeout_s):
+    """Measure every rank's layer, head and draft costs and its links; write a profile.
+
+    Run it under the job's launcher (mpiexec -n R ggpipe calibrate ...), or alone for this host.
+    ggpipe simulate and ggpipe plan --balance read the profile.
+    """
+    from ggpipe.cluster import session as S
+    from ggpipe.models.registry import resolve
+    from ggpipe.models.sizes import model_sizes
+    from ggpipe.sim.calibrate import calibrate_job
+    from ggpipe.sim.profile import Profile
+    from ggpipe.transport.mpi import Transport, mpi_world
+
+    if output.exists():
+        try:
+            Profile.load(output)
+        except ConfigError:
+            raise ConfigError(f"{output} exists and is not a ggpipe profile: not overwriting it") from None
+    for name in (model, draft):  # every rank checks its inputs before the ranks meet
+        if name is not None:
+            resolve(name)
+            model_sizes(name)
+    world = mpi_world()
+    if world is None or world[2] == 1:
+        transport = _Solo()
+    else:
+        S.enter_startup()
+        transport = Transport(world[0], timeout_s=timeout_s)
+    try:
+        prof = calibrate_job(transport, model, draft, threads, concurrent=concurrent, reps=reps,
+                             say=_say if transport.rank == 0 else (lambda s: None))
+    except GGPipeError as exc:
+        exc.abort_job = True  # other ranks wait for this one: end the job
+        raise
+    if prof is None:
+        return
+    prof.meta["command"] = " ".join(sys.argv)
+    prof.save(output)
+    _say(f"wrote {output} ({len(prof.hosts)} rank(s), {len(prof.links)} link(s))")
+    h = prof.hosts[0]
+    click.echo(json.dumps({"output": str(output), "layer_ms_b1": round(1e3 * h.layer_s[0], 4),
+                           "head_ms_b1": round(1e3 * h.head_s[0], 4),
+                           "draft_ms_b1": None if h.draft_s is None else round(1e3 * h.draft_s[0], 4),
+                           "overhead_ms": round(1e3 * h.overhead_s, 4),
+                           "links": [[ln.src, ln.dst, round(1e6 * ln.latency_s, 1), round(ln.bandwidth_Bps / 1e6, 1)]
+                                     for ln in prof.links]}))
+
+
+class _Solo:
+    rank, size, timeout_s = 0, 1, 60.0
+
+
+def _split(text):
+    from ggpipe.cluster.split import parse_split
+
+    return parse_split(text)
+
+
+@click.command("simulate")
+@click.option("--profile", "profile_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Profile from ggpipe calibrate.")
+@click.option("-m", "--model", "target", required=True,
+              help="Target model: a GGUF (registry name or path; only its header is read) or ARCH:QUANT, "
+                   "e.g. llama2-70b:Q3_K_M.")
+@click.option("-md", "--draft-model", "draft", default=None, help="Draft model (as -m).")
+@click.option("--modes", default="iterative,speculative,pipeinfer", show_default=True, help="Comma-separated modes.")
+@click.option("--ranks", default="2", show_default=True, help="Comma-separated rank counts.")
+@click.option("--link", "links", multiple=True, help="Emulated link added to every hop, as ggpipe bench --link.")
+@click.option("--split", default=None, help="Layer split, as ggpipe generate --split.")
+@click.option("--acceptance", default=0.7, show_default=True, type=Finite(0.01, 0.99),
+              help="How often the draft's greedy token is the target's.")
+@click.option("--confidence-exponent", default=1.0, show_default=True, type=Finite(0.05, 20.0),
+              help="k in P(draft token accepted | draft confidence q) = q^k (1: a calibrated draft, "
+                   "<1: under-confident).")
+@click.option("--draft", "n_draft", default=6, show_default=True, type=click.IntRange(1, 64),
+              help="Most draft tokens per micro-batch.")
+@click.option("--p-accept", default="0.3", show_default=True, help="Confidence cutoff, or auto.")
+@click.option("-n", "--n-predict", default=128, show_default=True, type=click.IntRange(1, 1 << 16))
+@click.option("--n-prompt", default=128, show_default=True, type=click.IntRange(1, 1 << 16))
+@click.option("--prompts", default=3, show_default=True, type=click.IntRange(1, 1000), help="Requests per configuration.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per configuration instead of a table.")
+def simulate_command(profile_path, target, draft, modes, ranks, links, split, acceptance, confidence_exponent,
+                     n_draft, p_accept, n_predict, n_prompt, prompts, as_json):
+    """Simulate jobs on a virtual clock: the real decoding loops against measured costs.
+
+    Reports tokens/s, TTFT, ITL, tokens per target pass, acceptance and per-rank busy share for every
+    mode x ranks x link, as ggpipe bench measures them.
+    """
+    from ggpipe.decoding.settings import SpecSettings
+    from ggpipe.frontends.cli_bench import _int_list, _links
+    from ggpipe.sim.model import resolve_desc
+    from ggpipe.sim.profile import Profile
+    from ggpipe.sim.run import SimConfig, simulate
+    from ggpipe.transport.link import format_link, parse_link
+
+    prof = Profile.load(profile_path)
+    tdesc = resolve_desc(target)
+    ddesc = resolve_desc(draft) if draft else None
+    pa = None if p_accept == "auto" else float(p_accept)
+    rows = []
+    for link_text in _links(links):
+        link = parse_link(link_text)
+        for n_ranks in _int_list(ranks, "--ranks"):
+            for mode in [m.strip() for m in modes.split(",") if m.strip()]:
+                spec = SpecSettings(mode=mode if mode != "iterative" else "pipeinfer", draft=n_draft, p_accept=pa)
+                cfg = SimConfig(prof, tdesc, ddesc, mode=mode, ranks=n_ranks, split=_split(split), spec=spec,
+                                link=link, acceptance=acceptance, confidence_exponent=confidence_exponent,
+                                n_prompt=n_prompt, n_predict=n_predict, prompts=prompts)
+                r = simulate(cfg)
+                r["link"] = format_link(link)
+                r.pop("records")
+                rows.append(r)
+                if as_json:
+                    click.echo(json.dumps(r))
+    if not as_json:
+        click.echo(format_table(rows))
+
+
+def format_table(rows: list[dict]) -> str:
+    head = "| link | ranks | mode | tokens/s | TTFT ms | ITL ms | tokens/pass | acceptance | busy share per rank |"
+    out = [head, "|---|---:|---|---:|---:|---:|---:|---:|---|"]
+
+    def f(v, d=1):
+        return "-" if v is None else f"{v:.{d}f}"
+    for r in rows:
+        busy = " ".join(f"{v:.2f}" for _, v in sorted(r["busy_share"].items()))
+        out.append(f"| {r['link']} | {r['ranks']} | {r['mode']} | {f(r['tokens_per_s'])} | {f(r['ttft_ms'])} | "
+                   f"{f(r['itl_mean_ms'], 2)} | {f(r['accepted_per_pass'], 2)} | {f(r['acceptance_rate'], 2)} "
+                   f"| {busy} |")
+    return "\n".join(out)

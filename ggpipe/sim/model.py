@@ -1,0 +1,116 @@
+"""Model descriptions for the simulator: per-layer weight bytes and weights,
+the output head, the hidden size (activation bytes on a link) and the
+vocabulary. Read from a GGUF's header (no weights loaded), or built from an
+architecture's shape and a quantization's bits per weight, so a 70B Q3_K_M
+is described without being downloaded (PipeInfer section V, Table I).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ggpipe.errors import ConfigError
+from ggpipe.sim.profile import LayerShape
+
+# average bits per weight of llama.cpp quantization mixes (file bytes x 8 / weights
+# of published GGUFs of these sizes; the K-quant mixes keep some tensors wider)
+BITS_PER_WEIGHT = {"F32": 32.0, "F16": 16.0, "Q8_0": 8.5, "Q6_K": 6.56, "Q5_K_M": 5.69, "Q4_K_M": 4.85,
+                   "Q4_0": 4.55, "Q3_K_M": 3.91, "Q2_K": 3.41}
+
+
+@dataclass(frozen=True)
+class ModelDesc:
+    """Attributes:
+        name: for reports.
+        layers: one LayerShape per block, in order.
+        head: the output norm + LM head (tied: the token embedding).
+        n_embd: hidden size (float32 activations of n_embd x 4 bytes per
+            token cross each link).
+        n_vocab: vocabulary size (a full logit row is n_vocab x 4 bytes).
+    """
+
+    name: str
+    layers: tuple[LayerShape, ...]
+    head: LayerShape
+    n_embd: int
+    n_vocab: int
+
+    @property
+    def n_layer(self) -> int:
+        return len(self.layers)
+
+    @property
+    def bytes(self) -> int:
+        return sum(s.bytes for s in self.layers) + self.head.bytes
+
+
+def from_gguf(name_or_path: str) -> ModelDesc:
+    """The description of a GGUF (registry name or path), from its header.
+
+    Raises:
+        ModelError: unknown name, unreadable or non-GGUF file."""
+    from ggpipe.models.sizes import model_sizes
+
+    m = model_sizes(name_or_path)
+    layers = tuple(LayerShape(b, p) for b, p in zip(m.layer_bytes, m.layer_params or m.layer_bytes))
+    return ModelDesc(name_or_path, layers, LayerShape(m.head_bytes, m.head_params or m.head_bytes),
+                     m.n_embd, m.n_vocab)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """A transformer's shape (GGUF ``{arch}.*`` keys). ``ffn_mats``: 3 for a
+    gated MLP (Llama), 2 for a plain one (Falcon)."""
+
+    n_layer: int
+    n_embd: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    n_vocab: int
+    ffn_mats: int = 3
+    tied: bool = False
+
+    def layer_params(self) -> int:
+        kv = self.n_embd * self.n_head_kv // self.n_head
+        return self.n_embd * (2 * self.n_embd + 2 * kv) + self.ffn_mats * self.n_embd * self.n_ff + 2 * self.n_embd
+
+
+def described(name: str, arch: Architecture, quant: str) -> ModelDesc:
+    """A model of shape ``arch`` quantized as ``quant`` (a key of BITS_PER_WEIGHT).
+
+    Raises:
+        ConfigError: unknown quantization."""
+    try:
+        bpw = BITS_PER_WEIGHT[quant.upper()]
+    except KeyError:
+        raise ConfigError(f"unknown quantization {quant!r}: choose one of {', '.join(BITS_PER_WEIGHT)}") from None
+    p = arch.layer_params()
+    layer = LayerShape(int(p * bpw / 8), p)
+    hp = arch.n_vocab * arch.n_embd
+    return ModelDesc(f"{name} {quant.upper()}", (layer,) * arch.n_layer, LayerShape(int(hp * bpw / 8), hp),
+                     arch.n_embd, arch.n_vocab)
+
+
+# PipeInfer Table I's models (shapes from their published config.json / GGUF headers)
+ARCHITECTURES = {
+    "llama2-70b": Architecture(80, 8192, 28672, 64, 8, 32000),        # Dolphin 2.1 70B
+    "goliath-120b": Architecture(137, 8192, 28672, 64, 8, 32000),     # Goliath 120B (Llama 2 70B merge)
+    "falcon-180b": Architecture(80, 14848, 59392, 232, 8, 65024, ffn_mats=2),
+    "tinyllama-1.1b": Architecture(22, 2048, 5632, 32, 4, 32000),
+    "llama2-7b": Architecture(32, 4096, 11008, 32, 32, 32000),        # XWin-LM 7B
+    "llama2-13b": Architecture(40, 5120, 13824, 40, 40, 32000),       # XWin-LM 13B
+    "falcon-7b": Architecture(32, 4544, 18176, 71, 1, 65024, ffn_mats=2),
+}
+
+
+def resolve_desc(text: str) -> ModelDesc:
+    """``ARCH:QUANT`` (a key of ARCHITECTURES and of BITS_PER_WEIGHT, e.g.
+    ``llama2-70b:Q3_K_M``) or a GGUF (registry name or path).
+
+    Raises:
+        ConfigError, ModelError: neither."""
+    if ":" in text and text.split(":", 1)[0] in ARCHITECTURES:
+        arch, quant = text.split(":", 1)
+        return described(arch, ARCHITECTURES[arch], quant)
+    return from_gguf(text)

@@ -1,0 +1,227 @@
+"""``ggpipe simulate``: a whole job on a virtual clock. The real decoding
+loop of the mode (``ggpipe.decoding``, built by ``build_decoder`` exactly as
+the engine builds it) drives simulated pipelines (:mod:`ggpipe.sim.backend`)
+whose stages cost what a profile says, on a layer split planned as
+``ggpipe generate`` plans it (``ggpipe.cluster``). Reports what ``ggpipe
+bench`` reports: tokens/s, TTFT, ITL, tokens per target pass, acceptance,
+per-rank busy share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from ggpipe.cluster.roles import Roles
+from ggpipe.cluster.split import SplitSpec, plan_layers
+from ggpipe.decoding.factory import build_decoder
+from ggpipe.decoding.settings import SpecSettings
+from ggpipe.errors import ConfigError
+from ggpipe.metrics import GenerationClock
+from ggpipe.sampling import Sampler, SamplingParams
+from ggpipe.sim.backend import SimClock, SimPipeline, SimStage, idle_until_next
+from ggpipe.sim.lm import CalibratedDraft
+from ggpipe.sim.model import ModelDesc
+from ggpipe.sim.profile import LinkProfile, Profile, slowdown
+from ggpipe.sim.toy import ToyLM
+from ggpipe.transport.link import LinkSpec
+
+TOY_VOCAB = 64
+
+
+@dataclass
+class SimConfig:
+    """One simulated job.
+
+    Attributes:
+        profile: host and link costs.
+        target, draft: model descriptions (draft None: no draft model).
+        mode: "iterative", "speculative" or "pipeinfer".
+        ranks: ranks in the job (mpiexec -n).
+        split: layer split as --split parses it.
+        spec: speculation knobs (as the CLI's).
+        link: an emulated link added to every hop (GGPIPE_LINK's model), or None.
+        acceptance: how often the draft's greedy token is the target's (0..1).
+        confidence_exponent: k in P(agreement | draft confidence q) = q ** k
+            (ggpipe.sim.lm.CalibratedDraft; 1: a calibrated draft).
+        n_prompt: prompt tokens; n_predict: tokens to generate.
+        prompts: requests simulated (each a different toy prompt).
+        ubatch: prefill chunk (tokens).
+        seed: toy models' seed.
+    """
+
+    profile: Profile
+    target: ModelDesc
+    draft: ModelDesc | None = None
+    mode: str = "iterative"
+    ranks: int = 2
+    split: SplitSpec = field(default_factory=lambda: SplitSpec(None, None))
+    spec: SpecSettings = field(default_factory=SpecSettings)
+    link: LinkSpec | None = None
+    acceptance: float = 0.7
+    confidence_exponent: float = 1.0
+    n_prompt: int = 64
+    n_predict: int = 128
+    prompts: int = 3
+    ubatch: int = 512
+    seed: int = 0
+
+
+def _links(cfg: SimConfig):
+    """(src, dst) -> the profile's link with ``cfg.link`` on top: an emulated
+    link (ggpipe.transport.link) holds each message for latency +
+    bytes/bandwidth before the real path carries it, so latencies add and
+    per-byte times add."""
+    extra_lat = cfg.link.latency_s if cfg.link else 0.0
+    extra_s_per_byte = 8.0 / cfg.link.bandwidth_bps if cfg.link and cfg.link.bandwidth_bps else 0.0
+
+    def link(src: int, dst: int) -> LinkProfile:
+        base = cfg.profile.link(src, dst)
+        s_per_byte = (1.0 / base.bandwidth_Bps if base.bandwidth_Bps > 0 else 0.0) + extra_s_per_byte
+        return LinkProfile(src, dst, base.latency_s + extra_lat, 1.0 / s_per_byte if s_per_byte > 0 else 0.0)
+    return link
+
+
+def _stage_cost(profile: Profile, rank: int, model: ModelDesc, start: int, stop: int, last: bool,
+                whole_draft: bool = False, factor: float = 1.0):
+    host = profile.host(rank)
+    layers = model.layers[start:stop]
+
+    def cost(n: int, kv: int, n_out: int) -> float:
+        if whole_draft:
+            measured = host.draft_cost(n, n_out, model.head, model.name)
+            if measured is not None:
+                return factor * measured
+        t = sum(host.layer_cost(s, n, kv) for s in layers)
+        return factor * (t + (host.head_cost(model.head, n_out) if last else 0.0))
+    return cost
+
+
+def contention(cfg: SimConfig, busy_share: dict) -> dict:
+    """rank -> factor on its compute costs from the other ranks of its host
+    (mean field): with E_b the expected number of other ranks of the host
+    computing (the sum of their busy shares) and E_w of them waiting (the
+    rest; plus, in pipeinfer, the head's loop thread, which polls while its
+    stage computes on the executor), the factor is
+    ``1 + (busy_slowdown(E_b) - 1) + (wait_slowdown(E_w) - 1)`` from the
+    host's measured curves (ggpipe.sim.profile.slowdown)."""
+    hosts = [cfg.profile.host(r).host for r in range(cfg.ranks)]
+    out = {}
+    for r in range(cfg.ranks):
+        h = cfg.profile.host(r)
+        same = [s for s in range(cfg.ranks) if s != r and hosts[s] == hosts[r]]
+        e_b = sum(busy_share.get(s, 0.0) for s in same)
+        e_w = len(same) - e_b + (1.0 if cfg.mode == "pipeinfer" and hosts[0] == hosts[r] else 0.0)
+        out[r] = 1.0 + (slowdown(h.busy_slowdown, e_b) - 1.0) + (slowdown(h.wait_slowdown, e_w) - 1.0)
+    return out
+
+
+def build(cfg: SimConfig, factors: dict | None = None):
+    """(clock, target pipeline, draft pipeline or None, busy dict, roles).
+
+    Raises:
+        ConfigError, SplitError: as ``ggpipe generate`` would for this job."""
+    has_draft = cfg.draft is not None and cfg.mode != "iterative" and cfg.spec.spec_type == "draft"
+    roles = Roles.plan(cfg.ranks, cfg.split if has_draft or cfg.split.draft is None else SplitSpec(
+        cfg.split.target, None), has_draft)
+    if has_draft and roles.n_draft == 0:
+        raise ConfigError("the simulator needs a rank for the draft model (a job of at least 2 ranks); "
+                          "a draft on the head shares its cores, which it does not model")
+    clock = SimClock()
+    busy: dict = {}
+    link = _links(cfg)
+    h0 = cfg.profile.host(0)
+    overhead = h0.overhead_s if cfg.mode == "iterative" else h0.spec_overhead_s
+    tgt_ranges = plan_layers(cfg.target.n_layer, roles.n_target, cfg.split.target)
+    f = factors or {}
+    stages = [SimStage(r, _stage_cost(cfg.profile, r, cfg.target, a, b, r == roles.n_target - 1, factor=f.get(r, 1.0)))
+              for r, (a, b) in enumerate(tgt_ranges)]
+    lm = ToyLM(TOY_VOCAB, seed=cfg.seed)
+    target = SimPipeline(lm, clock, stages, link, cfg.target.n_embd, cfg.target.n_vocab,
+                         async_local=cfg.mode == "pipeinfer", overhead_s=overhead, busy=busy, name="target")
+    draft = None
+    if has_draft:
+        d_ranges = plan_layers(cfg.draft.n_layer, roles.n_draft, cfg.split.draft, model="draft")
+        dstages = [SimStage(r, _stage_cost(cfg.profile, r, cfg.draft, a, b, i == roles.n_draft - 1,
+                                           whole_draft=roles.n_draft == 1, factor=f.get(r, 1.0)))
+                   for i, (r, (a, b)) in enumerate(zip(roles.draft_ranks, d_ranges))]
+        draft = SimPipeline(CalibratedDraft(lm, cfg.acceptance, seed=cfg.seed + 1,
+                                                       exponent=cfg.confidence_exponent), clock, dstages, link,
+                            cfg.draft.n_embd, cfg.draft.n_vocab, overhead_s=h0.overhead_s, busy=busy, name="draft")
+    return clock, target, draft, busy, roles
+
+
+def simulate(cfg: SimConfig, rounds: int = 4) -> dict:
+    """Run ``cfg.prompts`` greedy requests; ranks sharing a host slow each
+    other down by :func:`contention`, iterated ``rounds`` times from the
+    busy shares of the previous round (no effect on a profile measured with
+    one rank per host). Returns what :func:`_simulate_once` returns, plus
+    ``contention`` (rank -> the factor used).
+
+    Raises:
+        ConfigError, SplitError: an impossible job (as ``ggpipe generate``)."""
+    factors: dict = {}
+    out = None
+    for _ in range(rounds):
+        out = _simulate_once(cfg, factors)
+        new = contention(cfg, out["busy_share"])
+        out["contention"] = factors or {r: 1.0 for r in range(cfg.ranks)}
+        if all(abs(new[r] - factors.get(r, 1.0)) < 1e-3 for r in new):
+            break
+        factors = new
+    return out
+
+
+def _simulate_once(cfg: SimConfig, factors: dict) -> dict:
+    """One simulation with compute costs scaled by ``factors`` (rank -> factor).
+    Returns the per-request records
+    and their means (the keys of ``ggpipe bench``'s results.csv where they
+    exist): tokens_per_s, ttft_ms, itl_mean_ms, accepted_per_pass,
+    acceptance_rate, busy_share (rank -> fraction of the generation's
+    virtual wall time of the request, prompt included, spent computing),
+    target_passes.
+
+    Raises:
+        ConfigError, SplitError: an impossible job (as ``ggpipe generate``)."""
+    clock, target, draft, busy, roles = build(cfg, factors)
+    pipes = [p for p in (target, draft) if p is not None]
+    spec = replace(cfg.spec, mode=cfg.mode) if cfg.mode != "iterative" else cfg.spec
+    n_seq_max = 1 if cfg.mode == "iterative" else max(1, min(256, (spec.max_inflight + 1) * spec.width + 1))
+    dec = build_decoder(cfg.mode, spec, target, draft, n_ubatch=cfg.ubatch, n_seq_max=n_seq_max,
+                        is_eog=lambda t: False, timeout_s=3600.0, idle=idle_until_next(clock, pipes))
+    rng = np.random.default_rng(cfg.seed)
+    records = []
+    for i in range(cfg.prompts):
+        for p in pipes:
+            p.clear()
+        dec.reset()
+        prompt = rng.integers(0, TOY_VOCAB, cfg.n_prompt).astype(np.int32)
+        gclock = GenerationClock(now=clock)
+        busy.clear()
+        passes0 = target.n_passes
+        dec.generate(prompt, cfg.n_predict, Sampler(SamplingParams(temperature=0.0)), clock=gclock)
+        d = gclock.as_dict()
+        span = max(gclock.total_s or 0.0, 1e-12)
+        st = dec.stats
+        records.append({
+            "prompt": i,
+            "tokens_per_s": d.get("tokens_per_s"),
+            "ttft_ms": None if d.get("ttft_s") is None else 1e3 * d["ttft_s"],
+            "itl_mean_ms": None if d.get("itl_mean_s") is None else 1e3 * d["itl_mean_s"],
+            "accepted_per_pass": st.get("accepted_per_pass"),
+            "acceptance_rate": st.get("acceptance_rate"),
+            "target_passes": target.n_passes - passes0,
+            "busy_share": {r: busy.get(r, 0.0) / span for r in range(cfg.ranks)},
+            "wall_s": span,
+        })
+    return {"mode": cfg.mode, "ranks": cfg.ranks, "records": records, **_means(records, cfg.ranks)}
+
+
+def _means(records: list[dict], ranks: int) -> dict:
+    out = {}
+    for k in ("tokens_per_s", "ttft_ms", "itl_mean_ms", "accepted_per_pass", "acceptance_rate", "target_passes"):
+        vals = [r[k] for r in records if r[k] is not None]
+        out[k] = float(np.mean(vals)) if vals else None
+    out["busy_share"] = {r: float(np.mean([rec["busy_share"][r] for rec in records])) for r in range(ranks)}
+    return out

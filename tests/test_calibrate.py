@@ -1,0 +1,75 @@
+"""``ggpipe calibrate`` on real weights and real MPI ranks, and what reads its
+profile: ``plan --balance`` and ``generate --split auto:PROFILE``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import generate_json, run_ggpipe
+
+from ggpipe.sim.profile import Profile
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory, smollm2):
+    """A profile of 2 ranks on this host, measured on SmolLM2 (target and draft)."""
+    out = tmp_path_factory.mktemp("cal") / "profile.json"
+    p = run_ggpipe(["calibrate", "-m", str(smollm2), "-md", str(smollm2), "--reps", "2", "-o", str(out)], ranks=2,
+                   timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    summary = json.loads(p.stdout)
+    assert summary["output"] == str(out)
+    assert "rank 0" in p.stderr and "contention" in p.stderr  # progress, on rank 0 only
+    return out
+
+
+def test_calibrate_measures_every_rank_and_link(profile):
+    prof = Profile.load(profile)
+    assert [h.rank for h in prof.hosts] == [0, 1]
+    for h in prof.hosts:
+        assert len(h.layer_s) == len(h.batch_sizes) == 6 and all(t > 0 for t in h.layer_s)
+        assert h.layer_s[-1] > h.layer_s[0]           # 32 tokens cost more than one
+        assert all(t > 0 for t in h.head_s) and h.head_bytes > 0
+        assert h.draft_s is not None and h.draft_s[0] > h.layer_s[0]
+        assert len(h.busy_slowdown) == len(h.wait_slowdown) == 1   # two ranks share this host
+    assert prof.hosts[0].overhead_s > 0 and prof.hosts[0].spec_overhead_s > 0
+    assert [(ln.src, ln.dst) for ln in prof.links] == [(0, 1)]
+    assert 0 < prof.links[0].latency_s < 0.01
+    # the file round-trips
+    assert Profile.from_dict(json.loads(profile.read_text())) == prof
+
+
+def test_calibrate_refuses_to_overwrite_a_file_it_did_not_write(tmp_path, smollm2):
+    victim = tmp_path / "notes.json"
+    victim.write_text("my notes\n")
+    p = run_ggpipe(["calibrate", "-m", str(smollm2), "-o", str(victim)])
+    assert p.returncode != 0 and "not overwriting" in p.stderr
+    assert victim.read_text() == "my notes\n"
+
+
+def test_plan_balance_and_split_auto_use_the_profile(profile, smollm2):
+    p = run_ggpipe(["plan", "-n", "2", "--balance", str(profile), "--json", "--", "generate", "-m", str(smollm2),
+                    "-p", "x"])
+    assert p.returncode == 0, p.stderr
+    plan = json.loads(p.stdout)
+    split = plan["balance"]["split"]
+    counts = [int(x) for x in split.split(",")]
+    assert sum(counts) == 30 and len(counts) == 2
+    # the same split when the job balances itself from the profile
+    out = generate_json(smollm2, "Hello", 8, 2, ["--split", f"auto:{profile}"])
+    layers = [r["layers"] for r in out["ranks"]]
+    assert layers == [[0, counts[0]], [counts[0], 30]]
+
+
+def test_simulate_reads_the_profile(profile, smollm2):
+    p = run_ggpipe(["simulate", "--profile", str(profile), "-m", str(smollm2), "-md", str(smollm2),
+                    "--ranks", "2", "-n", "32", "--prompts", "1"])
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.count("| shm | 2 |") == 3
+
+
+def test_split_auto_without_a_profile_is_one_clear_error(smollm2):
+    p = run_ggpipe(["generate", "-m", str(smollm2), "--split", "auto", "-p", "x", "-n", "2"], ranks=2, timeout=120)
+    assert p.returncode != 0
+    assert "--split auto needs the profile" in p.stderr and "Traceback" not in p.stderr
