@@ -79,11 +79,16 @@ def files(tmp_path_factory, smollm2):
     notutf8.write_bytes(b"hello \xff\xfe world")
     nested = d / "nested.jsonl"
     nested.write_text("[" * 100000 + "]" * 100000 + "\n")
+    from ggpipe.sim.profile import HostProfile, Profile
+
+    profile = d / "profile.json"
+    Profile("x", None, [HostProfile("h", mem_bw_Bps=1e10, flops=1e11)]).save(profile)
     return {"smollm2": smollm2, "trunc": d / "truncated.gguf", "notgguf": d / "notgguf.gguf", "three": three,
             "gemma": fake(d / "gemma3-fake.gguf", "gemma3"), "othervocab": fake(d / "llama-3-tokens.gguf", "llama"),
             "bad_registry": bad_registry, "hash_registry": hash_registry, "cache": cache,
             "long_prompt": long_prompt, "out": out,
-            "batch_in": batch_in, "notes": notes, "notutf8": notutf8, "nested": nested}
+            "batch_in": batch_in, "notes": notes, "notutf8": notutf8, "nested": nested,
+            "profile": profile}
 
 
 @pytest.mark.mpi
@@ -117,7 +122,7 @@ def test_documented_bad_input(row, files):
               if ln.strip() and "ggpipe: error: " not in ln and not re.match(r"^(deriving|Writing|cutting)", ln)]
     assert not others, p.stderr
     assert row["message"] in errors[0], errors[0]
-    if row["id"] == "batch-foreign-output":
+    if row["id"] in ("batch-foreign-output", "calibrate-foreign-output"):
         assert files["notes"].read_text() == "precious data"
     if row["id"] == "batch-disk-full":
         data = (files["out"] / "results.jsonl").read_bytes()

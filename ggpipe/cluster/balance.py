@@ -68,8 +68,8 @@ def balance_layers(layer_cost: Sequence[Sequence[float]], last_extra: Sequence[f
     if objective == "bottleneck":
         best = _solve(n_stages, n_layer, stage_cost, ok, max)
     elif objective == "latency":  # lexicographic (sum, max): a larger prefix sum never wins
-        best = _solve(n_stages, n_layer, lambda s_, i, j: (stage_cost(s_, i, j),) * 2, ok,
-                      lambda v, c: (v[0] + c[0], max(v[1], c[1])))
+        best = _solve(n_stages, n_layer, lambda s_, i, j: _Lat(stage_cost(s_, i, j), stage_cost(s_, i, j)), ok,
+                      lambda v, c: _Lat(v.total + c.total, max(v.worst, c.worst)))
     else:
         raise ValueError(f"objective must be 'bottleneck' or 'latency', not {objective!r}")
     if best is None:
@@ -81,6 +81,22 @@ def balance_layers(layer_cost: Sequence[Sequence[float]], last_extra: Sequence[f
     cap = best[0] * (1 + 1e-12) + 1e-15
     return _solve(n_stages, n_layer, stage_cost, lambda s_, i, j: ok(s_, i, j) and stage_cost(s_, i, j) <= cap,
                   lambda x, y: x + y)[1]
+
+
+class _Lat:
+    """(sum, max) of stage times, ordered by sum, then max; sums that differ
+    only by rounding (the same layers added in another order) count as
+    equal, so the tie-break on the slowest stage is not lost to float noise."""
+
+    __slots__ = ("total", "worst")
+
+    def __init__(self, total: float, worst: float):
+        self.total, self.worst = total, worst
+
+    def __lt__(self, other: "_Lat") -> bool:
+        if abs(self.total - other.total) <= 1e-9 * max(abs(self.total), abs(other.total)):
+            return self.worst < other.worst
+        return self.total < other.total
 
 
 def _solve(n_stages, n_layer, stage_cost, ok, combine):
@@ -113,7 +129,7 @@ def _solve(n_stages, n_layer, stage_cost, ok, combine):
         ranges.append((i, j))
         j = i
     v = best[n_stages - 1][n_layer]
-    return (v[0] if isinstance(v, tuple) else v), ranges[::-1]
+    return (v.total if isinstance(v, _Lat) else v), ranges[::-1]
 
 
 def stage_times(ranges: Sequence[tuple[int, int]], layer_cost: Sequence[Sequence[float]],

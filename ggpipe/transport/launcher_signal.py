@@ -29,15 +29,20 @@ _RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")  # MPICH/hydra, O
 _startup_signal = threading.Event()
 
 
-def launched_rank() -> int | None:
-    """This process's MPI rank as its launcher's environment gives it, or
-    None when no MPI launcher started it (read without initialising MPI)."""
-    for k in _RANK_VARS:
+def _first_int(names: tuple[str, ...]) -> int | None:
+    """The first of these environment variables that holds an integer."""
+    for k in names:
         try:
             return int(os.environ[k])
         except (KeyError, ValueError):
             pass
     return None
+
+
+def launched_rank() -> int | None:
+    """This process's MPI rank as its launcher's environment gives it, or
+    None when no MPI launcher started it (read without initialising MPI)."""
+    return _first_int(_RANK_VARS)
 
 
 _SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "SLURM_NTASKS")
@@ -47,14 +52,7 @@ def launched_size() -> int | None:
     """The job's number of ranks as its launcher's environment gives it, or
     None when no MPI launcher started this process (read without
     initialising MPI)."""
-    if launched_rank() is None:
-        return None
-    for k in _SIZE_VARS:
-        try:
-            return int(os.environ[k])
-        except (KeyError, ValueError):
-            pass
-    return None
+    return None if launched_rank() is None else _first_int(_SIZE_VARS)
 
 
 def watch_launcher_signal() -> None:
