@@ -264,6 +264,14 @@ def test_adaptive_depth_stays_exact_and_learns():
     c.observe(1, 0.020)
     c.observe(4, 0.035)
     assert abs(c.cost(2) - 0.025) < 1e-9 and abs(draft_threshold(c, 0.3) - 0.25) < 1e-9
+    # the target waiting for each drafted token (synchronous speculation) charges the draft step too,
+    # except for the first token below an anchor: the draft decodes the anchor in any case
+    assert abs(draft_threshold(c, 0.3, draft_step_s=0.004) - 0.45) < 1e-9
+    from ggpipe.speculation.adaptive import AdaptiveCutoff
+
+    cut = AdaptiveCutoff(m, c, 0.3, draft_step=lambda: 0.004)
+    assert abs(cut.at(0.9) - 0.45 / 0.9) < 1e-9 and abs(cut.first_at(0.9) - 0.25 / 0.9) < 1e-9
+    assert AdaptiveCutoff(m, c, 0.3).at(1.0) == AdaptiveCutoff(m, c, 0.3).first_at(1.0)
 
 
 def test_ngram_confidence_and_calibrated_truncation():

@@ -339,3 +339,30 @@ def test_plan_balance_puts_fewer_layers_on_a_slow_rank(tmp_path):
     r = CliRunner().invoke(cli, ["plan", "-n", "2", "--balance", str(tmp_path / "p.json"), "--", "generate", "-m",
                                  "smollm2-135m", "--split", "1,1", "-p", "hi"])
     assert r.exit_code != 0 and "leave --split out" in r.output
+
+
+def test_speculative_auto_depth_charges_the_measured_draft_step():
+    """In synchronous speculation the draft model proposer measures its
+    one-token round trip (virtual time here: 2 layers x 0.1 ms + head
+    0.2 ms + 0.1 ms each way = 0.6 ms), and --p-accept auto adds it to the
+    marginal cost of a drafted token; pipeinfer does not charge it."""
+    from ggpipe.decoding.factory import build_decoder
+    from ggpipe.sampling import Sampler, SamplingParams
+    from ggpipe.sim.backend import idle_until_next
+    from ggpipe.sim.run import build
+
+    prof = Profile("toy", None, [flat_host(1.0, 2.0)], [LinkProfile(0, 1, 0.1 * MS, 0.0)])
+    draft = ModelDesc("d", (LayerShape(100, 25),) * 2, LayerShape(100, 25), 8, 64)
+    for mode in ("speculative", "pipeinfer"):
+        spec = SpecSettings(mode=mode, p_accept=None)
+        cfg = SimConfig(prof, toy_model(6), draft, mode=mode, ranks=2, acceptance=0.7, spec=spec)
+        clock, target, dpipe, busy, roles = build(cfg)
+        dec = build_decoder(mode, spec, target, dpipe, n_ubatch=512, n_seq_max=32, is_eog=lambda t: False,
+                            timeout_s=60, idle=idle_until_next(clock, [target, dpipe]))
+        dec.generate(np.arange(16, dtype=np.int32), 40, Sampler(SamplingParams(temperature=0.0)))
+        assert dec.proposer.step_s == pytest.approx(0.6 * MS)
+        assert dec.stats["draft_step_ms"] == pytest.approx(0.6, abs=1e-3)
+        c1, c2 = dec.pass_cost.cost(1), dec.pass_cost.cost(2)
+        step = 0.6 * MS if mode == "speculative" else 0.0
+        want = min(0.6, max(0.05, (c2 - c1 + step) / c1))
+        assert dec.stats["draft_threshold"] == pytest.approx(want)

@@ -128,7 +128,8 @@ class SpeculativeDecoder:
         clock.start()
         s = self.s
         tokens = [int(t) for t in prompt]
-        cutoff = (AdaptiveCutoff(self.acceptance, self.pass_cost, s.default_threshold) if self.adaptive
+        serial = None if s.asynchronous else (lambda: self.proposer.step_s)  # speculative: the target waits
+        cutoff = (AdaptiveCutoff(self.acceptance, self.pass_cost, s.default_threshold, serial) if self.adaptive
                   else CutoffController(s.p_accept, s.p_recovery, s.p_decay))
         r = self.r = SpecRequest(n_predict=n_predict, emit=emit, clock=clock, graph=SpecGraph(sampler),
                                  cutoff=cutoff, context=history + tokens)
@@ -352,7 +353,7 @@ class SpeculativeDecoder:
             return
         r.spec_anchor = anchor
         r.spec_path = 1.0 if anchor is None else r.graph.path_p(anchor, self._calib)
-        self.proposer.begin(ctx, r.cutoff.at(r.spec_path), max_nodes)
+        self.proposer.begin(ctx, r.cutoff.at(r.spec_path), max_nodes, first_cutoff=r.cutoff.first_at(r.spec_path))
         if self.proposer.instant:
             self._speculated(self.proposer.poll())
 
@@ -493,6 +494,7 @@ class SpeculativeDecoder:
             draft_threshold=r.cutoff.threshold if self.adaptive else None,
             acceptance_exponent=self.acceptance.k if self.adaptive else None,
             pass_cost_ms={n: round(1e3 * t, 2) for n, t in sorted(self.pass_cost.mean.items())},
+            draft_step_ms=None if self.proposer.step_s is None else round(1e3 * self.proposer.step_s, 3),
             head_cancelled_before_start=self.target.stats["cancelled_before_start"],
             head_cancelled_mid_compute=self.target.stats["cancelled_mid_compute"],
             head_dropped_after_cancel=self.target.stats.get("dropped_after_cancel", 0),

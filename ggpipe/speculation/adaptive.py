@@ -17,6 +17,10 @@ speculation length, section 3.3):
   the pass relative to a one-token pass: ``(cost(2) - cost(1)) / cost(1)``.
   A token one pass decides costs ``cost(1)``; a drafted token that is
   accepted saves that, and costs the marginal ``cost(2) - cost(1)`` either way.
+  When drafting and verifying alternate (synchronous speculation), drafting
+  the token also holds up the target for one draft step ``d``, so the cost
+  it adds is ``cost(2) - cost(1) + d``; in pipeinfer the draft works while the
+  target does, and ``d`` is not charged.
 
 The path probability of a node is the product of calibrated acceptance along
 its unverified ancestors and itself, so speculation far beyond the verified
@@ -26,6 +30,7 @@ tokens needs more confidence, as ``p_recovery`` approximated.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -111,14 +116,17 @@ class PassCost:
         return float(icpt + slope * n_tokens)
 
 
-def draft_threshold(cost: PassCost, default: float, lo: float = 0.05, hi: float = 0.6) -> float:
+def draft_threshold(cost: PassCost, default: float, lo: float = 0.05, hi: float = 0.6,
+                    draft_step_s: float = 0.0) -> float:
     """The least path probability (0..1) that makes a drafted token worth its
-    place in a target pass: ``(cost(2) - cost(1)) / cost(1)``, clipped to
-    [lo, hi]; ``default`` until the cost curve is known."""
+    place in a target pass: ``(cost(2) - cost(1) + draft_step_s) / cost(1)``
+    (``draft_step_s``: seconds the target waits for the draft per drafted
+    token; 0 when drafting overlaps verification), clipped to [lo, hi];
+    ``default`` until the cost curve is known."""
     c1, c2 = cost.cost(1), cost.cost(2)
     if c1 is None or c2 is None or c1 <= 0:
         return default
-    return float(min(hi, max(lo, (c2 - c1) / c1)))
+    return float(min(hi, max(lo, (c2 - c1 + draft_step_s) / c1)))
 
 
 class AdaptiveCutoff:
@@ -131,21 +139,40 @@ class AdaptiveCutoff:
         acceptance: the calibration, shared across requests.
         cost: the pass cost curve, shared across requests.
         default: the threshold until the cost curve is known.
+        draft_step: seconds per drafted token the target waits for (None:
+            drafting overlaps verification; or the proposer's measured step
+            cost, which may be None until measured).
     """
 
-    def __init__(self, acceptance: AcceptanceModel, cost: PassCost, default: float):
+    def __init__(self, acceptance: AcceptanceModel, cost: PassCost, default: float,
+                 draft_step: Callable[[], float | None] | None = None):
         self.acceptance = acceptance
         self.cost = cost
         self.default = default
+        self.draft_step = draft_step
 
     @property
     def threshold(self) -> float:
+        """Least path probability of a drafted token beyond the first below
+        an anchor: to reach it the draft decodes the token before it, one
+        draft step (charged when the target waits for it)."""
+        d = self.draft_step() if self.draft_step is not None else None
+        return draft_threshold(self.cost, self.default, draft_step_s=d or 0.0)
+
+    @property
+    def first_threshold(self) -> float:
+        """The same for the first token below an anchor: the draft decodes
+        the anchor in any case, so no draft step is charged."""
         return draft_threshold(self.cost, self.default)
 
     def at(self, path_p: float) -> float:
         """Cutoff (compared with the path probability accumulated below the
         anchor) for an anchor of path probability ``path_p``."""
         return self.threshold / max(path_p, 1e-9)
+
+    def first_at(self, path_p: float) -> float:
+        """:meth:`at` for the first token below the anchor."""
+        return self.first_threshold / max(path_p, 1e-9)
 
     def exhausted_at(self, path_p: float) -> bool:
         """No node below such an anchor can be worth drafting."""

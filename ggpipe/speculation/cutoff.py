@@ -66,5 +66,9 @@ class CutoffController:
         controller raises it per continued micro-batch instead)."""
         return self.cutoff
 
+    def first_at(self, path_p: float) -> float:
+        """The cutoff of the first token below the anchor: the same."""
+        return self.cutoff
+
     def exhausted_at(self, path_p: float) -> bool:
         return self.exhausted

@@ -14,8 +14,10 @@ Life of a proposer (one per decoder; it may keep caches across requests):
   ``acceptance``, a calibration draft probability -> P(accepted), the cutoff
   applies to the product of calibrated acceptance along a path), ``prefill(context)``
   once the prompt is known (may start work and return at once);
-* ``begin(context, cutoff, max_nodes)`` starts a micro-batch below
-  ``context[-1]`` (the anchor, at position ``len(context) - 1``);
+* ``begin(context, cutoff, max_nodes, first_cutoff)`` starts a micro-batch
+  below ``context[-1]`` (the anchor, at position ``len(context) - 1``);
+  ``first_cutoff`` (default ``cutoff``) applies to the first token below the
+  anchor, which needs no draft step of its own;
 * while ``active``: ``ready()`` says ``poll()`` would make progress without
   waiting; ``poll()`` makes it and returns the finished tree (possibly empty:
   nothing worth verifying), or None while drafting goes on;
@@ -121,6 +123,10 @@ class Proposer(Protocol):
         instant: drafting costs nothing worth overlapping (it happens on the
             head inside ``begin``; ``poll`` never waits).
         stats: counters for ``--json`` (strategy specific).
+        step_s: measured seconds per drafted token (a one-token draft
+            decode from submission to result; 0 for an instant proposer;
+            None until measured). Adaptive depth charges it when the target waits for
+            the draft (synchronous speculation).
     """
 
     name: str
@@ -128,11 +134,13 @@ class Proposer(Protocol):
     instant: bool
     active: bool
     stats: dict
+    step_s: float | None
 
     def start(self, params: SamplingParams, rng: np.random.Generator,
               acceptance: Callable[[float], float] | None = None) -> None: ...
     def prefill(self, context: list[int]) -> None: ...
-    def begin(self, context: list[int], cutoff: float, max_nodes: int) -> None: ...
+    def begin(self, context: list[int], cutoff: float, max_nodes: int,
+              first_cutoff: float | None = None) -> None: ...
     def ready(self) -> bool: ...
     def poll(self) -> SpecTree | None: ...
     def can_cut(self) -> bool: ...
@@ -180,6 +188,7 @@ class InstantProposer:
 
     iid_children = True
     instant = True
+    step_s = 0.0
 
     def __init__(self) -> None:
         self.active = False
@@ -196,11 +205,13 @@ class InstantProposer:
     def prefill(self, context: list[int]) -> None:
         pass
 
-    def begin(self, context: list[int], cutoff: float, max_nodes: int) -> None:
+    def begin(self, context: list[int], cutoff: float, max_nodes: int,
+              first_cutoff: float | None = None) -> None:
         """Draft at once. With a calibration (``start(..., acceptance)``), a
         chain is cut where the product of calibrated acceptance of its nodes'
-        confidences (``SpecTree.draft_p``) falls below ``cutoff``; without
-        one, the cutoff (a draft model's probability) does not apply."""
+        confidences (``SpecTree.draft_p``) falls below ``cutoff``
+        (``first_cutoff`` for its first node); without one, the cutoff (a
+        draft model's probability) does not apply."""
         if self.active:
             raise RuntimeError("a micro-batch is already being drafted")
         tree = self.propose(list(context), max_nodes)
@@ -208,7 +219,7 @@ class InstantProposer:
             path, keep = 1.0, 0
             for i in range(len(tree)):
                 path *= self.acceptance(tree.draft_p[i])
-                if path < cutoff:
+                if path < (cutoff if i or first_cutoff is None else first_cutoff):
                     break
                 keep = i + 1
             if keep < len(tree):

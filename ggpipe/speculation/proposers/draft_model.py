@@ -69,6 +69,7 @@ class DraftModelProposer:
         self.tree: SpecTree | None = None
         self._parent = -1
         self._cutoff = 1.0
+        self._first_cutoff = 1.0
         self._max_nodes = 0
         self._pending_runs = 0
         self._cached: np.ndarray | None = None
@@ -76,6 +77,7 @@ class DraftModelProposer:
         self.stats = {"draft_decodes": 0}
         self.acceptance: Callable[[float], float] | None = None
         self._path = 1.0
+        self.step_s: float | None = None  # EWMA of a one-token draft decode's round trip (seconds)
 
     # stochastic trees are chains of draws from q (greedy trees may carry top-k siblings)
     iid_children = True
@@ -128,16 +130,19 @@ class DraftModelProposer:
 
     # -- growing a tree --------------------------------------------------------
 
-    def begin(self, context: list[int], cutoff: float, max_nodes: int) -> None:
+    def begin(self, context: list[int], cutoff: float, max_nodes: int,
+              first_cutoff: float | None = None) -> None:
         """Start a micro-batch below the last token of ``context`` (every token
         up to and including the anchor; the anchor is at position
-        len(context) - 1)."""
+        len(context) - 1). ``first_cutoff`` (default ``cutoff``) applies to
+        the first token below the anchor."""
         if self.active:
             raise RuntimeError("a micro-batch is already being drafted")
         self.tree = SpecTree(anchor_pos=len(context) - 1)
         self._parent = -1
         self._path = 1.0
         self._cutoff = cutoff
+        self._first_cutoff = cutoff if first_cutoff is None else first_cutoff
         self._max_nodes = max_nodes
         self.active = True
         self._cached = None
@@ -228,6 +233,7 @@ class DraftModelProposer:
             if self._pending_runs > 0:  # a chunk of a long catch-up
                 return None
             logits = result.logits[0]
+            self._observe_step(result)
         self._last_logits = (len(self.cursor), logits)
         tree = self.tree
         greedy = self.params.greedy
@@ -242,7 +248,8 @@ class DraftModelProposer:
             q_top = float(q[top])
         prev_path = self._path
         path = 1.0 if self.acceptance is None else prev_path * self.acceptance(q_top)
-        if (q_top if self.acceptance is None else path) < self._cutoff or len(tree) >= self._max_nodes:
+        cutoff = self._first_cutoff if len(tree) == 0 else self._cutoff
+        if (q_top if self.acceptance is None else path) < cutoff or len(tree) >= self._max_nodes:
             return self._finish()
         self._path = path
         if greedy:
@@ -275,6 +282,16 @@ class DraftModelProposer:
         self.stats["draft_decodes"] += 1
         self._pending_runs = 1
         return None
+
+    def _observe_step(self, result) -> None:
+        """Time a one-token draft decode from submission to result (runs and
+        results carry ``started_at`` / ``finished_at``; others are skipped)."""
+        run = getattr(result, "run", None)
+        t1 = getattr(result, "finished_at", 0.0)
+        if run is None or run.n_tokens != 1 or not t1 or not run.started_at or t1 < run.started_at:
+            return
+        dt = t1 - run.started_at
+        self.step_s = dt if self.step_s is None else self.step_s + 0.2 * (dt - self.step_s)
 
     def _finish(self) -> SpecTree:
         self.active = False
