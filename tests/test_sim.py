@@ -366,3 +366,19 @@ def test_speculative_auto_depth_charges_the_measured_draft_step():
         step = 0.6 * MS if mode == "speculative" else 0.0
         want = min(0.6, max(0.05, (c2 - c1 + step) / c1))
         assert dec.stats["draft_threshold"] == pytest.approx(want)
+
+
+def test_simulated_timelines_are_traces_ggpipe_timeline_draws(tmp_path):
+    """--timeline: per-rank traces in ggpipe.trace's files; every computed
+    stage span is a ``run`` event on its rank, matching the busy time."""
+    from ggpipe.bench.timeline import load_traces
+
+    prof = Profile("toy", None, [flat_host(1.0, 2.0)], [LinkProfile(0, 1, 0.5 * MS, 0.0)])
+    r = simulate(SimConfig(prof, toy_model(), mode="iterative", ranks=2, n_prompt=8, n_predict=10, prompts=1),
+                 trace_dir=tmp_path / "tl")
+    headers, events, meta = load_traces(tmp_path / "tl")
+    assert sorted(headers) == [0, 1] and meta["roles"]["0"].startswith("target")
+    for rank, ms in ((0, 2.0), (1, 4.0)):
+        runs = [e for e in events[rank] if e["name"] == "run"]
+        assert len(runs) == 10 and all(e["dur"] == pytest.approx(ms * MS) for e in runs)  # prompt + 9 tokens
+    assert r["busy_share"][0] == pytest.approx(2 / 7, rel=1e-6)

@@ -118,8 +118,11 @@ def _split(text):
 @click.option("--n-prompt", default=128, show_default=True, type=click.IntRange(1, 1 << 16))
 @click.option("--prompts", default=3, show_default=True, type=click.IntRange(1, 1000), help="Requests per configuration.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per configuration instead of a table.")
+@click.option("--timeline", "timeline_dir", default=None, type=click.Path(file_okay=False, path_type=Path),
+              help="Write each configuration's per-rank traces to DIR/<link>_r<ranks>_<mode>/ "
+                   "(draw them with ggpipe timeline).")
 def simulate_command(profile_path, target, draft, modes, ranks, links, split, acceptance, confidence_exponent,
-                     n_draft, p_accept, n_predict, n_prompt, prompts, as_json):
+                     n_draft, p_accept, n_predict, n_prompt, prompts, as_json, timeline_dir):
     """Simulate jobs on a virtual clock: the real decoding loops against measured costs.
 
     Reports tokens/s, TTFT, ITL, tokens per target pass, acceptance and per-rank busy share for every
@@ -145,8 +148,13 @@ def simulate_command(profile_path, target, draft, modes, ranks, links, split, ac
                 cfg = SimConfig(prof, tdesc, ddesc, mode=mode, ranks=n_ranks, split=_split(split), spec=spec,
                                 link=link, acceptance=acceptance, confidence_exponent=confidence_exponent,
                                 n_prompt=n_prompt, n_predict=n_predict, prompts=prompts)
-                r = simulate(cfg)
+                tdir = None
+                if timeline_dir is not None:
+                    tdir = timeline_dir / f"{format_link(link).replace(',', '-')}_r{n_ranks}_{mode}"
+                r = simulate(cfg, trace_dir=tdir)
                 r["link"] = format_link(link)
+                if tdir is not None:
+                    r["timeline"] = str(tdir)
                 r.pop("records")
                 rows.append(r)
                 if as_json:

@@ -97,12 +97,15 @@ class SimPipeline(ToyPipeline):
         overhead_s: head time per result taken (seconds).
         busy: rank -> seconds computed, accumulated as results are taken.
         name: "target" or "draft".
+        trace: rank -> a list that receives that rank's events in the
+            format of ``ggpipe.trace`` (``run`` spans per stage, ``skip``,
+            ``submit`` and ``recv`` instants; virtual seconds), or None.
     """
 
     def __init__(self, model: ToyLM, clock: SimClock, stages: list[SimStage],
                  link: Callable[[int, int], LinkProfile], n_embd: int, n_vocab_real: int,
                  async_local: bool = False, overhead_s: float = 0.0, busy: dict | None = None,
-                 name: str = "target"):
+                 name: str = "target", trace: dict | None = None):
         super().__init__(model, name)
         self.clock = clock
         self.stages = stages
@@ -113,6 +116,7 @@ class SimPipeline(ToyPipeline):
         self.async_local = async_local and self.head_stage
         self.overhead_s = overhead_s
         self.busy = busy if busy is not None else {}
+        self.trace = trace
         self.stats["dropped_after_cancel"] = 0
         self.n_passes = 0
         self._entries: dict[int, _Entry] = {}
@@ -192,8 +196,14 @@ class SimPipeline(ToyPipeline):
 
     # -- ToyPipeline's timing hooks -------------------------------------------------
 
+    def _event(self, rank: int, **ev) -> None:
+        if self.trace is not None:
+            self.trace.setdefault(rank, []).append(ev)
+
     def _scheduled(self, run: Run) -> None:
         run.started_at = self.clock.now
+        self._event(0, ph="i", name="submit", ts=self.clock.now, dur=0.0, lane="head", run=run.run_id,
+                    n=run.n_tokens, spec=bool(run.speculative), pipeline=self.name)
         kv = int(run.pos.max()) + 1 if run.n_tokens else 0
         self._entries[run.run_id] = _Entry(run, self.clock.now, int(run.outputs.sum()), kv)
         self._sched = None
@@ -217,9 +227,17 @@ class SimPipeline(ToyPipeline):
         e = self._entries.pop(run.run_id)
         self._free, self._lfree = s.free, s.lfree
         self._sched = None
-        for st, (a, b, computed) in zip(self.stages, s.spans):
+        for i, (st, (a, b, computed)) in enumerate(zip(self.stages, s.spans)):
             if computed:
                 self.busy[st.rank] = self.busy.get(st.rank, 0.0) + (b - a)
+                aborted = s.cancelled and (i + 1 == len(s.spans) or not s.spans[i + 1][2])
+                self._event(st.rank, ph="X", name="run", ts=a, dur=b - a, lane=f"{self.name} stage", run=run.run_id,
+                            n=run.n_tokens, spec=bool(run.speculative), pipeline=self.name,
+                            **({"cancelled": True} if aborted else {}))
+            else:
+                self._event(st.rank, ph="i", name="skip", ts=a, dur=0.0, lane=f"{self.name} stage",
+                            run=run.run_id, pipeline=self.name)
+        self._event(0, ph="i", name="recv", ts=s.due, dur=0.0, lane="head", run=run.run_id, pipeline=self.name)
         if s.cancelled and not s.spans[0][2] and self.head_stage:
             self.stats["cancelled_before_start"] += 1
         if not math.isinf(e.cancel_at) and not s.cancelled:

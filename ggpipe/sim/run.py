@@ -9,7 +9,9 @@ per-rank busy share.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import numpy as np
 
@@ -117,7 +119,7 @@ def contention(cfg: SimConfig, busy_share: dict) -> dict:
     return out
 
 
-def build(cfg: SimConfig, factors: dict | None = None):
+def build(cfg: SimConfig, factors: dict | None = None, trace: dict | None = None):
     """(clock, target pipeline, draft pipeline or None, busy dict, roles).
 
     Raises:
@@ -139,7 +141,8 @@ def build(cfg: SimConfig, factors: dict | None = None):
               for r, (a, b) in enumerate(tgt_ranges)]
     lm = ToyLM(TOY_VOCAB, seed=cfg.seed)
     target = SimPipeline(lm, clock, stages, link, cfg.target.n_embd, cfg.target.n_vocab,
-                         async_local=cfg.mode == "pipeinfer", overhead_s=overhead, busy=busy, name="target")
+                         async_local=cfg.mode == "pipeinfer", overhead_s=overhead, busy=busy, name="target",
+                         trace=trace)
     draft = None
     if has_draft:
         d_ranges = plan_layers(cfg.draft.n_layer, roles.n_draft, cfg.split.draft, model="draft")
@@ -148,16 +151,19 @@ def build(cfg: SimConfig, factors: dict | None = None):
                    for i, (r, (a, b)) in enumerate(zip(roles.draft_ranks, d_ranges))]
         draft = SimPipeline(CalibratedDraft(lm, cfg.acceptance, seed=cfg.seed + 1,
                                                        exponent=cfg.confidence_exponent), clock, dstages, link,
-                            cfg.draft.n_embd, cfg.draft.n_vocab, overhead_s=h0.overhead_s, busy=busy, name="draft")
+                            cfg.draft.n_embd, cfg.draft.n_vocab, overhead_s=h0.overhead_s, busy=busy, name="draft",
+                            trace=trace)
     return clock, target, draft, busy, roles
 
 
-def simulate(cfg: SimConfig, rounds: int = 4) -> dict:
+def simulate(cfg: SimConfig, rounds: int = 4, trace_dir: str | Path | None = None) -> dict:
     """Run ``cfg.prompts`` greedy requests; ranks sharing a host slow each
     other down by :func:`contention`, iterated ``rounds`` times from the
     busy shares of the previous round (no effect on a profile measured with
     one rank per host). Returns what :func:`_simulate_once` returns, plus
-    ``contention`` (rank -> the factor used).
+    ``contention`` (rank -> the factor used). ``trace_dir``: also write the
+    last round's first request as per-rank traces there (``rank<R>.jsonl``
+    and ``meta.json``, the files ``ggpipe timeline`` draws; virtual time).
 
     Raises:
         ConfigError, SplitError: an impossible job (as ``ggpipe generate``)."""
@@ -170,10 +176,29 @@ def simulate(cfg: SimConfig, rounds: int = 4) -> dict:
         if all(abs(new[r] - factors.get(r, 1.0)) < 1e-3 for r in new):
             break
         factors = new
+    if trace_dir is not None:
+        trace: dict = {}
+        _simulate_once(replace(cfg, prompts=1), factors, trace)
+        write_traces(cfg, trace, Path(trace_dir))
     return out
 
 
-def _simulate_once(cfg: SimConfig, factors: dict) -> dict:
+def write_traces(cfg: SimConfig, trace: dict, out: Path) -> None:
+    """Per-rank traces in ggpipe.trace's files (virtual seconds, clock offset 0)."""
+    out.mkdir(parents=True, exist_ok=True)
+    roles = {}
+    _, _, _, _, r = build(cfg)
+    for rank in range(cfg.ranks):
+        kind = r.model_of(rank)
+        i, n = r.stage_of(rank)
+        roles[rank] = f"{kind} stage {i + 1}/{n} (simulated)"
+        lines = [json.dumps({"rank": rank, "pid": 0, "host": cfg.profile.host(rank).host, "wall_offset_s": 0.0})]
+        lines += [json.dumps(e) for e in sorted(trace.get(rank, []), key=lambda e: e["ts"])]
+        (out / f"rank{rank}.jsonl").write_text("\n".join(lines) + "\n")
+    (out / "meta.json").write_text(json.dumps({"roles": roles, "mode": cfg.mode, "simulated": True}))
+
+
+def _simulate_once(cfg: SimConfig, factors: dict, trace: dict | None = None) -> dict:
     """One simulation with compute costs scaled by ``factors`` (rank -> factor).
     Returns the per-request records
     and their means (the keys of ``ggpipe bench``'s results.csv where they
@@ -184,7 +209,7 @@ def _simulate_once(cfg: SimConfig, factors: dict) -> dict:
 
     Raises:
         ConfigError, SplitError: an impossible job (as ``ggpipe generate``)."""
-    clock, target, draft, busy, roles = build(cfg, factors)
+    clock, target, draft, busy, roles = build(cfg, factors, trace)
     pipes = [p for p in (target, draft) if p is not None]
     spec = replace(cfg.spec, mode=cfg.mode) if cfg.mode != "iterative" else cfg.spec
     n_seq_max = 1 if cfg.mode == "iterative" else max(1, min(256, (spec.max_inflight + 1) * spec.width + 1))
