@@ -190,6 +190,19 @@ def test_draft_model_proposer_grows_a_greedy_chain_and_cuts():
     assert rest.anchor_pos == first.pos(tip) and rest.tokens == tree.tokens[2:5]
     p.settle(5)
     assert not p.busy()
+    # the tree a cut starts is held to the cut's cutoff from its first node on (not to the
+    # first_cutoff its begin() was given): no draft probability reaches 1.01
+    p.begin(ctx, cutoff=0.0, max_nodes=6, first_cutoff=0.0)
+    while not (p.can_cut() and len(p.tree) == 2):
+        if p.ready():
+            assert p.poll() is None
+    p.cut(1.01, lambda pos: 3)
+    rest = None
+    while rest is None:
+        if p.ready():
+            rest = p.poll()
+    assert len(rest) == 0
+    p.settle(5)
 
 
 @pytest.mark.parametrize("spec_type", ["draft", "ngram"])

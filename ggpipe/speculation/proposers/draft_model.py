@@ -218,7 +218,7 @@ class DraftModelProposer:
         tree, tip = self.tree, self._parent
         self.tree = SpecTree(anchor_pos=tree.pos(tip))
         self._parent = -1
-        self._cutoff = cutoff
+        self._cutoff = self._first_cutoff = cutoff  # the new tree goes on below a drafted tip
         self._max_nodes = room(self.tree.anchor_pos)
         return tree, tip
 
