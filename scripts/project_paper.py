@@ -20,7 +20,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from ggpipe.cluster.split import SplitSpec
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.sim.model import resolve_desc
 from ggpipe.sim.profile import HostProfile, LinkProfile, Profile
@@ -75,10 +74,8 @@ def main() -> int:
                     if mode != "iterative" and n < 2:
                         row.append(None)
                         continue
-                    cfg = SimConfig(prof, t, d if mode != "iterative" else None, mode=mode, ranks=n,
-                                    split=SplitSpec(None, None), spec=SpecSettings(mode=mode if mode != "iterative"
-                                                                                     else "pipeinfer", draft=4),
-                                    acceptance=acc, n_prompt=64, n_predict=a.n, prompts=1)
+                    cfg = SimConfig(prof, t, d, mode=mode, ranks=n, spec=SpecSettings(draft=4), acceptance=acc,
+                                    n_prompt=64, n_predict=a.n, prompts=1)
                     row.append(simulate(cfg)["tokens_per_s"])
                 res[mode] = row
                 lines.append(f"| {name} | {link} | {mode} | "

@@ -33,8 +33,6 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from ggpipe.cluster.split import SplitSpec
-from ggpipe.decoding.settings import SpecSettings
 from ggpipe.sim.model import from_gguf
 from ggpipe.sim.profile import Profile
 from ggpipe.sim.run import SimConfig, simulate
@@ -61,10 +59,8 @@ def load_runs(bench: Path) -> list[dict]:
 
 
 def sim(prof, tdesc, ddesc, mode, ranks, link, n_prompt, n, a, seed, k=1.0) -> dict:
-    cfg = SimConfig(prof, tdesc, ddesc if mode != "iterative" else None, mode=mode, ranks=ranks,
-                    split=SplitSpec(None, None), spec=SpecSettings(mode=mode if mode != "iterative" else "pipeinfer"),
-                    link=parse_link(link), acceptance=a, confidence_exponent=k, n_prompt=n_prompt, n_predict=n,
-                    prompts=1, seed=seed)
+    cfg = SimConfig(prof, tdesc, ddesc, mode=mode, ranks=ranks, link=parse_link(link), acceptance=a,
+                    confidence_exponent=k, n_prompt=n_prompt, n_predict=n, prompts=1, seed=seed)
     return simulate(cfg)
 
 

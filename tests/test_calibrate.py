@@ -56,6 +56,11 @@ def test_plan_balance_and_split_auto_use_the_profile(profile, smollm2):
     split = plan["balance"]["split"]
     counts = [int(x) for x in split.split(",")]
     assert sum(counts) == 30 and len(counts) == 2
+    # plan shows the split a job with --split auto:PROFILE will compute for itself
+    p = run_ggpipe(["plan", "-n", "2", "--json", "--", "generate", "-m", str(smollm2), "--split", f"auto:{profile}",
+                    "-p", "x"])
+    assert p.returncode == 0, p.stderr
+    assert [r["layers"] for r in json.loads(p.stdout)["ranks"]] == [[0, counts[0]], [counts[0], 30]]
     # the same split when the job balances itself from the profile
     out = generate_json(smollm2, "Hello", 8, 2, ["--split", f"auto:{profile}"])
     layers = [r["layers"] for r in out["ranks"]]

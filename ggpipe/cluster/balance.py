@@ -142,12 +142,3 @@ def stage_times(ranges: Sequence[tuple[int, int]], layer_cost: Sequence[Sequence
             t += last_extra[s]
         out.append(t)
     return out
-
-
-def proportional_layers(n_layer: int, weights: Sequence[float]) -> list[tuple[int, int]]:
-    """llama.cpp's default split across devices: layers in proportion to
-    each device's free memory (``llama_model_load``'s tensor split when none
-    is given); ``weights`` are the memories. Same rounding as ``--split``."""
-    from ggpipe.cluster.split import plan_layers
-
-    return plan_layers(n_layer, len(weights), list(weights))

@@ -415,6 +415,8 @@ def plan(ctx, ranks, model, draft_model, split, ctx_size, threads, hostfile, map
         balanced = P.balanced_placement(balance_profile, params, ranks, placed, mem, acceptance)
         params["split"] = balanced.split
         argv = argv[:1] + ["--split", balanced.split] + argv[1:]
+    elif params["split"] is not None:  # --split auto:PROFILE: the split the job will compute for itself
+        params["split"] = P.auto_split(params["split"], params, ranks)
     cfg = ClusterConfig(model=params["model"], draft_model=params["draft_model"], split=params["split"],
                         threads=str(params["threads"]), ctx_size=params["ctx_size"])
     result = P.plan_job(cfg, ranks, placed, mem)

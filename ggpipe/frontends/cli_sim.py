@@ -138,13 +138,12 @@ def simulate_command(profile_path, target, draft, modes, ranks, links, split, ac
     prof = Profile.load(profile_path)
     tdesc = resolve_desc(target)
     ddesc = resolve_desc(draft) if draft else None
-    pa = None if p_accept == "auto" else float(p_accept)
+    spec = SpecSettings(draft=n_draft, p_accept=None if p_accept == "auto" else float(p_accept))
     rows = []
     for link_text in _links(links):
         link = parse_link(link_text)
         for n_ranks in _int_list(ranks, "--ranks"):
             for mode in [m.strip() for m in modes.split(",") if m.strip()]:
-                spec = SpecSettings(mode=mode if mode != "iterative" else "pipeinfer", draft=n_draft, p_accept=pa)
                 cfg = SimConfig(prof, tdesc, ddesc, mode=mode, ranks=n_ranks, split=_split(split), spec=spec,
                                 link=link, acceptance=acceptance, confidence_exponent=confidence_exponent,
                                 n_prompt=n_prompt, n_predict=n_predict, prompts=prompts)

@@ -291,7 +291,6 @@ def balanced_placement(profile_path, params: dict, n_ranks: int, hosts: list[str
 
     Raises:
         ConfigError: unreadable profile; SplitError: nothing fits."""
-    from ggpipe.decoding.settings import SpecSettings
     from ggpipe.sim.model import from_gguf
     from ggpipe.sim.placement import place
     from ggpipe.sim.profile import Profile
@@ -315,9 +314,8 @@ def balanced_placement(profile_path, params: dict, n_ranks: int, hosts: list[str
 
     cfg = None
     if draft is not None and mode != "iterative" and simulate_draft:
-        spec = SpecSettings(mode=mode)
-        cfg = SimConfig(prof, target, draft, mode=mode, ranks=n_ranks, spec=spec, acceptance=acceptance,
-                        prompts=1, n_predict=64)
+        cfg = SimConfig(prof, target, draft, mode=mode, ranks=n_ranks, acceptance=acceptance, prompts=1,
+                        n_predict=64)
     return place(prof, target, draft, n_ranks, mode, fits, cfg)
 
 

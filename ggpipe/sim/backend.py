@@ -44,7 +44,6 @@ from ggpipe.sim.toy import ToyLM, ToyPipeline
 
 HEADER_BYTES = 64          # a transaction's fixed header (ggpipe.transport.messages)
 PER_TOKEN_BYTES = 13       # pos, n_seq_id, one seq id, output flag per token
-CANCEL_BYTES = 16
 
 
 class SimClock:

@@ -38,7 +38,7 @@ from typing import Callable
 
 import numpy as np
 
-from ggpipe.sim.profile import BATCH_SIZES, FORMAT, HostProfile, LinkProfile, Profile
+from ggpipe.sim.profile import BATCH_SIZES, HostProfile, LinkProfile, Profile
 
 TAG_TURN, TAG_PING, TAG_RECORD, TAG_LOAD = 91, 92, 93, 94
 LOAD_BUSY, LOAD_WAIT, LOAD_STOP, LOAD_DONE = 1, 2, 3, 4
@@ -95,6 +95,27 @@ def _fill(stage, n_cells: int, tokens: bool) -> None:
                      embd=None if tokens else rng.standard_normal((n, stage.n_embd)).astype(np.float32))
 
 
+def _layer_ranges(n_layer: int, k_layers: int = 4) -> tuple[int, tuple[int, int], tuple[int, int]]:
+    """(k, middle range, last range): the k layers a middle stage and a last
+    stage of the calibration hold (the middle one skips layer 0, the first
+    stage's, when the model has 3 layers or more)."""
+    k = max(1, min(k_layers, n_layer - 2)) if n_layer >= 3 else 1
+    return k, ((1, 1 + k) if n_layer >= 3 else (0, 1)), (n_layer - k, n_layer)
+
+
+def _stage(model: str, layers: tuple[int, int], first: bool, last: bool, threads: int, n_ctx: int = 1024,
+           n_ubatch: int = 64):
+    """A llama.cpp stage of ``model``'s ``layers`` (its cached slice; the
+    whole file for all of them), as ``ggpipe.runtime.stage`` runs it."""
+    from ggpipe.models.derive import stage_slice
+    from ggpipe.models.registry import resolve
+    from ggpipe.runtime.stage import Stage, StageSpec
+
+    path = Path(stage_slice(resolve(model), *layers))
+    return Stage(StageSpec(path, layers[1] - layers[0], first=first, last=last, n_ctx=n_ctx, n_threads=threads,
+                           n_seq_max=1, n_ubatch=n_ubatch))
+
+
 def measure_host(model: str, draft: str | None, threads: int, k_layers: int = 4, reps: int = 5,
                  kv_ref: int = 64, kv_long: int = 512, batch_sizes=BATCH_SIZES,
                  say: Callable[[str], None] = lambda s: None) -> HostProfile:
@@ -103,34 +124,22 @@ def measure_host(model: str, draft: str | None, threads: int, k_layers: int = 4,
     Raises:
         ModelError: a model cannot be read or sliced.
         ConfigError: a context cannot be created."""
-    from ggpipe.models.derive import stage_slice
-    from ggpipe.models.registry import resolve
     from ggpipe.models.sizes import model_sizes
-    from ggpipe.runtime.stage import Stage, StageSpec
 
-    path = resolve(model)
     sizes = model_sizes(model)
-    n_layer = sizes.n_layer
-    k = max(1, min(k_layers, n_layer - 2)) if n_layer >= 3 else 1
-    mid_range = (1, 1 + k) if n_layer >= 3 else (0, 1)
-    last_range = (n_layer - k, n_layer)
-    n_ctx = max(1024, kv_long + 2 * max(batch_sizes))
-    ub = max(64, max(batch_sizes))
-
-    def stage(rng_: tuple[int, int], first: bool, last: bool, src=path, n_lay=None) -> Stage:
-        p = stage_slice(src, *rng_) if n_lay is None else src
-        return Stage(StageSpec(Path(p), n_lay or (rng_[1] - rng_[0]), first=first, last=last, n_ctx=n_ctx,
-                               n_threads=threads, n_seq_max=1, n_ubatch=ub))
+    k, mid_range, last_range = _layer_ranges(sizes.n_layer, k_layers)
+    ctx = {"threads": threads, "n_ctx": max(1024, kv_long + 2 * max(batch_sizes)),
+           "n_ubatch": max(64, max(batch_sizes))}
 
     say(f"middle stage, {k} layers")
-    with stage(mid_range, first=mid_range[0] == 0, last=False) as mid:
+    with _stage(model, mid_range, mid_range[0] == 0, False, **ctx) as mid:
         tok = mid.spec.first
         _fill(mid, kv_ref, tok)
         mid_s = [_decode_cost(mid, n, kv_ref, reps, tok) for n in batch_sizes]
         _fill(mid, kv_long, tok)
         long_s = _decode_cost(mid, 8, kv_long, reps, tok)
     say(f"last stage, {k} layers + output head")
-    with stage(last_range, first=False, last=True) as last:
+    with _stage(model, last_range, False, True, **ctx) as last:
         _fill(last, kv_ref, False)
         last_s = [_decode_cost(last, n, kv_ref, reps, False) for n in batch_sizes]
     i8 = list(batch_sizes).index(8) if 8 in batch_sizes else len(batch_sizes) - 1
@@ -140,8 +149,7 @@ def measure_host(model: str, draft: str | None, threads: int, k_layers: int = 4,
     draft_s = None
     if draft is not None:
         say("draft model")
-        dsz = model_sizes(draft)
-        with stage((0, dsz.n_layer), True, True, src=resolve(draft), n_lay=dsz.n_layer) as d:
+        with _stage(draft, (0, model_sizes(draft).n_layer), True, True, **ctx) as d:
             _fill(d, kv_ref, True)
             draft_s = [_decode_cost(d, n, kv_ref, reps, True, last_only=True) for n in batch_sizes]
     import psutil
@@ -194,17 +202,11 @@ def measure_overhead(mode: str, n_tokens: int = 256) -> float:
 
 
 def _middle_stage(model: str, threads: int):
-    """A middle stage of up to 4 layers of ``model`` (as :func:`measure_host` builds it), KV filled to 64."""
-    from ggpipe.models.derive import stage_slice
-    from ggpipe.models.registry import resolve
+    """The middle stage :func:`measure_host` times, KV filled to 64 cells."""
     from ggpipe.models.sizes import model_sizes
-    from ggpipe.runtime.stage import Stage, StageSpec
 
-    n_layer = model_sizes(model).n_layer
-    k = max(1, min(4, n_layer - 2)) if n_layer >= 3 else 1
-    a, b = (1, 1 + k) if n_layer >= 3 else (0, 1)
-    st = Stage(StageSpec(Path(stage_slice(resolve(model), a, b)), b - a, first=a == 0, last=False, n_ctx=1024,
-                         n_threads=threads, n_seq_max=1, n_ubatch=64))
+    _, mid, _ = _layer_ranges(model_sizes(model).n_layer)
+    st = _stage(model, mid, mid[0] == 0, False, threads)
     _fill(st, 64, st.spec.first)
     return st
 
@@ -362,9 +364,8 @@ def calibrate_job(transport, model: str, draft: str | None, threads: int, concur
 
     links: list[LinkProfile] = []
     if size > 1:
-        n_embd = model_sizes(model).n_embd
-        n_vocab = model_sizes(model).n_vocab
-        sizes = [64, 4 * n_embd, 32 * 4 * n_embd, 4 * n_vocab]
+        ms = model_sizes(model)
+        sizes = [64, 4 * ms.n_embd, 32 * 4 * ms.n_embd, 4 * ms.n_vocab]
         pairs = [(i, i + 1) for i in range(size - 1)] + ([(size - 1, 0)] if size > 2 else [])
         # every wait polls as a job's ranks do between hops (never settling into idle sleeps), so a
         # pair's messages see the wake-ups of the ranks sharing its cores
@@ -397,6 +398,6 @@ def calibrate_job(transport, model: str, draft: str | None, threads: int, concur
         rrec, rlinks = transport.recv_obj(r, TAG_RECORD, "the calibration record", timeout_s=transport.timeout_s * 10)
         records.append(rrec)
         all_links += rlinks
-    meta = {"format": FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "ranks": size,
+    meta = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "ranks": size,
             "threads": threads, "concurrent": concurrent}
     return Profile(model, draft, records, all_links, meta)

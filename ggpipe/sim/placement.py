@@ -10,10 +10,11 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from ggpipe.cluster.balance import balance_layers, stage_times
-from ggpipe.cluster.split import SplitSpec
+from ggpipe.cluster.split import parse_split
 from ggpipe.errors import SplitError
 from ggpipe.sim.model import ModelDesc
 from ggpipe.sim.profile import Profile
+from ggpipe.sim.run import simulate
 
 
 @dataclass
@@ -89,9 +90,6 @@ def place(profile: Profile, target: ModelDesc, draft: ModelDesc | None, n_ranks:
         cand = Placement(split_text(t, d), t, d, st)
         if simulate_cfg is None:
             return cand
-        from ggpipe.cluster.split import parse_split
-        from ggpipe.sim.run import simulate
-
         r = simulate(replace(simulate_cfg, ranks=n_ranks, split=parse_split(cand.split), mode=mode))
         cand.tokens_per_s = r["tokens_per_s"]
         tried[n_draft] = r["tokens_per_s"]
@@ -101,10 +99,3 @@ def place(profile: Profile, target: ModelDesc, draft: ModelDesc | None, n_ranks:
         raise SplitError(f"no split of the target over {n_ranks} ranks (with 1-3 draft ranks) fits their memory")
     best.tried = tried
     return best
-
-
-def even_and_proportional(profile: Profile, model: ModelDesc, n_ranks: int) -> dict[str, SplitSpec]:
-    """The two splits a balanced one is compared with: even (ggpipe's
-    default) and llama.cpp's memory-proportional default."""
-    mem = [max(1, profile.host(r).mem_bytes) for r in range(n_ranks)]
-    return {"even": SplitSpec(None, None), "memory": SplitSpec(tuple(float(m) for m in mem), None)}

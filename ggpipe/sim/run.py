@@ -42,7 +42,8 @@ class SimConfig:
         mode: "iterative", "speculative" or "pipeinfer".
         ranks: ranks in the job (mpiexec -n).
         split: layer split as --split parses it.
-        spec: speculation knobs (as the CLI's).
+        spec: speculation knobs (as the CLI's); its ``mode`` is set from
+            ``mode``.
         link: an emulated link added to every hop (GGPIPE_LINK's model), or None.
         acceptance: how often the draft's greedy token is the target's (0..1).
         confidence_exponent: k in P(agreement | draft confidence q) = q ** k
@@ -119,8 +120,8 @@ def contention(cfg: SimConfig, busy_share: dict) -> dict:
     return out
 
 
-def build(cfg: SimConfig, factors: dict | None = None, trace: dict | None = None):
-    """(clock, target pipeline, draft pipeline or None, busy dict, roles).
+def _roles(cfg: SimConfig) -> Roles:
+    """Which rank runs which stage, as ``ggpipe generate`` plans it.
 
     Raises:
         ConfigError, SplitError: as ``ggpipe generate`` would for this job."""
@@ -130,6 +131,16 @@ def build(cfg: SimConfig, factors: dict | None = None, trace: dict | None = None
     if has_draft and roles.n_draft == 0:
         raise ConfigError("the simulator needs a rank for the draft model (a job of at least 2 ranks); "
                           "a draft on the head shares its cores, which it does not model")
+    return roles
+
+
+def build(cfg: SimConfig, factors: dict | None = None, trace: dict | None = None):
+    """(clock, target pipeline, draft pipeline or None, busy dict, roles).
+
+    Raises:
+        ConfigError, SplitError: as ``ggpipe generate`` would for this job."""
+    roles = _roles(cfg)
+    has_draft = roles.has_draft
     clock = SimClock()
     busy: dict = {}
     link = _links(cfg)
@@ -162,23 +173,22 @@ def simulate(cfg: SimConfig, rounds: int = 4, trace_dir: str | Path | None = Non
     busy shares of the previous round (no effect on a profile measured with
     one rank per host). Returns what :func:`_simulate_once` returns, plus
     ``contention`` (rank -> the factor used). ``trace_dir``: also write the
-    last round's first request as per-rank traces there (``rank<R>.jsonl``
+    returned round's first request as per-rank traces there (``rank<R>.jsonl``
     and ``meta.json``, the files ``ggpipe timeline`` draws; virtual time).
 
     Raises:
         ConfigError, SplitError: an impossible job (as ``ggpipe generate``)."""
     factors: dict = {}
-    out = None
+    out = trace = None
     for _ in range(rounds):
-        out = _simulate_once(cfg, factors)
+        trace = {} if trace_dir is not None else None
+        out = _simulate_once(cfg, factors, trace)
         new = contention(cfg, out["busy_share"])
         out["contention"] = factors or {r: 1.0 for r in range(cfg.ranks)}
         if all(abs(new[r] - factors.get(r, 1.0)) < 1e-3 for r in new):
             break
         factors = new
-    if trace_dir is not None:
-        trace: dict = {}
-        _simulate_once(replace(cfg, prompts=1), factors, trace)
+    if trace is not None:
         write_traces(cfg, trace, Path(trace_dir))
     return out
 
@@ -187,7 +197,7 @@ def write_traces(cfg: SimConfig, trace: dict, out: Path) -> None:
     """Per-rank traces in ggpipe.trace's files (virtual seconds, clock offset 0)."""
     out.mkdir(parents=True, exist_ok=True)
     roles = {}
-    _, _, _, _, r = build(cfg)
+    r = _roles(cfg)
     for rank in range(cfg.ranks):
         kind = r.model_of(rank)
         i, n = r.stage_of(rank)
@@ -199,7 +209,8 @@ def write_traces(cfg: SimConfig, trace: dict, out: Path) -> None:
 
 
 def _simulate_once(cfg: SimConfig, factors: dict, trace: dict | None = None) -> dict:
-    """One simulation with compute costs scaled by ``factors`` (rank -> factor).
+    """One simulation with compute costs scaled by ``factors`` (rank -> factor),
+    the first request's events going to ``trace`` (rank -> events) if given.
     Returns the per-request records
     and their means (the keys of ``ggpipe bench``'s results.csv where they
     exist): tokens_per_s, ttft_ms, itl_mean_ms, accepted_per_pass,
@@ -226,6 +237,8 @@ def _simulate_once(cfg: SimConfig, factors: dict, trace: dict | None = None) -> 
         busy.clear()
         passes0 = target.n_passes
         dec.generate(prompt, cfg.n_predict, Sampler(SamplingParams(temperature=0.0)), clock=gclock)
+        for p in pipes:
+            p.trace = None  # ``trace`` holds the first request only
         d = gclock.as_dict()
         span = max(gclock.total_s or 0.0, 1e-12)
         st = dec.stats
