@@ -25,6 +25,11 @@ Rows (``--rows`` picks a subset, by name):
 * ``ggpipe ngram (pipeinfer)``, ``ggpipe ngram (speculative)``: ``--spec-type
   ngram`` in either mode, 2 ranks x 1 thread, both ranks target stages, no
   draft model;
+* ``ggpipe staged (pipeinfer)``, ``ggpipe staged (speculative)``: ``--spec-type
+  staged`` (the draft model checking n-gram guesses, Staged SD's
+  draft-of-draft), target on rank 0, draft on rank 1;
+* ``ggpipe vote (speculative)``: ``--spec-type vote`` (Minions' vote of the
+  draft model and the n-gram lookup);
 * ``ggpipe iterative fa-on``, ``ggpipe pipeinfer fa-on``: the same with
   ``-fa on`` (compared for exactness with ``ggpipe iterative fa-on``).
 
@@ -81,6 +86,7 @@ class Rows:
         names = ["llama.cpp t1 fa-off", "llama.cpp t1 fa-auto", "llama.cpp t2 fa-off", "llama.cpp t2 fa-auto",
                  "llama.cpp rpc 2x1", "llama-speculative-simple t2", "ggpipe iterative", "ggpipe speculative",
                  "ggpipe pipeinfer", "ggpipe ngram (pipeinfer)", "ggpipe ngram (speculative)",
+                 "ggpipe staged (pipeinfer)", "ggpipe staged (speculative)", "ggpipe vote (speculative)",
                  "ggpipe iterative fa-on", "ggpipe pipeinfer fa-on"]
         if self.a.before:
             names.insert(names.index("ggpipe pipeinfer"), "ggpipe pipeinfer (before)")
@@ -158,8 +164,11 @@ class Rows:
             args += ["--mode", "pipeinfer", "-md", self.draft]
             if "before" in name:
                 env["PYTHONPATH"] = str(Path(self.a.before).resolve())
-        elif name.startswith("ggpipe ngram"):
-            args += ["--mode", "speculative" if "speculative" in name else "pipeinfer", "--spec-type", "ngram"]
+        elif name.startswith(("ggpipe ngram", "ggpipe staged", "ggpipe vote")):
+            spec_type = name.split()[1]
+            args += ["--mode", "speculative" if "speculative" in name else "pipeinfer", "--spec-type", spec_type]
+            if spec_type != "ngram":
+                args += ["-md", self.draft]
         if name.endswith(" fa-on"):
             args += ["-fa", "on"]
         launcher = find_launcher("mpiexec") if python == sys.executable else str(Path(python).parent / "mpiexec")

@@ -49,7 +49,7 @@ REPEATING = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]  # with 
     ("pipeinfer", 1, 3, True, True), ("pipeinfer", 1, 1, True, True), ("pipeinfer", 1, 6, True, True),
     ("pipeinfer", 2, 4, True, True), ("pipeinfer", 1, 4, False, True), ("pipeinfer", 1, 4, True, False),
 ])
-@pytest.mark.parametrize("spec_type", ["draft", "ngram"])
+@pytest.mark.parametrize("spec_type", ["draft", "ngram", "vote", "staged"])
 def test_greedy_equals_reference(mode, width, latency, continuous, cancel, spec_type):
     spec = SpecSettings(mode=mode, spec_type=spec_type, width=width, continuous=continuous, cancel=cancel,
                         p_split=0.05)
@@ -116,7 +116,7 @@ def test_ngram_drafts_make_long_passes_on_repetitive_text():
 
 
 def test_registry_and_protocol():
-    assert set(REGISTRY) >= {"draft", "ngram"}
+    assert set(REGISTRY) >= {"draft", "ngram", "vote", "staged"}
     for name in REGISTRY:
         cls = proposer_class(name)
         assert cls.name == name
@@ -205,7 +205,7 @@ def test_draft_model_proposer_grows_a_greedy_chain_and_cuts():
     p.settle(5)
 
 
-@pytest.mark.parametrize("spec_type", ["draft", "ngram"])
+@pytest.mark.parametrize("spec_type", ["draft", "ngram", "vote", "staged"])
 def test_sampled_output_is_reproducible_with_a_seed(spec_type):
     outs = []
     for _ in range(2):
@@ -248,7 +248,7 @@ def test_instant_root_carries_its_draft():
 
 def test_all_settings_combinations_stay_exact():
     """A coarse sweep of knobs over both proposers (fast: no model)."""
-    for spec_type, draft_n, p_accept, latency in itertools.product(["draft", "ngram"], [1, 3, 8], [0.0, 0.5],
+    for spec_type, draft_n, p_accept, latency in itertools.product(["draft", "ngram", "vote", "staged"], [1, 3, 8], [0.0, 0.5],
                                                                    [1, 5]):
         spec = SpecSettings(mode="pipeinfer", spec_type=spec_type, draft=draft_n, p_accept=p_accept)
         dec, _, _ = _decoder(spec, spec_type, latency=latency, draft_latency=2)

@@ -47,6 +47,15 @@ def test_critical_value_table():
         assert sf(df, c) == pytest.approx(1e-3, rel=2e-3), df
 
 
+def critical(df: int) -> float:
+    """The chi-square 0.999 quantile: the table, or above it Wilson and
+    Hilferty's cube-root normal approximation."""
+    if df in CHI2_999:
+        return CHI2_999[df]
+    z = 3.0902   # the 0.999 normal quantile
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
 def chi2(counts: np.ndarray, probs: np.ndarray, min_expected: float = 5.0) -> tuple[float, int]:
     """Pearson's statistic and degrees of freedom; bins with expected count
     below ``min_expected`` are pooled into one (dropped if that is still

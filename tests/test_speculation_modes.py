@@ -89,6 +89,7 @@ def test_sampled_self_drafting_is_mostly_accepted(smollm2):
 @pytest.mark.mpi
 @pytest.mark.parametrize("extra,fragment", [
     (["--mode", "pipeinfer"], "needs a draft model"),
+    (["--mode", "speculative", "--spec-type", "vote"], "--spec-vote with a draft-model proposer needs a draft model"),
     (["--mode", "pipeinfer", "-md", "DRAFT", "--n-seq-max", "2", "--branches", "2"], "no room for one speculation"),
     (["-md", "DRAFT", "--split", "0.5,0.5/1.0"], "--split describes 2 target + 1 draft stages but the job has 2"),
     (["--split", "0.5/1.0"], "no draft model was given"),
@@ -133,3 +134,59 @@ def test_sampled_ngram_pipeinfer_generates(goliath):
                                                       "--temp", "0.8", "--seed", "7", "--ignore-eos"])
     assert len(got["tokens"]) == 48 and got["decoder"]["spec_type"] == "ngram"
 
+
+
+# -- Minions' vote of the draft model and the n-gram lookup --------------------------------
+
+VOTE_LAYOUTS = [(2, "speculative", None), (2, "pipeinfer", None), (3, "pipeinfer", "0.5,0.5/1.0"),
+                (4, "speculative", "0.4,0.6/0.5,0.5")]
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks,mode,split", VOTE_LAYOUTS, ids=[f"R{r}-{m}" for r, m, _ in VOTE_LAYOUTS])
+def test_greedy_vote_equals_single_node_target(goliath, smollm2, reference, ranks, mode, split):
+    """--spec-type vote (draft model + n-gram, weighted majority): output
+    equals single-node greedy decoding; both members were scored."""
+    args = ["-md", str(smollm2), "--mode", mode, "--spec-type", "vote"] + (["--split", split] if split else [])
+    proposed = {"draft": 0, "ngram": 0}
+    for prompt in PROMPTS:
+        got = generate_json(goliath, prompt, N_TOKENS, ranks, args)
+        assert got["tokens"] == reference(goliath, prompt, N_TOKENS), f"vote {mode} ranks={ranks} {prompt!r}"
+        dec = got["decoder"]
+        assert dec["spec_type"] == "vote" and dec["drafted"] > 0, dec
+        for m in proposed:
+            proposed[m] += dec[f"vote_{m}_proposed"]
+    assert all(proposed.values()), proposed
+
+
+@pytest.mark.mpi
+def test_sampled_vote_generates(goliath, smollm2):
+    """Stochastic verification of voted drafts (one-hot q; the distribution
+    itself is tested in test_vote.py)."""
+    got = generate_json(goliath, PROMPTS[1], 48, 2, ["-md", str(smollm2), "--mode", "speculative",
+                                                      "--spec-type", "vote", "--temp", "0.8", "--seed", "7",
+                                                      "--ignore-eos"])
+    assert len(got["tokens"]) == 48 and got["decoder"]["spec_type"] == "vote"
+
+
+# -- Staged SD's draft-of-draft: the draft model checking n-gram guesses ---------------------
+
+STAGED_LAYOUTS = [(2, "pipeinfer", None), (3, "speculative", "0.5,0.5/1.0"), (4, "pipeinfer", "0.4,0.6/0.5,0.5")]
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks,mode,split", STAGED_LAYOUTS, ids=[f"R{r}-{m}" for r, m, _ in STAGED_LAYOUTS])
+def test_greedy_staged_equals_single_node_target(goliath, smollm2, reference, ranks, mode, split):
+    """--spec-type staged: output equals single-node greedy decoding; the
+    draft runs carried guesses, and some were taken."""
+    args = ["-md", str(smollm2), "--mode", mode, "--spec-type", "staged"] + (["--split", split] if split else [])
+    taken = 0
+    for prompt in PROMPTS:
+        got = generate_json(goliath, prompt, N_TOKENS, ranks, args)
+        assert got["tokens"] == reference(goliath, prompt, N_TOKENS), f"staged {mode} ranks={ranks} {prompt!r}"
+        dec = got["decoder"]
+        assert dec["spec_type"] == "staged" and dec["drafted"] > 0 and dec["guesses_made"] > 0, dec
+        taken += dec["guesses_accepted"]
+    assert taken > 0

@@ -36,13 +36,14 @@ def build_decoder(mode: str, spec: SpecSettings, target, draft, *, n_ubatch: int
         raise ConfigError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
     if mode == "iterative":
         return IterativeDecoder(target, n_ubatch, is_eog)
-    if spec.spec_type == "draft" and draft is None:
-        raise ConfigError(f"--mode {mode} needs a draft model: give one with -md (e.g. -md smollm2-135m), "
+    if spec.uses_draft_model and draft is None:
+        what = "--spec-vote with a draft-model proposer" if spec.spec_type == "vote" else f"--mode {mode}"
+        raise ConfigError(f"{what} needs a draft model: give one with -md (e.g. -md smollm2-135m), "
                           "or draft without one: --spec-type ngram")
     try:
         proposer = make_proposer(spec.spec_type, ProposerConfig(
             backend=draft, n_vocab=target.n_vocab, n_ubatch=n_ubatch, p_split=spec.p_split, width=spec.width,
-            ngram_min=spec.ngram_min, ngram_max=spec.ngram_max, timeout_s=timeout_s))
+            ngram_min=spec.ngram_min, ngram_max=spec.ngram_max, timeout_s=timeout_s, vote=spec.vote))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return SpeculativeDecoder(target, proposer, spec, n_seq_max, n_ubatch, is_eog, timeout_s=timeout_s, idle=idle)

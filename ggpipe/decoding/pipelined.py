@@ -205,6 +205,7 @@ class SpeculativeDecoder:
             return
         r.out.extend(toks)
         r.context.extend(toks)
+        self.proposer.observe(r.context)
         r.clock.token(len(toks))
         if r.emit(toks) or len(r.out) >= r.n_predict:
             r.done = True

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MODES = ("iterative", "speculative", "pipeinfer")
-SPEC_TYPES = ("draft", "ngram")
+SPEC_TYPES = ("draft", "ngram", "vote", "staged")
+DRAFT_MODEL_TYPES = ("draft", "staged")  # strategies that draft with the draft model (-md)
 
 
 @dataclass(frozen=True)
@@ -17,7 +18,9 @@ class SpecSettings:
         mode: "speculative" or "pipeinfer".
         spec_type: the drafting strategy, a name in
             ``ggpipe.speculation.proposers.base.REGISTRY`` [--spec-type]:
-            "draft" (the draft model, -md) or "ngram" (prompt lookup, no model).
+            "draft" (the draft model, -md), "ngram" (prompt lookup, no model)
+            "vote" (Minions' majority vote of the ``vote`` members) or
+            "staged" (the draft model with n-gram draft-of-draft, Staged SD).
         draft: most draft tokens per tree / micro-batch [--draft].
         p_accept: confidence cutoff [--p-accept]; None (``auto``):
             adaptive depth from the measured pass cost curve and calibrated
@@ -33,6 +36,8 @@ class SpecSettings:
         max_inflight: most speculative runs in flight (pipeinfer).
         ngram_min, ngram_max: suffix lengths the n-gram proposer matches
             (tokens) [--spec-ngram-min, --spec-ngram-max].
+        vote: the proposers ``spec_type="vote"`` merges, in tie-break order
+            [--spec-vote].
     """
 
     mode: str = "pipeinfer"
@@ -48,7 +53,15 @@ class SpecSettings:
     max_inflight: int = 8
     ngram_min: int = 1
     ngram_max: int = 4
+    vote: tuple[str, ...] = ("draft", "ngram")
     default_threshold: float = 0.25  # adaptive: path probability worth a token until costs are measured
+
+    @property
+    def uses_draft_model(self) -> bool:
+        """The strategy drafts with the draft model (-md)."""
+        if self.spec_type == "vote":
+            return any(m in DRAFT_MODEL_TYPES for m in self.vote)
+        return self.spec_type in DRAFT_MODEL_TYPES
 
     @property
     def asynchronous(self) -> bool:

@@ -96,7 +96,12 @@ def speculation_options(f):
                      default=d.spec_type, show_default=True,
                      help="Drafting strategy of the speculative modes: draft (the draft model, -md) or ngram "
                           "(prompt lookup in the request's own tokens, no draft model). llama.cpp's names "
-                          "draft-simple and ngram-simple are accepted."),
+                          "draft-simple and ngram-simple are accepted. vote: Minions' weighted majority vote "
+                          "of the --spec-vote proposers. staged: the draft model, each draft run also checking "
+                          "n-gram guesses (Staged SD's draft-of-draft)."),
+        click.option("--spec-vote", "vote", default=",".join(d.vote), show_default=True, callback=_vote_members,
+                     help="Proposers --spec-type vote merges, comma-separated, ties going to the first "
+                          "(at most one that drafts with the draft model: draft or staged)."),
         click.option("--spec-ngram-min", "ngram_min", default=d.ngram_min, show_default=True,
                      type=click.IntRange(1, 64), help="Shortest suffix the n-gram proposer matches (tokens)."),
         click.option("--spec-ngram-max", "ngram_max", default=d.ngram_max, show_default=True,
@@ -148,18 +153,33 @@ class ProbabilityOrAuto(click.ParamType):
 SPEC_TYPE_ALIASES = {"draft-simple": "draft", "ngram-simple": "ngram"}  # llama.cpp's --spec-type names
 
 
+def _vote_members(ctx, param, value: str) -> tuple[str, ...]:
+    """``--spec-vote``: registered proposer names, at least two, distinct."""
+    from ggpipe.decoding.settings import SPEC_TYPES  # noqa: PLC0415
+
+    names = tuple(SPEC_TYPE_ALIASES.get(v.strip(), v.strip()) for v in value.split(",") if v.strip())
+    bad = [n for n in names if n not in SPEC_TYPES or n == "vote"]
+    if bad:
+        raise click.BadParameter(f"unknown proposer {bad[0]!r}: choose from "
+                                 f"{', '.join(t for t in SPEC_TYPES if t != 'vote')}")
+    if len(names) < 2 or len(set(names)) != len(names):
+        raise click.BadParameter(f"needs two or more distinct proposers, got {value!r}")
+    return names
+
+
 def _spec_settings(mode, spec_type, n_draft, p_accept, p_split, p_recovery, p_decay, branches, max_inflight,
-                   no_continuous, no_cancel, ngram_min, ngram_max):
+                   no_continuous, no_cancel, ngram_min, ngram_max, vote=("draft", "ngram")):
     from ggpipe.decoding.settings import SpecSettings  # noqa: PLC0415
 
     spec_type = SPEC_TYPE_ALIASES.get(spec_type, spec_type)
+    uses_draft = SpecSettings(spec_type=spec_type, vote=vote).uses_draft_model
     if p_accept == "default":
-        p_accept = None if spec_type == "ngram" else SpecSettings.p_accept
+        p_accept = SpecSettings.p_accept if uses_draft else None
     return SpecSettings(mode=mode if mode != "iterative" else "pipeinfer", spec_type=spec_type, draft=n_draft,
                         p_accept=p_accept,
                         p_split=p_split, p_recovery=p_recovery, p_decay=p_decay, width=branches,
                         continuous=not no_continuous, cancel=not no_cancel, max_inflight=max_inflight,
-                        ngram_min=ngram_min, ngram_max=ngram_max)
+                        ngram_min=ngram_min, ngram_max=ngram_max, vote=vote)
 
 
 def auto_n_seq_max(mode: str, spec) -> int:
@@ -191,7 +211,7 @@ def job_options(f):
 
 
 _JOB_KEYS = ("model", "draft_model", "split", "threads", "ctx_size", "ubatch", "n_seq_max", "timeout", "flash_attn",
-             "liveness_timeout", "mode", "spec_type", "ngram_min", "ngram_max",
+             "liveness_timeout", "mode", "spec_type", "ngram_min", "ngram_max", "vote",
              "n_draft", "p_accept", "p_split", "p_recovery", "p_decay", "branches", "max_inflight", "no_continuous",
              "no_cancel", "n_predict", "temp", "top_k", "top_p", "seed", "ignore_eos")
 
@@ -242,7 +262,7 @@ def split_job_options(kw: dict):
     sampling = SamplingParams(temperature=o["temp"], top_k=o["top_k"], top_p=o["top_p"], seed=o["seed"]).validate()
     spec = _spec_settings(o["mode"], o["spec_type"], o["n_draft"], o["p_accept"], o["p_split"], o["p_recovery"],
                           o["p_decay"], o["branches"], o["max_inflight"], o["no_continuous"], o["no_cancel"],
-                          o["ngram_min"], o["ngram_max"])
+                          o["ngram_min"], o["ngram_max"], o["vote"])
     n_seq_max = o["n_seq_max"] if o["n_seq_max"] is not None else auto_n_seq_max(o["mode"], spec)
     if o["split"] is not None and o["split"].startswith("auto"):
         from ggpipe.frontends.plan import auto_split

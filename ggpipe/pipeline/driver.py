@@ -121,11 +121,12 @@ class Pipeline:
         else:
             self._decode_local(run)
 
-    def decode(self, tokens, start_pos: int, seq: int = 0, logits_last: bool = True) -> None:
+    def decode(self, tokens, start_pos: int, seq: int = 0, logits_last: bool = True,
+               logits_all: bool = False) -> None:
         """Start one run of consecutive ``tokens`` (int (n,)) at positions
         ``start_pos``.. of sequence ``seq``, with logits of its last token
-        (``logits_last``) or none."""
-        self.submit(Run.linear(tokens, start_pos, seq=seq, output_last=logits_last))
+        (``logits_last``) or none, or of every token (``logits_all``)."""
+        self.submit(Run.linear(tokens, start_pos, seq=seq, output_last=logits_last, output_all=logits_all))
 
     def submit_prompt(self, tokens, start_pos: int, n_ubatch: int, seq: int = 0, want_logits: bool = True) -> int:
         """Start ``tokens`` (int (n,)) at positions start_pos.. of sequence

@@ -65,12 +65,13 @@ class Run:
 
     @classmethod
     def linear(cls, tokens, start_pos: int, seq: int = 0, output_last: bool = True,
-               run_id: int | None = None, **kw) -> "Run":
+               run_id: int | None = None, output_all: bool = False, **kw) -> "Run":
         """A run of consecutive tokens of one sequence starting at ``start_pos``,
-        with logits for its last token only (or none)."""
+        with logits for its last token only (or none, or with ``output_all``
+        for every token)."""
         tokens = np.ascontiguousarray(tokens, dtype=np.int32)
         n = tokens.shape[0]
-        outputs = np.zeros(n, dtype=np.int8)
+        outputs = np.full(n, int(output_all), dtype=np.int8)
         if output_last:
             outputs[-1] = 1
         return cls(

@@ -125,7 +125,7 @@ def _roles(cfg: SimConfig) -> Roles:
 
     Raises:
         ConfigError, SplitError: as ``ggpipe generate`` would for this job."""
-    has_draft = cfg.draft is not None and cfg.mode != "iterative" and cfg.spec.spec_type == "draft"
+    has_draft = cfg.draft is not None and cfg.mode != "iterative" and cfg.spec.uses_draft_model
     roles = Roles.plan(cfg.ranks, cfg.split if has_draft or cfg.split.draft is None else SplitSpec(
         cfg.split.target, None), has_draft)
     if has_draft and roles.n_draft == 0:

@@ -185,8 +185,9 @@ class ToyPipeline:
         run.tag = self._evaluate(run)
         self._scheduled(run)
 
-    def decode(self, tokens, start_pos: int, seq: int = 0, logits_last: bool = True) -> None:
-        self.submit(Run.linear(tokens, start_pos, seq=seq, output_last=logits_last))
+    def decode(self, tokens, start_pos: int, seq: int = 0, logits_last: bool = True,
+               logits_all: bool = False) -> None:
+        self.submit(Run.linear(tokens, start_pos, seq=seq, output_last=logits_last, output_all=logits_all))
 
     def submit_prompt(self, tokens, start_pos: int, n_ubatch: int, seq: int = 0, want_logits: bool = True) -> int:
         n = len(tokens)

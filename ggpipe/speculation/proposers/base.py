@@ -26,6 +26,9 @@ Life of a proposer (one per decoder; it may keep caches across requests):
   (at most ``room(tip position)`` nodes);
 * ``salvage(decided)``: the target decided ``decided`` below the anchor of the
   tree being drafted; the part of that tree below them, if they lead into it;
+* ``observe(context)``: the tokens decided so far (prompt and accepted
+  tokens), after each decision; a proposer that learns from outcomes
+  (the vote's member weights) reads them here;
 * ``abandon()`` drops the micro-batch; ``busy()`` / ``drain_one()`` consume
   results of work already started; ``settle()`` consumes all of them;
 * ``reset()``: the KV caches were cleared (a new conversation).
@@ -67,8 +70,10 @@ class DecodeBackend(Protocol):
     inflight: Sized  # runs started whose results were not taken yet
     reply_k: int     # results of runs started from now on: 0 full logit rows, k the k best (ggpipe.logits)
 
-    def decode(self, tokens: Sequence[int], start_pos: int, seq: int = 0, logits_last: bool = True) -> None:
-        """Start one run of consecutive tokens of sequence ``seq``."""
+    def decode(self, tokens: Sequence[int], start_pos: int, seq: int = 0, logits_last: bool = True,
+               logits_all: bool = False) -> None:
+        """Start one run of consecutive tokens of sequence ``seq``, with logits
+        of its last token (``logits_last``), or of every token (``logits_all``)."""
 
     def submit_prompt(self, tokens: Sequence[int], start_pos: int, n_ubatch: int, seq: int = 0,
                       want_logits: bool = True) -> int:
@@ -99,6 +104,8 @@ class ProposerConfig:
         width: most leaves (KV sequences) per tree.
         ngram_min, ngram_max: shortest / longest suffix an n-gram lookup matches (tokens).
         timeout_s: bound of every wait for the backend (seconds).
+        vote: the members of ``--spec-type vote`` (registered names, in
+            tie-break order).
     """
 
     backend: DecodeBackend | None = None
@@ -109,6 +116,7 @@ class ProposerConfig:
     ngram_min: int = 1
     ngram_max: int = 4
     timeout_s: float = 60.0
+    vote: tuple[str, ...] = ("draft", "ngram")
 
 
 @runtime_checkable
@@ -146,6 +154,7 @@ class Proposer(Protocol):
     def can_cut(self) -> bool: ...
     def cut(self, cutoff: float, room: Callable[[int], int]) -> tuple[SpecTree, int]: ...
     def salvage(self, decided: list[int]) -> tuple[SpecTree, int] | None: ...
+    def observe(self, context: list[int]) -> None: ...
     def abandon(self) -> None: ...
     def busy(self) -> bool: ...
     def drain_one(self, timeout_s: float) -> None: ...
@@ -156,6 +165,8 @@ class Proposer(Protocol):
 REGISTRY: dict[str, str] = {
     "draft": "ggpipe.speculation.proposers.draft_model:DraftModelProposer",
     "ngram": "ggpipe.speculation.proposers.ngram:NgramProposer",
+    "vote": "ggpipe.speculation.proposers.vote:VoteProposer",
+    "staged": "ggpipe.speculation.proposers.staged:StagedProposer",
 }
 
 
@@ -248,6 +259,9 @@ class InstantProposer:
 
     def salvage(self, decided: list[int]) -> tuple[SpecTree, int] | None:
         return None
+
+    def observe(self, context: list[int]) -> None:
+        pass
 
     def abandon(self) -> None:
         self.active = False

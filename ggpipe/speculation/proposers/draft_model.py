@@ -74,6 +74,7 @@ class DraftModelProposer:
         self._pending_runs = 0
         self._cached: np.ndarray | None = None
         self._last_logits: tuple[int, np.ndarray] | None = None  # (cursor length, logits of its last token)
+        self._guesses: list[int] = []    # guessed tokens decoded after the tip in the run in flight
         self.stats = {"draft_decodes": 0}
         self.acceptance: Callable[[float], float] | None = None
         self._path = 1.0
@@ -105,6 +106,7 @@ class DraftModelProposer:
         """The draft's KV cache was cleared."""
         self.cursor.clear()
         self._last_logits = None
+        self._guesses = []
         self.active = False
 
     # -- the draft's KV cache --------------------------------------------------
@@ -180,6 +182,13 @@ class DraftModelProposer:
             return None
         return sub, mp[self._parent]
 
+    def partial(self) -> SpecTree | None:
+        """The tree being drafted, as far as it has grown (read only), or None."""
+        return self.tree if self.active else None
+
+    def observe(self, context: list[int]) -> None:
+        """Tokens decided so far: not needed here (the loop calibrates the draft)."""
+
     def abandon(self) -> None:
         """Drop the micro-batch being drafted (its in-flight results are
         consumed later by :meth:`drain_one` / :meth:`settle`)."""
@@ -192,7 +201,9 @@ class DraftModelProposer:
     def drain_one(self, timeout_s: float) -> None:
         """Wait (bounded) for the oldest in-flight draft run and consume it."""
         res = self.pipe.wait(timeout_s)
-        if self.active and self.step(res) is not None:
+        if not self.active:
+            self._guesses = []      # the result of an abandoned run: its guesses stay in the KV and cursor
+        elif self.step(res) is not None:
             self.active = False
 
     def settle(self, timeout_s: float) -> None:
@@ -225,16 +236,63 @@ class DraftModelProposer:
     def step(self, result: DraftResult | None) -> SpecTree | None:
         """Consume one draft result (None: use the cached anchor logits);
         returns the finished tree, or None after submitting the next draft
-        decode."""
+        decode.
+
+        A result may carry several rows: the run decoded the chain's tip and
+        guesses of the tokens below it (:meth:`guesses`, Staged SD's
+        draft-of-draft). Row j holds the logits after the run's j-th token;
+        while the token drafted from row j is the next guess, row j + 1
+        already holds the logits below it, so one draft round trip yields
+        several levels. The cells of guesses that were not drafted are
+        removed from the draft's KV."""
         if result is None:
-            logits, self._cached = self._cached, None
+            rows, self._cached = [self._cached], None
         else:
             self._pending_runs -= 1
             if self._pending_runs > 0:  # a chunk of a long catch-up
                 return None
-            logits = result.logits[0]
+            rows = result.logits
             self._observe_step(result)
+        guesses, self._guesses = self._guesses, []
+        base = len(self.cursor) - 1 - len(guesses)   # position of the row 0 token
+        for j in range(len(guesses) + 1):
+            logits = rows[j]
+            tok = self._draft_one(logits, guesses[j] if j < len(guesses) else None)
+            if tok is None or tok != (guesses[j] if j < len(guesses) else None):
+                break
+            self.stats["guesses_accepted"] = self.stats.get("guesses_accepted", 0) + 1
+        keep = base + j + 1        # the cursor up to the token whose logits row j holds
+        if keep < len(self.cursor):
+            self.pipe.seq_rm(0, keep, -1)
+            del self.cursor[keep:]
         self._last_logits = (len(self.cursor), logits)
+        if tok is None or len(self.tree) >= self._max_nodes:
+            return self._finish()
+        pos = self.tree.pos(self._parent)
+        if pos != len(self.cursor):
+            raise RuntimeError("draft KV out of step")
+        # the guesses stand for the levels below tok; the deepest level a tree may reach is never decoded
+        self._guesses = self.guesses(self.cursor + [tok], max(0, self._max_nodes - len(self.tree) - 1))
+        batch = [tok] + self._guesses
+        self.pipe.decode(batch, pos, logits_all=True)
+        self.cursor.extend(batch)
+        self._last_logits = None
+        self.stats["draft_decodes"] += 1
+        self._pending_runs = 1
+        return None
+
+    def guesses(self, context: list[int], room: int) -> list[int]:
+        """Tokens to decode, after the chain's new tip ``context[-1]``, in the
+        same draft run as it (at most ``room``): none here; Staged SD's
+        draft-of-draft (``--spec-type staged``) guesses them by n-gram lookup."""
+        return []
+
+    def _draft_one(self, logits, guess: int | None) -> int | None:
+        """Draft one level from one row of logits: add the node (and, greedy,
+        its sibling leaves) below the chain's tip and return its token; None
+        when the cutoff or ``max_nodes`` ends the tree. Stochastic: the token
+        is an exact draw from q; with a ``guess`` g it is g with probability
+        q(g), else a draw from q without g (renormalised), which is again q."""
         tree = self.tree
         greedy = self.params.greedy
         if greedy:
@@ -250,7 +308,7 @@ class DraftModelProposer:
         path = 1.0 if self.acceptance is None else prev_path * self.acceptance(q_top)
         cutoff = self._first_cutoff if len(tree) == 0 else self._cutoff
         if (q_top if self.acceptance is None else path) < cutoff or len(tree) >= self._max_nodes:
-            return self._finish()
+            return None
         self._path = path
         if greedy:
             tok = top
@@ -266,22 +324,19 @@ class DraftModelProposer:
                         break
                     tree.add(t, self._parent, qt)
         else:
-            tok = int(self.rng.choice(q.shape[0], p=q))
+            if guess is None:
+                tok = int(self.rng.choice(q.shape[0], p=q))
+            elif self.rng.random() < q[guess]:
+                tok = int(guess)
+            else:
+                rest = q.copy()
+                rest[guess] = 0.0
+                tok = int(self.rng.choice(q.shape[0], p=rest / rest.sum()))
             node = tree.add(tok, self._parent, float(q[tok]), probs=q)
             if self.acceptance is not None:  # the path goes on through the drawn token
                 self._path = prev_path * self.acceptance(float(q[tok]))
         self._parent = node
-        if len(tree) >= self._max_nodes:
-            return self._finish()
-        pos = tree.pos(node)
-        if pos != len(self.cursor):
-            raise RuntimeError("draft KV out of step")
-        self.pipe.decode([tok], pos)
-        self.cursor.append(tok)
-        self._last_logits = None
-        self.stats["draft_decodes"] += 1
-        self._pending_runs = 1
-        return None
+        return tok
 
     def _observe_step(self, result) -> None:
         """Time a one-token draft decode from submission to result (runs and

@@ -1,0 +1,86 @@
+"""Staged SD's draft-of-draft (--spec-type staged) against in-memory fake
+pipelines: the draft verifies n-gram guesses in the run that decodes each
+new tip, builds the trees the plain draft builds, in fewer draft runs where
+the text repeats; stochastic drafts stay exact draws from q."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ggpipe.decoding.settings import SpecSettings
+from ggpipe.sampling import Sampler, SamplingParams, target_probs
+from ggpipe.speculation.proposers.base import ProposerConfig, make_proposer
+from ggpipe.sim.toy import FakePipeline, ToyLM
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_decoding_loop import REPEATING, V, _decoder, _reference  # noqa: E402
+from test_spec_statistics import chi2, critical  # noqa: E402
+
+
+def _grow(name, ctx, period, cutoff=0.0, n=6, params=SamplingParams(), seed=0):
+    pipe = FakePipeline(ToyLM(V, period=period), latency=1, name="draft", cell_order=True)
+    p = make_proposer(name, ProposerConfig(backend=pipe, n_vocab=V, n_ubatch=64))
+    p.start(params, np.random.default_rng(seed))
+    p.begin(list(ctx), cutoff, n)
+    tree = None
+    while tree is None:
+        if p.ready():
+            tree = p.poll()
+    return tree, p, pipe
+
+
+@pytest.mark.parametrize("period", [0, len(REPEATING)])
+def test_staged_builds_the_drafts_tree_in_fewer_runs(period):
+    ctx = REPEATING + [1, 2, 3]
+    plain, p0, d0 = _grow("draft", ctx, period)
+    staged, p1, d1 = _grow("staged", ctx, period)
+    assert staged.tokens == plain.tokens and staged.draft_p == pytest.approx(plain.draft_p)
+    assert p1.cursor == p0.cursor == ctx + plain.tokens[:-1]   # the deepest level is never decoded
+    # the draft's KV holds exactly its cursor (rejected guesses removed)
+    assert sorted(d1.cells.get(0, {})) == list(range(len(p1.cursor)))
+    assert [d1.cells[0][i] for i in range(len(p1.cursor))] == p1.cursor
+    if period:   # the repeating text: the guesses are right, one run drafts the whole chain
+        assert d1.n_runs < d0.n_runs and p1.stats["guesses_accepted"] >= 4
+    else:
+        assert d1.n_runs == d0.n_runs
+
+
+def test_staged_draws_are_exact_draws_from_q():
+    """Stochastic staged trees: level 1 comes from the anchor's row; level 2
+    from the row of a run that also carried the n-gram guess 5 (taken with
+    probability q(5), else a draw from q without 5); level 3, below an
+    accepted guess, from that run's second row. Each level is distributed
+    as q given the levels above it (chi-square, p = 0.001)."""
+    ctx = REPEATING + [1, 2, 3]            # the n-gram guesses 4 5 6 ...
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0)
+    lm = ToyLM(V, period=len(REPEATING))
+    q = {k: target_probs(lm.logits(ctx + list(k)), params) for k in [(), (4,), (4, 5)]}
+    counts = {k: np.zeros(V) for k in q}
+    guessed = 0
+    for s in range(3000):
+        tree, p, _ = _grow("staged", ctx, len(REPEATING), n=3, params=params, seed=s)
+        t = tree.tokens
+        counts[()][t[0]] += 1
+        if t[0] == 4:
+            counts[(4,)][t[1]] += 1
+            if t[1] == 5:
+                counts[(4, 5)][t[2]] += 1
+        guessed += p.stats["guesses_accepted"]
+    assert guessed > 100
+    for k in q:
+        assert counts[k].sum() > 100, k
+        stat, df = chi2(counts[k], q[k])
+        assert stat < critical(df), (k, stat, df)
+
+
+@pytest.mark.parametrize("mode", ["speculative", "pipeinfer"])
+def test_staged_in_the_loop_is_exact(mode):
+    prompt, period = REPEATING + [1, 2], len(REPEATING)
+    dec, _, draft = _decoder(SpecSettings(mode=mode, spec_type="staged"), "staged", period=period)
+    out = dec.generate(np.array(prompt, np.int32), 40, Sampler(SamplingParams()))
+    assert out == _reference(40, prompt, period)
+    assert dec.stats["spec_type"] == "staged" and dec.stats["guesses_accepted"] > 0
