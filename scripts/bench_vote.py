@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 from ggpipe.bench.prompts import load_prompts, render_prompts
+from ggpipe.bench.runner import ggpipe_run
 from ggpipe.models.registry import fetch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,19 +52,12 @@ def main() -> int:
     jobs = [(m, r) for m in modes for r in ROWS]
     res: dict = {m: {p["id"]: {r: [] for r in ROWS} for p in prompts} for m in modes}
     tokens: dict = {}
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    mpiexec = str(Path(sys.executable).with_name("mpiexec"))
     for rnd in range(a.rounds):
         order = jobs[rnd % len(jobs):] + jobs[:rnd % len(jobs)]
         for p, text in zip(prompts, texts):
             for mode, r in order:
-                cmd = [mpiexec, "-n", "2", sys.executable, "-m", "ggpipe", "generate", "-m", model, "-md",
-                       a.draft_model, "--mode", mode, "-p", text, "-n", str(a.n_predict), "--ignore-eos", "--json",
-                       *ROWS[r]]
-                g = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd="/", timeout=900)
-                if g.returncode != 0:
-                    raise SystemExit(f"{mode} {r} on {p['id']} failed:\n{g.stderr[-2000:]}")
-                j = json.loads(g.stdout)
+                j = ggpipe_run(model, text, a.n_predict, 2, ["-md", a.draft_model, "--mode", mode, *ROWS[r]],
+                               timeout_s=900, cwd="/")
                 d = j["decoder"]
                 rec = {"tokens_per_s": j["metrics"]["tokens_per_s"], "per_pass": d.get("accepted_per_pass"),
                        "acceptance": d.get("acceptance_rate")}

@@ -157,18 +157,21 @@ def _vote_members(ctx, param, value: str) -> tuple[str, ...]:
     """``--spec-vote``: registered proposer names, at least two, distinct."""
     from ggpipe.decoding.settings import SPEC_TYPES  # noqa: PLC0415
 
+    from ggpipe.speculation.vote import check_members  # noqa: PLC0415
+
     names = tuple(SPEC_TYPE_ALIASES.get(v.strip(), v.strip()) for v in value.split(",") if v.strip())
     bad = [n for n in names if n not in SPEC_TYPES or n == "vote"]
     if bad:
         raise click.BadParameter(f"unknown proposer {bad[0]!r}: choose from "
                                  f"{', '.join(t for t in SPEC_TYPES if t != 'vote')}")
-    if len(names) < 2 or len(set(names)) != len(names):
-        raise click.BadParameter(f"needs two or more distinct proposers, got {value!r}")
-    return names
+    try:
+        return tuple(check_members(names))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 def _spec_settings(mode, spec_type, n_draft, p_accept, p_split, p_recovery, p_decay, branches, max_inflight,
-                   no_continuous, no_cancel, ngram_min, ngram_max, vote=("draft", "ngram")):
+                   no_continuous, no_cancel, ngram_min, ngram_max, vote):
     from ggpipe.decoding.settings import SpecSettings  # noqa: PLC0415
 
     spec_type = SPEC_TYPE_ALIASES.get(spec_type, spec_type)

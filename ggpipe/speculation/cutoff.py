@@ -13,6 +13,31 @@ nothing speculated survives it).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Sequence
+
+
+def confident_depth(draft_p: Sequence[float], cutoff: float, first_cutoff: float | None = None,
+                    acceptance: Callable[[float], float] | None = None) -> int:
+    """How many nodes of a chain to keep: the longest prefix whose every node
+    passes ``cutoff`` (``first_cutoff``, default ``cutoff``, for the first).
+    With ``acceptance`` (a calibration, draft probability -> P(accepted)) a
+    node passes while the product of calibrated acceptance along the chain
+    down to it does; without, while its own ``draft_p`` does.
+
+    Example::
+
+        >>> confident_depth([0.9, 0.5, 0.2, 0.9], 0.3)
+        2
+    """
+    first = cutoff if first_cutoff is None else first_cutoff
+    path = 1.0
+    for i, p in enumerate(draft_p):
+        if acceptance is not None:
+            path *= acceptance(p)
+            p = path
+        if p < (first if i == 0 else cutoff):
+            return i
+    return len(draft_p)
 
 
 @dataclass

@@ -34,6 +34,18 @@ BETA = 0.5          # weight kept by a member that lost a trial (Littlestone & W
 MAX_PENDING = 256   # votes waiting for the target's decision, oldest dropped first
 
 
+def check_members(names: Sequence[str]) -> list[str]:
+    """The members of a vote (``--spec-vote``), in order.
+
+    Raises:
+        ValueError: fewer than two, one named twice, or a vote among them."""
+    names = list(names)
+    if len(names) < 2 or len(set(names)) != len(names) or "vote" in names:
+        raise ValueError(f"--spec-vote needs two or more distinct proposers (e.g. draft,ngram), "
+                         f"got {','.join(names) or 'none'}")
+    return names
+
+
 def majority_path(seqs: Sequence[Sequence[int]], weights: Sequence[float]) -> tuple[list[int], int]:
     """The majority-approved output of the members' sequences.
 

@@ -52,6 +52,7 @@ import numpy as np
 
 from ggpipe.logits import TopLogits
 from ggpipe.sampling import SamplingParams
+from ggpipe.speculation.cutoff import confident_depth
 from ggpipe.speculation.tree import SpecTree
 
 
@@ -226,13 +227,8 @@ class InstantProposer:
         if self.active:
             raise RuntimeError("a micro-batch is already being drafted")
         tree = self.propose(list(context), max_nodes)
-        if self.acceptance is not None and len(tree):
-            path, keep = 1.0, 0
-            for i in range(len(tree)):
-                path *= self.acceptance(tree.draft_p[i])
-                if path < (cutoff if i or first_cutoff is None else first_cutoff):
-                    break
-                keep = i + 1
+        if self.acceptance is not None:
+            keep = confident_depth(tree.draft_p, cutoff, first_cutoff, self.acceptance)
             if keep < len(tree):
                 tree = tree.prefix(keep)
         self._tree = tree

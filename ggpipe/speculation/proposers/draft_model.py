@@ -257,8 +257,9 @@ class DraftModelProposer:
         base = len(self.cursor) - 1 - len(guesses)   # position of the row 0 token
         for j in range(len(guesses) + 1):
             logits = rows[j]
-            tok = self._draft_one(logits, guesses[j] if j < len(guesses) else None)
-            if tok is None or tok != (guesses[j] if j < len(guesses) else None):
+            guess = guesses[j] if j < len(guesses) else None
+            tok = self._draft_one(logits, guess)
+            if tok is None or tok != guess:
                 break
             self.stats["guesses_accepted"] = self.stats.get("guesses_accepted", 0) + 1
         keep = base + j + 1        # the cursor up to the token whose logits row j holds

@@ -44,9 +44,10 @@ from typing import Callable
 import numpy as np
 
 from ggpipe.sampling import SamplingParams
+from ggpipe.speculation.cutoff import confident_depth
 from ggpipe.speculation.proposers.base import ProposerConfig, make_proposer
 from ggpipe.speculation.tree import SpecTree
-from ggpipe.speculation.vote import WeightedMajority, majority_path, support
+from ggpipe.speculation.vote import WeightedMajority, check_members, majority_path, support
 
 
 def _chain(tree: SpecTree | None) -> tuple[list[int], list[float]]:
@@ -72,10 +73,7 @@ class VoteProposer:
     iid_children = True
 
     def __init__(self, cfg: ProposerConfig):
-        names = list(cfg.vote)
-        if len(names) < 2 or len(set(names)) != len(names) or "vote" in names:
-            raise ValueError(f"--spec-vote needs two or more distinct proposers (e.g. draft,ngram), "
-                             f"got {','.join(names) or 'none'}")
+        names = check_members(cfg.vote)
         mcfg = replace(cfg, width=1)
         self.members = [make_proposer(n, mcfg) for n in names]
         leads = [m for m in self.members if not m.instant]
@@ -200,16 +198,7 @@ class VoteProposer:
                 path[:len(lead_tokens)] == lead_tokens:
             self._counts["vote_extended"] += 1
         tree = self._tree(path, seqs, self._probs(lead_p))
-        keep, acc = 0, 1.0
-        for i, p in enumerate(tree.draft_p):
-            cut = self._first_cutoff if i == 0 else self._cutoff
-            if self.acceptance is not None:
-                acc *= self.acceptance(p)
-                if acc < cut:
-                    break
-            elif p < cut:
-                break
-            keep = i + 1
+        keep = confident_depth(tree.draft_p, self._cutoff, self._first_cutoff, self.acceptance)
         return tree.prefix(keep) if keep < len(tree) else tree
 
     def _tree(self, path: list[int], seqs: list[list[int]], probs: list[list[float]]) -> SpecTree:
@@ -231,12 +220,17 @@ class VoteProposer:
     def can_cut(self) -> bool:
         return self.active and self._result is None and self.lead is not None and self.lead.can_cut()
 
+    def _lead_tree(self) -> tuple[list[int], list[list[int]], SpecTree]:
+        """The lead's chain so far as the voted tree (it has not been
+        outvoted): its tokens, every member's sequence, the tree."""
+        toks, ps = _chain(self.lead.partial())
+        seqs = self._seqs(toks)
+        return toks, seqs, self._tree(toks, seqs, self._probs(ps))
+
     def cut(self, cutoff: float, room: Callable[[int], int]) -> tuple[SpecTree, int]:
         if not self.can_cut():
             raise RuntimeError("nothing to cut")
-        toks, ps = _chain(self.lead.partial())
-        seqs = self._seqs(toks)
-        tree = self._tree(toks, seqs, self._probs(ps))
+        toks, seqs, tree = self._lead_tree()
         self.book.record(self._ctx, seqs, self.members.index(self.lead))
         self.lead.cut(cutoff, room)
         ctx = self._ctx + toks
@@ -246,8 +240,7 @@ class VoteProposer:
     def salvage(self, decided: list[int]) -> tuple[SpecTree, int] | None:
         if not self.can_cut():
             return None
-        toks, ps = _chain(self.lead.partial())
-        tree = self._tree(toks, self._seqs(toks), self._probs(ps))
+        tree = self._lead_tree()[2]
         sub, mp = tree.reanchor(decided)
         tip = len(tree) - 1
         if sub is None or tip not in mp:
