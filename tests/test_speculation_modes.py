@@ -93,6 +93,8 @@ def test_sampled_self_drafting_is_mostly_accepted(smollm2):
     (["--mode", "pipeinfer", "-md", "DRAFT", "--n-seq-max", "2", "--branches", "2"], "no room for one speculation"),
     (["-md", "DRAFT", "--split", "0.5,0.5/1.0"], "--split describes 2 target + 1 draft stages but the job has 2"),
     (["--split", "0.5/1.0"], "no draft model was given"),
+    (["--mode", "pipedec"], "--mode pipedec needs a draft model"),
+    (["--mode", "pipedec", "-md", "DRAFT", "--temp", "0.7"], "--mode pipedec verifies greedily only"),
 ])
 def test_bad_speculation_settings(smollm2, extra, fragment):
     args = ["generate", "-m", str(smollm2), "-p", "hi", "-n", "4"] + [str(smollm2) if a == "DRAFT" else a
@@ -190,3 +192,28 @@ def test_greedy_staged_equals_single_node_target(goliath, smollm2, reference, ra
         assert dec["spec_type"] == "staged" and dec["drafted"] > 0 and dec["guesses_made"] > 0, dec
         taken += dec["guesses_accepted"]
     assert taken > 0
+
+
+# -- PipeDec: a dynamic prediction tree, one layer per pipeline step --------------------------
+
+PIPEDEC_LAYOUTS = [(2, None, []), (3, "0.5,0.5/1.0", []), (3, "0.5,0.5/1.0", ["--tree-width", "1"]),
+                   (4, "0.3,0.4,0.3/1.0", ["--tree-width", "8", "--max-children", "4"])]
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks,split,extra", PIPEDEC_LAYOUTS,
+                         ids=["R2", "R3", "R3-chain", "R4-wide"])
+def test_greedy_pipedec_equals_single_node_target(goliath, smollm2, reference, ranks, split, extra):
+    """--mode pipedec: every target stage works on another tree layer; the
+    output equals single-node greedy decoding, and layers were verified
+    (trees of several nodes per layer below several parents)."""
+    args = ["-md", str(smollm2), "--mode", "pipedec", *extra] + (["--split", split] if split else [])
+    accepted = 0
+    for prompt in PROMPTS:
+        got = generate_json(goliath, prompt, N_TOKENS, ranks, args)
+        assert got["tokens"] == reference(goliath, prompt, N_TOKENS), f"pipedec ranks={ranks} {extra} {prompt!r}"
+        dec = got["decoder"]
+        assert dec["spec_type"] == "pipedec" and dec["tree_layers"] > 0, dec
+        accepted += dec["draft_accepted"]
+    assert accepted > 0

@@ -51,6 +51,9 @@ MODE_ARGS = {
     "pipeinfer": ["--mode", "pipeinfer"],
     "pipeinfer-no-cancel": ["--mode", "pipeinfer", "--no-cancel"],
     "pipeinfer-no-continuous": ["--mode", "pipeinfer", "--no-continuous"],
+    "pipedec": ["--mode", "pipedec"],
+    "pipedec-chain": ["--mode", "pipedec", "--tree-width", "1", "--max-children", "1"],
+    "vote": ["--mode", "pipeinfer", "--spec-type", "vote"],
 }
 
 COLUMNS = [

@@ -383,7 +383,7 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
                               config.n_seq_max, max_outputs=config.ubatch, async_local=async_head, name="target")
         if roles.has_draft:
             s.draft_pipeline = Pipeline(loaded.draft_stage, transport, roles.draft_ranks, loaded.stage.n_vocab,
-                                        1, max_outputs=config.ubatch, name="draft")
+                                        config.n_seq_max, max_outputs=config.ubatch, name="draft")
     return s
 
 
@@ -459,14 +459,14 @@ def _load(config: ClusterConfig, rank: int, size: int) -> _Loaded:
     stage = Stage(StageSpec(
         model_path=stage_slice(m_path, start, stop, cache_dir()), n_layer=stop - start,
         first=index == 0, last=index == n_stages - 1, n_ctx=config.ctx_size, n_threads=threads[rank],
-        n_seq_max=config.n_seq_max if model == "target" else 1, n_ubatch=config.ubatch,
+        n_seq_max=config.n_seq_max, n_ubatch=config.ubatch,
         flash_attn=config.flash_attn,
     ))
     draft_stage = None
     if rank == 0 and roles.has_draft and roles.n_draft == 0:
         try:
             draft_stage = Stage(StageSpec(model_path=draft_path, n_layer=draft_info.n_layer, first=True, last=True,
-                                          n_ctx=config.ctx_size, n_threads=threads[0], n_seq_max=1,
+                                          n_ctx=config.ctx_size, n_threads=threads[0], n_seq_max=config.n_seq_max,
                                           n_ubatch=config.ubatch, flash_attn=config.flash_attn))
         except BaseException:
             stage.close()

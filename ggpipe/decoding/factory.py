@@ -7,16 +7,18 @@ from __future__ import annotations
 from typing import Callable
 
 from ggpipe.decoding.iterative import IterativeDecoder
+from ggpipe.decoding.pipedec import PipeDecDecoder
 from ggpipe.decoding.pipelined import SpeculativeDecoder
 from ggpipe.decoding.settings import MODES, SpecSettings
 from ggpipe.errors import ConfigError
+from ggpipe.speculation.layer_drafter import LayerDrafter
 from ggpipe.speculation.proposers.base import ProposerConfig, make_proposer
 
 
 def build_decoder(mode: str, spec: SpecSettings, target, draft, *, n_ubatch: int, n_seq_max: int,
                   is_eog: Callable[[int], bool], timeout_s: float,
                   idle: Callable[[], None] | None = None):
-    """The decoder of ``mode`` ("iterative", "speculative", "pipeinfer").
+    """The decoder of ``mode`` ("iterative", "speculative", "pipeinfer", "pipedec").
 
     Args:
         target: the target pipeline (``ggpipe.pipeline.driver.Pipeline`` or
@@ -36,6 +38,12 @@ def build_decoder(mode: str, spec: SpecSettings, target, draft, *, n_ubatch: int
         raise ConfigError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
     if mode == "iterative":
         return IterativeDecoder(target, n_ubatch, is_eog)
+    if mode == "pipedec":
+        if draft is None:
+            raise ConfigError("--mode pipedec needs a draft model: give one with -md (e.g. -md smollm2-135m)")
+        drafter = LayerDrafter(draft, getattr(draft, "n_seq_max", n_seq_max), spec.tree_width, spec.max_children,
+                               n_ubatch)
+        return PipeDecDecoder(target, drafter, spec, n_seq_max, n_ubatch, is_eog, timeout_s=timeout_s, idle=idle)
     if spec.uses_draft_model and draft is None:
         what = "--spec-vote with a draft-model proposer" if spec.spec_type == "vote" else f"--mode {mode}"
         raise ConfigError(f"{what} needs a draft model: give one with -md (e.g. -md smollm2-135m), "

@@ -300,10 +300,12 @@ class SpeculativeDecoder:
     def _release(self, info) -> None:
         """Clear a retired run's KV partition (pipelined behind its runs) and
         return it to the FIFO."""
-        if info.partition is not None:
+        parts = ([] if info.partition is None else [info.partition]) + info.partitions
+        if parts:
             for seq in info.seqs:
                 self.target.seq_rm(seq)
-            self.pool.release(info.partition)
+            for part in parts:
+                self.pool.release(part)
 
     # -- speculation -------------------------------------------------------------
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MODES = ("iterative", "speculative", "pipeinfer")
+MODES = ("iterative", "speculative", "pipeinfer", "pipedec")
+ASYNC_MODES = ("pipeinfer", "pipedec")  # the head's target stage runs beside the loop
 SPEC_TYPES = ("draft", "ngram", "vote", "staged")
 DRAFT_MODEL_TYPES = ("draft", "staged")  # strategies that draft with the draft model (-md)
 
@@ -15,7 +16,7 @@ class SpecSettings:
     """Speculation knobs (CLI names in brackets).
 
     Attributes:
-        mode: "speculative" or "pipeinfer".
+        mode: "speculative", "pipeinfer" or "pipedec".
         spec_type: the drafting strategy, a name in
             ``ggpipe.speculation.proposers.base.REGISTRY`` [--spec-type]:
             "draft" (the draft model, -md), "ngram" (prompt lookup, no model)
@@ -38,6 +39,8 @@ class SpecSettings:
             (tokens) [--spec-ngram-min, --spec-ngram-max].
         vote: the proposers ``spec_type="vote"`` merges, in tie-break order
             [--spec-vote].
+        tree_width: pipedec: most nodes per prediction-tree layer [--tree-width].
+        max_children: pipedec: most children per tree node [--max-children].
     """
 
     mode: str = "pipeinfer"
@@ -54,6 +57,8 @@ class SpecSettings:
     ngram_min: int = 1
     ngram_max: int = 4
     vote: tuple[str, ...] = ("draft", "ngram")
+    tree_width: int = 4
+    max_children: int = 4
     default_threshold: float = 0.25  # adaptive: path probability worth a token until costs are measured
 
     @property
@@ -65,4 +70,4 @@ class SpecSettings:
 
     @property
     def asynchronous(self) -> bool:
-        return self.mode == "pipeinfer"
+        return self.mode in ASYNC_MODES

@@ -91,7 +91,9 @@ def speculation_options(f):
     d = SpecSettings()
     opts = [
         click.option("--mode", type=click.Choice(list(MODES)), default="iterative",
-                     show_default=True, help="Scheduling mode."),
+                     show_default=True, help="Scheduling mode: iterative (plain pipeline), speculative "
+                                             "(synchronous), pipeinfer (PipeInfer), pipedec (PipeDec's dynamic "
+                                             "prediction tree, one layer per pipeline step; greedy only)."),
         click.option("--spec-type", type=click.Choice(list(SPEC_TYPES) + list(SPEC_TYPE_ALIASES)),
                      default=d.spec_type, show_default=True,
                      help="Drafting strategy of the speculative modes: draft (the draft model, -md) or ngram "
@@ -123,6 +125,10 @@ def speculation_options(f):
                      help="Most branches (KV sequences) per speculation tree."),
         click.option("--max-inflight", default=d.max_inflight, show_default=True, type=click.IntRange(1, 128),
                      help="Most speculative runs in flight (pipeinfer)."),
+        click.option("--tree-width", default=d.tree_width, show_default=True, type=click.IntRange(1, 64),
+                     help="pipedec: most nodes per prediction-tree layer (the best by cumulative draft probability)."),
+        click.option("--max-children", default=d.max_children, show_default=True, type=click.IntRange(1, 64),
+                     help="pipedec: most children per prediction-tree node."),
         click.option("--no-continuous", is_flag=True, help="pipeinfer without continuous speculation (ablation)."),
         click.option("--no-cancel", is_flag=True, help="pipeinfer without early inference cancellation (ablation)."),
     ]
@@ -171,7 +177,7 @@ def _vote_members(ctx, param, value: str) -> tuple[str, ...]:
 
 
 def _spec_settings(mode, spec_type, n_draft, p_accept, p_split, p_recovery, p_decay, branches, max_inflight,
-                   no_continuous, no_cancel, ngram_min, ngram_max, vote):
+                   no_continuous, no_cancel, ngram_min, ngram_max, vote, tree_width=4, max_children=4):
     from ggpipe.decoding.settings import SpecSettings  # noqa: PLC0415
 
     spec_type = SPEC_TYPE_ALIASES.get(spec_type, spec_type)
@@ -182,7 +188,8 @@ def _spec_settings(mode, spec_type, n_draft, p_accept, p_split, p_recovery, p_de
                         p_accept=p_accept,
                         p_split=p_split, p_recovery=p_recovery, p_decay=p_decay, width=branches,
                         continuous=not no_continuous, cancel=not no_cancel, max_inflight=max_inflight,
-                        ngram_min=ngram_min, ngram_max=ngram_max, vote=vote)
+                        ngram_min=ngram_min, ngram_max=ngram_max, vote=vote, tree_width=tree_width,
+                        max_children=max_children)
 
 
 def auto_n_seq_max(mode: str, spec) -> int:
@@ -190,6 +197,8 @@ def auto_n_seq_max(mode: str, spec) -> int:
     partition of ``width`` ids per speculative run that can be in flight."""
     if mode == "iterative":
         return 1
+    if mode == "pipedec":   # one sequence per live tree node: a layer per run in flight, and the layers formed ahead
+        return min(256, 1 + spec.tree_width * (spec.max_inflight + 3))
     runs = 1 if mode == "speculative" else spec.max_inflight + 2
     return min(256, 1 + spec.width * runs)
 
@@ -216,7 +225,7 @@ def job_options(f):
 _JOB_KEYS = ("model", "draft_model", "split", "threads", "ctx_size", "ubatch", "n_seq_max", "timeout", "flash_attn",
              "liveness_timeout", "mode", "spec_type", "ngram_min", "ngram_max", "vote",
              "n_draft", "p_accept", "p_split", "p_recovery", "p_decay", "branches", "max_inflight", "no_continuous",
-             "no_cancel", "n_predict", "temp", "top_k", "top_p", "seed", "ignore_eos")
+             "no_cancel", "tree_width", "max_children", "n_predict", "temp", "top_k", "top_p", "seed", "ignore_eos")
 
 
 def utf8_prompt(text: str, what: str = "-p") -> str:
@@ -265,7 +274,12 @@ def split_job_options(kw: dict):
     sampling = SamplingParams(temperature=o["temp"], top_k=o["top_k"], top_p=o["top_p"], seed=o["seed"]).validate()
     spec = _spec_settings(o["mode"], o["spec_type"], o["n_draft"], o["p_accept"], o["p_split"], o["p_recovery"],
                           o["p_decay"], o["branches"], o["max_inflight"], o["no_continuous"], o["no_cancel"],
-                          o["ngram_min"], o["ngram_max"], o["vote"])
+                          o["ngram_min"], o["ngram_max"], o["vote"], o["tree_width"], o["max_children"])
+    if o["mode"] == "pipedec" and not sampling.greedy:
+        from ggpipe.errors import ConfigError  # noqa: PLC0415
+
+        raise ConfigError("--mode pipedec verifies greedily only (stochastic verification of its top-k trees "
+                          "would not be exact): use --temp 0, or --mode pipeinfer for sampling")
     n_seq_max = o["n_seq_max"] if o["n_seq_max"] is not None else auto_n_seq_max(o["mode"], spec)
     if o["split"] is not None and o["split"].startswith("auto"):
         from ggpipe.frontends.plan import auto_split

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from ggpipe.errors import GGPipeError
 from ggpipe.frontends.engine import Engine
 from ggpipe.cluster.session import ClusterConfig, Session, open_session
-from ggpipe.decoding.settings import SpecSettings
+from ggpipe.decoding.settings import ASYNC_MODES, SpecSettings
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ def run_job(job: JobSpec, head: Callable[[Engine], int],
     Raises:
         GGPipeError: start-up or pipeline errors (the CLI prints one line).
     """
-    session = open_session(job.config, async_head=job.mode == "pipeinfer")
+    session = open_session(job.config, async_head=job.mode in ASYNC_MODES)
     try:
         if not session.is_head:
             session.serve()

@@ -96,6 +96,11 @@ class Pipeline:
         return not self._busy and self._jobs.empty()
 
     @property
+    def n_stages(self) -> int:
+        """Stages of this model's pipeline (the head's own, if any, and the other ranks')."""
+        return int(self.stage is not None) + len(self.ranks)
+
+    @property
     def last_rank(self) -> int | None:
         return self.ranks[-1] if self.ranks else None
 

@@ -39,7 +39,7 @@ class SimConfig:
     Attributes:
         profile: host and link costs.
         target, draft: model descriptions (draft None: no draft model).
-        mode: "iterative", "speculative" or "pipeinfer".
+        mode: "iterative", "speculative" or "pipeinfer" ("pipedec" is refused).
         ranks: ranks in the job (mpiexec -n).
         split: layer split as --split parses it.
         spec: speculation knobs (as the CLI's); its ``mode`` is set from
@@ -124,7 +124,10 @@ def _roles(cfg: SimConfig) -> Roles:
     """Which rank runs which stage, as ``ggpipe generate`` plans it.
 
     Raises:
-        ConfigError, SplitError: as ``ggpipe generate`` would for this job."""
+        ConfigError, SplitError: as ``ggpipe generate`` would for this job;
+            ConfigError for ``--mode pipedec``, which the simulator does not model."""
+    if cfg.mode == "pipedec":
+        raise ConfigError("the simulator does not model --mode pipedec (measure it: scripts/bench_pipedec.py)")
     has_draft = cfg.draft is not None and cfg.mode != "iterative" and cfg.spec.uses_draft_model
     roles = Roles.plan(cfg.ranks, cfg.split if has_draft or cfg.split.draft is None else SplitSpec(
         cfg.split.target, None), has_draft)

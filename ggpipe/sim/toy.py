@@ -156,6 +156,8 @@ class ToyPipeline:
         self.stats = {"cancelled_before_start": 0, "cancelled_mid_compute": 0}
         self.n_runs = 0
         self.run_sizes: list[int] = []
+        self.n_stages = 1     # as Pipeline.n_stages (pipedec bounds its runs in flight by it)
+        self.n_seq_max = 256
 
     # -- timing (subclasses) -----------------------------------------------------
 

@@ -50,6 +50,7 @@ from typing import Callable, Protocol, Sequence, Sized, runtime_checkable
 
 import numpy as np
 
+from ggpipe.kv_reuse import reusable_prefix
 from ggpipe.logits import TopLogits
 from ggpipe.sampling import SamplingParams
 from ggpipe.speculation.cutoff import confident_depth
@@ -83,6 +84,13 @@ class DecodeBackend(Protocol):
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
         """Remove cells of sequence ``seq`` at positions [p0, p1)."""
 
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        """Add sequence ``dst`` to the cells of ``src`` at positions [p0, p1)."""
+
+    def submit(self, run) -> None:
+        """Start a ``ggpipe.pipeline.runs.Run`` (any tokens, positions and
+        sequence ids: a tree layer)."""
+
     def ready(self) -> bool:
         """The oldest run's result has arrived."""
 
@@ -91,6 +99,27 @@ class DecodeBackend(Protocol):
 
     def wait(self, timeout_s: float | None = None) -> DraftResult:
         """The oldest run's result (bounded wait; raises RankTimeoutError)."""
+
+
+def sync_kv(pipe: DecodeBackend, cursor: list[int], context: list[int], n_ubatch: int,
+            want_logits: bool) -> tuple[int, bool]:
+    """Make sequence 0 of a draft's KV, which holds ``cursor`` (positions
+    0..), hold ``context`` instead: cells after the common prefix are removed
+    and the rest of ``context`` is decoded (all of it when the logits of its
+    last token are wanted: that token is decoded again). ``cursor`` is
+    updated in place.
+
+    Returns:
+        (draft runs submitted, whether cells were removed)."""
+    common = reusable_prefix(cursor, context, need_logits=want_logits)
+    cut = common < len(cursor)
+    if cut:
+        pipe.seq_rm(0, common, -1)
+        del cursor[common:]
+    todo = context[common:]
+    n = pipe.submit_prompt(todo, common, n_ubatch, want_logits=want_logits)
+    cursor.extend(todo)
+    return n, cut
 
 
 @dataclass

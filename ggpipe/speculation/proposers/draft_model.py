@@ -34,10 +34,9 @@ from typing import Callable
 
 import numpy as np
 
-from ggpipe.kv_reuse import reusable_prefix
 from ggpipe.logits import best
 from ggpipe.sampling import SamplingParams, target_probs
-from ggpipe.speculation.proposers.base import DecodeBackend, DraftResult, ProposerConfig
+from ggpipe.speculation.proposers.base import DecodeBackend, DraftResult, ProposerConfig, sync_kv
 from ggpipe.speculation.tree import SpecTree
 
 
@@ -119,14 +118,9 @@ class DraftModelProposer:
         """Make the draft's KV hold ``context`` (all of it when logits of its
         last token are wanted: that token is (re)decoded). Returns the number
         of draft runs submitted."""
-        common = reusable_prefix(self.cursor, context, need_logits=want_logits)
-        if common < len(self.cursor):
-            self.pipe.seq_rm(0, common, -1)
-            del self.cursor[common:]
+        n, cut = sync_kv(self.pipe, self.cursor, context, self.n_ubatch, want_logits)
+        if cut:
             self._last_logits = None  # they were for a prefix that no longer exists
-        todo = context[common:]
-        n = self.pipe.submit_prompt(todo, common, self.n_ubatch, want_logits=want_logits)
-        self.cursor.extend(todo)
         self.stats["draft_decodes"] += n
         return n
 

@@ -1,0 +1,181 @@
+"""``--mode pipedec``: pipeline-parallel decoding over a dynamic prediction
+tree (PipeDec, Yin et al. 2025, sections 3.1-3.4).
+
+The draft grows the tree one layer per draft run
+(:class:`~ggpipe.speculation.layer_drafter.LayerDrafter`) and each layer
+enters the target pipeline as one run as soon as the layer above it did, so
+every target stage works on another layer of the same request at the same
+time. Every node has its own KV sequence in the target contexts: a copy of its
+parent's sequence up to the parent (``seq_cp``, metadata only), so nodes of
+one layer below different parents attend to their own ancestors only (tree
+attention through llama.cpp's per-sequence mask), and the tree's cells stay
+apart from the accepted sequence 0 until a hit copies one over.
+
+When the last stage's logits of a node come back, the head decides the next
+token greedily (:class:`~ggpipe.speculation.graph.SpecGraph`, shared with
+pipeinfer): a *hit* (a child carries it) keeps only that child's subtree, and
+in-flight runs whose every node died are cancelled (PipeInfer IV.D; rows of
+partly dead runs are computed and ignored); a *miss* starts a non-speculative
+root run for the decided token and a new tree at it.
+
+Ggpipe's choices where the paper leaves room: the paper advances all stages
+in lockstep timesteps; here each layer is sent when formed, with at most
+``n_stages + 1`` target runs in flight (the pipeline's depth plus one
+queued behind the first stage); a decided token carried by a formed layer
+that was not yet sent is a hit as well (the paper checks the draft's tree).
+Greedy verification only (stochastic verification of top-k trees is not
+exact): ``generate`` refuses a temperature > 0.
+
+Everything that is not the layer policy (results, swaps into sequence 0,
+cancellation, retirement of KV sequences, statistics) is
+:class:`~ggpipe.decoding.pipelined.SpeculativeDecoder`'s.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from ggpipe.decoding.pipelined import SpeculativeDecoder
+from ggpipe.decoding.request import SpecRequest
+from ggpipe.decoding.settings import SpecSettings
+from ggpipe.errors import ProtocolError
+from ggpipe.metrics import GenerationClock
+from ggpipe.pipeline.runs import Run, RunResult, next_run_id
+from ggpipe.sampling import Sampler
+from ggpipe.speculation.cutoff import CutoffController
+from ggpipe.speculation.graph import SpecGraph
+from ggpipe.speculation.layer_drafter import LayerDrafter
+from ggpipe.speculation.partitions import PartitionPool
+
+
+class PipeDecDecoder(SpeculativeDecoder):
+    """Args:
+        target: the target pipeline (``ggpipe.pipeline.driver.Pipeline`` or
+            a fake with its verbs); its ``n_stages`` (default 1) bounds the
+            runs in flight.
+        drafter: the draft side.
+        settings: speculation knobs (``max_inflight`` also bounds the runs in flight).
+        n_seq_max: KV sequence ids of the target contexts (one per live tree node, plus sequence 0).
+        n_ubatch, is_eog, timeout_s, idle: as :class:`SpeculativeDecoder`.
+    """
+
+    def __init__(self, target, drafter: LayerDrafter, settings: SpecSettings, n_seq_max: int, n_ubatch: int,
+                 is_eog: Callable[[int], bool], timeout_s: float = 60.0, idle: Callable[[], None] | None = None):
+        super().__init__(target, drafter, settings, n_seq_max, n_ubatch, is_eog, timeout_s=timeout_s, idle=idle)
+        self.drafter = drafter
+        self.pool = PartitionPool(n_seq_max, 1)   # one sequence per tree node
+        self.name = "pipedec"
+
+    @property
+    def adaptive(self) -> bool:
+        return False   # the tree's shape is --tree-width / --max-children, not a cutoff
+
+    @property
+    def max_runs(self) -> int:
+        """Most target runs in flight: the pipeline's depth plus one."""
+        return min(self.s.max_inflight, getattr(self.target, "n_stages", 1) + 1)
+
+    def generate(self, prompt: np.ndarray, n_predict: int, sampler: Sampler, start_pos: int = 0,
+                 emit: Callable[[list[int]], bool | None] = lambda toks: None,
+                 clock: GenerationClock | None = None, history: list[int] | None = None) -> list[int]:
+        """As :meth:`SpeculativeDecoder.generate`.
+
+        Raises:
+            ValueError: stochastic sampling (PipeDec verifies greedily), or
+                ``history`` does not have ``start_pos`` tokens.
+            RankTimeoutError, ProtocolError: from the pipelines."""
+        if not sampler.params.greedy:
+            raise ValueError("--mode pipedec verifies greedily only: use --temp 0, "
+                             "or --mode pipeinfer for sampling")
+        history = list(history or [])
+        if len(history) != start_pos:
+            raise ValueError(f"history has {len(history)} tokens, start_pos is {start_pos}")
+        clock = clock or GenerationClock()
+        clock.start()
+        tokens = [int(t) for t in prompt]
+        r = self.r = SpecRequest(n_predict=n_predict, emit=emit, clock=clock, graph=SpecGraph(sampler),
+                                 cutoff=CutoffController(0.0, 0.0, 0.0), context=history + tokens)
+        self.target.reply_k = sampler.params.reply_k()
+        d = self.drafter
+        d.start(sampler.params)
+
+        self.target.submit_prompt(tokens, start_pos, self.n_ubatch)
+        r.kv_top = len(r.context)
+        d.prefill(r.context[:-1])
+        logits = self.target.drain(self.timeout_s)[-1].logits[0]
+        clock.prompt_done()
+        self._accept_tokens([sampler.sample(logits)])
+        if not r.done:
+            self._new_root(r.context[-1])
+
+        while not r.done:
+            if self.target.ready():
+                self._handle(self.target.poll())
+            elif len(self.target.inflight) < self.max_runs and self.pool.n_free and d.layer_for_target():
+                self._submit_layer()    # before the draft's results: the target pipeline is what must not idle
+            elif d.ready():
+                d.poll()
+            elif self.target.inflight or d.busy():
+                self._wait_any()
+            else:
+                raise ProtocolError("pipedec: no target or draft run in flight and no layer to send")
+        self._finish()
+        clock.finish()
+        return r.out
+
+    def _handle(self, res: RunResult) -> None:
+        super()._handle(res)
+        if not self.r.done:
+            self.drafter.follow(self.r.graph)
+            self._set_depth()
+
+    def _set_depth(self) -> None:
+        """Nodes deeper than the tokens still to generate are not worth drafting."""
+        r = self.r
+        self.drafter.max_pos = len(r.context) - 1 + r.n_predict - len(r.out) - 1
+
+    def _new_root(self, token: int) -> None:
+        """A decided token no sent node carries (context[-1] == token): a
+        non-speculative run evaluates it in sequence 0 at once, and the tree
+        goes on below it (or starts anew)."""
+        r = self.r
+        pos = len(r.context) - 1
+        self._trim_kv(pos)
+        rid = next_run_id()
+        gid = r.graph.add_root(token, pos, rid, seq=0)
+        self.target.submit(Run.linear([token], pos, seq=0, run_id=rid))
+        r.kv_top = max(r.kv_top, pos + 1)
+        r.counts["target_runs"] += 1
+        r.counts["root_runs"] += 1
+        self._set_depth()
+        self.drafter.reroot(r.context, r.graph, gid)
+
+    def _submit_layer(self) -> None:
+        """Send the next formed layer as one speculative run, each node in a
+        fresh sequence copied from its parent's up to the parent."""
+        r, g, d = self.r, self.r.graph, self.drafter
+        ids = d.layer_for_target()[: self.pool.n_free]
+        if not ids:
+            r.counts["no_partition"] += 1
+            d.sent([], [])
+            return
+        nodes = [d.nodes[i] for i in ids]
+        pos = nodes[0].pos
+        parents = [d.nodes[n.parent].gid for n in nodes]
+        parts = [self.pool.acquire() for _ in nodes]
+        seqs = [self.pool.seqs(p)[0] for p in parts]
+        self._trim_kv(pos)
+        for parent, s in zip(parents, seqs):
+            self.target.seq_cp(g.nodes[parent].seq, s, 0, pos)
+        rid = next_run_id()
+        gids = g.add_layer(rid, parents, [n.token for n in nodes], [n.p for n in nodes], seqs, parts)
+        k = len(nodes)
+        self.target.submit(Run(run_id=rid, tokens=np.array([n.token for n in nodes], np.int32),
+                               pos=np.full(k, pos, np.int32), n_seq_id=np.ones(k, np.int32),
+                               seq_ids=np.array(seqs, np.int32), outputs=np.ones(k, np.int8), speculative=True))
+        r.kv_top = max(r.kv_top, pos + 1)
+        r.counts["target_runs"] += 1
+        r.counts["spec_runs"] += 1
+        d.sent(ids, gids)
