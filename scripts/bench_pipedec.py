@@ -6,8 +6,10 @@ per-rank busy share, all rows interleaved and rotated each round.
 Rows per rank count R (1 thread per rank):
 
 * ``iterative``: R target stages (even split), no draft;
-* ``speculative``, ``pipeinfer``, ``pipedec``, ``pipedec chain``
-  (``--tree-width 1``): R-1 target stages and the draft on the last rank.
+* ``speculative``, ``pipeinfer``, ``pipedec`` (its default, a chain: ``--tree-width
+  1``), ``pipedec tree`` (``--tree-width 4 --max-children 4``), ``pipedec wide``
+  (``--tree-width 16 --max-children 8``): R-1 target stages and the draft on the
+  last rank.
 
 Every row must give the same tokens for a prompt (greedy; exactness). On a
 2-core machine, 3 and 4 busy ranks share 2 cores: those rows measure the
@@ -30,7 +32,8 @@ from ggpipe.models.registry import fetch
 
 ROWS = {"iterative": ["--mode", "iterative"], "speculative": ["--mode", "speculative"],
         "pipeinfer": ["--mode", "pipeinfer"], "pipedec": ["--mode", "pipedec"],
-        "pipedec chain": ["--mode", "pipedec", "--tree-width", "1", "--max-children", "1"]}
+        "pipedec tree": ["--mode", "pipedec", "--tree-width", "4", "--max-children", "4"],
+        "pipedec wide": ["--mode", "pipedec", "--tree-width", "16", "--max-children", "8"]}
 
 
 def _split(row: str, ranks: int) -> list[str]:

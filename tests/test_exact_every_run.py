@@ -37,7 +37,7 @@ def near_tie_prompts(goliath) -> list[tuple[str, int]]:
     return list(zip(render_prompts(goliath, chosen), [n for _, n in CASES]))
 
 
-@pytest.mark.parametrize("mode,ranks", [("pipeinfer", 2), ("pipeinfer", 3)])
+@pytest.mark.parametrize("mode,ranks", [("pipeinfer", 2), ("pipeinfer", 3), ("pipedec", 3)])
 def test_speculation_equals_the_reference_in_every_run(goliath, smollm2, reference, near_tie_prompts, tmp_path,
                                                        mode, ranks):
     if llamafile_sgemm():

@@ -196,18 +196,19 @@ def test_greedy_staged_equals_single_node_target(goliath, smollm2, reference, ra
 
 # -- PipeDec: a dynamic prediction tree, one layer per pipeline step --------------------------
 
-PIPEDEC_LAYOUTS = [(2, None, []), (3, "0.5,0.5/1.0", []), (3, "0.5,0.5/1.0", ["--tree-width", "1"]),
+PIPEDEC_LAYOUTS = [(2, None, []), (3, "0.5,0.5/1.0", []), (3, "0.5,0.5/1.0", ["--tree-width", "4"]),
                    (4, "0.3,0.4,0.3/1.0", ["--tree-width", "8", "--max-children", "4"])]
 
 
 @pytest.mark.mpi
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks,split,extra", PIPEDEC_LAYOUTS,
-                         ids=["R2", "R3", "R3-chain", "R4-wide"])
+                         ids=["R2", "R3", "R3-tree", "R4-wide-tree"])
 def test_greedy_pipedec_equals_single_node_target(goliath, smollm2, reference, ranks, split, extra):
     """--mode pipedec: every target stage works on another tree layer; the
     output equals single-node greedy decoding, and layers were verified
-    (trees of several nodes per layer below several parents)."""
+    (the default chain, and trees of several nodes per layer below several
+    parents)."""
     args = ["-md", str(smollm2), "--mode", "pipedec", *extra] + (["--split", split] if split else [])
     accepted = 0
     for prompt in PROMPTS:

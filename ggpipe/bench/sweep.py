@@ -52,7 +52,7 @@ MODE_ARGS = {
     "pipeinfer-no-cancel": ["--mode", "pipeinfer", "--no-cancel"],
     "pipeinfer-no-continuous": ["--mode", "pipeinfer", "--no-continuous"],
     "pipedec": ["--mode", "pipedec"],
-    "pipedec-chain": ["--mode", "pipedec", "--tree-width", "1", "--max-children", "1"],
+    "pipedec-tree": ["--mode", "pipedec", "--tree-width", "4", "--max-children", "4"],
     "vote": ["--mode", "pipeinfer", "--spec-type", "vote"],
 }
 

@@ -57,7 +57,7 @@ class SpecSettings:
     ngram_min: int = 1
     ngram_max: int = 4
     vote: tuple[str, ...] = ("draft", "ngram")
-    tree_width: int = 4
+    tree_width: int = 1     # a chain: exact in every run (README "Exactness"); trees measured slower here
     max_children: int = 4
     default_threshold: float = 0.25  # adaptive: path probability worth a token until costs are measured
 

@@ -126,7 +126,8 @@ def speculation_options(f):
         click.option("--max-inflight", default=d.max_inflight, show_default=True, type=click.IntRange(1, 128),
                      help="Most speculative runs in flight (pipeinfer)."),
         click.option("--tree-width", default=d.tree_width, show_default=True, type=click.IntRange(1, 64),
-                     help="pipedec: most nodes per prediction-tree layer (the best by cumulative draft probability)."),
+                     help="pipedec: most nodes per prediction-tree layer (the best by cumulative draft probability); "
+                          "1 (a chain) is exact in every run, wider trees carry the near-tie caveat (README)."),
         click.option("--max-children", default=d.max_children, show_default=True, type=click.IntRange(1, 64),
                      help="pipedec: most children per prediction-tree node."),
         click.option("--no-continuous", is_flag=True, help="pipeinfer without continuous speculation (ablation)."),
@@ -177,7 +178,7 @@ def _vote_members(ctx, param, value: str) -> tuple[str, ...]:
 
 
 def _spec_settings(mode, spec_type, n_draft, p_accept, p_split, p_recovery, p_decay, branches, max_inflight,
-                   no_continuous, no_cancel, ngram_min, ngram_max, vote, tree_width=4, max_children=4):
+                   no_continuous, no_cancel, ngram_min, ngram_max, vote, tree_width=1, max_children=4):
     from ggpipe.decoding.settings import SpecSettings  # noqa: PLC0415
 
     spec_type = SPEC_TYPE_ALIASES.get(spec_type, spec_type)

@@ -41,7 +41,7 @@ def _links(values: tuple[str, ...]) -> list[str]:
 @click.option("-md", "--draft-model", "draft", default=None, help="Draft model (needed by speculative modes).")
 @click.option("--modes", default="iterative", show_default=True,
               help="Comma-separated modes: iterative, speculative, pipeinfer, pipeinfer-no-cancel, "
-                   "pipeinfer-no-continuous, pipedec, pipedec-chain (--tree-width 1), vote (pipeinfer with "
+                   "pipeinfer-no-continuous, pipedec, pipedec-tree (--tree-width 4 --max-children 4), vote (pipeinfer with "
                    "Minions' vote of the draft and the n-gram lookup). The first is the exactness reference.")
 @click.option("--ranks", default="2", show_default=True, help="Comma-separated rank counts, e.g. 2,3,4.")
 @click.option("--prompts", "prompt_set", default="default", show_default=True,
