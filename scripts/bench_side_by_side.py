@@ -30,6 +30,9 @@ Rows (``--rows`` picks a subset, by name):
   draft-of-draft), target on rank 0, draft on rank 1;
 * ``ggpipe vote (speculative)``: ``--spec-type vote`` (Minions' vote of the
   draft model and the n-gram lookup);
+* ``ggpipe pipedec``: ``--mode pipedec`` (PipeDec's prediction tree, its
+  default chain), target on rank 0, draft on rank 1 (at 2 ranks it has one
+  target stage to fill: scripts/bench_pipedec.py compares 2-4 ranks);
 * ``ggpipe iterative fa-on``, ``ggpipe pipeinfer fa-on``: the same with
   ``-fa on`` (compared for exactness with ``ggpipe iterative fa-on``).
 
@@ -87,6 +90,7 @@ class Rows:
                  "llama.cpp rpc 2x1", "llama-speculative-simple t2", "ggpipe iterative", "ggpipe speculative",
                  "ggpipe pipeinfer", "ggpipe ngram (pipeinfer)", "ggpipe ngram (speculative)",
                  "ggpipe staged (pipeinfer)", "ggpipe staged (speculative)", "ggpipe vote (speculative)",
+                 "ggpipe pipedec",
                  "ggpipe iterative fa-on", "ggpipe pipeinfer fa-on"]
         if self.a.before:
             names.insert(names.index("ggpipe pipeinfer"), "ggpipe pipeinfer (before)")
@@ -160,6 +164,8 @@ class Rows:
             args += ["--mode", "iterative"]
         elif name == "ggpipe speculative":
             args += ["--mode", "speculative", "-md", self.draft]
+        elif name == "ggpipe pipedec":
+            args += ["--mode", "pipedec", "-md", self.draft]
         elif name.startswith("ggpipe pipeinfer"):
             args += ["--mode", "pipeinfer", "-md", self.draft]
             if "before" in name:

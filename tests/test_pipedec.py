@@ -86,7 +86,7 @@ def test_requests_in_a_row_share_the_draft_cache():
 
 def test_refuses_sampling_and_a_missing_draft():
     dec, _, _ = _decoder(2, 2, 2, 3)
-    with pytest.raises(ValueError, match="greedily only"):
+    with pytest.raises(ConfigError, match="greedily only"):
         dec.generate(np.array(PROMPT, np.int32), 5, Sampler(SamplingParams(temperature=0.8, seed=1)))
     with pytest.raises(ConfigError, match="needs a draft model"):
         build_decoder("pipedec", SpecSettings(mode="pipedec"), FakePipeline(ToyLM(V)), None, n_ubatch=8,

@@ -39,7 +39,7 @@ import numpy as np
 
 from ggpipe.decoding.pipelined import SpeculativeDecoder
 from ggpipe.decoding.request import SpecRequest
-from ggpipe.decoding.settings import SpecSettings
+from ggpipe.decoding.settings import SpecSettings, check_mode_sampling
 from ggpipe.errors import ProtocolError
 from ggpipe.metrics import GenerationClock
 from ggpipe.pipeline.runs import Run, RunResult, next_run_id
@@ -83,12 +83,10 @@ class PipeDecDecoder(SpeculativeDecoder):
         """As :meth:`SpeculativeDecoder.generate`.
 
         Raises:
-            ValueError: stochastic sampling (PipeDec verifies greedily), or
-                ``history`` does not have ``start_pos`` tokens.
+            ConfigError: stochastic sampling (:meth:`check_sampling`).
+            ValueError: ``history`` does not have ``start_pos`` tokens.
             RankTimeoutError, ProtocolError: from the pipelines."""
-        if not sampler.params.greedy:
-            raise ValueError("--mode pipedec verifies greedily only: use --temp 0, "
-                             "or --mode pipeinfer for sampling")
+        self.check_sampling(sampler.params)
         history = list(history or [])
         if len(history) != start_pos:
             raise ValueError(f"history has {len(history)} tokens, start_pos is {start_pos}")
@@ -124,6 +122,12 @@ class PipeDecDecoder(SpeculativeDecoder):
         self._finish()
         clock.finish()
         return r.out
+
+    def check_sampling(self, params) -> None:
+        """Raise ConfigError for stochastic sampling: PipeDec's trees are
+        verified greedily (stochastic verification of top-k trees would not
+        keep the target's distribution)."""
+        check_mode_sampling("pipedec", params.greedy)
 
     def _handle(self, res: RunResult) -> None:
         super()._handle(res)

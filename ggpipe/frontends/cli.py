@@ -276,11 +276,9 @@ def split_job_options(kw: dict):
     spec = _spec_settings(o["mode"], o["spec_type"], o["n_draft"], o["p_accept"], o["p_split"], o["p_recovery"],
                           o["p_decay"], o["branches"], o["max_inflight"], o["no_continuous"], o["no_cancel"],
                           o["ngram_min"], o["ngram_max"], o["vote"], o["tree_width"], o["max_children"])
-    if o["mode"] == "pipedec" and not sampling.greedy:
-        from ggpipe.errors import ConfigError  # noqa: PLC0415
+    from ggpipe.decoding.settings import check_mode_sampling  # noqa: PLC0415
 
-        raise ConfigError("--mode pipedec verifies greedily only (stochastic verification of its top-k trees "
-                          "would not be exact): use --temp 0, or --mode pipeinfer for sampling")
+    check_mode_sampling(o["mode"], sampling.greedy)
     n_seq_max = o["n_seq_max"] if o["n_seq_max"] is not None else auto_n_seq_max(o["mode"], spec)
     if o["split"] is not None and o["split"].startswith("auto"):
         from ggpipe.frontends.plan import auto_split

@@ -84,6 +84,9 @@ class LayerDrafter:
         lead: layers the draft may evaluate beyond the deepest one sent to
             the target.
 
+    Raises:
+        ValueError: ``n_seq_max`` < 2.
+
     Attributes:
         max_pos: deepest position worth a node (the decoder sets it from the
             tokens still to generate).
@@ -98,7 +101,8 @@ class LayerDrafter:
     def __init__(self, backend: DecodeBackend, n_seq_max: int, width: int, max_children: int, n_ubatch: int,
                  lead: int = 1):
         if n_seq_max < 2:
-            raise ValueError(f"the draft context needs at least 2 sequence ids for a prediction tree, has {n_seq_max}")
+            raise ValueError(f"a prediction tree needs at least 2 KV sequence ids in the draft context, it has "
+                             f"{n_seq_max}")
         self.pipe = backend
         self.n_seq_max = n_seq_max
         self.width = width
