@@ -21,13 +21,11 @@ schedule under contention, not a cluster.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-from pathlib import Path
 
 from ggpipe.bench.prompts import load_prompts, render_prompts
-from ggpipe.bench.runner import ggpipe_run
+from ggpipe.bench.runner import ggpipe_run, median_of as med, publish
 from ggpipe.models.registry import fetch
 
 ROWS = {"iterative": ["--mode", "iterative"], "speculative": ["--mode", "speculative"],
@@ -80,10 +78,6 @@ def main() -> int:
                     raise SystemExit(f"{row} R{r} on {p['id']}: tokens differ from the first run's")
             print(f"round {rnd + 1}/{a.rounds}: {p['id']} done", file=sys.stderr, flush=True)
 
-    def med(xs, key):
-        v = [x[key] for x in xs if x.get(key) is not None]
-        return statistics.median(v) if v else float("nan")
-
     out = [f"{a.model} + {a.draft_model}, 1 thread per rank, {a.n_predict} tokens, {a.rounds} rounds, "
            f"prompts {a.prompts}; median per prompt, then the mean over prompts\n",
            "| row | tokens/s | vs iterative (same R) | vs pipeinfer (same R) | tokens per target pass | acceptance "
@@ -111,12 +105,7 @@ def main() -> int:
                    f"{'-' if acc[0] != acc[0] else f'{statistics.mean(acc):.2f}'} | "
                    f"{statistics.mean(med(per[p], 'ttft_s') for p in pids):.3f} | "
                    f"{' / '.join(f'{b:.2f}' for b in busy)} | {trees} |")
-    text = "\n".join(out)
-    print(text)
-    if a.md:
-        Path(a.md).write_text(text + "\n")
-    if a.json:
-        Path(a.json).write_text(json.dumps(res, indent=1))
+    publish("\n".join(out), a.md, a.json, res)
     return 0
 
 

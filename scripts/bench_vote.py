@@ -20,13 +20,11 @@ the target would have accepted of its chains alone) and final weight.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 from pathlib import Path
 
 from ggpipe.bench.prompts import load_prompts, render_prompts
-from ggpipe.bench.runner import ggpipe_run
+from ggpipe.bench.runner import ggpipe_run, median_of as med, publish
 from ggpipe.models.registry import fetch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,10 +68,6 @@ def main() -> int:
     out = [f"{a.model} + {a.draft_model}, 2 ranks x 1 thread, {a.n_predict} tokens, {a.rounds} rounds; "
            f"median tokens/s, tokens per target pass, acceptance\n"]
 
-    def med(xs, key):
-        v = [x[key] for x in xs if x.get(key) is not None]
-        return statistics.median(v) if v else float("nan")
-
     for mode in modes:
         out += [f"\n{mode}\n", "| prompt | " + " | ".join(ROWS) + " | vote / best alone | staged / draft | "
                 "vote: draft alone would accept | vote: ngram alone would accept | weights draft / ngram | "
@@ -88,12 +82,7 @@ def main() -> int:
                        f"{med(v, 'vote_draft_acceptance'):.2f} | {med(v, 'vote_ngram_acceptance'):.2f} | "
                        f"{med(v, 'vote_draft_weight'):.3g} / {med(v, 'vote_ngram_weight'):.3g} | "
                        f"{med(st, 'guesses_accepted'):.0f} / {med(st, 'draft_decodes'):.0f} |")
-    text = "\n".join(out)
-    print(text)
-    if a.md:
-        Path(a.md).write_text(text + "\n")
-    if a.json:
-        Path(a.json).write_text(json.dumps(res, indent=1))
+    publish("\n".join(out), a.md, a.json, res)
     return 0
 
 

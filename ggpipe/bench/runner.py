@@ -4,8 +4,10 @@ configuration, under ``mpiexec -n R`` when R is given)."""
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 from ggpipe.transport.launcher_path import find_launcher
 
@@ -36,3 +38,18 @@ def ggpipe_run(model: str, prompt: str, n: int, ranks: int | None, args: list[st
     if p.returncode != 0:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{p.stderr[-2000:]}")
     return json.loads(p.stdout)
+
+
+def median_of(records: list[dict], key: str) -> float:
+    """Median of ``key`` over the records that have it (NaN when none does)."""
+    v = [r[key] for r in records if r.get(key) is not None]
+    return statistics.median(v) if v else float("nan")
+
+
+def publish(text: str, md: str | None = None, json_path: str | None = None, data=None) -> None:
+    """Print a result table; also write it to ``md`` and ``data`` as JSON to ``json_path`` when given."""
+    print(text)
+    if md:
+        Path(md).write_text(text + "\n")
+    if json_path:
+        Path(json_path).write_text(json.dumps(data, indent=1))
