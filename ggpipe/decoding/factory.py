@@ -42,8 +42,7 @@ def build_decoder(mode: str, spec: SpecSettings, target, draft, *, n_ubatch: int
         if draft is None:
             raise ConfigError("--mode pipedec needs a draft model: give one with -md (e.g. -md smollm2-135m)")
         try:
-            drafter = LayerDrafter(draft, getattr(draft, "n_seq_max", n_seq_max), spec.tree_width,
-                                   spec.max_children, n_ubatch)
+            drafter = LayerDrafter(draft, draft.n_seq_max, spec.tree_width, spec.max_children, n_ubatch)
         except ValueError as exc:
             raise ConfigError(f"{exc} (--n-seq-max)") from None
         return PipeDecDecoder(target, drafter, spec, n_seq_max, n_ubatch, is_eog, timeout_s=timeout_s, idle=idle)

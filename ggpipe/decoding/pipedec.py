@@ -38,16 +38,15 @@ from typing import Callable
 import numpy as np
 
 from ggpipe.decoding.pipelined import SpeculativeDecoder
-from ggpipe.decoding.request import SpecRequest
 from ggpipe.decoding.settings import SpecSettings, check_mode_sampling
 from ggpipe.errors import ProtocolError
 from ggpipe.metrics import GenerationClock
 from ggpipe.pipeline.runs import Run, RunResult, next_run_id
 from ggpipe.sampling import Sampler
 from ggpipe.speculation.cutoff import CutoffController
-from ggpipe.speculation.graph import SpecGraph
 from ggpipe.speculation.layer_drafter import LayerDrafter
 from ggpipe.speculation.partitions import PartitionPool
+from ggpipe.speculation.tree import SpecTree
 
 
 class PipeDecDecoder(SpeculativeDecoder):
@@ -65,7 +64,8 @@ class PipeDecDecoder(SpeculativeDecoder):
                  is_eog: Callable[[int], bool], timeout_s: float = 60.0, idle: Callable[[], None] | None = None):
         super().__init__(target, drafter, settings, n_seq_max, n_ubatch, is_eog, timeout_s=timeout_s, idle=idle)
         self.drafter = drafter
-        self.pool = PartitionPool(n_seq_max, 1)   # one sequence per tree node
+        # one partition per layer run, one sequence of it per node (retired with the run)
+        self.pool = PartitionPool(n_seq_max, max(1, min(settings.tree_width, n_seq_max - 1)))
         self.name = "pipedec"
 
     @property
@@ -75,7 +75,7 @@ class PipeDecDecoder(SpeculativeDecoder):
     @property
     def max_runs(self) -> int:
         """Most target runs in flight: the pipeline's depth plus one."""
-        return min(self.s.max_inflight, getattr(self.target, "n_stages", 1) + 1)
+        return min(self.s.max_inflight, self.target.n_stages + 1)
 
     def generate(self, prompt: np.ndarray, n_predict: int, sampler: Sampler, start_pos: int = 0,
                  emit: Callable[[list[int]], bool | None] = lambda toks: None,
@@ -87,27 +87,8 @@ class PipeDecDecoder(SpeculativeDecoder):
             ValueError: ``history`` does not have ``start_pos`` tokens.
             RankTimeoutError, ProtocolError: from the pipelines."""
         self.check_sampling(sampler.params)
-        history = list(history or [])
-        if len(history) != start_pos:
-            raise ValueError(f"history has {len(history)} tokens, start_pos is {start_pos}")
-        clock = clock or GenerationClock()
-        clock.start()
-        tokens = [int(t) for t in prompt]
-        r = self.r = SpecRequest(n_predict=n_predict, emit=emit, clock=clock, graph=SpecGraph(sampler),
-                                 cutoff=CutoffController(0.0, 0.0, 0.0), context=history + tokens)
-        self.target.reply_k = sampler.params.reply_k()
-        d = self.drafter
-        d.start(sampler.params)
-
-        self.target.submit_prompt(tokens, start_pos, self.n_ubatch)
-        r.kv_top = len(r.context)
-        d.prefill(r.context[:-1])
-        logits = self.target.drain(self.timeout_s)[-1].logits[0]
-        clock.prompt_done()
-        self._accept_tokens([sampler.sample(logits)])
-        if not r.done:
-            self._new_root(r.context[-1])
-
+        self._open(prompt, n_predict, sampler, start_pos, emit, clock, history)
+        r, d = self.r, self.drafter
         while not r.done:
             if self.target.ready():
                 self._handle(self.target.poll())
@@ -120,8 +101,19 @@ class PipeDecDecoder(SpeculativeDecoder):
             else:
                 raise ProtocolError("pipedec: no target or draft run in flight and no layer to send")
         self._finish()
-        clock.finish()
+        r.clock.finish()
         return r.out
+
+    _settle_after_prefill = False   # the loop takes the draft's prefill results as they come
+
+    def _cutoff(self):
+        """Not read by the layer policy (the tree's shape is --tree-width /
+        --max-children); a fixed controller keeps the shared result handling's
+        bookkeeping."""
+        return CutoffController(0.0, 0.0, 0.0)
+
+    def _start_proposer(self, params) -> None:
+        self.drafter.start(params)
 
     def check_sampling(self, params) -> None:
         """Raise ConfigError for stochastic sampling: PipeDec's trees are
@@ -145,40 +137,31 @@ class PipeDecDecoder(SpeculativeDecoder):
         non-speculative run evaluates it in sequence 0 at once, and the tree
         goes on below it (or starts anew)."""
         r = self.r
-        pos = len(r.context) - 1
-        self._trim_kv(pos)
-        rid = next_run_id()
-        gid = r.graph.add_root(token, pos, rid, seq=0)
-        self.target.submit(Run.linear([token], pos, seq=0, run_id=rid))
-        r.kv_top = max(r.kv_top, pos + 1)
-        r.counts["target_runs"] += 1
-        r.counts["root_runs"] += 1
+        r.pending_root = token
+        self._submit_spec(None, SpecTree(anchor_pos=len(r.context) - 1))   # the root alone, in sequence 0
+        gid = r.graph.committed
         self._set_depth()
         self.drafter.reroot(r.context, r.graph, gid)
 
     def _submit_layer(self) -> None:
-        """Send the next formed layer as one speculative run, each node in a
-        fresh sequence copied from its parent's up to the parent."""
+        """Send the next formed layer as one speculative run in a free KV
+        partition (the loop checked there is one), each node in a sequence of
+        it copied from its parent's up to the parent; nodes beyond the
+        partition's width are dropped."""
         r, g, d = self.r, self.r.graph, self.drafter
-        ids = d.layer_for_target()[: self.pool.n_free]
-        if not ids:
-            r.counts["no_partition"] += 1
-            d.sent([], [])
-            return
+        part = self.pool.acquire()
+        ids = d.layer_for_target()[: self.pool.width]
         nodes = [d.nodes[i] for i in ids]
         pos = nodes[0].pos
         parents = [d.nodes[n.parent].gid for n in nodes]
-        parts = [self.pool.acquire() for _ in nodes]
-        seqs = [self.pool.seqs(p)[0] for p in parts]
+        seqs = self.pool.seqs(part)[: len(nodes)]
         self._trim_kv(pos)
         for parent, s in zip(parents, seqs):
             self.target.seq_cp(g.nodes[parent].seq, s, 0, pos)
         rid = next_run_id()
-        gids = g.add_layer(rid, parents, [n.token for n in nodes], [n.p for n in nodes], seqs, parts)
-        k = len(nodes)
-        self.target.submit(Run(run_id=rid, tokens=np.array([n.token for n in nodes], np.int32),
-                               pos=np.full(k, pos, np.int32), n_seq_id=np.ones(k, np.int32),
-                               seq_ids=np.array(seqs, np.int32), outputs=np.ones(k, np.int8), speculative=True))
+        tokens = [n.token for n in nodes]
+        gids = g.add_layer(rid, parents, tokens, [n.p for n in nodes], seqs, part)
+        self.target.submit(Run.layer(tokens, pos, seqs, run_id=rid, speculative=True))
         r.kv_top = max(r.kv_top, pos + 1)
         r.counts["target_runs"] += 1
         r.counts["spec_runs"] += 1

@@ -125,36 +125,8 @@ class SpeculativeDecoder:
         Raises:
             ValueError: ``history`` does not have ``start_pos`` tokens.
             RankTimeoutError, ProtocolError: from the pipelines."""
-        history = list(history or [])
-        if len(history) != start_pos:
-            raise ValueError(f"history has {len(history)} tokens, start_pos is {start_pos}")
-        clock = clock or GenerationClock()
-        clock.start()
-        s = self.s
-        tokens = [int(t) for t in prompt]
-        serial = None if s.asynchronous else (lambda: self.proposer.step_s)  # speculative: the target waits
-        cutoff = (AdaptiveCutoff(self.acceptance, self.pass_cost, s.default_threshold, serial) if self.adaptive
-                  else CutoffController(s.p_accept, s.p_recovery, s.p_decay))
-        r = self.r = SpecRequest(n_predict=n_predict, emit=emit, clock=clock, graph=SpecGraph(sampler),
-                                 cutoff=cutoff, context=history + tokens)
-        self.target.reply_k = sampler.params.reply_k()  # greedy verification reads the argmax, top-k sampling the top k
-        p = self.proposer
-        p.start(sampler.params, np.random.default_rng(
-            None if sampler.params.seed is None else sampler.params.seed + 1),
-            self.acceptance.p if self.adaptive else None)
-
-        # prefill target and proposer, back to back (their pipelines work in parallel)
-        self.target.submit_prompt(tokens, start_pos, self.n_ubatch)
-        r.kv_top = len(r.context)
-        p.prefill(r.context[:-1])
-        logits = self.target.drain(self.timeout_s)[-1].logits[0]
-        p.settle(self.timeout_s)
-        clock.prompt_done()
-        first = sampler.sample(logits)
-        self._accept_tokens([first])
-        if not r.done:
-            self._new_root(first)
-
+        self._open(prompt, n_predict, sampler, start_pos, emit, clock, history)
+        r, s, p = self.r, self.s, self.proposer
         while not r.done:
             if self.target.ready():
                 self._handle(self.target.poll())
@@ -178,8 +150,59 @@ class SpeculativeDecoder:
             else:
                 self._handle(self.target.wait(self.timeout_s))
         self._finish()
-        clock.finish()
+        r.clock.finish()
         return r.out
+
+    # the proposer's prefill runs are consumed before the first token (a proposer
+    # that takes its results as they come, in its own loop, sets this False)
+    _settle_after_prefill = True
+
+    def _open(self, prompt: np.ndarray, n_predict: int, sampler: Sampler, start_pos: int,
+              emit: Callable[[list[int]], bool | None], clock: GenerationClock | None,
+              history: list[int] | None) -> None:
+        """Start a request (arguments as :meth:`generate`): its state
+        (``self.r``), the proposer, the target's and the proposer's prefill,
+        and the first token, a new root.
+
+        Raises:
+            ValueError: ``history`` does not have ``start_pos`` tokens."""
+        history = list(history or [])
+        if len(history) != start_pos:
+            raise ValueError(f"history has {len(history)} tokens, start_pos is {start_pos}")
+        clock = clock or GenerationClock()
+        clock.start()
+        tokens = [int(t) for t in prompt]
+        r = self.r = SpecRequest(n_predict=n_predict, emit=emit, clock=clock, graph=SpecGraph(sampler),
+                                 cutoff=self._cutoff(), context=history + tokens)
+        self.target.reply_k = sampler.params.reply_k()  # greedy verification reads the argmax, top-k sampling the top k
+        self._start_proposer(sampler.params)
+
+        # prefill target and proposer, back to back (their pipelines work in parallel)
+        self.target.submit_prompt(tokens, start_pos, self.n_ubatch)
+        r.kv_top = len(r.context)
+        self.proposer.prefill(r.context[:-1])
+        logits = self.target.drain(self.timeout_s)[-1].logits[0]
+        if self._settle_after_prefill:
+            self.proposer.settle(self.timeout_s)
+        clock.prompt_done()
+        first = sampler.sample(logits)
+        self._accept_tokens([first])
+        if not r.done:
+            self._new_root(first)
+
+    def _cutoff(self):
+        """The request's confidence cutoff (PipeInfer IV.B.2), adaptive with ``--p-accept auto``."""
+        s = self.s
+        serial = None if s.asynchronous else (lambda: self.proposer.step_s)  # speculative: the target waits
+        return (AdaptiveCutoff(self.acceptance, self.pass_cost, s.default_threshold, serial) if self.adaptive
+                else CutoffController(s.p_accept, s.p_recovery, s.p_decay))
+
+    def _start_proposer(self, params) -> None:
+        """The proposer's start of a request: its sampling parameters, a
+        drafting RNG seeded from the request's seed, and the acceptance
+        calibration (``--p-accept auto``)."""
+        self.proposer.start(params, np.random.default_rng(None if params.seed is None else params.seed + 1),
+                            self.acceptance.p if self.adaptive else None)
 
     def _wait_any(self) -> None:
         if self._idle is not None:
@@ -304,12 +327,10 @@ class SpeculativeDecoder:
     def _release(self, info) -> None:
         """Clear a retired run's KV partition (pipelined behind its runs) and
         return it to the FIFO."""
-        parts = ([] if info.partition is None else [info.partition]) + info.partitions
-        if parts:
+        if info.partition is not None:
             for seq in info.seqs:
                 self.target.seq_rm(seq)
-            for part in parts:
-                self.pool.release(part)
+            self.pool.release(info.partition)
 
     # -- speculation -------------------------------------------------------------
 

@@ -84,6 +84,22 @@ class Run:
             **kw,
         )
 
+    @classmethod
+    def layer(cls, tokens, pos: int, seqs, run_id: int | None = None, **kw) -> "Run":
+        """A layer of a prediction tree (PipeDec): token i at position
+        ``pos`` in sequence ``seqs[i]`` alone, with logits for every token."""
+        tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+        n = tokens.shape[0]
+        return cls(
+            run_id=next_run_id() if run_id is None else run_id,
+            tokens=tokens,
+            pos=np.full(n, pos, dtype=np.int32),
+            n_seq_id=np.ones(n, dtype=np.int32),
+            seq_ids=np.ascontiguousarray(seqs, dtype=np.int32),
+            outputs=np.ones(n, dtype=np.int8),
+            **kw,
+        )
+
 
 @dataclass
 class RunResult:

@@ -54,7 +54,6 @@ class RunInfo:
     speculative: bool
     partition: int | None = None        # partition index (speculative runs)
     seqs: list[int] = field(default_factory=list)
-    partitions: list[int] = field(default_factory=list)  # more partition indices (a PipeDec tree layer: one per node)
     returned: bool = False
     cancelled: bool = False             # a cancel was sent
 
@@ -118,34 +117,37 @@ class SpecGraph:
             info.nodes.append(nid)
             ids.append(nid)
         self.n_drafted += len(tree)
-        a = self.nodes[anchor]
-        if a.state == DEAD or (a.state == ACCEPTED and anchor != self.committed):
-            # below a dead node, or below one whose children were already decided:
-            # invalidated or superfluous from birth
+        if self._closed(anchor):
             for nid in ids:
                 self.nodes[nid].state = DEAD
         return ids
 
+    def _closed(self, nid: int) -> bool:
+        """Nothing below node ``nid`` can be accepted any more: it is dead
+        (invalidated), or its children were already decided (superfluous)."""
+        n = self.nodes[nid]
+        return n.state == DEAD or (n.state == ACCEPTED and nid != self.committed)
+
     def add_layer(self, run_id: int, parents: list[int], tokens: list[int], dps: list[float],
-                  seqs: list[int], partitions: list[int]) -> list[int]:
+                  seqs: list[int], partition: int | None) -> list[int]:
         """Attach one layer of a PipeDec prediction tree as run ``run_id``:
         node i is ``tokens[i]`` below node ``parents[i]`` (nodes of several
         parents share the run), in KV sequence ``seqs[i]``, drawn with draft
-        probability ``dps[i]`` (greedy only: no draft distribution is kept).
-        Nodes below a dead parent, or below one whose children were already
+        probability ``dps[i]`` (greedy only: no draft distribution is kept);
+        the sequences belong to KV partition ``partition``. Nodes below a dead parent, or below one whose children were already
         decided, are dead from birth. Returns the new node ids."""
         if not len(parents) == len(tokens) == len(dps) == len(seqs):
             raise ValueError("a layer needs one parent, token, probability and sequence per node")
         info = self.runs.setdefault(run_id, RunInfo(run_id, [], speculative=True))
         info.speculative = True
         info.seqs = list(seqs)
-        info.partitions = list(partitions)
+        info.partition = partition
         ids = []
         for parent, tok, dp, s in zip(parents, tokens, dps, seqs):
             pn = self.nodes[parent]
             nid = len(self.nodes)
             node = Node(int(tok), pn.pos + 1, parent, run_id, int(s), dp=float(dp))
-            if pn.state == DEAD or (pn.state == ACCEPTED and parent != self.committed):
+            if self._closed(parent):
                 node.state = DEAD
             self.nodes.append(node)
             pn.children.append(nid)

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ggpipe.logits import best
-from ggpipe.pipeline.runs import Run, next_run_id
+from ggpipe.pipeline.runs import Run
 from ggpipe.sampling import SamplingParams
 from ggpipe.speculation.graph import ACCEPTED, SpecGraph
 from ggpipe.speculation.prediction_tree import next_layer
@@ -308,10 +308,7 @@ class LayerDrafter:
             self.pipe.seq_cp(self.nodes[n.parent].seq, n.seq, 0, n.pos)
             n.state = DRAFTING
             seqs.append(n.seq)
-        k = len(held)
-        self.pipe.submit(Run(run_id=next_run_id(), tokens=np.array([self.nodes[i].token for i in held], np.int32),
-                             pos=np.full(k, pos, np.int32), n_seq_id=np.ones(k, np.int32),
-                             seq_ids=np.array(seqs, np.int32), outputs=np.ones(k, np.int8)))
+        self.pipe.submit(Run.layer([self.nodes[i].token for i in held], pos, seqs))
         self._runs.append(held)
         self.stats["draft_decodes"] += 1
 
