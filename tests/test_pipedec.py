@@ -84,10 +84,31 @@ def test_requests_in_a_row_share_the_draft_cache():
     assert second == ToyLM(V).greedy(hist + [first[-1], 7], 10)
 
 
-def test_refuses_sampling_and_a_missing_draft():
-    dec, _, _ = _decoder(2, 2, 2, 3)
-    with pytest.raises(ConfigError, match="greedily only"):
-        dec.generate(np.array(PROMPT, np.int32), 5, Sampler(SamplingParams(temperature=0.8, seed=1)))
+def _sampled(prompt: list[int], n: int, params: SamplingParams) -> list[int]:
+    """Plain autoregressive sampling of the toy target: one Sampler.sample per token."""
+    lm, sampler, ctx = ToyLM(V), Sampler(params), list(prompt)
+    for _ in range(n):
+        ctx.append(sampler.sample(lm.logits(ctx)))
+    return ctx[len(prompt):]
+
+
+@pytest.mark.parametrize("width,children,stages,latency", [(1, 1, 3, 4), (4, 3, 2, 3), (8, 4, 4, 6)])
+def test_sampling_gives_plain_sampling_tokens_for_the_seed(width, children, stages, latency):
+    """With a temperature each position is one draw from the target's
+    distribution (the draft's children are chosen, not drawn: point masses,
+    ggpipe.speculation.verify), so for every seed the tokens are those of
+    plain sampling with that seed, whatever the tree and timing; and drafts
+    are still accepted."""
+    accepted = 0
+    for seed in range(12):
+        params = SamplingParams(temperature=0.9, top_k=8, top_p=0.95, seed=seed)
+        dec, _, _ = _decoder(width, children, stages, latency, flip=0.2)
+        assert dec.generate(np.array(PROMPT, np.int32), 30, Sampler(params)) == _sampled(PROMPT, 30, params)
+        accepted += dec.stats["draft_accepted"]
+    assert accepted > 12 * 30 // 10
+
+
+def test_refuses_a_missing_draft():
     with pytest.raises(ConfigError, match="needs a draft model"):
         build_decoder("pipedec", SpecSettings(mode="pipedec"), FakePipeline(ToyLM(V)), None, n_ubatch=8,
                       n_seq_max=16, is_eog=lambda t: False, timeout_s=5)

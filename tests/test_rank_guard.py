@@ -48,6 +48,16 @@ def test_a_rank_killed_by_a_signal_is_named_by_its_guard():
                         r"while decoding run 7 \(4 tokens at positions 12\.\.\); the job stops", lines[0]), lines[0]
 
 
+def test_a_rank_killed_the_instant_it_exists_is_named_while_starting():
+    """What the guard says is in place before the fork: an Open MPI CI run once
+    killed a rank before its first set_doing, and the line lacked "while"."""
+    code = "import os, signal\nfrom ggpipe.transport import rank_guard\nrank_guard.start(1)\nos.kill(os.getpid(), signal.SIGKILL)"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert p.returncode == -signal.SIGKILL
+    assert re.fullmatch(r"ggpipe: error: rank 1 \([^,]+, pid \d+\) died \(killed by SIGKILL\) "
+                        r"while starting \(before MPI start-up\); the job stops", p.stderr.strip()), p.stderr
+
+
 def test_a_crash_is_named_too():
     p = _run("os.kill(os.getpid(), signal.SIGSEGV)")
     assert p.returncode == -signal.SIGSEGV

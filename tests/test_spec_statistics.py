@@ -266,6 +266,95 @@ def test_two_levels_through_spec_graph():
     assert_fits(counts, joint, "two levels")
 
 
+# ---- children chosen by the draft (PipeDec's layers) ----------------------------------------
+
+
+def _verify_chosen_as_drawn(logits, kids, qs, sampler, q=None):
+    """Bug: MSS with the draft's q, as if the chosen (best-q) children had
+    been drawn from q."""
+    return verify_step(logits, kids, [q] * len(kids), sampler)
+
+
+def chosen_counts(logits, q, params, n, seed, verify=None):
+    """n verifications of the draft's 0..3 best tokens (by q, chosen, not
+    drawn). Returns (token counts, accepted count)."""
+    sampler = Sampler(replace(params, seed=seed))
+    rng = np.random.default_rng(seed + 1000)
+    best = np.argsort(-q, kind="stable")
+    counts = np.zeros(logits.size, dtype=np.int64)
+    acc = 0
+    for k in rng.integers(0, 4, size=n):
+        kids = best[:k].tolist()
+        if verify is None:
+            t, j = verify_step(logits, kids, [None] * k, sampler, chosen=True)
+        else:
+            t, j = verify(logits, kids, None, sampler, q=q)
+        if j is not None:
+            assert kids[j] == t
+            acc += 1
+        counts[t] += 1
+    return counts, acc
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_chosen_children_keep_the_target_distribution(name):
+    """Point-mass children: the decided token is distributed as p, and a
+    child is accepted with probability sum of p over the children."""
+    logits, q, p, params = case(name)
+    n = N // 2
+    counts, acc = chosen_counts(logits, q, params, n, seed=21)
+    assert_fits(counts, p, name)
+    best = np.argsort(-q, kind="stable")
+    want = np.mean([p[best[:k]].sum() for k in range(4)]) * n   # k uniform over 0..3
+    assert abs(acc - want) < 5 * np.sqrt(n * 0.25)
+
+
+def test_chosen_children_negative_control():
+    """Treating chosen children as draws from q (plain MSS) is rejected."""
+    logits, q, p, params = case("T1")
+    counts, _ = chosen_counts(logits, q, params, N // 4, seed=21, verify=_verify_chosen_as_drawn)
+    assert_rejects(counts, p, "chosen as drawn")
+
+
+def test_two_layers_through_add_layer():
+    """SpecGraph.add_layer: a layer of the draft's 2 best tokens below the
+    root, and the best child of each below them; advance decides a pair
+    distributed as p1(t1) p2(t2 | t1)."""
+    v = 6
+    params = SamplingParams(temperature=0.9, top_k=5, top_p=1.0)
+    rng = np.random.default_rng(4)
+    l1 = rng.normal(0, 1.0, v).astype(np.float32)
+    l2 = rng.normal(0, 1.0, (v, v)).astype(np.float32)
+    near = SamplingParams(temperature=1.0, top_k=0, top_p=1.0)   # a draft that roughly agrees with the target
+    q1 = target_probs(l1 + rng.normal(0, 0.7, v).astype(np.float32), near)
+    q2 = np.stack([target_probs(l2[a] + rng.normal(0, 0.7, v).astype(np.float32), near) for a in range(v)])
+    p1 = target_probs(l1, params)
+    joint = np.concatenate([p1[a] * target_probs(l2[a], params) for a in range(v)])
+    sampler = Sampler(replace(params, seed=23))
+    n = 15_000
+    counts = np.zeros(v * v, dtype=np.int64)
+    n_two = 0
+    top1 = np.argsort(-q1, kind="stable")[:2].tolist()
+    for _ in range(n):
+        g = SpecGraph(sampler)
+        root = g.add_root(0, 5, run_id=1)
+        a = g.add_layer(2, [root, root], top1, [q1[t] for t in top1], [1, 2], 0)
+        kids = [int(np.argmax(q2[t])) for t in top1]
+        g.add_layer(3, a, kids, [q2[t][c] for t, c in zip(top1, kids)], [3, 4], 1)
+        g.set_result(1, l1[None, :])
+        g.set_result(2, np.stack([l2[t] for t in top1]))
+        d = g.advance()
+        t1 = d[0].token
+        if d[0].node is None:
+            t2 = sampler.sample(l2[t1])               # the root run for t1 decides t2
+        else:
+            t2 = d[1].token
+            n_two += 1
+        counts[t1 * v + t2] += 1
+    assert n_two > n // 3
+    assert_fits(counts, joint, "two layers")
+
+
 # ---- real weights ---------------------------------------------------------------------
 
 PROMPT = "Once upon a time, a warrior named Goliath"

@@ -30,9 +30,6 @@ class IterativeDecoder:
         self.is_eog = is_eog
         self.stats: dict = {}
 
-    def check_sampling(self, params) -> None:
-        """Iterative decoding samples with any settings."""
-
     def reset(self) -> None:
         """The KV cache was cleared (nothing is cached here)."""
 

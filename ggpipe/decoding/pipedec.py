@@ -12,8 +12,11 @@ attention through llama.cpp's per-sequence mask), and the tree's cells stay
 apart from the accepted sequence 0 until a hit copies one over.
 
 When the last stage's logits of a node come back, the head decides the next
-token greedily (:class:`~ggpipe.speculation.graph.SpecGraph`, shared with
-pipeinfer): a *hit* (a child carries it) keeps only that child's subtree, and
+token (:class:`~ggpipe.speculation.graph.SpecGraph`, shared with
+pipeinfer): greedily, or with a temperature by one draw from the target's
+distribution matched against the node's children, which the draft chose
+rather than sampled (exact: ggpipe.speculation.verify; a seeded run gives
+iterative mode's tokens for that seed). A *hit* (a child carries it) keeps only that child's subtree, and
 in-flight runs whose every node died are cancelled (PipeInfer IV.D; rows of
 partly dead runs are computed and ignored); a *miss* starts a non-speculative
 root run for the decided token and a new tree at it.
@@ -22,9 +25,8 @@ Ggpipe's choices where the paper leaves room: the paper advances all stages
 in lockstep timesteps; here each layer is sent when formed, with at most
 ``n_stages + 1`` target runs in flight (the pipeline's depth plus one
 queued behind the first stage); a decided token carried by a formed layer
-that was not yet sent is a hit as well (the paper checks the draft's tree).
-Greedy verification only (stochastic verification of top-k trees is not
-exact): ``generate`` refuses a temperature > 0.
+that was not yet sent is a hit as well (the paper checks the draft's tree);
+the paper verifies greedily, sampling is ggpipe's addition.
 
 Everything that is not the layer policy (results, swaps into sequence 0,
 cancellation, retirement of KV sequences, statistics) is
@@ -38,7 +40,7 @@ from typing import Callable
 import numpy as np
 
 from ggpipe.decoding.pipelined import SpeculativeDecoder
-from ggpipe.decoding.settings import SpecSettings, check_mode_sampling
+from ggpipe.decoding.settings import SpecSettings
 from ggpipe.errors import ProtocolError
 from ggpipe.metrics import GenerationClock
 from ggpipe.pipeline.runs import Run, RunResult, next_run_id
@@ -83,10 +85,8 @@ class PipeDecDecoder(SpeculativeDecoder):
         """As :meth:`SpeculativeDecoder.generate`.
 
         Raises:
-            ConfigError: stochastic sampling (:meth:`check_sampling`).
             ValueError: ``history`` does not have ``start_pos`` tokens.
             RankTimeoutError, ProtocolError: from the pipelines."""
-        self.check_sampling(sampler.params)
         self._open(prompt, n_predict, sampler, start_pos, emit, clock, history)
         r, d = self.r, self.drafter
         while not r.done:
@@ -114,12 +114,6 @@ class PipeDecDecoder(SpeculativeDecoder):
 
     def _start_proposer(self, params) -> None:
         self.drafter.start(params)
-
-    def check_sampling(self, params) -> None:
-        """Raise ConfigError for stochastic sampling: PipeDec's trees are
-        verified greedily (stochastic verification of top-k trees would not
-        keep the target's distribution)."""
-        check_mode_sampling("pipedec", params.greedy)
 
     def _handle(self, res: RunResult) -> None:
         super()._handle(res)

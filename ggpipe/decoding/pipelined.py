@@ -103,10 +103,6 @@ class SpeculativeDecoder:
     def _calib(self, q: float) -> float:
         return self.acceptance.p(q) if self.adaptive else 1.0
 
-    def check_sampling(self, params) -> None:
-        """Raise ConfigError if this mode cannot sample with ``params``
-        (before any KV cache is touched); every setting is accepted here."""
-
     def reset(self) -> None:
         """The KV caches were cleared (target and draft)."""
         self.proposer.reset()

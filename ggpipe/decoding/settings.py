@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ggpipe.errors import ConfigError
 
 MODES = ("iterative", "speculative", "pipeinfer", "pipedec")
 ASYNC_MODES = ("pipeinfer", "pipedec")  # the head's target stage runs beside the loop
@@ -73,14 +72,3 @@ class SpecSettings:
     @property
     def asynchronous(self) -> bool:
         return self.mode in ASYNC_MODES
-
-
-def check_mode_sampling(mode: str, greedy: bool) -> None:
-    """Refuse sampling settings a mode cannot verify exactly.
-
-    Raises:
-        ConfigError: ``--mode pipedec`` with a temperature > 0 (its top-k
-            trees are verified greedily only)."""
-    if mode == "pipedec" and not greedy:
-        raise ConfigError("--mode pipedec verifies greedily only (stochastic verification of its top-k trees "
-                          "would not be exact): use --temp 0, or --mode pipeinfer for sampling")

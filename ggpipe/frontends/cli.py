@@ -93,7 +93,7 @@ def speculation_options(f):
         click.option("--mode", type=click.Choice(list(MODES)), default="iterative",
                      show_default=True, help="Scheduling mode: iterative (plain pipeline), speculative "
                                              "(synchronous), pipeinfer (PipeInfer), pipedec (PipeDec's dynamic "
-                                             "prediction tree, one layer per pipeline step; greedy only)."),
+                                             "prediction tree, one layer per pipeline step)."),
         click.option("--spec-type", type=click.Choice(list(SPEC_TYPES) + list(SPEC_TYPE_ALIASES)),
                      default=d.spec_type, show_default=True,
                      help="Drafting strategy of the speculative modes: draft (the draft model, -md) or ngram "
@@ -276,9 +276,6 @@ def split_job_options(kw: dict):
     spec = _spec_settings(o["mode"], o["spec_type"], o["n_draft"], o["p_accept"], o["p_split"], o["p_recovery"],
                           o["p_decay"], o["branches"], o["max_inflight"], o["no_continuous"], o["no_cancel"],
                           o["ngram_min"], o["ngram_max"], o["vote"], o["tree_width"], o["max_children"])
-    from ggpipe.decoding.settings import check_mode_sampling  # noqa: PLC0415
-
-    check_mode_sampling(o["mode"], sampling.greedy)
     n_seq_max = o["n_seq_max"] if o["n_seq_max"] is not None else auto_n_seq_max(o["mode"], spec)
     if o["split"] is not None and o["split"].startswith("auto"):
         from ggpipe.frontends.plan import auto_split

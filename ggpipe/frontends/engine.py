@@ -140,12 +140,11 @@ class Engine:
 
         Raises:
             ConfigError: the prompt is empty or prompt + n_predict does not fit
-                the context; the mode cannot sample with ``sampling``.
+                the context.
             RankTimeoutError, ProtocolError: from the pipeline.
         """
         toks = [int(t) for t in tokens]
         self.check_fits(len(toks), n_predict)
-        self.decoder.check_sampling(sampling)
         start = self._keep_prefix(toks)
         sampler = Sampler(sampling)
         detok = self.vocab.detokenizer()

@@ -42,6 +42,7 @@ class Node:
     seq: int               # a KV sequence id holding this node's cell
     q: np.ndarray | None = None
     dp: float = 1.0        # draft probability of this token
+    chosen: bool = False   # chosen by the draft (a PipeDec layer), not drawn from q
     state: int = PENDING
     logits: np.ndarray | None = None
     children: list[int] = field(default_factory=list)
@@ -133,9 +134,12 @@ class SpecGraph:
         """Attach one layer of a PipeDec prediction tree as run ``run_id``:
         node i is ``tokens[i]`` below node ``parents[i]`` (nodes of several
         parents share the run), in KV sequence ``seqs[i]``, drawn with draft
-        probability ``dps[i]`` (greedy only: no draft distribution is kept);
-        the sequences belong to KV partition ``partition``. Nodes below a dead parent, or below one whose children were already
-        decided, are dead from birth. Returns the new node ids."""
+        probability ``dps[i]``; the draft *chose* these tokens (no draft
+        distribution is kept: stochastic verification treats them as point
+        masses, ggpipe.speculation.verify); the sequences belong to KV
+        partition ``partition``. Nodes below a dead parent, or below one
+        whose children were already decided, are dead from birth. Returns
+        the new node ids."""
         if not len(parents) == len(tokens) == len(dps) == len(seqs):
             raise ValueError("a layer needs one parent, token, probability and sequence per node")
         info = self.runs.setdefault(run_id, RunInfo(run_id, [], speculative=True))
@@ -146,7 +150,7 @@ class SpecGraph:
         for parent, tok, dp, s in zip(parents, tokens, dps, seqs):
             pn = self.nodes[parent]
             nid = len(self.nodes)
-            node = Node(int(tok), pn.pos + 1, parent, run_id, int(s), dp=float(dp))
+            node = Node(int(tok), pn.pos + 1, parent, run_id, int(s), dp=float(dp), chosen=True)
             if self._closed(parent):
                 node.state = DEAD
             self.nodes.append(node)
@@ -183,8 +187,11 @@ class SpecGraph:
             if c.logits is None:
                 break
             kids = [k for k in c.children if self.nodes[k].state != DEAD]
+            by_choice = [self.nodes[j].chosen for j in kids]
+            if any(by_choice) and not all(by_choice):
+                raise ValueError(f"node {self.committed}: children both drawn from the draft and chosen by it")
             t, k = verify_step(c.logits, [self.nodes[j].token for j in kids],
-                               [self.nodes[j].q for j in kids], self.sampler)
+                               [self.nodes[j].q for j in kids], self.sampler, chosen=any(by_choice))
             c.logits = None  # consumed; frees memory
             chosen = kids[k] if k is not None else None
             for j in kids:

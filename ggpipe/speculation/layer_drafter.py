@@ -123,8 +123,9 @@ class LayerDrafter:
     # -- the proposer-like surface the decoding loop reads -----------------------
 
     def start(self, params: SamplingParams) -> None:
-        """A new request (greedy only): the draft's last stage returns the
-        ``max_children`` best tokens of each row (ggpipe.logits)."""
+        """A new request (any sampling settings: the draft chooses its
+        layers by draft probability alone): the draft's last stage returns
+        the ``max_children`` best tokens of each row (ggpipe.logits)."""
         self.pipe.reply_k = self.max_children
 
     def reset(self) -> None:

@@ -14,6 +14,18 @@ the parent and the draft children offered there:
   child is accepted, the token is drawn from the final p. The token's
   distribution is exactly the target's (SpecInfer, Theorem 4.2), so the
   output distribution equals non-speculative sampling.
+* stochastic, children *chosen* by the draft rather than drawn from it
+  (PipeDec's layers: the best tokens by cumulative draft probability, a
+  deterministic function of the context): each child is a point mass, and
+  MSS with q = 1{x_j} accepts x_j with probability p_j(x_j) and on rejection
+  zeroes x_j in p and renormalises (sampling without replacement). Its
+  outcome has the same law as one draw y ~ p matched against the children
+  (accept the child carrying y, else y is the token), with the same
+  acceptance probability, sum of p(x_j); the draw is taken directly, so each
+  position spends exactly one uniform, as plain sampling does
+  (:meth:`~ggpipe.sampling.Sampler.sample`): a seeded run decides the same
+  tokens as iterative decoding with that seed wherever the target's logits
+  agree bit for bit.
 """
 
 from __future__ import annotations
@@ -27,7 +39,7 @@ from ggpipe.sampling import Sampler, target_probs
 
 
 def verify_step(logits: np.ndarray, child_tokens: Sequence[int], child_q: Sequence[np.ndarray | None],
-                sampler: Sampler) -> tuple[int, int | None]:
+                sampler: Sampler, chosen: bool = False) -> tuple[int, int | None]:
     """Decide one position.
 
     Args:
@@ -35,8 +47,11 @@ def verify_step(logits: np.ndarray, child_tokens: Sequence[int], child_q: Sequen
             its compact form, ggpipe.logits.TopRow).
         child_tokens: the draft tokens offered as children (may be empty).
         child_q: per child, the draft distribution (float64 (n_vocab,)) it
-            was drawn from; only read when sampling is stochastic.
+            was drawn from; only read when sampling is stochastic and the
+            children were drawn (not ``chosen``).
         sampler: the head's sampler (its params and seeded RNG).
+        chosen: the children were chosen deterministically by the draft
+            (distinct tokens, no q): point masses (module docstring).
 
     Returns:
         (token, k): the token at this position, and the index of the child
@@ -47,8 +62,9 @@ def verify_step(logits: np.ndarray, child_tokens: Sequence[int], child_q: Sequen
         ValueError: stochastic sampling with a child lacking its q.
     """
     params = sampler.params
-    if params.greedy:
-        t = argmax(logits)  # a full row or a compact one (ggpipe.logits): the same token
+    if params.greedy or chosen:
+        # greedy: the argmax, of a full row or a compact one (ggpipe.logits); chosen children: one draw from p
+        t = argmax(logits) if params.greedy else sampler.sample(logits)
         for k, c in enumerate(child_tokens):
             if c == t:
                 return t, k

@@ -62,6 +62,8 @@ def start(rank: int) -> None:
     Call before any thread is started and before MPI is initialised."""
     global _page
     page = mmap.mmap(-1, 3 * _FIELD)  # anonymous and shared: written by the rank, read by its guard
+    # written before the fork: a rank killed the instant it exists is still named "while starting"
+    _put(page, _DOING, "starting (before MPI start-up)")
     guard_pid = os.getpid()
     name = _comm()
     # named before the fork, so that no one listing processes ever sees the guard under the rank's name
@@ -86,7 +88,6 @@ def start(rank: int) -> None:
         except OSError:
             pass
         _page = page
-        set_doing("starting (before MPI start-up)")
         signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
         return
     _guard(rank, pid, page)
@@ -113,10 +114,13 @@ def mark_reported() -> None:
 
 
 def _write(offset: int, text: str) -> None:
-    if _page is None:
-        return
+    if _page is not None:
+        _put(_page, offset, text)
+
+
+def _put(page: mmap.mmap, offset: int, text: str) -> None:
     b = text.encode("utf-8", "replace")[: _FIELD - 1] + b"\0"
-    _page[offset:offset + len(b)] = b
+    page[offset:offset + len(b)] = b
 
 
 def _read(page: mmap.mmap, offset: int) -> str:
