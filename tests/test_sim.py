@@ -167,7 +167,7 @@ def test_the_real_loop_runs_against_the_simulated_pipelines_token_exact():
     prof = Profile("toy", None, [flat_host(1.0, 2.0)], [LinkProfile(0, 1, 0.1 * MS, 0.0)])
     draft = ModelDesc("d", (LayerShape(100, 25),) * 2, LayerShape(100, 25), 8, 64)
     prompt = np.arange(20, dtype=np.int32) % 64
-    for mode in ("iterative", "speculative", "pipeinfer"):
+    for mode in ("iterative", "speculative", "pipeinfer", "pipedec"):
         cfg = SimConfig(prof, toy_model(6), draft, mode=mode, ranks=3, acceptance=0.6, spec=SpecSettings(mode=mode))
         clock, target, dpipe, busy, roles = build(cfg)
         dec = build_decoder(mode, SpecSettings(mode=mode), target, dpipe, n_ubatch=512, n_seq_max=32,
@@ -175,6 +175,26 @@ def test_the_real_loop_runs_against_the_simulated_pipelines_token_exact():
                             idle=idle_until_next(clock, [p for p in (target, dpipe) if p]))
         toks = dec.generate(prompt, 40, Sampler(SamplingParams(temperature=0.0)))
         assert toks == target.model.greedy([int(t) for t in prompt], 40), mode
+
+
+def test_pipedec_gains_grow_with_pipeline_depth():
+    """PipeDec keeps every target stage on another layer of the tree: with a
+    draft that keeps up and agrees 90% of the time, its speedup over the
+    plain pipeline grows with the number of target stages, and each layer
+    run decides at most one token."""
+    prof = Profile("toy", None, [flat_host(1.0, 2.0, overhead_s=20e-6, spec_overhead_s=50e-6)],
+                   [LinkProfile(0, 1, 0.05 * MS, 1e9)])
+    draft = ModelDesc("d", (LayerShape(100, 25),) * 2, LayerShape(100, 25), 8, 64)
+    ratios = []
+    for stages in (2, 4, 8):
+        base = simulate(SimConfig(prof, toy_model(16), mode="iterative", ranks=stages, n_predict=64, prompts=2))
+        cfg = SimConfig(prof, toy_model(16), draft, mode="pipedec", ranks=stages + 1, acceptance=0.9, n_predict=64,
+                        prompts=2, spec=SpecSettings(mode="pipedec"))
+        r = simulate(cfg)
+        assert r == simulate(cfg)                    # deterministic
+        assert r["accepted_per_pass"] == 1.0
+        ratios.append(r["tokens_per_s"] / base["tokens_per_s"])
+    assert 1.3 < ratios[0] < ratios[1] < ratios[2], ratios
 
 
 def test_impossible_jobs_are_refused_like_generate_refuses_them():
@@ -312,6 +332,12 @@ def test_simulate_command_prints_every_configuration(tmp_path):
     slow = {(x["ranks"], x["mode"]): x["tokens_per_s"] for x in rows if x["link"] != "shm"}
     fast = {(x["ranks"], x["mode"]): x["tokens_per_s"] for x in rows if x["link"] == "shm"}
     assert all(slow[k] < fast[k] for k in fast if k[1] != "pipeinfer")  # pipeinfer's timing changes its drafts
+    # pipedec, PipeDec's own pair (README's example), with its tree knobs
+    r = CliRunner().invoke(cli, ["simulate", "--profile", str(tmp_path / "p.json"), "-m", "llama3.1-70b:Q4_K_M",
+                                 "-md", "llama3.2-1b:Q4_K_M", "--ranks", "5", "--modes", "pipeinfer,pipedec",
+                                 "--tree-width", "2", "--acceptance", "0.8", "-n", "24", "--prompts", "1"])
+    assert r.exit_code == 0, r.output
+    assert "| shm | 5 | pipedec |" in r.output, r.output
 
 
 def test_plan_balance_puts_fewer_layers_on_a_slow_rank(tmp_path):

@@ -72,3 +72,17 @@ class SpecSettings:
     @property
     def asynchronous(self) -> bool:
         return self.mode in ASYNC_MODES
+
+
+def auto_n_seq_max(mode: str, spec: SpecSettings) -> int:
+    """KV sequence ids a mode needs (``--n-seq-max`` unset; ``ggpipe
+    generate`` and ``ggpipe simulate`` alike): 1 for iterative; sequence 0
+    plus one partition of ``spec.width`` ids per speculative run that can be
+    in flight; pipedec: one per live tree node (a layer per run in flight,
+    and the layers formed ahead). At most 256."""
+    if mode == "iterative":
+        return 1
+    if mode == "pipedec":
+        return min(256, 1 + spec.tree_width * (spec.max_inflight + 3))
+    runs = 1 if mode == "speculative" else spec.max_inflight + 2
+    return min(256, 1 + spec.width * runs)

@@ -193,17 +193,6 @@ def _spec_settings(mode, spec_type, n_draft, p_accept, p_split, p_recovery, p_de
                         max_children=max_children)
 
 
-def auto_n_seq_max(mode: str, spec) -> int:
-    """KV sequence ids a mode needs: 1 for iterative; sequence 0 plus one
-    partition of ``width`` ids per speculative run that can be in flight."""
-    if mode == "iterative":
-        return 1
-    if mode == "pipedec":   # one sequence per live tree node: a layer per run in flight, and the layers formed ahead
-        return min(256, 1 + spec.tree_width * (spec.max_inflight + 3))
-    runs = 1 if mode == "speculative" else spec.max_inflight + 2
-    return min(256, 1 + spec.width * runs)
-
-
 def sampling_options(f):
     """Per-request generation settings (llama.cpp's names and defaults)."""
     opts = [
@@ -270,6 +259,7 @@ def split_job_options(kw: dict):
     """
     from ggpipe.frontends.job import JobSpec
     from ggpipe.cluster.session import ClusterConfig
+    from ggpipe.decoding.settings import auto_n_seq_max
 
     o = {k: kw.pop(k) for k in _JOB_KEYS}
     sampling = SamplingParams(temperature=o["temp"], top_k=o["top_k"], top_p=o["top_p"], seed=o["seed"]).validate()

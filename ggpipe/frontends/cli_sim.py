@@ -102,7 +102,8 @@ def _split(text):
               help="Target model: a GGUF (registry name or path; only its header is read) or ARCH:QUANT, "
                    "e.g. llama2-70b:Q3_K_M.")
 @click.option("-md", "--draft-model", "draft", default=None, help="Draft model (as -m).")
-@click.option("--modes", default="iterative,speculative,pipeinfer", show_default=True, help="Comma-separated modes.")
+@click.option("--modes", default="iterative,speculative,pipeinfer", show_default=True,
+              help="Comma-separated modes (iterative, speculative, pipeinfer, pipedec).")
 @click.option("--ranks", default="2", show_default=True, help="Comma-separated rank counts.")
 @click.option("--link", "links", multiple=True, help="Emulated link added to every hop, as ggpipe bench --link.")
 @click.option("--split", default=None, help="Layer split, as ggpipe generate --split.")
@@ -114,6 +115,10 @@ def _split(text):
 @click.option("--draft", "n_draft", default=6, show_default=True, type=click.IntRange(1, 64),
               help="Most draft tokens per micro-batch.")
 @click.option("--p-accept", default="0.3", show_default=True, help="Confidence cutoff, or auto.")
+@click.option("--tree-width", default=1, show_default=True, type=click.IntRange(1, 64),
+              help="pipedec: most nodes per prediction-tree layer.")
+@click.option("--max-children", default=4, show_default=True, type=click.IntRange(1, 64),
+              help="pipedec: most children per tree node.")
 @click.option("-n", "--n-predict", default=128, show_default=True, type=click.IntRange(1, 1 << 16))
 @click.option("--n-prompt", default=128, show_default=True, type=click.IntRange(1, 1 << 16))
 @click.option("--prompts", default=3, show_default=True, type=click.IntRange(1, 1000), help="Requests per configuration.")
@@ -122,7 +127,7 @@ def _split(text):
               help="Write each configuration's per-rank traces to DIR/<link>_r<ranks>_<mode>/ "
                    "(draw them with ggpipe timeline).")
 def simulate_command(profile_path, target, draft, modes, ranks, links, split, acceptance, confidence_exponent,
-                     n_draft, p_accept, n_predict, n_prompt, prompts, as_json, timeline_dir):
+                     n_draft, p_accept, tree_width, max_children, n_predict, n_prompt, prompts, as_json, timeline_dir):
     """Simulate jobs on a virtual clock: the real decoding loops against measured costs.
 
     Reports tokens/s, TTFT, ITL, tokens per target pass, acceptance and per-rank busy share for every
@@ -138,7 +143,8 @@ def simulate_command(profile_path, target, draft, modes, ranks, links, split, ac
     prof = Profile.load(profile_path)
     tdesc = resolve_desc(target)
     ddesc = resolve_desc(draft) if draft else None
-    spec = SpecSettings(draft=n_draft, p_accept=None if p_accept == "auto" else float(p_accept))
+    spec = SpecSettings(draft=n_draft, p_accept=None if p_accept == "auto" else float(p_accept),
+                        tree_width=tree_width, max_children=max_children)
     rows = []
     for link_text in _links(links):
         link = parse_link(link_text)

@@ -92,7 +92,7 @@ def described(name: str, arch: Architecture, quant: str) -> ModelDesc:
                      arch.n_embd, arch.n_vocab)
 
 
-# PipeInfer Table I's models (shapes from their published config.json / GGUF headers)
+# PipeInfer Table I's models and PipeDec's pair (shapes from their published config.json / GGUF headers)
 ARCHITECTURES = {
     "llama2-70b": Architecture(80, 8192, 28672, 64, 8, 32000),        # Dolphin 2.1 70B
     "goliath-120b": Architecture(137, 8192, 28672, 64, 8, 32000),     # Goliath 120B (Llama 2 70B merge)
@@ -101,6 +101,9 @@ ARCHITECTURES = {
     "llama2-7b": Architecture(32, 4096, 11008, 32, 32, 32000),        # XWin-LM 7B
     "llama2-13b": Architecture(40, 5120, 13824, 40, 40, 32000),       # XWin-LM 13B
     "falcon-7b": Architecture(32, 4544, 18176, 71, 1, 65024, ffn_mats=2),
+    # PipeDec's pair (its section 4.1)
+    "llama3.1-70b": Architecture(80, 8192, 28672, 64, 8, 128256),
+    "llama3.2-1b": Architecture(16, 2048, 8192, 32, 8, 128256, tied=True),
 }
 
 

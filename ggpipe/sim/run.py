@@ -18,7 +18,7 @@ import numpy as np
 from ggpipe.cluster.roles import Roles
 from ggpipe.cluster.split import SplitSpec, plan_layers
 from ggpipe.decoding.factory import build_decoder
-from ggpipe.decoding.settings import SpecSettings
+from ggpipe.decoding.settings import ASYNC_MODES, SpecSettings, auto_n_seq_max
 from ggpipe.errors import ConfigError
 from ggpipe.metrics import GenerationClock
 from ggpipe.sampling import Sampler, SamplingParams
@@ -39,7 +39,7 @@ class SimConfig:
     Attributes:
         profile: host and link costs.
         target, draft: model descriptions (draft None: no draft model).
-        mode: "iterative", "speculative" or "pipeinfer" ("pipedec" is refused).
+        mode: "iterative", "speculative", "pipeinfer" or "pipedec".
         ranks: ranks in the job (mpiexec -n).
         split: layer split as --split parses it.
         spec: speculation knobs (as the CLI's); its ``mode`` is set from
@@ -105,8 +105,8 @@ def contention(cfg: SimConfig, busy_share: dict) -> dict:
     """rank -> factor on its compute costs from the other ranks of its host
     (mean field): with E_b the expected number of other ranks of the host
     computing (the sum of their busy shares) and E_w of them waiting (the
-    rest; plus, in pipeinfer, the head's loop thread, which polls while its
-    stage computes on the executor), the factor is
+    rest; plus, in pipeinfer and pipedec, the head's loop thread, which
+    polls while its stage computes on the executor), the factor is
     ``1 + (busy_slowdown(E_b) - 1) + (wait_slowdown(E_w) - 1)`` from the
     host's measured curves (ggpipe.sim.profile.slowdown)."""
     hosts = [cfg.profile.host(r).host for r in range(cfg.ranks)]
@@ -115,7 +115,7 @@ def contention(cfg: SimConfig, busy_share: dict) -> dict:
         h = cfg.profile.host(r)
         same = [s for s in range(cfg.ranks) if s != r and hosts[s] == hosts[r]]
         e_b = sum(busy_share.get(s, 0.0) for s in same)
-        e_w = len(same) - e_b + (1.0 if cfg.mode == "pipeinfer" and hosts[0] == hosts[r] else 0.0)
+        e_w = len(same) - e_b + (1.0 if cfg.mode in ASYNC_MODES and hosts[0] == hosts[r] else 0.0)
         out[r] = 1.0 + (slowdown(h.busy_slowdown, e_b) - 1.0) + (slowdown(h.wait_slowdown, e_w) - 1.0)
     return out
 
@@ -124,10 +124,7 @@ def _roles(cfg: SimConfig) -> Roles:
     """Which rank runs which stage, as ``ggpipe generate`` plans it.
 
     Raises:
-        ConfigError, SplitError: as ``ggpipe generate`` would for this job;
-            ConfigError for ``--mode pipedec``, which the simulator does not model."""
-    if cfg.mode == "pipedec":
-        raise ConfigError("the simulator does not model --mode pipedec (measure it: scripts/bench_pipedec.py)")
+        ConfigError, SplitError: as ``ggpipe generate`` would for this job."""
     has_draft = cfg.draft is not None and cfg.mode != "iterative" and cfg.spec.uses_draft_model
     roles = Roles.plan(cfg.ranks, cfg.split if has_draft or cfg.split.draft is None else SplitSpec(
         cfg.split.target, None), has_draft)
@@ -155,8 +152,9 @@ def build(cfg: SimConfig, factors: dict | None = None, trace: dict | None = None
               for r, (a, b) in enumerate(tgt_ranges)]
     lm = ToyLM(TOY_VOCAB, seed=cfg.seed)
     target = SimPipeline(lm, clock, stages, link, cfg.target.n_embd, cfg.target.n_vocab,
-                         async_local=cfg.mode == "pipeinfer", overhead_s=overhead, busy=busy, name="target",
+                         async_local=cfg.mode in ASYNC_MODES, overhead_s=overhead, busy=busy, name="target",
                          trace=trace)
+    target.n_stages = roles.n_target   # pipedec keeps at most n_stages + 1 runs in flight
     draft = None
     if has_draft:
         d_ranges = plan_layers(cfg.draft.n_layer, roles.n_draft, cfg.split.draft, model="draft")
@@ -226,7 +224,7 @@ def _simulate_once(cfg: SimConfig, factors: dict, trace: dict | None = None) -> 
     clock, target, draft, busy, roles = build(cfg, factors, trace)
     pipes = [p for p in (target, draft) if p is not None]
     spec = replace(cfg.spec, mode=cfg.mode) if cfg.mode != "iterative" else cfg.spec
-    n_seq_max = 1 if cfg.mode == "iterative" else max(1, min(256, (spec.max_inflight + 1) * spec.width + 1))
+    n_seq_max = auto_n_seq_max(cfg.mode, spec)
     dec = build_decoder(cfg.mode, spec, target, draft, n_ubatch=cfg.ubatch, n_seq_max=n_seq_max,
                         is_eog=lambda t: False, timeout_s=3600.0, idle=idle_until_next(clock, pipes))
     rng = np.random.default_rng(cfg.seed)
