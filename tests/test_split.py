@@ -24,13 +24,20 @@ def test_parse_single_and_integer_weights():
     assert parse_split("1,3/2,2") == SplitSpec((1.0, 3.0), (2.0, 2.0))
 
 
+def test_parse_several_draft_models():
+    s = parse_split("1,1/1/2,1")
+    assert s == SplitSpec((1.0, 1.0), (1.0,), ((2.0, 1.0),))
+    assert s.drafts == [(1.0,), (2.0, 1.0)]
+    assert parse_split("1").drafts == []
+
+
 @pytest.mark.parametrize("text, needle", [
     ("0.3,abc", '"abc" is not a number'),
     ("0.3,,0.7", "weight 2 is empty"),
     ("0.3,0.7,", "weight 3 is empty"),
     ("/1.0", "target weights are empty"),
     ("0.5,0.5/", "draft weights are empty"),
-    ("0.5/0.5/1", 'at most one "/"'),
+    ("0.5,0.5/1/", "draft 2 weights are empty"),
     ("0.5,0", 'weight "0"'),
     ("0.5,-1", 'weight "-1"'),
     ("nan,1", 'weight "nan"'),
@@ -153,3 +160,37 @@ def test_huge_weights_are_ratios_not_an_overflow():
     # --split 1e308,1e308 raised OverflowError from the weights' sum
     assert plan_layers(40, 2, [1e308, 1e308]) == [(0, 20), (20, 40)]
     assert plan_layers(40, 2, [1e308, 3e307]) == plan_layers(40, 2, [10, 3])
+
+
+# ---- roles (ggpipe.cluster.roles) ------------------------------------------------
+
+def test_roles_of_several_draft_models():
+    from ggpipe.cluster.roles import Roles
+
+    r = Roles.plan(4, parse_split(None), True, n_draft_models=2)     # one rank each, the target gets the rest
+    assert (r.n_target, r.n_draft, r.drafts) == (2, 2, (1, 1))
+    assert [r.model_of(k) for k in range(4)] == ["target", "target", "draft", "draft2"]
+    assert r.draft_ranks_of(1) == [3] and r.stage_of(3) == (0, 1)
+    assert r.links(2)["prev"] == 0 and r.links(2)["next"] is None and r.links(3)["prev"] == 0
+    r = Roles.plan(5, parse_split("1,1/1/1,1"), True, n_draft_models=2)
+    assert r.drafts == (1, 2) and r.draft_ranks_of(1) == [3, 4]
+    assert r.links(3) == {"prev": 0, "next": 4, "head": 0, "cancel_src": None, "cancel_fwd": None}
+    assert r.links(4)["prev"] == 3 and r.links(4)["next"] is None and r.stage_of(4) == (1, 2)
+    # one draft model: unchanged
+    r = Roles.plan(3, parse_split("0.5,0.5/1.0"), True)
+    assert (r.n_target, r.drafts, r.model_of(2), r.links(2)["prev"]) == (2, (1,), "draft", 0)
+    assert Roles.plan(1, parse_split(None), True).drafts == (0,)
+
+
+@pytest.mark.parametrize("size,split,k,needle", [
+    (2, None, 2, "each draft model needs a rank of its own"),
+    (4, "1,1/1", 2, "--split names 1 draft models"),
+    (3, "1/1/1", 1, "but -md gives 1"),
+    (5, "1,1/1/1", 2, "the job has 5"),
+])
+def test_roles_refuse_impossible_draft_layouts(size, split, k, needle):
+    from ggpipe.cluster.roles import Roles
+
+    with pytest.raises(GGPipeError) as e:
+        Roles.plan(size, parse_split(split), True, n_draft_models=k)
+    assert needle in str(e.value)

@@ -214,3 +214,66 @@ def test_stochastic_vote_preserves_the_target_distribution():
     assert drafted > n / 2          # the second token went through verification of voted drafts
     stat, df = chi2(counts, p2)
     assert stat < critical(df), (stat, df)
+
+
+# -- several draft models (-md a,b), each on its own pipeline ---------------------------
+
+
+def _two_drafts(mode: str, latency: int, lat2: int, flip2: float, members=("draft", "ngram")):
+    from ggpipe.decoding.factory import build_decoder
+
+    target = FakePipeline(ToyLM(V), latency=latency, cell_order=True)
+    good = FakePipeline(ToyLM(V, flip=0.1), latency=1, name="draft")
+    poor = FakePipeline(ToyLM(V, flip=flip2, seed=5), latency=lat2, name="draft2")
+    spec = SpecSettings(mode=mode, spec_type="vote", vote=members)
+    dec = build_decoder(mode, spec, target, good, more_drafts=[poor], n_ubatch=8, n_seq_max=64,
+                        is_eog=lambda t: False, timeout_s=5)
+    return dec, target, good, poor
+
+
+@pytest.mark.parametrize("mode,latency,lat2,flip2", [
+    ("speculative", 3, 1, 0.7), ("pipeinfer", 3, 2, 0.7), ("pipeinfer", 6, 1, 0.0), ("pipeinfer", 4, 2, 0.5),
+])
+def test_a_vote_over_two_draft_models_stays_exact_and_learns_the_better_one(mode, latency, lat2, flip2):
+    """Two draft models on pipelines of their own (``draft``, ``draft2``)
+    and the n-gram: greedy output equals the reference; both drafts drafted
+    every micro-batch; the better draft ends with the larger weight."""
+    dec, target, good, poor = _two_drafts(mode, latency, lat2, flip2)
+    out = dec.generate(np.array(PROMPT, np.int32), 60, Sampler(SamplingParams()))
+    assert out == _reference(60)
+    st = dec.stats
+    assert st["draft_decodes"] > 0 and st["draft2_draft_decodes"] > 0
+    assert st["vote_draft_proposed"] > 0 and st["vote_draft2_proposed"] > 0
+    if flip2 >= 0.5:
+        assert st["vote_draft_weight"] > st["vote_draft2_weight"], st
+    assert not target.inflight and not good.inflight and not poor.inflight
+    # requests in a row (the engine first trims the target's KV to the common prefix): the drafts' caches follow
+    hist = PROMPT + out[:-1]
+    target.seq_rm(-1, len(hist), -1)
+    again = dec.generate(np.array([out[-1], 7], np.int32), 20, Sampler(SamplingParams()), start_pos=len(hist),
+                         history=hist)
+    assert again == ToyLM(V).greedy(hist + [out[-1], 7], 20)
+
+
+def test_several_draft_models_are_refused_outside_a_vote():
+    from ggpipe.decoding.factory import build_decoder
+    from ggpipe.errors import ConfigError
+
+    t, a, b = (FakePipeline(ToyLM(V), name=n) for n in ("target", "draft", "draft2"))
+    for mode, st in (("pipeinfer", "draft"), ("pipedec", "draft"), ("speculative", "staged")):
+        with pytest.raises(ConfigError, match="draft only in a vote"):
+            build_decoder(mode, SpecSettings(mode=mode, spec_type=st), t, a, more_drafts=[b], n_ubatch=8,
+                          n_seq_max=64, is_eog=lambda x: False, timeout_s=5)
+    with pytest.raises(ConfigError, match="draft only in a vote"):
+        build_decoder("pipeinfer", SpecSettings(mode="pipeinfer", spec_type="vote", vote=("staged", "ngram")),
+                      t, a, more_drafts=[b], n_ubatch=8, n_seq_max=64, is_eog=lambda x: False, timeout_s=5)
+
+
+def test_draft_stands_for_every_draft_model():
+    from ggpipe.speculation.vote import expand_members, member_of
+
+    assert expand_members(["draft", "ngram"], 3) == ["draft", "draft2", "draft3", "ngram"]
+    assert expand_members(["draft"], 2) == ["draft", "draft2"]       # two draft models vote alone
+    with pytest.raises(ValueError, match="two or more"):
+        expand_members(["draft"], 1)
+    assert [member_of(x) for x in ("draft", "draft2", "ngram")] == [("draft", 0), ("draft", 1), ("ngram", 0)]

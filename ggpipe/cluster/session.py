@@ -31,7 +31,7 @@ import json
 import os
 import socket
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from ggpipe.errors import ConfigError, GGPipeError, RankFailedError, RankTimeoutError
 from ggpipe.metrics import MemorySampler, rank_info
@@ -55,7 +55,9 @@ class ClusterConfig:
 
     Attributes:
         model: registry name or GGUF path of the target model.
-        draft_model: the draft model (speculation modes), or None.
+        draft_model: the draft model (speculation modes), or None; several
+            draft models, each on ranks of its own, for a vote: comma-separated
+            (``-md a,b``; :attr:`draft_models`).
         split: ``--split`` text (PipeInfer syntax), or None for an even split.
         threads: ``-t``: one thread count for every rank, or one per rank
             ("2,1,1").
@@ -82,6 +84,13 @@ class ClusterConfig:
     load_timeout_s: float = 900.0
     liveness_timeout_s: float = 6.0
     flash_attn: str = "off"
+
+    @property
+    def draft_models(self) -> list[str]:
+        """The draft models in ``-md`` order ([] for none)."""
+        if self.draft_model is None:
+            return []
+        return [m.strip() for m in self.draft_model.split(",")]
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
@@ -142,7 +151,7 @@ class Session:
     memory: MemorySampler
     roles: Roles
     pipeline: Pipeline | None = None        # head only: the target pipeline
-    draft_pipeline: Pipeline | None = None  # head only, with a draft model
+    draft_pipelines: list[Pipeline] = field(default_factory=list)  # head only: one per draft model
     draft_stage: Stage | None = None        # head only, when no rank runs the draft
     liveness: object = None                 # ggpipe.transport.liveness.Liveness (MPI jobs)
     activity: Activity | None = None
@@ -176,7 +185,7 @@ class Session:
         """Head: stop every worker and collect per-rank statistics (rank order)."""
         if self.activity is not None:
             self.activity.set("shutting down")
-        for p in (self.pipeline, self.draft_pipeline):
+        for p in (self.pipeline, *self.draft_pipelines):
             if p is not None:
                 p.close()
         head = dict(self.rank_stats(), busy_s=self.pipeline.busy_s if self.pipeline else 0.0)
@@ -185,7 +194,7 @@ class Session:
         stats = [head]
         if self.transport is not None and self.size > 1:
             firsts = [1] if self.roles.n_target > 1 else []
-            firsts += self.roles.draft_ranks[:1]
+            firsts += [self.roles.draft_ranks_of(k)[0] for k, n in enumerate(self.roles.drafts) if n]
             for r in firsts:
                 self.transport.send(r, m.T_SHUTDOWN, m.encode_simple(m.T_SHUTDOWN))
             for r in range(1, self.size):
@@ -381,9 +390,10 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
         roles = loaded.roles
         s.pipeline = Pipeline(loaded.stage, transport, roles.target_ranks, loaded.stage.n_vocab,
                               config.n_seq_max, max_outputs=config.ubatch, async_local=async_head, name="target")
-        if roles.has_draft:
-            s.draft_pipeline = Pipeline(loaded.draft_stage, transport, roles.draft_ranks, loaded.stage.n_vocab,
-                                        config.n_seq_max, max_outputs=config.ubatch, name="draft")
+        for k in range(len(roles.drafts)):
+            s.draft_pipelines.append(Pipeline(loaded.draft_stage, transport, roles.draft_ranks_of(k),
+                                              loaded.stage.n_vocab, config.n_seq_max, max_outputs=config.ubatch,
+                                              name=roles.model_of(roles.draft_ranks_of(k)[0]) if k else "draft"))
     return s
 
 
@@ -442,17 +452,24 @@ def _load(config: ClusterConfig, rank: int, size: int) -> _Loaded:
         raise ConfigError("--ubatch must be >= 1 and --ctx-size >= 8")
     threads = parse_threads(config.threads, size)
     split = parse_split(config.split)
-    roles = Roles.plan(size, split, config.draft_model is not None)
+    names = config.draft_models
+    roles = Roles.plan(size, split, bool(names), n_draft_models=len(names))
     path = resolve(config.model)
     info = read_model_info(path)
-    draft_path = draft_info = None
-    if config.draft_model is not None:
-        draft_path = resolve(config.draft_model)
-        draft_info = read_model_info(draft_path)
-        check_same_vocab(info, draft_info)
+    drafts = []
+    for name in names:
+        d_path = resolve(name)
+        d_info = read_model_info(d_path)
+        check_same_vocab(info, d_info)
+        drafts.append((d_path, d_info))
+    draft_path, draft_info = drafts[0] if drafts else (None, None)
 
     model = roles.model_of(rank)
-    m_path, m_info, weights = (path, info, split.target) if model == "target" else (draft_path, draft_info, split.draft)
+    if model == "target":
+        m_path, m_info, weights = path, info, split.target
+    else:
+        k = roles.draft_of(rank)
+        (m_path, m_info), weights = drafts[k], (split.drafts[k] if split.drafts else None)
     index, n_stages = roles.stage_of(rank)
     plan = plan_layers(m_info.n_layer, n_stages, weights, model=model)
     start, stop = plan[index]

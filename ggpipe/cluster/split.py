@@ -3,7 +3,9 @@
 The user-facing syntax is PipeInfer's ``--mpi-layer-split`` (exposed by ggpipe as
 ``--split``): comma-separated weights for the ranks that run the target model,
 optionally followed by ``/`` and the weights for the ranks that run the draft
-model, e.g. ``"0.3,0.7"`` or ``"0.5,0.5/1.0"``.
+model, e.g. ``"0.3,0.7"`` or ``"0.5,0.5/1.0"``; with several draft models
+(``-md a,b``, a vote), one ``/`` part per draft model in ``-md``'s order,
+e.g. ``"1,1/1/1"`` (ggpipe's extension of PipeInfer's syntax).
 
 Weights are relative: they are normalised by their sum, so ``"1,3"`` and
 ``"0.25,0.75"`` are the same split.
@@ -42,11 +44,18 @@ class SplitSpec:
 
     ``target``: weights (positive, finite floats, not normalised) for the ranks
     running the target model, in pipeline order, or None for an even split.
-    ``draft``: the same for the draft model's ranks, or None.
+    ``draft``: the same for the (first) draft model's ranks, or None.
+    ``more_drafts``: the same for each further draft model (``-md a,b``).
     """
 
     target: tuple[float, ...] | None = None
     draft: tuple[float, ...] | None = None
+    more_drafts: tuple[tuple[float, ...], ...] = ()
+
+    @property
+    def drafts(self) -> list[tuple[float, ...]]:
+        """Every draft model's weights, in ``-md`` order ([] when none is named)."""
+        return [] if self.draft is None else [self.draft, *self.more_drafts]
 
 
 def _parse_weights(part: str, what: str, text: str) -> tuple[float, ...]:
@@ -74,24 +83,22 @@ def parse_split(text: str | None) -> SplitSpec:
 
     ``"0.3,0.7"`` -> ``SplitSpec(target=(0.3, 0.7), draft=None)``;
     ``"0.5,0.5/1.0"`` -> ``SplitSpec(target=(0.5, 0.5), draft=(1.0,))``;
+    ``"1,1/1/1"`` -> ``SplitSpec((1.0, 1.0), (1.0,), more_drafts=((1.0,),))``;
     None, ``""`` or blanks -> ``SplitSpec(None, None)`` (even split, decided later).
     Whitespace around items is ignored.
 
     Raises SplitError (one line, naming the bad part) for: an item that is not a
     number, an empty item (``"0.5,,0.5"``, a trailing comma, an empty side of
-    ``/``), a zero, negative, NaN or infinite weight, or more than one ``/``.
+    ``/``), a zero, negative, NaN or infinite weight. (Whether the number of
+    ``/`` parts matches the draft models is checked with them:
+    ``ggpipe.cluster.roles.Roles.plan``.)
     """
     if text is None or not text.strip():
         return SplitSpec(None, None)
     parts = text.split("/")
-    if len(parts) > 2:
-        raise SplitError(
-            f'{OPTION} "{text}": at most one "/" (target weights / draft weights), '
-            f"found {len(parts) - 1}"
-        )
     target = _parse_weights(parts[0], "target", text)
-    draft = _parse_weights(parts[1], "draft", text) if len(parts) == 2 else None
-    return SplitSpec(target, draft)
+    drafts = [_parse_weights(p, "draft" if i == 0 else f"draft {i + 1}", text) for i, p in enumerate(parts[1:])]
+    return SplitSpec(target, drafts[0] if drafts else None, tuple(drafts[1:]))
 
 
 def plan_layers(

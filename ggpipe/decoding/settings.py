@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ggpipe.errors import ConfigError
+from ggpipe.speculation.vote import expand_members
 
 MODES = ("iterative", "speculative", "pipeinfer", "pipedec")
 ASYNC_MODES = ("pipeinfer", "pipedec")  # the head's target stage runs beside the loop
@@ -86,3 +88,21 @@ def auto_n_seq_max(mode: str, spec: SpecSettings) -> int:
         return min(256, 1 + spec.tree_width * (spec.max_inflight + 3))
     runs = 1 if mode == "speculative" else spec.max_inflight + 2
     return min(256, 1 + spec.width * runs)
+
+
+def check_draft_models(n: int, mode: str, spec: SpecSettings) -> None:
+    """Refuse ``n`` > 1 draft models (``-md a,b``) where only one can draft:
+    several draft models draft only in a vote with a ``draft`` member; and
+    a vote of fewer than two members once ``draft`` stands for each model.
+
+    Raises:
+        ConfigError: several draft models outside such a vote; a vote of
+            one member."""
+    if n > 1 and (mode in ("iterative", "pipedec") or spec.spec_type != "vote" or "draft" not in spec.vote):
+        raise ConfigError(f"{n} draft models (-md a,b) draft only in a vote that has a draft member: "
+                          "--mode pipeinfer --spec-type vote --spec-vote draft,ngram")
+    if spec.spec_type == "vote" and mode not in ("iterative", "pipedec"):
+        try:
+            expand_members(spec.vote, max(n, 1))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None

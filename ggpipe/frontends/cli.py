@@ -59,10 +59,12 @@ def cluster_options(f):
         click.option("-m", "--model", default=DEFAULT_MODEL, show_default=True,
                      help="Target model: registry name (models.toml) or path to a .gguf file."),
         click.option("-md", "--draft-model", default=None,
-                     help="Draft model for --mode speculative|pipeinfer (name or path; same vocabulary)."),
+                     help="Draft model for --mode speculative|pipeinfer|pipedec (name or path; same vocabulary); "
+                          "several, comma-separated, each on ranks of its own, for --spec-type vote (-md a,b)."),
         click.option("--split", default=None,
                      help="Layer split weights per rank, e.g. 0.3,0.7; with a draft model TARGET/DRAFT, "
                           "e.g. 0.5,0.5/1.0 (default: even; the draft gets one rank when there are 2+); "
+                          "with several draft models one /DRAFT part each (1,1/1/1); "
                           "auto:PROFILE.json: balanced from measured costs (ggpipe calibrate)."),
         click.option("-t", "--threads", default="1", show_default=True,
                      help="Threads per rank: one value, or one per rank (2,1,1)."),
@@ -161,7 +163,8 @@ SPEC_TYPE_ALIASES = {"draft-simple": "draft", "ngram-simple": "ngram"}  # llama.
 
 
 def _vote_members(ctx, param, value: str) -> tuple[str, ...]:
-    """``--spec-vote``: registered proposer names, at least two, distinct."""
+    """``--spec-vote``: registered proposer names, distinct (at least two
+    members once ``draft`` stands for each draft model: checked with -md)."""
     from ggpipe.decoding.settings import SPEC_TYPES  # noqa: PLC0415
 
     from ggpipe.speculation.vote import check_members  # noqa: PLC0415
@@ -172,7 +175,7 @@ def _vote_members(ctx, param, value: str) -> tuple[str, ...]:
         raise click.BadParameter(f"unknown proposer {bad[0]!r}: choose from "
                                  f"{', '.join(t for t in SPEC_TYPES if t != 'vote')}")
     try:
-        return tuple(check_members(names))
+        return tuple(check_members(names)) if len(names) != 1 or names != ("draft",) else names
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
 
@@ -259,7 +262,7 @@ def split_job_options(kw: dict):
     """
     from ggpipe.frontends.job import JobSpec
     from ggpipe.cluster.session import ClusterConfig
-    from ggpipe.decoding.settings import auto_n_seq_max
+    from ggpipe.decoding.settings import auto_n_seq_max, check_draft_models
 
     o = {k: kw.pop(k) for k in _JOB_KEYS}
     sampling = SamplingParams(temperature=o["temp"], top_k=o["top_k"], top_p=o["top_p"], seed=o["seed"]).validate()
@@ -275,6 +278,7 @@ def split_job_options(kw: dict):
     cfg = ClusterConfig(model=o["model"], draft_model=o["draft_model"], split=o["split"], threads=o["threads"],
                         ctx_size=o["ctx_size"], n_seq_max=n_seq_max, ubatch=o["ubatch"], timeout_s=o["timeout"],
                         liveness_timeout_s=o["liveness_timeout"], flash_attn=o["flash_attn"])
+    check_draft_models(len(cfg.draft_models), o["mode"], spec)
     return JobSpec(cfg, o["mode"], spec, o["ignore_eos"]), sampling, o["n_predict"]
 
 

@@ -82,8 +82,10 @@ class Engine:
         self.kv_tokens: list[int] = []  # tokens in sequence 0 of the target's KV, position i at index i
         is_eog = (lambda t: False) if ignore_eos else self.vocab.is_eog
         cfg = session.config
-        self.decoder = build_decoder(mode, spec, session.pipeline, session.draft_pipeline, n_ubatch=cfg.ubatch,
-                                     n_seq_max=cfg.n_seq_max, is_eog=is_eog, timeout_s=cfg.timeout_s)
+        drafts = session.draft_pipelines
+        self.decoder = build_decoder(mode, spec, session.pipeline, drafts[0] if drafts else None,
+                                     more_drafts=drafts[1:], n_ubatch=cfg.ubatch, n_seq_max=cfg.n_seq_max,
+                                     is_eog=is_eog, timeout_s=cfg.timeout_s)
         self.last: Completion | None = None
 
     # -- tokens ------------------------------------------------------------------
@@ -108,8 +110,8 @@ class Engine:
     def reset(self) -> None:
         """Forget the conversation: clear every stage's KV cache (target and draft)."""
         self.session.pipeline.clear()
-        if self.session.draft_pipeline is not None:
-            self.session.draft_pipeline.clear()
+        for p in self.session.draft_pipelines:
+            p.clear()
         self.decoder.reset()
         self.kv_tokens = []
 

@@ -153,13 +153,19 @@ def plan_job(config: ClusterConfig, n_ranks: int, hosts: list[str], mem_per_node
         raise ConfigError("--ctx-size must be >= 8")
     threads = parse_threads(config.threads, n_ranks)
     split = parse_split(config.split)
-    roles = Roles.plan(n_ranks, split, config.draft_model is not None)
+    names = config.draft_models
+    roles = Roles.plan(n_ranks, split, bool(names), n_draft_models=len(names))
     target = model_sizes(config.model)
-    draft = model_sizes(config.draft_model) if config.draft_model is not None else None
+    drafts = [model_sizes(n) for n in names]
+    draft = drafts[0] if drafts else None
     out = []
     for r in range(n_ranks):
         kind = roles.model_of(r)
-        sizes, weights = (target, split.target) if kind == "target" else (draft, split.draft)
+        if kind == "target":
+            sizes, weights = target, split.target
+        else:
+            k = roles.draft_of(r)
+            sizes, weights = drafts[k], (split.drafts[k] if split.drafts else None)
         index, n_stages = roles.stage_of(r)
         start, stop = plan_layers(sizes.n_layer, n_stages, weights, model=kind)[index]
         first, last = index == 0, index == n_stages - 1
@@ -300,6 +306,8 @@ def balanced_placement(profile_path, params: dict, n_ranks: int, hosts: list[str
     hosts = hosts or [prof.host(r).host for r in range(n_ranks)]
     mode = params.get("mode") or "iterative"
     target = from_gguf(params["model"])
+    if params.get("draft_model") and "," in params["draft_model"]:
+        raise ConfigError("--balance plans one draft model; with several (-md a,b) give --split yourself")
     draft = from_gguf(params["draft_model"]) if params.get("draft_model") else None
     sizes = model_sizes(params["model"])
     ctx = int(params.get("ctx_size") or 2048)

@@ -46,6 +46,27 @@ def check_members(names: Sequence[str]) -> list[str]:
     return names
 
 
+def expand_members(names: Sequence[str], n_models: int = 1) -> list[str]:
+    """The members of a vote with ``n_models`` draft models (``-md a,b``):
+    ``draft`` stands for one member per model, ``draft``, ``draft2``, ...
+    (``["draft", "ngram"]``, 2 -> ``["draft", "draft2", "ngram"]``).
+
+    Raises:
+        ValueError: as :func:`check_members`, for the expanded list."""
+    out = []
+    for n in names:
+        out += [n] + ([f"{n}{k + 1}" for k in range(1, n_models)] if n == "draft" else [])
+    return check_members(out)
+
+
+def member_of(label: str) -> tuple[str, int]:
+    """A member label of :func:`expand_members` -> (proposer name, draft
+    model index): ``"draft2"`` -> ``("draft", 1)``, ``"ngram"`` -> ``("ngram", 0)``."""
+    if label.startswith("draft") and label[5:].isdigit():
+        return "draft", int(label[5:]) - 1
+    return label, 0
+
+
 def majority_path(seqs: Sequence[Sequence[int]], weights: Sequence[float]) -> tuple[list[int], int]:
     """The majority-approved output of the members' sequences.
 

@@ -136,6 +136,9 @@ class ProposerConfig:
         timeout_s: bound of every wait for the backend (seconds).
         vote: the members of ``--spec-type vote`` (registered names, in
             tie-break order).
+        more_backends: the pipelines of further draft models (``-md a,b``:
+            every one but the first); only a vote drafts with them (its
+            ``draft`` member stands for one member per draft model).
     """
 
     backend: DecodeBackend | None = None
@@ -147,6 +150,7 @@ class ProposerConfig:
     ngram_max: int = 4
     timeout_s: float = 60.0
     vote: tuple[str, ...] = ("draft", "ngram")
+    more_backends: tuple = ()
 
 
 @runtime_checkable
@@ -188,6 +192,7 @@ class Proposer(Protocol):
     def abandon(self) -> None: ...
     def busy(self) -> bool: ...
     def drain_one(self, timeout_s: float) -> None: ...
+    def drain_ready(self) -> None: ...
     def settle(self, timeout_s: float) -> None: ...
     def reset(self) -> None: ...
 
@@ -297,6 +302,9 @@ class InstantProposer:
 
     def drain_one(self, timeout_s: float) -> None:
         raise RuntimeError("nothing in flight")
+
+    def drain_ready(self) -> None:
+        pass
 
     def settle(self, timeout_s: float) -> None:
         self.abandon()

@@ -200,6 +200,12 @@ class DraftModelProposer:
         elif self.step(res) is not None:
             self.active = False
 
+    def drain_ready(self) -> None:
+        """Consume the results of abandoned drafting that have already
+        arrived (never blocks; nothing while a micro-batch is drafted)."""
+        while not self.active and self.pipe.inflight and self.pipe.ready():
+            self.drain_one(0.0)
+
     def settle(self, timeout_s: float) -> None:
         """Consume every in-flight draft run; the micro-batch, if any, is dropped."""
         while self.pipe.inflight:

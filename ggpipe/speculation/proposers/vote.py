@@ -6,10 +6,12 @@ verifies is the majority-approved one (:func:`ggpipe.speculation.vote.majority_p
 and the members' weights are learnt from the decided tokens
 (:class:`ggpipe.speculation.vote.WeightedMajority`, fed by ``observe``).
 
-Members: at most one *lead* that drafts on a model pipeline (``draft``, the
-draft model on its own ranks) and any number of instant ones (``ngram``),
-which draft on the head in microseconds. The lead's chain grows one draft
-decode at a time, and the vote is taken as it grows:
+Members: *leads* that draft on a model pipeline (``draft``, the draft model
+on its own ranks; with several draft models, ``-md a,b``, ``draft`` stands
+for one member per model: ``draft``, ``draft2``, ...) and any number of
+instant ones (``ngram``), which draft on the head in microseconds. With one
+lead, its chain grows one draft decode at a time, and the vote is taken as
+it grows:
 
 * as soon as an instant member outvotes the lead at some level (a decision
   the lead's later tokens cannot change), the lead's micro-batch is
@@ -18,6 +20,14 @@ decode at a time, and the vote is taken as it grows:
   instant member that agrees with the lead and goes on further extends it);
 * PipeInfer's continuous speculation (``cut``) hands over the lead's chain
   while no member has outvoted it, and the vote starts again below its tip.
+
+With several leads (each on its own ranks, drafting at the same time) the
+vote is final when every lead has finished its chain. Continuous
+speculation votes over the chains as far as they have grown and hands over
+the longest lead chain the majority path runs through; the leads that drafted
+exactly that chain go on below its tip, the others sit out until the
+next cut finds them idle (their abandoned results consumed), and then
+draft below the new tip with the others.
 
 Node confidence (``SpecTree.draft_p``): the probability that at least one
 of the members passing through the node is right, taking theirs as
@@ -45,9 +55,12 @@ import numpy as np
 
 from ggpipe.sampling import SamplingParams
 from ggpipe.speculation.cutoff import confident_depth
-from ggpipe.speculation.proposers.base import ProposerConfig, make_proposer
+from ggpipe.speculation.proposers.base import REGISTRY, ProposerConfig, make_proposer
 from ggpipe.speculation.tree import SpecTree
-from ggpipe.speculation.vote import WeightedMajority, check_members, majority_path, support
+from ggpipe.speculation.vote import WeightedMajority, expand_members, majority_path, member_of, support
+
+
+REGISTRY_NAMES = frozenset(REGISTRY)
 
 
 def _chain(tree: SpecTree | None) -> tuple[list[int], list[float]]:
@@ -65,25 +78,30 @@ class VoteProposer:
 
     Raises:
         ValueError: fewer than two members, a repeated or nested member, an
-            unknown name, more than one member on a model pipeline, or a
-            member that cannot be built (``draft`` without a draft model).
+            unknown name, more than one member on the same model pipeline, or
+            a member that cannot be built (``draft`` without a draft model).
     """
 
     name = "vote"
     iid_children = True
 
     def __init__(self, cfg: ProposerConfig):
-        names = check_members(cfg.vote)
-        mcfg = replace(cfg, width=1)
-        self.members = [make_proposer(n, mcfg) for n in names]
-        leads = [m for m in self.members if not m.instant]
-        if len(leads) > 1:
-            raise ValueError("--spec-vote takes at most one proposer that drafts on a model "
-                             f"({', '.join(m.name for m in leads)}): a job has one draft model")
-        self.lead = leads[0] if leads else None
-        self.instant = self.lead is None
+        backends = [cfg.backend, *cfg.more_backends]
+        self.labels = expand_members(cfg.vote, len(backends))   # the members' names in stats and in the weights
+        mcfg = replace(cfg, width=1, more_backends=())
+        self.members = []
+        for label in self.labels:
+            name, k = member_of(label)
+            self.members.append(make_proposer(name, replace(mcfg, backend=backends[k]) if name == "draft" else mcfg))
+        on_models = [n for n in cfg.vote if not self.members[self.labels.index(n)].instant]
+        if len(on_models) > 1:
+            raise ValueError("--spec-vote takes at most one proposer that drafts on the draft model "
+                             f"({', '.join(on_models)}); several draft models: -md a,b with one draft member")
+        self.leads = [i for i, m in enumerate(self.members) if not m.instant]
+        self.lead = self.members[self.leads[0]] if len(self.leads) == 1 else None
+        self.instant = not self.leads
         self.n_vocab = cfg.n_vocab
-        self.book = WeightedMajority(names)
+        self.book = WeightedMajority(self.labels)
         self.params = SamplingParams()
         self.acceptance: Callable[[float], float] | None = None
         self.active = False
@@ -91,19 +109,25 @@ class VoteProposer:
         self._cutoff = 1.0
         self._first_cutoff = 1.0
         self._max_nodes = 0
-        self._others: list[tuple[list[int], list[float]]] = []  # per member (lead's slot empty)
+        self._chains: list[tuple[list[int], list[float]]] = []  # per member: its chain (a lead's: as far as known)
+        self._done: set[int] = set()     # several leads: those that finished this micro-batch
         self._result: SpecTree | None = None
         self._counts = {"vote_overruled": 0, "vote_extended": 0}
 
     @property
     def step_s(self) -> float | None:
-        return self.lead.step_s if self.lead is not None else 0.0
+        """The slowest lead's (the vote waits for every lead); 0 without one."""
+        steps = [self.members[i].step_s for i in self.leads]
+        if not steps:
+            return 0.0
+        return None if None in steps else max(steps)
 
     @property
     def stats(self) -> dict:
         out = {}
-        for m in self.members:
-            out.update(m.stats)
+        for m, label in zip(self.members, self.labels):
+            extra = label not in REGISTRY_NAMES   # draft2, ...: its counters under its own name
+            out.update({f"{label}_{k}" if extra else k: v for k, v in m.stats.items()})
         out.update(self._counts)
         out.update(self.book.stats())
         return out
@@ -115,7 +139,7 @@ class VoteProposer:
         self.params = params
         self.acceptance = acceptance
         for m in self.members:
-            m.start(params, rng, acceptance if m is self.lead else None)
+            m.start(params, rng, None if m.instant else acceptance)
         self.book.start()
         self.active = False
         self._result = None
@@ -143,30 +167,33 @@ class VoteProposer:
             raise RuntimeError("a micro-batch is already being drafted")
         self._start_tree(list(context), cutoff, cutoff if first_cutoff is None else first_cutoff, max_nodes)
         self.active = True
-        if self.lead is None:
-            self._result = self._close([], [])
+        if self.instant:
+            self._result = self._close()
         else:
-            self.lead.begin(context, cutoff, max_nodes, first_cutoff)
+            for i in self.leads:
+                self.members[i].begin(context, cutoff, max_nodes, first_cutoff)
 
     def _start_tree(self, ctx: list[int], cutoff: float, first_cutoff: float, max_nodes: int) -> None:
         self._ctx = ctx
         self._cutoff, self._first_cutoff, self._max_nodes = cutoff, first_cutoff, max_nodes
-        self._others = [([], []) if m is self.lead else _chain(m.propose(ctx, max_nodes)) for m in self.members]
+        self._chains = [([], []) if not m.instant else _chain(m.propose(ctx, max_nodes)) for m in self.members]
+        self._done = set()
         self._result = None
 
-    def _seqs(self, lead_tokens: list[int]) -> list[list[int]]:
-        return [lead_tokens if m is self.lead else self._others[i][0] for i, m in enumerate(self.members)]
+    def _seqs(self) -> list[list[int]]:
+        return [toks for toks, _ in self._chains]
 
-    def _probs(self, lead_p: list[float]) -> list[list[float]]:
-        """Per member, the confidence of each of its tokens: the draft model's
-        own probability for the lead; for an instant member (whose own
-        confidence is a rule of thumb, e.g. the n-gram's n / (n + 1)) its
-        measured accuracy (``WeightedMajority.accuracy``)."""
-        return [lead_p if m is self.lead else [self.book.accuracy(i)] * len(self._others[i][0])
-                for i, m in enumerate(self.members)]
+    def _probs(self) -> list[list[float]]:
+        """Per member, the confidence of each of its tokens: a lead's draft
+        model's own probability; for an instant member (whose own confidence
+        is a rule of thumb, e.g. the n-gram's n / (n + 1)) its measured
+        accuracy (``WeightedMajority.accuracy``)."""
+        return [ps if not m.instant else [self.book.accuracy(i)] * len(toks)
+                for i, (m, (toks, ps)) in enumerate(zip(self.members, self._chains))]
 
     def ready(self) -> bool:
-        return self.active and (self._result is not None or self.lead.ready())
+        return self.active and (self._result is not None or any(
+            self.members[i].ready() for i in self.leads if i not in self._done))
 
     def poll(self) -> SpecTree | None:
         if not self.active:
@@ -175,29 +202,49 @@ class VoteProposer:
             tree, self._result = self._result, None
             self.active = False
             return tree
+        if self.lead is None:
+            return self._poll_leads()
+        li = self.leads[0]
         done = self.lead.poll()
         if done is not None:
             self.active = False
-            return self._close(*_chain(done))
-        toks, ps = _chain(self.lead.partial())
-        path, _ = majority_path(self._seqs(toks), self.book.weights)
+            self._chains[li] = _chain(done)
+            return self._close()
+        self._chains[li] = _chain(self.lead.partial())
+        toks = self._chains[li][0]
+        path, _ = majority_path(self._seqs(), self.book.weights)
         if path[:len(toks)] != toks:   # outvoted at a level the lead's later tokens cannot change
             self._counts["vote_overruled"] += 1
             self.lead.abandon()
             self.active = False
-            return self._close(toks, ps)
+            return self._close()
         return None
 
-    def _close(self, lead_tokens: list[int], lead_p: list[float]) -> SpecTree:
+    def _poll_leads(self) -> SpecTree | None:
+        """Several leads: take what each has; the vote once all have finished."""
+        for i in self.leads:
+            m = self.members[i]
+            if i not in self._done and m.ready():
+                done = m.poll()
+                if done is not None:
+                    self._chains[i] = _chain(done)
+                    self._done.add(i)
+        if len(self._done) < len(self.leads):
+            return None
+        self.active = False
+        return self._close()
+
+    def _close(self) -> SpecTree:
         """Vote over the chains, record the vote, return the voted chain cut
         at the cutoff."""
-        seqs = self._seqs(lead_tokens)
+        seqs = self._seqs()
         path, voted = majority_path(seqs, self.book.weights)
         self.book.record(self._ctx, seqs, voted)
-        if voted >= 0 and self.members[voted] is not self.lead and self.lead is not None and \
-                path[:len(lead_tokens)] == lead_tokens:
-            self._counts["vote_extended"] += 1
-        tree = self._tree(path, seqs, self._probs(lead_p))
+        if self.lead is not None:
+            lead_tokens = seqs[self.leads[0]]
+            if voted >= 0 and self.members[voted] is not self.lead and path[:len(lead_tokens)] == lead_tokens:
+                self._counts["vote_extended"] += 1
+        tree = self._tree(path, seqs, self._probs())
         keep = confident_depth(tree.draft_p, self._cutoff, self._first_cutoff, self.acceptance)
         return tree.prefix(keep) if keep < len(tree) else tree
 
@@ -217,30 +264,62 @@ class VoteProposer:
 
     # -- continuous speculation (the lead keeps drafting below its tip) --------
 
-    def can_cut(self) -> bool:
-        return self.active and self._result is None and self.lead is not None and self.lead.can_cut()
+    def _cut_plan(self) -> tuple[list[int], list[list[int]], int, list[int]] | None:
+        """What a cut would hand over: the longest chain of a lead that can
+        be cut and that the majority path (over every chain as far as it has
+        grown) runs through; (its tokens, every member's sequence, that lead,
+        the leads whose chain is exactly it), or None."""
+        if not (self.active and self._result is None):
+            return None
+        live = [i for i in self.leads if i not in self._done and self.members[i].can_cut()]
+        if not live:
+            return None
+        for i in self.leads:
+            if i not in self._done:
+                self._chains[i] = _chain(self.members[i].partial())
+        seqs = self._seqs()
+        path, _ = majority_path(seqs, self.book.weights)
+        aligned = [i for i in live if seqs[i] and path[:len(seqs[i])] == seqs[i]]
+        if not aligned:
+            return None
+        best = max(aligned, key=lambda i: len(seqs[i]))   # ties: the first lead
+        return seqs[best], seqs, best, [i for i in aligned if seqs[i] == seqs[best]]
 
-    def _lead_tree(self) -> tuple[list[int], list[list[int]], SpecTree]:
-        """The lead's chain so far as the voted tree (it has not been
-        outvoted): its tokens, every member's sequence, the tree."""
-        toks, ps = _chain(self.lead.partial())
-        seqs = self._seqs(toks)
-        return toks, seqs, self._tree(toks, seqs, self._probs(ps))
+    def can_cut(self) -> bool:
+        return self._cut_plan() is not None
 
     def cut(self, cutoff: float, room: Callable[[int], int]) -> tuple[SpecTree, int]:
-        if not self.can_cut():
+        plan = self._cut_plan()
+        if plan is None:
             raise RuntimeError("nothing to cut")
-        toks, seqs, tree = self._lead_tree()
-        self.book.record(self._ctx, seqs, self.members.index(self.lead))
-        self.lead.cut(cutoff, room)
+        toks, seqs, best, cutters = plan
+        tree = self._tree(toks, seqs, self._probs())
+        self.book.record(self._ctx, seqs, best)
+        for i in self.leads:
+            if i in cutters:
+                self.members[i].cut(cutoff, room)
+            elif self.members[i].active:
+                self.members[i].abandon()   # its chain left the vote's path: it sits out the micro-batch
         ctx = self._ctx + toks
         self._start_tree(ctx, cutoff, cutoff, room(len(ctx) - 1))
+        self._done = set()
+        for i in self.leads:
+            m = self.members[i]
+            if i in cutters:
+                continue
+            m.drain_ready()
+            if m.busy():
+                self._done.add(i)   # sits out until a cut finds it idle
+            else:
+                m.begin(ctx, cutoff, self._max_nodes)
         return tree, len(tree) - 1
 
     def salvage(self, decided: list[int]) -> tuple[SpecTree, int] | None:
-        if not self.can_cut():
+        plan = self._cut_plan()
+        if plan is None:
             return None
-        tree = self._lead_tree()[2]
+        toks, seqs, _, _ = plan
+        tree = self._tree(toks, seqs, self._probs())
         sub, mp = tree.reanchor(decided)
         tip = len(tree) - 1
         if sub is None or tip not in mp:
@@ -248,21 +327,29 @@ class VoteProposer:
         return sub, mp[tip]
 
     def abandon(self) -> None:
-        if self.lead is not None and self.lead.active:
-            self.lead.abandon()
+        for i in self.leads:
+            if self.members[i].active:
+                self.members[i].abandon()
         self.active = False
         self._result = None
 
     def busy(self) -> bool:
-        return self.lead is not None and self.lead.busy()
+        return any(self.members[i].busy() for i in self.leads)
+
+    def drain_ready(self) -> None:
+        for i in self.leads:
+            self.members[i].drain_ready()
 
     def drain_one(self, timeout_s: float) -> None:
-        if self.lead is None:
-            raise RuntimeError("nothing in flight")
-        self.lead.drain_one(timeout_s)
+        """Consume one in-flight result of an abandoned (or finished) lead."""
+        for i in self.leads:
+            if self.members[i].busy():
+                self.members[i].drain_one(timeout_s)
+                return
+        raise RuntimeError("nothing in flight")
 
     def settle(self, timeout_s: float) -> None:
-        if self.lead is not None:
-            self.lead.settle(timeout_s)
+        for i in self.leads:
+            self.members[i].settle(timeout_s)
         self.active = False
         self._result = None
