@@ -16,7 +16,9 @@ MiB = 1 << 20
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("temp", ["0", "0.8"])  # stochastic: each draft node carries a 393 KB distribution
+# stochastic only (each draft node carries a 393 KB distribution: the larger footprint); greedy dropped to keep CI
+# under its 40 minutes
+@pytest.mark.parametrize("temp", ["0.8"])
 def test_pipeinfer_2000_tokens_rss_does_not_grow(smollm2, temp):
     from ggpipe.models.gguf_info import read_model_info
 

@@ -25,10 +25,14 @@ VARIANTS = [
 ]
 
 
+# the ablations at 3 ranks only (every layout ran them until CI neared its 40 minutes)
+SPEC_CASES = [pytest.param(r, s, m, e, id=f"{i}-R{r}") for (m, e), i in zip(VARIANTS, ["speculative", "pipeinfer",
+              "no-cancel", "no-continuous"]) for r, s in LAYOUTS if not e or r == 3]
+
+
 @pytest.mark.mpi
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks,split", LAYOUTS, ids=[f"R{r}" for r, _ in LAYOUTS])
-@pytest.mark.parametrize("mode,extra", VARIANTS, ids=["speculative", "pipeinfer", "no-cancel", "no-continuous"])
+@pytest.mark.parametrize("ranks,split,mode,extra", SPEC_CASES)
 def test_greedy_speculation_equals_single_node_target(goliath, smollm2, reference, ranks, split, mode, extra):
     args = ["-md", str(smollm2), "--mode", mode, *extra] + (["--split", split] if split else [])
     for prompt in PROMPTS:
@@ -178,7 +182,7 @@ def test_greedy_vote_over_two_draft_models_equals_single_node_target(goliath, sm
     args = ["-md", f"{smollm2},{smollm2_f16}", "--mode", mode, "--spec-type", "vote"] + (
         ["--split", split] if split else [])
     proposed = {"draft": 0, "draft2": 0, "ngram": 0}
-    for prompt in PROMPTS[:2]:
+    for prompt in PROMPTS[:1]:
         got = generate_json(goliath, prompt, N_TOKENS, ranks, args)
         assert got["tokens"] == reference(goliath, prompt, N_TOKENS), f"two drafts {mode} {prompt!r}"
         dec = got["decoder"]
@@ -239,7 +243,7 @@ def test_greedy_pipedec_equals_single_node_target(goliath, smollm2, reference, r
     parents)."""
     args = ["-md", str(smollm2), "--mode", "pipedec", *extra] + (["--split", split] if split else [])
     accepted = 0
-    for prompt in PROMPTS:
+    for prompt in PROMPTS[:1] if ranks == 4 else PROMPTS:   # the wide tree: one prompt (CI time)
         got = generate_json(goliath, prompt, N_TOKENS, ranks, args)
         assert got["tokens"] == reference(goliath, prompt, N_TOKENS), f"pipedec ranks={ranks} {extra} {prompt!r}"
         dec = got["decoder"]
