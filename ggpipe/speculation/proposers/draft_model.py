@@ -61,6 +61,7 @@ class DraftModelProposer:
         self.params = SamplingParams()
         self.rng = np.random.default_rng()
         self.p_split = cfg.p_split
+        self.timeout_s = cfg.timeout_s
         self.width = cfg.width
         self.n_ubatch = cfg.n_ubatch
         self.cursor: list[int] = []      # tokens in the draft's KV, positions 0..len-1 (kept across requests)
@@ -204,7 +205,7 @@ class DraftModelProposer:
         """Consume the results of abandoned drafting that have already
         arrived (never blocks; nothing while a micro-batch is drafted)."""
         while not self.active and self.pipe.inflight and self.pipe.ready():
-            self.drain_one(0.0)
+            self.drain_one(self.timeout_s)   # returns at once: the result is there (a 0 s bound would expire first)
 
     def settle(self, timeout_s: float) -> None:
         """Consume every in-flight draft run; the micro-batch, if any, is dropped."""
