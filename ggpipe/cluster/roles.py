@@ -96,12 +96,16 @@ class Roles:
             first += n
         raise ValueError(f"rank {rank} runs no draft model")
 
+    @staticmethod
+    def draft_name(k: int) -> str:
+        """Draft model ``k``'s name: "draft" (the first), "draft2", ..."""
+        return "draft" if k == 0 else f"draft{k + 1}"
+
     def model_of(self, rank: int) -> str:
-        """"target", "draft" (the first draft model), "draft2", ..."""
+        """"target", or its draft model's :meth:`draft_name`."""
         if rank < self.n_target:
             return "target"
-        k = self.draft_of(rank)
-        return "draft" if k == 0 else f"draft{k + 1}"
+        return self.draft_name(self.draft_of(rank))
 
     def stage_of(self, rank: int) -> tuple[int, int]:
         """(stage index, number of stages) of ``rank`` in its model's pipeline."""

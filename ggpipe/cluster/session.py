@@ -393,7 +393,7 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
         for k in range(len(roles.drafts)):
             s.draft_pipelines.append(Pipeline(loaded.draft_stage, transport, roles.draft_ranks_of(k),
                                               loaded.stage.n_vocab, config.n_seq_max, max_outputs=config.ubatch,
-                                              name=roles.model_of(roles.draft_ranks_of(k)[0]) if k else "draft"))
+                                              name=roles.draft_name(k)))
     return s
 
 

@@ -175,7 +175,7 @@ def _vote_members(ctx, param, value: str) -> tuple[str, ...]:
         raise click.BadParameter(f"unknown proposer {bad[0]!r}: choose from "
                                  f"{', '.join(t for t in SPEC_TYPES if t != 'vote')}")
     try:
-        return tuple(check_members(names)) if len(names) != 1 or names != ("draft",) else names
+        return names if names == ("draft",) else tuple(check_members(names))
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
 

@@ -55,12 +55,9 @@ import numpy as np
 
 from ggpipe.sampling import SamplingParams
 from ggpipe.speculation.cutoff import confident_depth
-from ggpipe.speculation.proposers.base import REGISTRY, ProposerConfig, make_proposer
+from ggpipe.speculation.proposers.base import ProposerConfig, make_proposer
 from ggpipe.speculation.tree import SpecTree
 from ggpipe.speculation.vote import WeightedMajority, expand_members, majority_path, member_of, support
-
-
-REGISTRY_NAMES = frozenset(REGISTRY)
 
 
 def _chain(tree: SpecTree | None) -> tuple[list[int], list[float]]:
@@ -126,7 +123,7 @@ class VoteProposer:
     def stats(self) -> dict:
         out = {}
         for m, label in zip(self.members, self.labels):
-            extra = label not in REGISTRY_NAMES   # draft2, ...: its counters under its own name
+            extra = member_of(label)[1] > 0   # draft2, ...: its counters under its own name
             out.update({f"{label}_{k}" if extra else k: v for k, v in m.stats.items()})
         out.update(self._counts)
         out.update(self.book.stats())
