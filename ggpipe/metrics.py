@@ -215,25 +215,32 @@ def _ru_maxrss_bytes() -> int:
 
 
 class MemorySampler:
-    """Samples this process's memory every ``interval_s`` seconds on a daemon
-    thread and keeps the peaks.
+    """Samples this process's memory on a daemon thread and keeps the peaks:
+    RSS every ``interval_s`` seconds, PSS every ``pss_interval_s`` seconds and
+    at every :meth:`sample` / :meth:`report` call.
 
-    RSS from ``memory_info().rss``; PSS from ``memory_full_info().pss`` (Linux:
-    /proc/self/smaps_rollup), which charges shared pages (e.g. an mmapped model
-    file shared by ranks on one host) proportionally; only faulted-in pages
-    count, as with PipeInfer's pmap figures. Where PSS is unavailable the PSS
-    figures are None. Peak RSS is floored by ``getrusage(RUSAGE_SELF).ru_maxrss``
-    (the kernel's high-water mark since process start, not since ``start()``;
-    it catches spikes between samples).
+    RSS from ``memory_info().rss`` (/proc/self/statm: microseconds); PSS from
+    ``memory_full_info().pss`` (Linux: /proc/self/smaps_rollup), which charges
+    shared pages (e.g. an mmapped model file shared by ranks on one host)
+    proportionally; only faulted-in pages count, as with PipeInfer's pmap
+    figures. A PSS reading walks every mapped page: 10-20 ms for a rank
+    holding a 2 GB model, so reading it every 0.2 s took 5-10% of a core from
+    the rank's computation; a rank's PSS grows with its KV cache and is read
+    again at :meth:`report`, so the slower rate loses little. Where PSS is
+    unavailable the PSS figures are None. Peak RSS is floored by
+    ``getrusage(RUSAGE_SELF).ru_maxrss`` (the kernel's high-water mark since
+    process start, not since ``start()``; it catches spikes between samples).
 
     Use ``start()`` / ``stop()`` or ``with MemorySampler() as m: ...`` (then
     ``m.result``). :meth:`sample` takes one reading on demand.
     """
 
-    def __init__(self, interval_s: float = 0.2):
-        if interval_s <= 0:
-            raise ValueError("interval_s must be > 0")
+    def __init__(self, interval_s: float = 0.2, pss_interval_s: float = 10.0):
+        if interval_s <= 0 or pss_interval_s <= 0:
+            raise ValueError("interval_s and pss_interval_s must be > 0")
         self.interval_s = interval_s
+        self.pss_interval_s = pss_interval_s
+        self._pss_at = 0.0  # time.monotonic() of the last PSS reading
         self._proc = psutil.Process()
         self._has_pss = True
         self._lock = threading.Lock()
@@ -244,7 +251,10 @@ class MemorySampler:
         self.peak_pss_bytes: int | None = None
         self.result: dict | None = None
 
-    def _read(self) -> tuple[int, int | None]:
+    def _read(self, pss: bool = True) -> tuple[int, int | None]:
+        if not pss:
+            return int(self._proc.memory_info().rss), None
+        self._pss_at = time.monotonic()
         if self._has_pss:
             try:
                 info = self._proc.memory_full_info()
@@ -256,11 +266,14 @@ class MemorySampler:
             self._has_pss = False
         return int(self._proc.memory_info().rss), None
 
-    def sample(self) -> tuple[int, int | None]:
-        """Take one reading now, update the peaks; returns (rss, pss) bytes."""
-        rss, pss = self._read()
+    def sample(self, pss: bool = True) -> tuple[int, int | None]:
+        """Take one reading now, update the peaks; returns (rss, pss) bytes
+        (pss None when not read: ``pss=False``, or unavailable)."""
+        rss, pss = self._read(pss)
         with self._lock:
-            self.rss_bytes, self.pss_bytes = rss, pss
+            self.rss_bytes = rss
+            if pss is not None or not self._has_pss:
+                self.pss_bytes = pss
             self.peak_rss_bytes = max(self.peak_rss_bytes, rss)
             if pss is not None:
                 self.peak_pss_bytes = max(self.peak_pss_bytes or 0, pss)
@@ -268,7 +281,7 @@ class MemorySampler:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            self.sample()
+            self.sample(pss=time.monotonic() - self._pss_at >= self.pss_interval_s)
 
     def start(self) -> "MemorySampler":
         if self._thread is not None:

@@ -160,6 +160,32 @@ def test_memory_sampler_context_manager_and_thread_samples():
     assert m.result["peak_rss_bytes"] >= m.result["rss_bytes"]
 
 
+def test_memory_sampler_reads_pss_only_every_pss_interval(monkeypatch):
+    """A PSS reading walks every mapped page (10-20 ms for a 2 GB model):
+    the thread reads RSS every interval, PSS at start, report and every
+    pss_interval_s only."""
+    import time
+    m = MemorySampler(interval_s=0.002, pss_interval_s=10.0)
+    full = m._proc.memory_full_info
+    calls = []
+    monkeypatch.setattr(m._proc, "memory_full_info", lambda: calls.append(1) or full())
+    m.start()
+    time.sleep(0.1)
+    res = m.stop()
+    assert len(calls) == 2  # start() and report()
+    assert res["peak_rss_bytes"] >= res["rss_bytes"] > 0
+    if res["pss_bytes"] is not None:
+        assert res["peak_pss_bytes"] >= res["pss_bytes"] > 0
+    m2 = MemorySampler(interval_s=0.002, pss_interval_s=0.01)
+    calls2 = []
+    full2 = m2._proc.memory_full_info
+    monkeypatch.setattr(m2._proc, "memory_full_info", lambda: calls2.append(1) or full2())
+    m2.start()
+    time.sleep(0.1)
+    m2.stop()
+    assert 4 <= len(calls2) < 40
+
+
 def test_memory_sampler_without_pss(monkeypatch):
     m = MemorySampler()
 
