@@ -11,13 +11,14 @@ from ggpipe.decoding.pipedec import PipeDecDecoder
 from ggpipe.decoding.pipelined import SpeculativeDecoder
 from ggpipe.decoding.settings import MODES, SpecSettings, check_draft_models
 from ggpipe.errors import ConfigError
+from ggpipe.pipeline.waiting import Wait
 from ggpipe.speculation.layer_drafter import LayerDrafter
 from ggpipe.speculation.proposers.base import ProposerConfig, make_proposer
 
 
 def build_decoder(mode: str, spec: SpecSettings, target, draft, *, n_ubatch: int, n_seq_max: int,
                   is_eog: Callable[[int], bool], timeout_s: float,
-                  idle: Callable[[], None] | None = None, more_drafts: Sequence = ()):
+                  idle: Wait | None = None, more_drafts: Sequence = ()):
     """The decoder of ``mode`` ("iterative", "speculative", "pipeinfer", "pipedec").
 
     Args:
@@ -29,8 +30,10 @@ def build_decoder(mode: str, spec: SpecSettings, target, draft, *, n_ubatch: int
         n_ubatch: prefill chunk size (tokens).
         n_seq_max: KV sequence ids of the target contexts.
         timeout_s: bound of every wait for a result (seconds).
-        idle: the speculative loop's wait for "any result" (see
-            ``SpeculativeDecoder``); None for real pipelines.
+        idle: the speculative loops' wait for "any result" (see
+            ``SpeculativeDecoder``): ``ggpipe.pipeline.waiting.EventWait``
+            over the pipelines for real ones, the simulator's clock for
+            simulated ones; None: back-off polling.
 
     Raises:
         ConfigError: unknown mode; a draft-model proposer without a draft

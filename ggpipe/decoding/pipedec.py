@@ -44,6 +44,7 @@ from ggpipe.decoding.settings import SpecSettings
 from ggpipe.errors import ProtocolError
 from ggpipe.metrics import GenerationClock
 from ggpipe.pipeline.runs import Run, RunResult, next_run_id
+from ggpipe.pipeline.waiting import Wait
 from ggpipe.sampling import Sampler
 from ggpipe.speculation.cutoff import CutoffController
 from ggpipe.speculation.layer_drafter import LayerDrafter
@@ -63,7 +64,7 @@ class PipeDecDecoder(SpeculativeDecoder):
     """
 
     def __init__(self, target, drafter: LayerDrafter, settings: SpecSettings, n_seq_max: int, n_ubatch: int,
-                 is_eog: Callable[[int], bool], timeout_s: float = 60.0, idle: Callable[[], None] | None = None):
+                 is_eog: Callable[[int], bool], timeout_s: float = 60.0, idle: Wait | None = None):
         super().__init__(target, drafter, settings, n_seq_max, n_ubatch, is_eog, timeout_s=timeout_s, idle=idle)
         self.drafter = drafter
         # one partition per layer run, one sequence of it per node (retired with the run)

@@ -35,16 +35,16 @@ The per-request state lives in :class:`~ggpipe.decoding.request.SpecRequest`.
 
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 import numpy as np
 
 from ggpipe.decoding.request import SpecRequest
 from ggpipe.decoding.settings import SpecSettings
-from ggpipe.errors import ProtocolError, RankTimeoutError
+from ggpipe.errors import ProtocolError
 from ggpipe.metrics import GenerationClock
 from ggpipe.pipeline.runs import Run, RunResult, next_run_id
+from ggpipe.pipeline.waiting import Wait, poll_wait
 from ggpipe.sampling import Sampler
 from ggpipe.speculation.adaptive import AcceptanceModel, AdaptiveCutoff, PassCost
 from ggpipe.speculation.cutoff import CutoffController
@@ -68,10 +68,14 @@ class SpeculativeDecoder:
         n_ubatch: prefill chunk size (tokens).
         is_eog: token -> end of generation?
         timeout_s: bound of every wait for a result (seconds).
-        idle: called when neither the target nor the proposer has a result
-            ready, returns when one may have; None: poll with growing sleeps
-            (20-200 us) up to ``timeout_s``. The simulator (ggpipe.sim) passes
-            one that moves its virtual clock to the next event.
+        idle: the wait when neither the target nor the proposer has a result:
+            ``idle(ready, timeout_s)`` returns when ``ready()`` may be true
+            (the loop checks again). Real pipelines:
+            :class:`ggpipe.pipeline.waiting.EventWait` (woken by the head's own
+            stages, probing other ranks around the time their results are
+            due); None: :func:`~ggpipe.pipeline.waiting.poll_wait` (sleeps of
+            20-200 us between checks). The simulator (ggpipe.sim) passes one
+            that moves its virtual clock to the next event.
 
     Raises:
         ValueError: stochastic sampling with a proposer whose trees are not
@@ -79,9 +83,9 @@ class SpeculativeDecoder:
     """
 
     def __init__(self, target, proposer: Proposer, settings: SpecSettings, n_seq_max: int, n_ubatch: int,
-                 is_eog: Callable[[int], bool], timeout_s: float = 60.0, idle: Callable[[], None] | None = None):
+                 is_eog: Callable[[int], bool], timeout_s: float = 60.0, idle: Wait | None = None):
         self.target = target
-        self._idle = idle
+        self._idle = idle or poll_wait
         self.proposer = proposer
         self.s = settings
         self.name = settings.mode
@@ -201,16 +205,9 @@ class SpeculativeDecoder:
                             self.acceptance.p if self.adaptive else None)
 
     def _wait_any(self) -> None:
-        if self._idle is not None:
-            self._idle()
-            return
-        t0 = time.monotonic()
-        delay = 20e-6
-        while not (self.target.ready() or self.proposer.ready()):
-            if time.monotonic() - t0 > self.timeout_s:
-                raise RankTimeoutError(f"no target or draft result for {self.timeout_s:.0f} s")
-            time.sleep(delay)
-            delay = min(delay * 1.5, 200e-6)
+        """Wait (bounded by ``timeout_s``) until the target or the proposer has a result."""
+        t, p = self.target, self.proposer
+        self._idle(lambda: t.ready() or p.ready(), self.timeout_s)
 
     # -- decisions -----------------------------------------------------------------
 

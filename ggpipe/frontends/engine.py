@@ -13,6 +13,7 @@ context (the proposer decodes only what it lacks).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -26,6 +27,7 @@ from ggpipe.sampling import Sampler, SamplingParams
 from ggpipe.cluster.session import Session
 from ggpipe.decoding.factory import build_decoder
 from ggpipe.decoding.settings import SpecSettings
+from ggpipe.pipeline.waiting import EventWait
 
 
 
@@ -83,9 +85,10 @@ class Engine:
         is_eog = (lambda t: False) if ignore_eos else self.vocab.is_eog
         cfg = session.config
         drafts = session.draft_pipelines
+        self.waiter = EventWait([session.pipeline, *drafts])
         self.decoder = build_decoder(mode, spec, session.pipeline, drafts[0] if drafts else None,
                                      more_drafts=drafts[1:], n_ubatch=cfg.ubatch, n_seq_max=cfg.n_seq_max,
-                                     is_eog=is_eog, timeout_s=cfg.timeout_s)
+                                     is_eog=is_eog, timeout_s=cfg.timeout_s, idle=self.waiter)
         self.last: Completion | None = None
 
     # -- tokens ------------------------------------------------------------------
@@ -180,6 +183,7 @@ class Engine:
         activity = self.session.activity
         if activity is not None:
             activity.set(f"answering a request ({len(toks)} prompt tokens, {self.mode})", clock)
+        waits0, cpu0 = dict(self.waiter.stats), time.thread_time()
         try:
             out = self.decoder.generate(np.asarray(toks[start:], dtype=np.int32), n_predict, sampler,
                                         start_pos=start, emit=emit, clock=clock, history=toks[:start])
@@ -195,5 +199,15 @@ class Engine:
                                       "length" if len(out) >= n_predict else "stop")
         self.last = Completion(tokens=[int(t) for t in out], text=state["text"], finish_reason=reason,
                                n_prompt=len(toks), n_reused=start, metrics=clock.as_dict(),
-                               decoder=dict(self.decoder.stats))
+                               decoder={**self.decoder.stats, **self._head_stats(waits0, cpu0)})
         return self.last
+
+    def _head_stats(self, waits0: dict, cpu0: float) -> dict:
+        """The head's main thread during the last request: its CPU time
+        (seconds) and the speculative loop's waits (ggpipe.pipeline.waiting)."""
+        w = self.waiter.stats
+        out = {"head_thread_cpu_s": round(time.thread_time() - cpu0, 4)}
+        if w["waits"] > waits0["waits"]:
+            out.update(head_waits=w["waits"] - waits0["waits"], head_wait_probes=w["probes"] - waits0["probes"],
+                       head_wait_local_wakeups=w["local_wakeups"] - waits0["local_wakeups"])
+        return out

@@ -26,6 +26,7 @@ import queue
 import threading
 import time
 from collections import deque
+from typing import Callable
 
 import numpy as np
 
@@ -80,6 +81,10 @@ class Pipeline:
         self._current: int | None = None
         self._busy = False
         self.busy_s = 0.0  # time the head spent computing its own stage
+        # the head's wait (ggpipe.pipeline.waiting): called by the executor after each job
+        self.on_event: Callable[[], None] | None = None
+        self.service_s: float | None = None  # EWMA of a remote result's service time (seconds)
+        self._last_arrival = 0.0
         self.stats = {"cancelled_before_start": 0, "cancelled_mid_compute": 0, "dropped_after_cancel": 0}
         self._jobs: queue.Queue | None = None
         self._error: BaseException | None = None
@@ -204,10 +209,14 @@ class Pipeline:
                 else:
                     self._kv_local(arg)
                 self._busy = not self._jobs.empty()
+                if self.on_event is not None:
+                    self.on_event()
         except BaseException as exc:  # surfaced on the main thread by _check()
             self._error = exc
             with self._done_cv:
                 self._done_cv.notify_all()
+            if self.on_event is not None:
+                self.on_event()
 
     def _decode_local(self, run: Run) -> None:
         header = m.DecodeHeader(run.run_id, run.pos, run.n_seq_id, run.seq_ids, run.outputs, m.PAYLOAD_EMBD,
@@ -301,6 +310,28 @@ class Pipeline:
             return bool(self._done)
         return self.transport.probe(self.last_rank, m.T_LOGITS) is not None
 
+    def next_due(self) -> tuple[float, float] | None:
+        """When the oldest in-flight run's result from the last stage on
+        another rank is expected: ``(time.perf_counter() seconds, service time
+        in seconds)``, the later of its start and the previous result's
+        arrival plus the measured service time (an EWMA over results;
+        cancelled ones excluded). The time is "now" while nothing was
+        measured yet. None: nothing in flight, or results come from the
+        head's own stage (they signal ``on_event``)."""
+        if not self.ranks or not self.inflight:
+            return None
+        if self.service_s is None:
+            return time.perf_counter(), 0.0
+        run = self.inflight[0]
+        return max(run.started_at, self._last_arrival) + self.service_s, self.service_s
+
+    def _arrived(self, run: Run, cancelled: bool) -> None:
+        now = time.perf_counter()
+        if not cancelled:
+            dt = now - max(run.started_at, self._last_arrival)
+            self.service_s = dt if self.service_s is None else self.service_s + 0.2 * (dt - self.service_s)
+        self._last_arrival = now
+
     def wait(self, timeout_s: float | None = None) -> RunResult:
         """Block (bounded) for the oldest in-flight run's result.
 
@@ -356,6 +387,7 @@ class Pipeline:
                 logits = flat.reshape(h.n_outputs, self.n_vocab)
         self.inflight.popleft()
         self._cancelled.discard(run.run_id)
+        self._arrived(run, bool(h.cancelled))
         if _TR:
             _TR.instant("recv", "head", run=run.run_id, cancelled=bool(h.cancelled), pipeline=self.name)
         return RunResult(run, logits, cancelled=bool(h.cancelled), finished_at=time.perf_counter())

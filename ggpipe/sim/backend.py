@@ -39,6 +39,7 @@ from typing import Callable
 
 from ggpipe.errors import RankTimeoutError
 from ggpipe.pipeline.runs import Run, RunResult
+from ggpipe.pipeline.waiting import Wait
 from ggpipe.sim.profile import LinkProfile
 from ggpipe.sim.toy import ToyLM, ToyPipeline
 
@@ -264,13 +265,14 @@ class SimPipeline(ToyPipeline):
         return all(s.spans[0][1] <= self.clock.now for s in self._schedule())
 
 
-def idle_until_next(clock: SimClock, pipes: list[SimPipeline]) -> Callable[[], None]:
-    """The decoding loop's wait for "any result": move the clock to the
+def idle_until_next(clock: SimClock, pipes: list[SimPipeline]) -> Wait:
+    """The decoding loop's wait for "any result" (``idle(ready, timeout_s)``,
+    as :class:`ggpipe.pipeline.waiting.EventWait`): move the clock to the
     earliest result in flight.
 
     Raises (from the returned function):
         RankTimeoutError: nothing is in flight (the loop would wait forever)."""
-    def idle() -> None:
+    def idle(ready: Callable[[], bool], timeout_s: float) -> None:
         t = min(p.next_due() for p in pipes)
         if math.isinf(t):
             raise RankTimeoutError("simulation: the decoding loop waits for a result but no run is in flight")

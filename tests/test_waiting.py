@@ -1,0 +1,115 @@
+"""The head's wait for "any result" (ggpipe.pipeline.waiting): woken by local
+events at once, probing remote results only around their due time, bounded
+by its time-out. No MPI, no model: pipelines are stand-ins with the two hooks."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from ggpipe.errors import RankTimeoutError
+from ggpipe.pipeline.waiting import EventWait, poll_wait
+
+
+class FakePipe:
+    """on_event (set by the wait) and next_due() -> (time, service) or None."""
+
+    def __init__(self, due=None):
+        self.on_event = None
+        self.due = due
+
+    def next_due(self):
+        return self.due
+
+
+def test_a_local_event_ends_the_wait_at_once_without_polling():
+    pipe = FakePipe()
+    wait = EventWait([pipe], idle_s=1.0)   # only the event can end it early
+    done = threading.Event()
+
+    def finish():
+        time.sleep(0.05)
+        done.set()
+        pipe.on_event()
+
+    threading.Thread(target=finish).start()
+    t0 = time.perf_counter()
+    wait(done.is_set, timeout_s=5.0)
+    dt = time.perf_counter() - t0
+    assert 0.04 < dt < 0.5
+    assert wait.stats["local_wakeups"] == 1 and wait.stats["probes"] <= 2
+
+
+def test_an_event_between_the_check_and_the_sleep_is_not_lost():
+    pipe = FakePipe()
+    wait = EventWait([pipe])
+    calls = []
+
+    def ready():
+        calls.append(1)
+        if len(calls) == 1:
+            pipe.on_event()   # lands right after the first check
+            return False
+        return True
+
+    t0 = time.perf_counter()
+    wait(ready, timeout_s=5.0)
+    assert time.perf_counter() - t0 < 0.02  # not the 50 ms idle sleep
+
+
+def test_a_remote_result_is_probed_only_from_shortly_before_it_is_due():
+    service = 0.08
+    pipe = FakePipe()
+    wait = EventWait([pipe], lead=0.25)
+    t0 = time.perf_counter()
+    pipe.due = (t0 + service, service)
+    seen = []
+
+    def ready():
+        now = time.perf_counter()
+        seen.append(now)
+        return now >= t0 + service
+
+    wait(ready, timeout_s=5.0)
+    # the first probe after the initial check comes no earlier than lead * service before the due time
+    assert seen[1] >= t0 + service * (1 - 0.25) - 2e-3
+    assert time.perf_counter() - t0 < service + 0.05
+    # back-off polling over 20 ms from 20 us to 200 us: tens of probes, not the ~400 of a 200 us poll for 80 ms
+    assert wait.stats["probes"] < 150
+
+
+def test_an_overdue_result_is_polled_with_back_off():
+    pipe = FakePipe(due=(time.perf_counter() - 1.0, 0.01))
+    wait = EventWait([pipe])
+    t0 = time.perf_counter()
+    wait(lambda: time.perf_counter() - t0 > 0.02, timeout_s=5.0)
+    assert 5 <= wait.stats["probes"] <= 400
+
+
+@pytest.mark.parametrize("due", [None, "overdue"])
+def test_the_wait_is_bounded_and_says_so(due):
+    pipe = FakePipe(due=None if due is None else (time.perf_counter() - 1.0, 0.01))
+    wait = EventWait([pipe], idle_s=0.01)
+    t0 = time.perf_counter()
+    with pytest.raises(RankTimeoutError, match="waited 0 s for a target or draft result"):
+        wait(lambda: False, timeout_s=0.1)
+    assert time.perf_counter() - t0 < 1.0
+
+
+def test_poll_wait_returns_when_ready_and_is_bounded():
+    t0 = time.perf_counter()
+    poll_wait(lambda: time.perf_counter() - t0 > 0.01, timeout_s=5.0)
+    with pytest.raises(RankTimeoutError):
+        poll_wait(lambda: False, timeout_s=0.05)
+
+
+def test_the_earliest_due_pipeline_decides():
+    now = time.perf_counter()
+    slow, soon = FakePipe(due=(now + 10.0, 1.0)), FakePipe(due=(now + 0.03, 0.03))
+    wait = EventWait([slow, soon, FakePipe()])
+    assert all(p.on_event is not None for p in wait.pipes)
+    t0 = time.perf_counter()
+    wait(lambda: time.perf_counter() - t0 > 0.03, timeout_s=5.0)
+    assert time.perf_counter() - t0 < 0.5
