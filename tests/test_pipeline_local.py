@@ -69,3 +69,37 @@ def test_a_speculative_run_on_aborted_cells_is_dropped_not_an_error():
         assert p.stats["dropped_after_cancel"] == 1
     finally:
         p.close()
+
+
+def test_next_due_times_small_runs_only():
+    """A remote pipeline's due time: the later of the run's start and the
+    previous arrival plus an EWMA of small runs' service times (a prompt
+    chunk would inflate it); None for nothing in flight or a local pipeline."""
+    import time
+
+    from ggpipe.pipeline.driver import SERVICE_MAX_TOKENS, Pipeline
+    from ggpipe.pipeline.runs import Run
+
+    pipe = Pipeline(None, None, ranks=[1], n_vocab=8)
+    assert pipe.next_due() is None and pipe.due_in() is None
+    prompt = Run.linear(np.arange(SERVICE_MAX_TOKENS + 1), 0)
+    prompt.started_at = time.perf_counter() - 0.5
+    pipe._arrived(prompt, cancelled=False)
+    assert pipe.service_s is None                       # a prompt chunk times nothing
+    step = Run.linear([3], 10)
+    pipe.inflight.append(step)
+    t, service = pipe.next_due()
+    assert service == 0.0 and t <= time.perf_counter()  # nothing measured: due now
+    step.started_at = time.perf_counter()
+    time.sleep(0.02)
+    pipe._arrived(step, cancelled=False)
+    assert 0.015 < pipe.service_s < 0.1
+    cancelled = Run.linear([4], 11)
+    cancelled.started_at = time.perf_counter() - 5.0
+    pipe._arrived(cancelled, cancelled=True)
+    assert pipe.service_s < 0.1                         # a cancelled run times nothing
+    nxt = Run.linear([5], 12)
+    nxt.started_at = time.perf_counter()
+    pipe.inflight[0] = nxt
+    assert 0.0 < pipe.due_in() <= pipe.service_s
+    assert Pipeline(object(), None, ranks=[], n_vocab=8).next_due() is None

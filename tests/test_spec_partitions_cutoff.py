@@ -184,3 +184,24 @@ def test_cutoff_rise_resets_on_a_new_root():
     assert c.exhausted
     c.rerooted()
     assert abs(c.cutoff - 0.3) < 1e-12 and not c.exhausted
+
+
+def test_wait_pays_weighs_the_next_token_against_the_wait():
+    """wait_pays: (1 + E + P p) / (wait + c(n+1)) > (1 + E) / c(n)."""
+    from ggpipe.speculation.adaptive import PassCost, wait_pays
+
+    cost = PassCost()
+    assert not wait_pays([0.9], 0.001, 1, cost)           # no cost curve yet: send now
+    cost.observe(1, 0.050)
+    cost.observe(2, 0.055)                                 # +5 ms per token
+    # a confident chain and a next token due in 2 ms: (1 + .9 + .81) / 62 ms > 1.9 / 55 ms
+    assert wait_pays([0.9], 0.002, 1, cost)
+    # due in 40 ms: not worth it
+    assert not wait_pays([0.9], 0.040, 1, cost)
+    # an unlikely chain: the next token would hardly be accepted
+    assert not wait_pays([0.2], 0.002, 1, cost)
+    # monotone: a longer wait never turns "no" into "yes"
+    answers = [wait_pays([0.9, 0.8], w / 1000, 2, cost) for w in range(0, 60)]
+    assert answers == sorted(answers, reverse=True) and answers[0] and not answers[-1]
+    # an overdue token (negative wait) counts as due now
+    assert wait_pays([0.9], -0.01, 1, cost) == wait_pays([0.9], 0.0, 1, cost)

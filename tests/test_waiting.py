@@ -62,7 +62,7 @@ def test_an_event_between_the_check_and_the_sleep_is_not_lost():
 def test_a_remote_result_is_probed_only_from_shortly_before_it_is_due():
     service = 0.08
     pipe = FakePipe()
-    wait = EventWait([pipe], lead=0.25)
+    wait = EventWait([pipe], lead=0.25, early_max_s=1.0)
     t0 = time.perf_counter()
     pipe.due = (t0 + service, service)
     seen = []
@@ -78,6 +78,16 @@ def test_a_remote_result_is_probed_only_from_shortly_before_it_is_due():
     assert time.perf_counter() - t0 < service + 0.05
     # back-off polling over 20 ms from 20 us to 200 us: tens of probes, not the ~400 of a 200 us poll for 80 ms
     assert wait.stats["probes"] < 150
+
+
+def test_a_result_far_earlier_than_its_estimate_is_seen_within_the_probe_interval():
+    pipe = FakePipe()
+    wait = EventWait([pipe], early_max_s=2e-3)
+    t0 = time.perf_counter()
+    pipe.due = (t0 + 1.0, 1.0)             # estimated in a second, arrives after 10 ms
+    wait(lambda: time.perf_counter() - t0 > 0.01, timeout_s=5.0)
+    assert time.perf_counter() - t0 < 0.01 + 0.01
+    assert wait.stats["probes"] <= 12       # one per 2 ms, not a poll
 
 
 def test_an_overdue_result_is_polled_with_back_off():

@@ -46,7 +46,7 @@ from ggpipe.metrics import GenerationClock
 from ggpipe.pipeline.runs import Run, RunResult, next_run_id
 from ggpipe.pipeline.waiting import Wait, poll_wait
 from ggpipe.sampling import Sampler
-from ggpipe.speculation.adaptive import AcceptanceModel, AdaptiveCutoff, PassCost
+from ggpipe.speculation.adaptive import AcceptanceModel, AdaptiveCutoff, PassCost, wait_pays
 from ggpipe.speculation.cutoff import CutoffController
 from ggpipe.speculation.graph import ACCEPTED, DEAD, SpecGraph
 from ggpipe.speculation.partitions import PartitionPool
@@ -136,7 +136,7 @@ class SpeculativeDecoder:
                     if tree is not None:
                         self._speculated(tree)
                 elif (s.asynchronous and (s.continuous or r.pending_root is not None)
-                      and p.can_cut() and self.target.head_idle()):
+                      and p.can_cut() and self.target.head_idle() and not self._wait_for_draft()):
                     # the head's target stage would idle: hand it what is drafted, keep drafting below it
                     tree, tip = p.cut(r.cutoff.at(r.spec_path), self._room)
                     ids = self._speculated(tree)
@@ -203,6 +203,26 @@ class SpeculativeDecoder:
         calibration (``--p-accept auto``)."""
         self.proposer.start(params, np.random.default_rng(None if params.seed is None else params.seed + 1),
                             self.acceptance.p if self.adaptive else None)
+
+    def _wait_for_draft(self) -> bool:
+        """The head's target stage is idle and the proposer can hand over
+        what it drafted: rather wait for its next token? (``wait_draft``;
+        :func:`~ggpipe.speculation.adaptive.wait_pays` from the calibrated
+        acceptance of the chain drafted so far, the proposer's time to its
+        next token and the target's pass cost curve.)"""
+        if not self.s.wait_draft:
+            return False
+        wait_s = self.proposer.due_in()
+        tree = self.proposer.partial()
+        if wait_s is None or not tree:
+            return False
+        tip = max(range(len(tree)), key=tree.depth)
+        chain = [self.acceptance.p(tree.draft_p[i]) for i in tree.path(tip)]
+        n_pass = len(tree) + (self.r.pending_root is not None)
+        if not wait_pays(chain, wait_s, n_pass, self.pass_cost):
+            return False
+        self.r.counts["waited_for_draft"] += 1
+        return True
 
     def _wait_any(self) -> None:
         """Wait (bounded by ``timeout_s``) until the target or the proposer has a result."""

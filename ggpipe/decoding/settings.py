@@ -44,6 +44,11 @@ class SpecSettings:
             [--spec-vote].
         tree_width: pipedec: most nodes per prediction-tree layer [--tree-width].
         max_children: pipedec: most children per tree node [--max-children].
+        wait_draft: pipeinfer: when the head's target stage runs out of work
+            while the draft decodes the next token, wait for it if that gives
+            more expected tokens per second of the target
+            (ggpipe.speculation.adaptive.wait_pays); False: hand over what is
+            drafted at once [--wait-draft/--no-wait-draft].
     """
 
     mode: str = "pipeinfer"
@@ -62,6 +67,7 @@ class SpecSettings:
     vote: tuple[str, ...] = ("draft", "ngram")
     tree_width: int = 1     # a chain: exact in every run (README "Exactness"); trees measured slower here
     max_children: int = 4
+    wait_draft: bool = True
     default_threshold: float = 0.25  # adaptive: path probability worth a token until costs are measured
 
     @property

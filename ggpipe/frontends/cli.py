@@ -134,6 +134,10 @@ def speculation_options(f):
                      help="pipedec: most children per prediction-tree node."),
         click.option("--no-continuous", is_flag=True, help="pipeinfer without continuous speculation (ablation)."),
         click.option("--no-cancel", is_flag=True, help="pipeinfer without early inference cancellation (ablation)."),
+        click.option("--no-wait-draft", is_flag=True,
+                     help="pipeinfer: when the head's target stage runs out of work, hand over what is drafted at "
+                          "once, instead of waiting for the draft's next token where the measured costs say it "
+                          "pays."),
     ]
     return _apply(opts, f)
 
@@ -181,7 +185,8 @@ def _vote_members(ctx, param, value: str) -> tuple[str, ...]:
 
 
 def _spec_settings(mode, spec_type, n_draft, p_accept, p_split, p_recovery, p_decay, branches, max_inflight,
-                   no_continuous, no_cancel, ngram_min, ngram_max, vote, tree_width=1, max_children=4):
+                   no_continuous, no_cancel, ngram_min, ngram_max, vote, tree_width=1, max_children=4,
+                   no_wait_draft=False):
     from ggpipe.decoding.settings import SpecSettings  # noqa: PLC0415
 
     spec_type = SPEC_TYPE_ALIASES.get(spec_type, spec_type)
@@ -193,7 +198,7 @@ def _spec_settings(mode, spec_type, n_draft, p_accept, p_split, p_recovery, p_de
                         p_split=p_split, p_recovery=p_recovery, p_decay=p_decay, width=branches,
                         continuous=not no_continuous, cancel=not no_cancel, max_inflight=max_inflight,
                         ngram_min=ngram_min, ngram_max=ngram_max, vote=vote, tree_width=tree_width,
-                        max_children=max_children)
+                        max_children=max_children, wait_draft=not no_wait_draft)
 
 
 def sampling_options(f):
@@ -218,7 +223,7 @@ def job_options(f):
 _JOB_KEYS = ("model", "draft_model", "split", "threads", "ctx_size", "ubatch", "n_seq_max", "timeout", "flash_attn",
              "liveness_timeout", "mode", "spec_type", "ngram_min", "ngram_max", "vote",
              "n_draft", "p_accept", "p_split", "p_recovery", "p_decay", "branches", "max_inflight", "no_continuous",
-             "no_cancel", "tree_width", "max_children", "n_predict", "temp", "top_k", "top_p", "seed", "ignore_eos")
+             "no_cancel", "no_wait_draft", "tree_width", "max_children", "n_predict", "temp", "top_k", "top_p", "seed", "ignore_eos")
 
 
 def utf8_prompt(text: str, what: str = "-p") -> str:
@@ -268,7 +273,8 @@ def split_job_options(kw: dict):
     sampling = SamplingParams(temperature=o["temp"], top_k=o["top_k"], top_p=o["top_p"], seed=o["seed"]).validate()
     spec = _spec_settings(o["mode"], o["spec_type"], o["n_draft"], o["p_accept"], o["p_split"], o["p_recovery"],
                           o["p_decay"], o["branches"], o["max_inflight"], o["no_continuous"], o["no_cancel"],
-                          o["ngram_min"], o["ngram_max"], o["vote"], o["tree_width"], o["max_children"])
+                          o["ngram_min"], o["ngram_max"], o["vote"], o["tree_width"], o["max_children"],
+                          o["no_wait_draft"])
     n_seq_max = o["n_seq_max"] if o["n_seq_max"] is not None else auto_n_seq_max(o["mode"], spec)
     if o["split"] is not None and o["split"].startswith("auto"):
         from ggpipe.frontends.plan import auto_split

@@ -38,6 +38,7 @@ from ggpipe.trace import tracer
 from ggpipe.transport import messages as m
 
 _TR = tracer()  # per-rank event trace (GGPIPE_TRACE_DIR), None when off
+SERVICE_MAX_TOKENS = 16  # runs up to this size time a pipeline's service (next_due); prompt chunks do not
 
 
 class Pipeline:
@@ -314,8 +315,9 @@ class Pipeline:
         """When the oldest in-flight run's result from the last stage on
         another rank is expected: ``(time.perf_counter() seconds, service time
         in seconds)``, the later of its start and the previous result's
-        arrival plus the measured service time (an EWMA over results;
-        cancelled ones excluded). The time is "now" while nothing was
+        arrival plus the measured service time (an EWMA over the results
+        of runs of at most ``SERVICE_MAX_TOKENS`` tokens, since prompt
+        chunks would inflate it; cancelled runs excluded). The time is "now" while nothing was
         measured yet. None: nothing in flight, or results come from the
         head's own stage (they signal ``on_event``)."""
         if not self.ranks or not self.inflight:
@@ -325,11 +327,16 @@ class Pipeline:
         run = self.inflight[0]
         return max(run.started_at, self._last_arrival) + self.service_s, self.service_s
 
+    def due_in(self) -> float | None:
+        """:meth:`next_due` as seconds from now (<= 0: overdue), or None."""
+        d = self.next_due()
+        return None if d is None else d[0] - time.perf_counter()
+
     def _arrived(self, run: Run, cancelled: bool) -> None:
         now = time.perf_counter()
-        if not cancelled:
+        if not cancelled and run.n_tokens <= SERVICE_MAX_TOKENS:
             dt = now - max(run.started_at, self._last_arrival)
-            self.service_s = dt if self.service_s is None else self.service_s + 0.2 * (dt - self.service_s)
+            self.service_s = dt if self.service_s is None else self.service_s + 0.3 * (dt - self.service_s)
         self._last_arrival = now
 
     def wait(self, timeout_s: float | None = None) -> RunResult:

@@ -194,6 +194,11 @@ class SimPipeline(ToyPipeline):
             return math.inf
         return self._schedule()[0].due
 
+    def due_in(self) -> float | None:
+        """Simulated seconds until the oldest run's result reaches the head (None: none in flight)."""
+        t = self.next_due()
+        return None if math.isinf(t) else t - self.clock.now
+
     # -- ToyPipeline's timing hooks -------------------------------------------------
 
     def _event(self, rank: int, **ev) -> None:

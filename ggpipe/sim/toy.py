@@ -231,6 +231,10 @@ class ToyPipeline:
     def head_idle(self) -> bool:
         return True
 
+    def due_in(self) -> float | None:
+        """No time estimate (the simulator's pipelines have one)."""
+        return None
+
     # -- the toy model ----------------------------------------------------------
 
     def _evaluate(self, run: Run):

@@ -30,7 +30,7 @@ tokens needs more confidence, as ``p_recovery`` approximated.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -127,6 +127,41 @@ def draft_threshold(cost: PassCost, default: float, lo: float = 0.05, hi: float 
     if c1 is None or c2 is None or c1 <= 0:
         return default
     return float(min(hi, max(lo, (c2 - c1 + draft_step_s) / c1)))
+
+
+def wait_pays(chain_p: Sequence[float], wait_s: float, n_pass: int, cost: PassCost) -> bool:
+    """The per-pass decision of the pipelined loop (issue "Speculation that
+    pays", part 2): the head's target stage is idle and could take the
+    ``n_pass`` tokens drafted so far now, or idle ``wait_s`` seconds more for
+    the draft's next token and take ``n_pass + 1``. Waiting pays when it
+    gives more expected tokens per second of the target:
+
+        (1 + E + P * p) / (wait_s + cost(n + 1))  >  (1 + E) / cost(n)
+
+    with ``chain_p`` the calibrated acceptance of each drafted token of the
+    chain, E the expected accepted tokens of the chain (sum of its prefix
+    products), P the probability the whole chain is accepted, p the next
+    token's (estimated as the tip's), and 1 the token the pass decides in
+    any case (the correction or the bonus token).
+
+    Args:
+        chain_p: calibrated acceptance (0..1) per drafted token, anchor
+            first; non-empty.
+        wait_s: seconds until the next drafted token is expected.
+        n_pass: tokens the pass would carry now (>= 1).
+        cost: the target's pass cost curve.
+
+    Returns:
+        False while the cost curve is unknown (send now, as before)."""
+    c_now, c_next = cost.cost(n_pass), cost.cost(n_pass + 1)
+    if c_now is None or c_next is None or c_now <= 0 or not chain_p:
+        return False
+    prefix, expected = 1.0, 0.0
+    for p in chain_p:
+        prefix *= p
+        expected += prefix
+    gain = prefix * chain_p[-1]
+    return (1.0 + expected + gain) * c_now > (1.0 + expected) * (max(wait_s, 0.0) + c_next)
 
 
 class AdaptiveCutoff:

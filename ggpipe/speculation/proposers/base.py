@@ -100,6 +100,11 @@ class DecodeBackend(Protocol):
     def wait(self, timeout_s: float | None = None) -> DraftResult:
         """The oldest run's result (bounded wait; raises RankTimeoutError)."""
 
+    def due_in(self) -> float | None:
+        """Seconds until the oldest run's result is expected (<= 0: overdue),
+        from the measured service time; None: nothing in flight, or no
+        estimate."""
+
 
 def sync_kv(pipe: DecodeBackend, cursor: list[int], context: list[int], n_ubatch: int,
             want_logits: bool) -> tuple[int, bool]:
@@ -169,6 +174,13 @@ class Proposer(Protocol):
             decode from submission to result; 0 for an instant proposer;
             None until measured). Adaptive depth charges it when the target waits for
             the draft (synchronous speculation).
+
+    ``due_in()``: seconds until the next drafted token is expected (<= 0:
+    overdue), or None (nothing being drafted, an instant proposer, or no
+    estimate yet); ``partial()``: the tree being drafted as far as it has
+    grown (read only), or None. The loop's per-pass "wait for the draft or
+    send now" decision reads both; a proposer whose ``due_in()`` is None is
+    never waited for.
     """
 
     name: str
@@ -195,6 +207,8 @@ class Proposer(Protocol):
     def drain_ready(self) -> None: ...
     def settle(self, timeout_s: float) -> None: ...
     def reset(self) -> None: ...
+    def due_in(self) -> float | None: ...
+    def partial(self) -> SpecTree | None: ...
 
 
 REGISTRY: dict[str, str] = {
@@ -280,6 +294,14 @@ class InstantProposer:
         self.active = False
         tree, self._tree = self._tree, None
         return tree
+
+    def due_in(self) -> float | None:
+        """Never waited for: the tree is there as soon as it is begun."""
+        return None
+
+    def partial(self) -> SpecTree | None:
+        """None: nothing grows in the background."""
+        return None
 
     def can_cut(self) -> bool:
         return False

@@ -165,6 +165,13 @@ class DraftModelProposer:
         res = self.pipe.poll()
         return None if res is None else self.step(res)
 
+    def due_in(self) -> float | None:
+        """Seconds until the draft decode in flight returns its token (the
+        backend's estimate), or None (nothing being drafted, or no estimate)."""
+        if not self.active or self._cached is not None or not self.pipe.inflight:
+            return None
+        return self.pipe.due_in()
+
     def salvage(self, decided: list[int]) -> tuple[SpecTree, int] | None:
         """The target decided ``decided`` below the anchor of the tree being
         drafted. If they lead into it and its tip is still below them: the

@@ -333,6 +333,15 @@ class VoteProposer:
     def busy(self) -> bool:
         return any(self.members[i].busy() for i in self.leads)
 
+    def due_in(self) -> float | None:
+        """None: the vote hands over what the majority path has at once
+        (its merged tree exists only when cut)."""
+        return None
+
+    def partial(self) -> SpecTree | None:
+        """None (see :meth:`due_in`)."""
+        return None
+
     def drain_ready(self) -> None:
         for i in self.leads:
             self.members[i].drain_ready()
