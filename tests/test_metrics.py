@@ -161,7 +161,7 @@ def test_memory_sampler_context_manager_and_thread_samples():
 
 
 def test_memory_sampler_reads_pss_only_every_pss_interval(monkeypatch):
-    """A PSS reading walks every mapped page (10-20 ms for a 2 GB model):
+    """A PSS reading walks every mapped page (10-20 ms for a rank holding the F32 target):
     the thread reads RSS every interval, PSS at start, report and every
     pss_interval_s only."""
     import time
