@@ -225,8 +225,9 @@ class MemorySampler:
     proportionally; only faulted-in pages count, as with PipeInfer's pmap
     figures. A PSS reading walks every mapped page: 10-20 ms for a rank
     holding the 681 MB F32 target, so reading it every 0.2 s took 3-8% of a
-    core from the rank's computation (docs/BENCHMARKS.md §11); a rank's PSS grows with its KV cache and is read
-    again at :meth:`report`, so the slower rate loses little. Where PSS is
+    core from the rank's computation (docs/BENCHMARKS.md §11); a rank's PSS
+    grows with its KV cache and is read again at :meth:`report`, so the
+    slower rate loses little. Where PSS is
     unavailable the PSS figures are None. Peak RSS is floored by
     ``getrusage(RUSAGE_SELF).ru_maxrss`` (the kernel's high-water mark since
     process start, not since ``start()``; it catches spikes between samples).
@@ -252,15 +253,14 @@ class MemorySampler:
         self.result: dict | None = None
 
     def _read(self, pss: bool = True) -> tuple[int, int | None]:
-        if not pss:
-            return int(self._proc.memory_info().rss), None
-        self._pss_at = time.monotonic()
-        if self._has_pss:
+        if pss:
+            self._pss_at = time.monotonic()
+        if pss and self._has_pss:
             try:
                 info = self._proc.memory_full_info()
-                pss = getattr(info, "pss", None)
-                if pss is not None:
-                    return int(info.rss), int(pss)
+                value = getattr(info, "pss", None)
+                if value is not None:
+                    return int(info.rss), int(value)
             except (psutil.AccessDenied, NotImplementedError, OSError):
                 pass
             self._has_pss = False

@@ -71,7 +71,7 @@ def test_a_speculative_run_on_aborted_cells_is_dropped_not_an_error():
         p.close()
 
 
-def test_next_due_times_small_runs_only():
+def test_result_due_times_small_runs_only():
     """A remote pipeline's due time: the later of the run's start and the
     previous arrival plus an EWMA of small runs' service times (a prompt
     chunk would inflate it); None for nothing in flight or a local pipeline."""
@@ -81,14 +81,14 @@ def test_next_due_times_small_runs_only():
     from ggpipe.pipeline.runs import Run
 
     pipe = Pipeline(None, None, ranks=[1], n_vocab=8)
-    assert pipe.next_due() is None and pipe.due_in() is None
+    assert pipe.result_due() is None and pipe.due_in() is None
     prompt = Run.linear(np.arange(SERVICE_MAX_TOKENS + 1), 0)
     prompt.started_at = time.perf_counter() - 0.5
     pipe._arrived(prompt, cancelled=False)
     assert pipe.service_s is None                       # a prompt chunk times nothing
     step = Run.linear([3], 10)
     pipe.inflight.append(step)
-    t, service = pipe.next_due()
+    t, service = pipe.result_due()
     assert service == 0.0 and t <= time.perf_counter()  # nothing measured: due now
     step.started_at = time.perf_counter()
     time.sleep(0.02)
@@ -102,4 +102,4 @@ def test_next_due_times_small_runs_only():
     nxt.started_at = time.perf_counter()
     pipe.inflight[0] = nxt
     assert 0.0 < pipe.due_in() <= pipe.service_s
-    assert Pipeline(object(), None, ranks=[], n_vocab=8).next_due() is None
+    assert Pipeline(object(), None, ranks=[], n_vocab=8).result_due() is None

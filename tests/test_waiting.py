@@ -14,13 +14,13 @@ from ggpipe.pipeline.waiting import EventWait, poll_wait
 
 
 class FakePipe:
-    """on_event (set by the wait) and next_due() -> (time, service) or None."""
+    """on_event (set by the wait) and result_due() -> (time, service) or None."""
 
     def __init__(self, due=None):
         self.on_event = None
         self.due = due
 
-    def next_due(self):
+    def result_due(self):
         return self.due
 
 

@@ -223,7 +223,8 @@ def job_options(f):
 _JOB_KEYS = ("model", "draft_model", "split", "threads", "ctx_size", "ubatch", "n_seq_max", "timeout", "flash_attn",
              "liveness_timeout", "mode", "spec_type", "ngram_min", "ngram_max", "vote",
              "n_draft", "p_accept", "p_split", "p_recovery", "p_decay", "branches", "max_inflight", "no_continuous",
-             "no_cancel", "no_wait_draft", "tree_width", "max_children", "n_predict", "temp", "top_k", "top_p", "seed", "ignore_eos")
+             "no_cancel", "no_wait_draft", "tree_width", "max_children", "n_predict", "temp", "top_k", "top_p", "seed",
+             "ignore_eos")
 
 
 def utf8_prompt(text: str, what: str = "-p") -> str:

@@ -119,7 +119,8 @@ def _split(text):
               help="pipedec: most nodes per prediction-tree layer.")
 @click.option("--max-children", default=4, show_default=True, type=click.IntRange(1, 64),
               help="pipedec: most children per tree node.")
-@click.option("--no-wait-draft", is_flag=True, help="pipeinfer: hand over what is drafted at once (as ggpipe generate).")
+@click.option("--no-wait-draft", is_flag=True,
+              help="pipeinfer: hand over what is drafted at once (as ggpipe generate).")
 @click.option("-n", "--n-predict", default=128, show_default=True, type=click.IntRange(1, 1 << 16))
 @click.option("--n-prompt", default=128, show_default=True, type=click.IntRange(1, 1 << 16))
 @click.option("--prompts", default=3, show_default=True, type=click.IntRange(1, 1000), help="Requests per configuration.")
@@ -128,7 +129,8 @@ def _split(text):
               help="Write each configuration's per-rank traces to DIR/<link>_r<ranks>_<mode>/ "
                    "(draw them with ggpipe timeline).")
 def simulate_command(profile_path, target, draft, modes, ranks, links, split, acceptance, confidence_exponent,
-                     n_draft, p_accept, tree_width, max_children, no_wait_draft, n_predict, n_prompt, prompts, as_json, timeline_dir):
+                     n_draft, p_accept, tree_width, max_children, no_wait_draft, n_predict, n_prompt, prompts, as_json,
+                     timeline_dir):
     """Simulate jobs on a virtual clock: the real decoding loops against measured costs.
 
     Reports tokens/s, TTFT, ITL, tokens per target pass, acceptance and per-rank busy share for every

@@ -38,7 +38,7 @@ from ggpipe.trace import tracer
 from ggpipe.transport import messages as m
 
 _TR = tracer()  # per-rank event trace (GGPIPE_TRACE_DIR), None when off
-SERVICE_MAX_TOKENS = 16  # runs up to this size time a pipeline's service (next_due); prompt chunks do not
+SERVICE_MAX_TOKENS = 16  # runs up to this size time a pipeline's service (result_due); prompt chunks do not
 
 
 class Pipeline:
@@ -311,14 +311,14 @@ class Pipeline:
             return bool(self._done)
         return self.transport.probe(self.last_rank, m.T_LOGITS) is not None
 
-    def next_due(self) -> tuple[float, float] | None:
+    def result_due(self) -> tuple[float, float] | None:
         """When the oldest in-flight run's result from the last stage on
         another rank is expected: ``(time.perf_counter() seconds, service time
         in seconds)``, the later of its start and the previous result's
         arrival plus the measured service time (an EWMA over the results
         of runs of at most ``SERVICE_MAX_TOKENS`` tokens, since prompt
-        chunks would inflate it; cancelled runs excluded). The time is "now" while nothing was
-        measured yet. None: nothing in flight, or results come from the
+        chunks would inflate it; cancelled runs excluded). The time is "now"
+        while nothing was measured yet. None: nothing in flight, or results come from the
         head's own stage (they signal ``on_event``)."""
         if not self.ranks or not self.inflight:
             return None
@@ -328,8 +328,8 @@ class Pipeline:
         return max(run.started_at, self._last_arrival) + self.service_s, self.service_s
 
     def due_in(self) -> float | None:
-        """:meth:`next_due` as seconds from now (<= 0: overdue), or None."""
-        d = self.next_due()
+        """:meth:`result_due` as seconds from now (<= 0: overdue), or None."""
+        d = self.result_due()
         return None if d is None else d[0] - time.perf_counter()
 
     def _arrived(self, run: Run, cancelled: bool) -> None:

@@ -14,7 +14,7 @@ anything to hand them. Two kinds of results end such a wait:
   no wake-up a thread can block on without spinning a core (a blocking
   ``MPI_Probe`` busy-polls in MPICH and Open MPI), so the wait probes, but
   often only from shortly before the time the oldest in-flight run's result
-  is due (:meth:`ggpipe.pipeline.driver.Pipeline.next_due`: when it started,
+  is due (:meth:`ggpipe.pipeline.driver.Pipeline.result_due`: when it started,
   or when the previous result arrived, plus the measured service time);
   until then it sleeps on the event, probing once per 2 ms in case the
   result comes earlier than estimated.
@@ -61,7 +61,7 @@ def poll_wait(ready: Ready, timeout_s: float, min_s: float = 20e-6, max_s: float
 
 
 class EventWait:
-    """A wait over ``pipes`` (objects with ``on_event`` and ``next_due()``,
+    """A wait over ``pipes`` (objects with ``on_event`` and ``result_due()``,
     i.e. :class:`ggpipe.pipeline.driver.Pipeline`), called as
     ``wait(ready, timeout_s)``.
 
@@ -81,7 +81,7 @@ class EventWait:
     Attributes:
         stats: "waits" (calls that had to wait), "probes" (readiness checks
             made while waiting), "local_wakeups" (waits ended by a local
-            event), "slept_s" (seconds spent blocked on the event).
+            event).
     """
 
     def __init__(self, pipes: Sequence, lead: float = 0.25, min_s: float = 20e-6, max_s: float = 200e-6,
@@ -95,13 +95,13 @@ class EventWait:
         self._wake = threading.Event()
         for p in self.pipes:
             p.on_event = self._wake.set
-        self.stats = {"waits": 0, "probes": 0, "local_wakeups": 0, "slept_s": 0.0}
+        self.stats = {"waits": 0, "probes": 0, "local_wakeups": 0}
 
     def _due(self) -> tuple[float, float] | None:
         """(time, service time) of the earliest remote result expected, or None."""
         best = None
         for p in self.pipes:
-            d = p.next_due()
+            d = p.result_due()
             if d is not None and (best is None or d[0] < best[0]):
                 best = d
         return best
@@ -131,10 +131,7 @@ class EventWait:
                 early = at - self.lead * service - now
                 polling = early <= self.min_s
                 sleep = delay if polling else min(early, self.early_max_s)
-            s0 = time.perf_counter()
-            woke = self._wake.wait(sleep)
-            st["slept_s"] += time.perf_counter() - s0
-            if woke:
+            if self._wake.wait(sleep):
                 st["local_wakeups"] += 1
                 delay = self.min_s
             elif polling:
