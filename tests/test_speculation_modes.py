@@ -206,6 +206,23 @@ def test_sampled_vote_generates(goliath, smollm2):
     assert len(got["tokens"]) == 48 and got["decoder"]["spec_type"] == "vote"
 
 
+@pytest.mark.mpi
+def test_sampled_vote_over_two_draft_ranks_is_reproducible(goliath, smollm2, smollm2_skip26):
+    """Stochastic verification of chains voted by two draft models on ranks
+    of their own (3 ranks, synchronous speculation, so what is drafted does
+    not depend on timing): both drafts proposed, drafts were verified, and
+    the same seed gives the same tokens (the distribution itself is tested
+    in test_vote.py, two draft models included)."""
+    args = ["-md", f"{smollm2},{smollm2_skip26}", "--mode", "speculative", "--spec-type", "vote",
+            "--temp", "0.8", "--seed", "7", "--ignore-eos"]
+    runs = [generate_json(goliath, PROMPTS[1], 32, 3, args) for _ in range(2)]
+    assert runs[0]["tokens"] == runs[1]["tokens"] and len(runs[0]["tokens"]) == 32
+    dec = runs[0]["decoder"]
+    assert dec["spec_type"] == "vote" and dec["drafted"] > 0, dec
+    assert dec["vote_draft_proposed"] > 0 and dec["vote_draft2_proposed"] > 0, dec
+    assert [r["model"] for r in runs[0]["ranks"]] == ["target", "draft", "draft2"]
+
+
 # -- Staged SD's draft-of-draft: the draft model checking n-gram guesses ---------------------
 
 STAGED_LAYOUTS = [(2, "pipeinfer", None), (3, "speculative", "0.5,0.5/1.0"), (4, "pipeinfer", "0.4,0.6/0.5,0.5")]

@@ -5,6 +5,7 @@ pipelines (no MPI, no model). Real-weight exactness: tests/test_speculation_mode
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -219,14 +220,13 @@ def test_stochastic_vote_preserves_the_target_distribution():
 # -- several draft models (-md a,b), each on its own pipeline ---------------------------
 
 
-def _two_drafts(mode: str, latency: int, lat2: int, flip2: float, members=("draft", "ngram")):
+def _two_drafts(mode: str, latency: int, lat2: int, flip2: float, members=("draft", "ngram"), **spec):
     from ggpipe.decoding.factory import build_decoder
 
     target = FakePipeline(ToyLM(V), latency=latency, cell_order=True)
     good = FakePipeline(ToyLM(V, flip=0.1), latency=1, name="draft")
     poor = FakePipeline(ToyLM(V, flip=flip2, seed=5), latency=lat2, name="draft2")
-    spec = SpecSettings(mode=mode, spec_type="vote", vote=members)
-    dec = build_decoder(mode, spec, target, good, more_drafts=[poor], n_ubatch=8, n_seq_max=64,
+    dec = build_decoder(mode, SpecSettings(mode=mode, spec_type="vote", vote=members, **spec), target, good, more_drafts=[poor], n_ubatch=8, n_seq_max=64,
                         is_eog=lambda t: False, timeout_s=5)
     return dec, target, good, poor
 
@@ -253,6 +253,38 @@ def test_a_vote_over_two_draft_models_stays_exact_and_learns_the_better_one(mode
     again = dec.generate(np.array([out[-1], 7], np.int32), 20, Sampler(SamplingParams()), start_pos=len(hist),
                          history=hist)
     assert again == ToyLM(V).greedy(hist + [out[-1], 7], 20)
+
+
+@pytest.mark.parametrize("mode,members", [("speculative", ("draft",)), ("pipeinfer", ("draft", "ngram"))])
+def test_stochastic_vote_over_two_draft_models_preserves_the_target_distribution(mode, members):
+    """Sampling at temperature 1 through a vote of two draft models on
+    pipelines of their own (each drawing its chain from its own q, the
+    merged chain verified with one-hot q): the marginal law of the third
+    generated token equals the target's, sum over t1, t2 of
+    p(t1) p(t2 | t1) p(t3 | t1 t2) (chi-square, p = 0.001)."""
+    lm = ToyLM(V, margin=1.0)
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0)
+    ctx = list(PROMPT)
+    p1 = target_probs(lm.logits(ctx), params)
+    p3 = np.zeros(V)
+    for t1 in range(V):
+        p2 = target_probs(lm.logits(ctx + [t1]), params)
+        for t2 in range(V):
+            p3 += p1[t1] * p2[t2] * target_probs(lm.logits(ctx + [t1, t2]), params)
+    dec, target, good, poor = _two_drafts(mode, 6, 1, 0.5, members=members, p_accept=0.0)
+    target.model = lm
+    good.model, poor.model = ToyLM(V, margin=1.0, flip=0.1), ToyLM(V, margin=1.0, flip=0.5, seed=5)
+    counts = np.zeros(V)
+    n, drafted = 1500, 0
+    for s in range(n):
+        target.seq_rm(-1, 0, -1)   # as the engine does before a request that reuses no prefix
+        out = dec.generate(np.array(ctx, np.int32), 3, Sampler(replace(params, seed=s)))
+        counts[out[2]] += 1
+        drafted += dec.stats["drafted"]
+    st = dec.stats
+    assert drafted > n / 2 and st["vote_draft_proposed"] > 0 and st["vote_draft2_proposed"] > 0, (drafted, st)
+    stat, df = chi2(counts, p3)
+    assert stat < critical(df), (stat, df)
 
 
 def test_several_draft_models_are_refused_outside_a_vote():

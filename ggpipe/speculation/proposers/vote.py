@@ -135,8 +135,10 @@ class VoteProposer:
               acceptance: Callable[[float], float] | None = None) -> None:
         self.params = params
         self.acceptance = acceptance
-        for m in self.members:
-            m.start(params, rng, None if m.instant else acceptance)
+        # a stream of its own per member: several draft models' results arrive in an order that timing decides,
+        # and draws from one shared stream would make what each drafts depend on that order
+        for m, own in zip(self.members, rng.spawn(len(self.members))):
+            m.start(params, own, None if m.instant else acceptance)
         self.book.start()
         self.active = False
         self._result = None
@@ -159,7 +161,7 @@ class VoteProposer:
     # -- one micro-batch ------------------------------------------------------
 
     def begin(self, context: list[int], cutoff: float, max_nodes: int,
-              first_cutoff: float | None = None) -> None:
+              first_cutoff: float | None = None, look_cutoff: float = 0.0) -> None:
         if self.active:
             raise RuntimeError("a micro-batch is already being drafted")
         self._start_tree(list(context), cutoff, cutoff if first_cutoff is None else first_cutoff, max_nodes)
@@ -168,7 +170,7 @@ class VoteProposer:
             self._result = self._close()
         else:
             for i in self.leads:
-                self.members[i].begin(context, cutoff, max_nodes, first_cutoff)
+                self.members[i].begin(context, cutoff, max_nodes, first_cutoff, look_cutoff)
 
     def _start_tree(self, ctx: list[int], cutoff: float, first_cutoff: float, max_nodes: int) -> None:
         self._ctx = ctx
