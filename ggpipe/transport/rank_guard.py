@@ -155,23 +155,24 @@ def _comm() -> bytes:
 
 def _guard(rank: int, child: int, page: mmap.mmap) -> None:
     passed_on: set[int] = set()
-
-    def forward(signum, frame):  # noqa: ARG001 (signal handler signature)
-        passed_on.add(signum)
-        try:
-            os.kill(child, signum)
-        except ProcessLookupError:
-            pass
-
-    for s in FORWARDED:
-        signal.signal(s, forward)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+    # signals are taken synchronously (sigtimedwait) with FORWARDED blocked since before the fork: a Python
+    # handler can be lost for as long as the rank lives, when its signal lands after the last check for
+    # pending handlers and before waitpid blocks (seen on a loaded machine: a SIGTERM never passed on)
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])
     while True:
         try:
-            _, status = os.waitpid(child, 0)  # retried after a signal handler runs (PEP 475)
-            break
+            done, status = os.waitpid(child, os.WNOHANG)
         except ChildProcessError:
             os._exit(1)
+        if done:
+            break
+        info = signal.sigtimedwait((*FORWARDED, signal.SIGCHLD), 1.0)  # the time-out bounds a missed SIGCHLD
+        if info is not None and info.si_signo in FORWARDED:
+            passed_on.add(info.si_signo)
+            try:
+                os.kill(child, info.si_signo)
+            except ProcessLookupError:
+                pass
     if os.WIFEXITED(status):
         os._exit(os.WEXITSTATUS(status))
     sig = os.WTERMSIG(status)
