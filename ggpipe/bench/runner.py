@@ -21,11 +21,12 @@ PROMPTS = [
 
 
 def ggpipe_run(model: str, prompt: str, n: int, ranks: int | None, args: list[str] = (),
-               timeout_s: float = 1800, cwd: str | None = None) -> dict:
+               timeout_s: float = 1800, cwd: str | None = None, env: dict | None = None) -> dict:
     """Run one greedy generation of exactly ``n`` tokens (--ignore-eos) and
     return its --json summary. ``cwd``: the runs' working directory (``/``
     keeps ``python -m`` from importing a ggpipe checkout in the caller's
-    directory ahead of ``PYTHONPATH``).
+    directory ahead of ``PYTHONPATH``); ``env``: the runs' environment
+    (default: this process's).
 
     Raises:
         SystemExit: the run failed (its stderr is shown).
@@ -34,7 +35,7 @@ def ggpipe_run(model: str, prompt: str, n: int, ranks: int | None, args: list[st
            "--json", *args]
     if ranks is not None:
         cmd = [find_launcher("mpiexec"), "-n", str(ranks), *cmd]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False, cwd=cwd)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False, cwd=cwd, env=env)
     if p.returncode != 0:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{p.stderr[-2000:]}")
     return json.loads(p.stdout)
