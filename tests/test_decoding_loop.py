@@ -287,6 +287,81 @@ def test_adaptive_depth_stays_exact_and_learns():
     assert AdaptiveCutoff(m, c, 0.3).at(1.0) == AdaptiveCutoff(m, c, 0.3).first_at(1.0)
 
 
+def test_look_ahead_rule_of_synchronous_adaptive_depth():
+    """look_threshold: the least tip path probability P with
+    mean(max(0, P a - bar)) >= cost; DecodeRate: a decayed ratio of sums;
+    AdaptiveCutoff in synchronous speculation (draft step and decode rate
+    measured): keep a token at rate x marginal pass cost, charge the draft
+    step to the look; in pipeinfer (no draft step) every tip is decoded."""
+    from ggpipe.speculation.adaptive import AcceptanceModel, AdaptiveCutoff, DecodeRate, PassCost, look_threshold
+
+    a = np.array([0.2, 0.6, 1.0])
+    assert look_threshold(np.array([]), 0.2, 0.1) == 0.0                  # nothing known yet: look
+    assert look_threshold(a, 0.2, 0.0) == 0.0
+    assert look_threshold(a, 0.2, 0.5) == float("inf")                   # mean((a - 0.2)+) = 0.4 < 0.5
+    pp = look_threshold(a, 0.2, 0.2)
+    gain = lambda x: float(np.maximum(x * a - 0.2, 0).mean())             # noqa: E731
+    assert abs(gain(pp) - 0.2) < 1e-6 and 0 < pp < 1
+    assert look_threshold(a, 0.2, 0.1) < pp < look_threshold(a, 0.2, 0.3)  # dearer looks need surer tips
+    r = DecodeRate(alpha=0.5)
+    assert r.rate() is None
+    r.observe(2, 0.1)
+    r.observe(4, 0.1)
+    r.observe(9, 0.0)                       # no time: ignored
+    assert abs(r.rate() - (0.5 * 2 + 4) / (0.5 * 0.1 + 0.1)) < 1e-9
+    m, c = AcceptanceModel(), PassCost()
+    c.observe(1, 0.040)
+    c.observe(3, 0.060)                     # 10 ms per token in a pass
+    for q in (0.9, 0.8, 0.3, 0.95):
+        assert m.at_look(q) == m.p(q)
+    assert np.allclose(m.looked(), [0.9, 0.8, 0.3, 0.95])
+    cut = AdaptiveCutoff(m, c, 0.3, draft_step=lambda: 0.012, rate=lambda: 20.0)
+    assert abs(cut.at(1.0) - 0.2) < 1e-9 and abs(cut.first_at(1.0) - 0.2) < 1e-9    # 20/s x 10 ms
+    assert abs(cut.look_threshold - look_threshold(m.looked(), 0.2, 20.0 * 0.012)) < 1e-12
+    assert abs(cut.look_at(0.5) - cut.look_threshold / 0.5) < 1e-12
+    assert AdaptiveCutoff(m, c, 0.3, draft_step=lambda: 0.040, rate=lambda: 20.0).look_threshold == float("inf")
+    assert AdaptiveCutoff(m, c, 0.3, rate=lambda: 20.0).look_threshold == 0.0                # pipeinfer
+    unmeasured = AdaptiveCutoff(m, c, 0.3, draft_step=lambda: 0.012, rate=lambda: None)     # the old rule
+    assert unmeasured.look_threshold == 0.0 and abs(unmeasured.at(1.0) - (0.01 + 0.012) / 0.04) < 1e-9
+
+
+@pytest.mark.parametrize("mode,spec_type,vote,want", [
+    ("speculative", "draft", ("draft", "ngram"), None), ("pipeinfer", "draft", ("draft", "ngram"), 0.3),
+    ("speculative", "ngram", ("draft", "ngram"), None), ("pipeinfer", "ngram", ("draft", "ngram"), None),
+    ("speculative", "vote", ("draft", "ngram"), 0.3), ("speculative", "staged", ("draft", "ngram"), 0.3),
+])
+def test_p_accept_default_is_auto_where_it_measured_better(mode, spec_type, vote, want):
+    """The CLI's --p-accept default (docs/BENCHMARKS.md section 4)."""
+    from ggpipe.frontends.cli import _spec_settings
+
+    s = _spec_settings(mode, spec_type, 8, "default", 0.1, 0.0, 0.0, 1, 4, False, False, 1, 4, vote)
+    assert s.p_accept == want
+    assert _spec_settings(mode, spec_type, 8, 0.5, 0.1, 0.0, 0.0, 1, 4, False, False, 1, 4, vote).p_accept == 0.5
+
+
+def test_draft_model_proposer_skips_looks_below_the_look_cutoff():
+    """With a calibration, the chain's tip is decoded for the next token only
+    while the path probability reaches ``look_cutoff``; the tip it stops at
+    is kept, undecoded."""
+    model = ToyLM(V)
+    draft = FakePipeline(model, latency=1, name="draft")
+    p = DraftModelProposer(ProposerConfig(backend=draft, n_vocab=V, n_ubatch=4, p_split=1.0, width=1))
+    ctx = list(PROMPT)
+    for look, n_nodes in ((0.6, 1), (0.4, 2), (0.0, 5)):
+        p.start(SamplingParams(), np.random.default_rng(0), acceptance=lambda q: 0.5)
+        p.settle(5)
+        p.prefill(ctx[:-1])
+        p.settle(5)
+        p.begin(ctx, cutoff=0.0, max_nodes=5, look_cutoff=look)
+        tree = None
+        while tree is None:
+            if p.ready():
+                tree = p.poll()
+        assert tree.tokens == model.greedy(ctx, n_nodes), look
+        assert p.cursor == ctx + tree.tokens[:-1]          # the tip was not decoded
+    assert p.stats["looks_skipped"] == 2
+
+
 def test_ngram_confidence_and_calibrated_truncation():
     """Drafts carry n/(n+1) for a matched suffix of n tokens; with a
     calibration, the chain stops where its path probability falls below the

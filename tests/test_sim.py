@@ -399,12 +399,15 @@ def test_plan_balance_puts_fewer_layers_on_a_slow_rank(tmp_path):
 def test_speculative_auto_depth_charges_the_measured_draft_step():
     """In synchronous speculation the draft model proposer measures its
     one-token round trip (virtual time here: 2 layers x 0.1 ms + head
-    0.2 ms + 0.1 ms each way = 0.6 ms), and --p-accept auto adds it to the
-    marginal cost of a drafted token; pipeinfer does not charge it."""
+    0.2 ms + 0.1 ms each way = 0.6 ms), and --p-accept auto charges it to
+    the look at a chain's next token (the decode rate times the step, in
+    tokens); a token is kept at the decode rate times its marginal pass
+    cost. Pipeinfer does not charge the step (drafting overlaps)."""
     from ggpipe.decoding.factory import build_decoder
     from ggpipe.sampling import Sampler, SamplingParams
     from ggpipe.sim.backend import idle_until_next
     from ggpipe.sim.run import build
+    from ggpipe.speculation.adaptive import look_threshold
 
     prof = Profile("toy", None, [flat_host(1.0, 2.0)], [LinkProfile(0, 1, 0.1 * MS, 0.0)])
     draft = ModelDesc("d", (LayerShape(100, 25),) * 2, LayerShape(100, 25), 8, 64)
@@ -418,8 +421,15 @@ def test_speculative_auto_depth_charges_the_measured_draft_step():
         assert dec.proposer.step_s == pytest.approx(0.6 * MS)
         assert dec.stats["draft_step_ms"] == pytest.approx(0.6, abs=1e-3)
         c1, c2 = dec.pass_cost.cost(1), dec.pass_cost.cost(2)
-        step = 0.6 * MS if mode == "speculative" else 0.0
-        want = min(0.6, max(0.05, (c2 - c1 + step) / c1))
+        if mode == "speculative":
+            lam = dec.decode_rate.rate()
+            want = min(0.6, max(0.05, lam * (c2 - c1)))
+            assert dec.stats["look_threshold"] == pytest.approx(
+                look_threshold(dec.acceptance.looked(), want, lam * 0.6 * MS), abs=1e-4)   # (rounded)
+            assert dec.stats["looks_skipped"] > 0
+        else:
+            want = min(0.6, max(0.05, (c2 - c1) / c1))
+            assert dec.stats["look_threshold"] == 0.0
         assert dec.stats["draft_threshold"] == pytest.approx(want)
 
 

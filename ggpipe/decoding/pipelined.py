@@ -46,7 +46,7 @@ from ggpipe.metrics import GenerationClock
 from ggpipe.pipeline.runs import Run, RunResult, next_run_id
 from ggpipe.pipeline.waiting import Wait, poll_wait
 from ggpipe.sampling import Sampler
-from ggpipe.speculation.adaptive import AcceptanceModel, AdaptiveCutoff, PassCost, wait_pays
+from ggpipe.speculation.adaptive import AcceptanceModel, AdaptiveCutoff, DecodeRate, PassCost, wait_pays
 from ggpipe.speculation.cutoff import CutoffController
 from ggpipe.speculation.graph import ACCEPTED, DEAD, SpecGraph
 from ggpipe.speculation.partitions import PartitionPool
@@ -98,7 +98,9 @@ class SpeculativeDecoder:
         # adaptive speculation depth (--p-accept auto): learnt across requests
         self.acceptance = AcceptanceModel()
         self.pass_cost = PassCost()
+        self.decode_rate = DecodeRate()
         self._last_finish = 0.0
+        self._last_decision = 0.0     # when the request's last tokens were decided (the results' clock)
 
     @property
     def adaptive(self) -> bool:
@@ -181,7 +183,9 @@ class SpeculativeDecoder:
         self.target.submit_prompt(tokens, start_pos, self.n_ubatch)
         r.kv_top = len(r.context)
         self.proposer.prefill(r.context[:-1])
-        logits = self.target.drain(self.timeout_s)[-1].logits[0]
+        last = self.target.drain(self.timeout_s)[-1]
+        logits = last.logits[0]
+        self._last_decision = last.finished_at
         if self._settle_after_prefill:
             self.proposer.settle(self.timeout_s)
         clock.prompt_done()
@@ -194,7 +198,8 @@ class SpeculativeDecoder:
         """The request's confidence cutoff (PipeInfer IV.B.2), adaptive with ``--p-accept auto``."""
         s = self.s
         serial = None if s.asynchronous else (lambda: self.proposer.step_s)  # speculative: the target waits
-        return (AdaptiveCutoff(self.acceptance, self.pass_cost, s.default_threshold, serial) if self.adaptive
+        return (AdaptiveCutoff(self.acceptance, self.pass_cost, s.default_threshold, serial, self.decode_rate.rate)
+                if self.adaptive
                 else CutoffController(s.p_accept, s.p_recovery, s.p_decay))
 
     def _start_proposer(self, params) -> None:
@@ -202,7 +207,7 @@ class SpeculativeDecoder:
         drafting RNG seeded from the request's seed, and the acceptance
         calibration (``--p-accept auto``)."""
         self.proposer.start(params, np.random.default_rng(None if params.seed is None else params.seed + 1),
-                            self.acceptance.p if self.adaptive else None)
+                            self.acceptance.at_look if self.adaptive else None)
 
     def _wait_for_draft(self) -> bool:
         """The head's target stage is idle and the proposer can hand over
@@ -320,6 +325,9 @@ class SpeculativeDecoder:
         for seq, p0, p1 in g.take_swap_ops():           # buffer swap into sequence 0
             self.target.seq_cp(seq, 0, p0, p1)
         if decisions:
+            if self._last_decision and res.finished_at:
+                self.decode_rate.observe(len(decisions), res.finished_at - self._last_decision)
+            self._last_decision = res.finished_at
             self._accept_tokens([d.token for d in decisions])
             last = decisions[-1]
             if last.node is None and not r.done:
@@ -394,7 +402,8 @@ class SpeculativeDecoder:
             return
         r.spec_anchor = anchor
         r.spec_path = 1.0 if anchor is None else r.graph.path_p(anchor, self._calib)
-        self.proposer.begin(ctx, r.cutoff.at(r.spec_path), max_nodes, first_cutoff=r.cutoff.first_at(r.spec_path))
+        self.proposer.begin(ctx, r.cutoff.at(r.spec_path), max_nodes, first_cutoff=r.cutoff.first_at(r.spec_path),
+                            look_cutoff=r.cutoff.look_at(r.spec_path))
         if self.proposer.instant:
             self._speculated(self.proposer.poll())
 
@@ -533,6 +542,8 @@ class SpeculativeDecoder:
             acceptance_rate=(g.n_draft_accepted / drafted) if drafted else None,
             accepted_per_pass=(len(r.out) - 1) / passes if len(r.out) > 1 else None,
             draft_threshold=r.cutoff.threshold if self.adaptive else None,
+            look_threshold=_finite_or(r.cutoff.look_threshold, "never") if self.adaptive else None,
+            decode_rate=None if self.decode_rate.rate() is None else round(self.decode_rate.rate(), 2),
             acceptance_exponent=self.acceptance.k if self.adaptive else None,
             pass_cost_ms={n: round(1e3 * t, 2) for n, t in sorted(self.pass_cost.mean.items())},
             draft_step_ms=None if self.proposer.step_s is None else round(1e3 * self.proposer.step_s, 3),
@@ -540,3 +551,8 @@ class SpeculativeDecoder:
             head_cancelled_mid_compute=self.target.stats["cancelled_mid_compute"],
             head_dropped_after_cancel=self.target.stats.get("dropped_after_cancel", 0),
         )
+
+
+def _finite_or(x: float, word: str) -> float | str:
+    """``x`` rounded for ``--json`` (strict JSON has no infinity), else ``word``."""
+    return round(x, 4) if np.isfinite(x) else word

@@ -29,8 +29,10 @@ class SpecSettings:
         p_accept: confidence cutoff [--p-accept]; None (``auto``):
             adaptive depth from the measured pass cost curve and calibrated
             draft acceptance (ggpipe.speculation.adaptive). The CLI's default
-            is 0.3 for the draft model (auto measured 3% slower there) and
-            auto for n-gram drafts (7% faster); docs/BENCHMARKS.md section 4.
+            is 0.3 for the draft model in pipeinfer mode (auto measured 3%
+            slower there), auto for it in speculative mode (6% faster, with
+            the look-ahead rule) and for n-gram drafts (7% faster);
+            docs/BENCHMARKS.md section 4.
         p_split: runner-up probability that adds a sibling leaf [--p-split].
         p_recovery: cutoff increase per continued micro-batch [--p-recovery].
         p_decay: cutoff decrease per failed idle attempt [--p-decay].

@@ -21,6 +21,15 @@ speculation length, section 3.3):
   the token also holds up the target for one draft step ``d``, so the cost
   it adds is ``cost(2) - cost(1) + d``; in pipeinfer the draft works while the
   target does, and ``d`` is not charged.
+* :func:`look_threshold` (synchronous speculation, once the loop's decode
+  rate is measured, :class:`DecodeRate`): the draft step is charged where it
+  is spent, on decoding the chain's tip to see the next token, whether that
+  token is then kept or not. The tip is decoded only when the expected gain
+  of the next token pays for ``rate * d``; a token is kept when its path
+  probability reaches ``rate * (cost(2) - cost(1))``. Costs become tokens
+  through the measured rate: maximising tokens per second is maximising
+  tokens minus ``rate`` times seconds at the optimal rate (Dinkelbach), and
+  ``1 / cost(1)`` above is the rate without speculation.
 
 The path probability of a node is the product of calibrated acceptance along
 its unverified ancestors and itself, so speculation far beyond the verified
@@ -29,6 +38,7 @@ tokens needs more confidence, as ``p_recovery`` approximated.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -51,18 +61,31 @@ class AcceptanceModel:
 
     GRID = np.geomspace(0.1, 4.0, 60)
 
-    def __init__(self, window: int = 512, refit_every: int = 16):
+    def __init__(self, window: int = 512, refit_every: int = 16, looks: int = 256):
         self.window = window
         self.refit_every = refit_every
         self.k = 1.0
         self._q: list[float] = []
         self._a: list[bool] = []
         self._new = 0
+        self._looked: deque[float] = deque(maxlen=looks)
 
     def p(self, q: float) -> float:
         """Estimated probability (0..1) that a draft token of draft
         probability ``q`` (0..1) is accepted."""
         return float(min(1.0, max(q, 1e-6)) ** self.k)
+
+    def at_look(self, q: float) -> float:
+        """:meth:`p` for a token the draft has just drafted (whether or not
+        it goes into a tree); its draft probability is kept (the last
+        ``looks``) for :meth:`looked`."""
+        self._looked.append(min(1.0, max(float(q), 1e-6)))
+        return self.p(q)
+
+    def looked(self) -> np.ndarray:
+        """Calibrated acceptance (float64 (n,), 0..1) of the last drafted
+        tokens: what the draft's next token is likely to be worth."""
+        return np.asarray(self._looked, dtype=np.float64) ** self.k
 
     def observe(self, q: float, accepted: bool) -> None:
         """A draft token of probability ``q`` was verified: accepted or not."""
@@ -114,6 +137,70 @@ class PassCost:
         ts = np.array([self.mean[int(n)] for n in ns])
         slope, icpt = np.polyfit(ns, ts, 1)
         return float(icpt + slope * n_tokens)
+
+
+@dataclass
+class DecodeRate:
+    """Tokens decided per second of decoding (the loop's own throughput),
+    as a ratio of exponentially decayed sums: each observation weighs
+    ``1 - alpha`` times the one after it.
+
+    Attributes:
+        alpha: decay per observation.
+    """
+
+    alpha: float = 0.1
+    tokens: float = 0.0
+    seconds: float = 0.0
+
+    def observe(self, n_tokens: int, seconds: float) -> None:
+        """``n_tokens`` tokens were decided ``seconds`` after the previous decision."""
+        if seconds <= 0:
+            return
+        self.tokens = (1.0 - self.alpha) * self.tokens + n_tokens
+        self.seconds = (1.0 - self.alpha) * self.seconds + seconds
+
+    def rate(self) -> float | None:
+        """Tokens per second, or None before the first decision."""
+        return self.tokens / self.seconds if self.seconds > 0 and self.tokens > 0 else None
+
+
+def look_threshold(accept: np.ndarray, gain_bar: float, look_cost: float) -> float:
+    """The least path probability P of a chain's tip at which decoding the
+    tip, to see the draft's next token, pays for itself: the next token is
+    worth ``max(0, P a - gain_bar)`` (kept in the tree only when its path
+    probability P a reaches ``gain_bar``), and the look costs ``look_cost``
+    in the same unit (tokens: seconds times the decode rate), so
+
+        mean over a of max(0, P a - gain_bar)  >=  look_cost
+
+    with ``a`` the calibrated acceptance of recently drafted tokens (an
+    optimal-stopping rule with one step of look-ahead; the ratio of tokens
+    to time is maximised by comparing gains with ``rate`` times costs,
+    Dinkelbach's method for fractional programs).
+
+    Args:
+        accept: calibrated acceptance samples (0..1), float (n,).
+        gain_bar: the least path probability a token needs to be kept.
+        look_cost: the look's cost in tokens (>= 0).
+
+    Returns:
+        P in (0, 1]; ``inf`` when even P = 1 does not pay; 0 with no
+        samples (look, as before)."""
+    a = np.asarray(accept, dtype=np.float64)
+    if a.size == 0 or look_cost <= 0:
+        return 0.0
+
+    def gain(pp: float) -> float:
+        return float(np.maximum(pp * a - gain_bar, 0.0).mean())
+
+    if gain(1.0) < look_cost:
+        return float("inf")
+    lo, hi = 0.0, 1.0
+    for _ in range(30):              # gain is increasing in P: bisection
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if gain(mid) < look_cost else (lo, mid)
+    return hi
 
 
 def draft_threshold(cost: PassCost, default: float, lo: float = 0.05, hi: float = 0.6,
@@ -168,7 +255,19 @@ class AdaptiveCutoff:
     """The cutoff controller of adaptive speculation, with the interface of
     :class:`~ggpipe.speculation.cutoff.CutoffController`: :meth:`at` is the
     least path probability a drafted node needs, given the path probability
-    ``path_p`` of its anchor (1 for a verified anchor).
+    ``path_p`` of its anchor (1 for a verified anchor); :meth:`look_at` the
+    least path probability of a chain's tip worth decoding to see the token
+    after it.
+
+    Synchronous speculation (``draft_step`` given), once the decode rate
+    ``rate`` (tokens/s) and the draft step ``d`` are measured: a drafted
+    token is kept when its path probability reaches ``rate * (cost(2) -
+    cost(1))`` (what it adds to the target's pass, in tokens), and the tip is
+    decoded to see one more token only when :func:`look_threshold` says the
+    expected gain pays for ``rate * d``. A confidence cutoff alone pays that
+    draft step for the token it then drops, once per micro-batch. Until then
+    (and in pipeinfer, where drafting overlaps verification):
+    :func:`draft_threshold`, and every tip is decoded.
 
     Args:
         acceptance: the calibration, shared across requests.
@@ -177,20 +276,41 @@ class AdaptiveCutoff:
         draft_step: seconds per drafted token the target waits for (None:
             drafting overlaps verification; or the proposer's measured step
             cost, which may be None until measured).
+        rate: the decode loop's measured tokens per second (None until
+            measured), for the synchronous rule.
     """
 
     def __init__(self, acceptance: AcceptanceModel, cost: PassCost, default: float,
-                 draft_step: Callable[[], float | None] | None = None):
+                 draft_step: Callable[[], float | None] | None = None,
+                 rate: Callable[[], float | None] | None = None):
         self.acceptance = acceptance
         self.cost = cost
         self.default = default
         self.draft_step = draft_step
+        self.rate = rate
+
+    def _serial(self) -> tuple[float, float] | None:
+        """(tokens/s, draft step s) when the synchronous rule applies."""
+        if self.draft_step is None or self.rate is None:
+            return None
+        d, lam = self.draft_step(), self.rate()
+        c1, c2 = self.cost.cost(1), self.cost.cost(2)
+        if d is None or lam is None or c1 is None or c2 is None:
+            return None
+        return lam, d
+
+    def _gain_bar(self, lam: float, lo: float = 0.05, hi: float = 0.6) -> float:
+        return float(min(hi, max(lo, lam * (self.cost.cost(2) - self.cost.cost(1)))))
 
     @property
     def threshold(self) -> float:
         """Least path probability of a drafted token beyond the first below
         an anchor: to reach it the draft decodes the token before it, one
-        draft step (charged when the target waits for it)."""
+        draft step (charged when the target waits for it, unless
+        :attr:`look_threshold` charges it)."""
+        serial = self._serial()
+        if serial is not None:
+            return self._gain_bar(serial[0])
         d = self.draft_step() if self.draft_step is not None else None
         return draft_threshold(self.cost, self.default, draft_step_s=d or 0.0)
 
@@ -198,7 +318,20 @@ class AdaptiveCutoff:
     def first_threshold(self) -> float:
         """The same for the first token below an anchor: the draft decodes
         the anchor in any case, so no draft step is charged."""
+        serial = self._serial()
+        if serial is not None:
+            return self._gain_bar(serial[0])
         return draft_threshold(self.cost, self.default)
+
+    @property
+    def look_threshold(self) -> float:
+        """Least path probability of a chain's tip worth a draft step to see
+        the next token (synchronous speculation; 0: always)."""
+        serial = self._serial()
+        if serial is None:
+            return 0.0
+        lam, d = serial
+        return look_threshold(self.acceptance.looked(), self._gain_bar(lam), lam * d)
 
     def at(self, path_p: float) -> float:
         """Cutoff (compared with the path probability accumulated below the
@@ -208,6 +341,11 @@ class AdaptiveCutoff:
     def first_at(self, path_p: float) -> float:
         """:meth:`at` for the first token below the anchor."""
         return self.first_threshold / max(path_p, 1e-9)
+
+    def look_at(self, path_p: float) -> float:
+        """The tip's least path probability below an anchor of path
+        probability ``path_p`` worth decoding it for the next token."""
+        return self.look_threshold / max(path_p, 1e-9)
 
     def exhausted_at(self, path_p: float) -> bool:
         """No node below such an anchor can be worth drafting."""

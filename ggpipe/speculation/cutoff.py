@@ -95,5 +95,10 @@ class CutoffController:
         """The cutoff of the first token below the anchor: the same."""
         return self.cutoff
 
+    def look_at(self, path_p: float) -> float:
+        """Least path probability of a chain's tip worth decoding for the
+        next token: 0 (the cutoff alone ends a chain)."""
+        return 0.0
+
     def exhausted_at(self, path_p: float) -> bool:
         return self.exhausted

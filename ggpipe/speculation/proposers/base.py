@@ -14,10 +14,12 @@ Life of a proposer (one per decoder; it may keep caches across requests):
   ``acceptance``, a calibration draft probability -> P(accepted), the cutoff
   applies to the product of calibrated acceptance along a path), ``prefill(context)``
   once the prompt is known (may start work and return at once);
-* ``begin(context, cutoff, max_nodes, first_cutoff)`` starts a micro-batch
-  below ``context[-1]`` (the anchor, at position ``len(context) - 1``);
-  ``first_cutoff`` (default ``cutoff``) applies to the first token below the
-  anchor, which needs no draft step of its own;
+* ``begin(context, cutoff, max_nodes, first_cutoff, look_cutoff)`` starts a
+  micro-batch below ``context[-1]`` (the anchor, at position
+  ``len(context) - 1``); ``first_cutoff`` (default ``cutoff``) applies to the
+  first token below the anchor, which needs no draft step of its own; a
+  proposer whose next token costs a draft step takes that step only while
+  the chain's path probability is at least ``look_cutoff`` (0: always);
 * while ``active``: ``ready()`` says ``poll()`` would make progress without
   waiting; ``poll()`` makes it and returns the finished tree (possibly empty:
   nothing worth verifying), or None while drafting goes on;
@@ -194,7 +196,7 @@ class Proposer(Protocol):
               acceptance: Callable[[float], float] | None = None) -> None: ...
     def prefill(self, context: list[int]) -> None: ...
     def begin(self, context: list[int], cutoff: float, max_nodes: int,
-              first_cutoff: float | None = None) -> None: ...
+              first_cutoff: float | None = None, look_cutoff: float = 0.0) -> None: ...
     def ready(self) -> bool: ...
     def poll(self) -> SpecTree | None: ...
     def can_cut(self) -> bool: ...
@@ -266,12 +268,13 @@ class InstantProposer:
         pass
 
     def begin(self, context: list[int], cutoff: float, max_nodes: int,
-              first_cutoff: float | None = None) -> None:
+              first_cutoff: float | None = None, look_cutoff: float = 0.0) -> None:
         """Draft at once. With a calibration (``start(..., acceptance)``), a
         chain is cut where the product of calibrated acceptance of its nodes'
         confidences (``SpecTree.draft_p``) falls below ``cutoff``
         (``first_cutoff`` for its first node); without one, the cutoff (a
-        draft model's probability) does not apply."""
+        draft model's probability) does not apply. ``look_cutoff`` does not
+        apply (drafting costs no draft step)."""
         if self.active:
             raise RuntimeError("a micro-batch is already being drafted")
         tree = self.propose(list(context), max_nodes)

@@ -70,6 +70,7 @@ class DraftModelProposer:
         self._parent = -1
         self._cutoff = 1.0
         self._first_cutoff = 1.0
+        self._look_cutoff = 0.0
         self._max_nodes = 0
         self._pending_runs = 0
         self._cached: np.ndarray | None = None
@@ -128,11 +129,13 @@ class DraftModelProposer:
     # -- growing a tree --------------------------------------------------------
 
     def begin(self, context: list[int], cutoff: float, max_nodes: int,
-              first_cutoff: float | None = None) -> None:
+              first_cutoff: float | None = None, look_cutoff: float = 0.0) -> None:
         """Start a micro-batch below the last token of ``context`` (every token
         up to and including the anchor; the anchor is at position
         len(context) - 1). ``first_cutoff`` (default ``cutoff``) applies to
-        the first token below the anchor."""
+        the first token below the anchor. With a calibration, the chain's tip
+        is decoded for the next token only while the path probability is at
+        least ``look_cutoff`` (adaptive depth's look-ahead rule)."""
         if self.active:
             raise RuntimeError("a micro-batch is already being drafted")
         self.tree = SpecTree(anchor_pos=len(context) - 1)
@@ -140,6 +143,7 @@ class DraftModelProposer:
         self._path = 1.0
         self._cutoff = cutoff
         self._first_cutoff = cutoff if first_cutoff is None else first_cutoff
+        self._look_cutoff = look_cutoff
         self._max_nodes = max_nodes
         self.active = True
         self._cached = None
@@ -238,6 +242,7 @@ class DraftModelProposer:
         self.tree = SpecTree(anchor_pos=tree.pos(tip))
         self._parent = -1
         self._cutoff = self._first_cutoff = cutoff  # the new tree goes on below a drafted tip
+        self._look_cutoff = 0.0
         self._max_nodes = room(self.tree.anchor_pos)
         return tree, tip
 
@@ -277,6 +282,9 @@ class DraftModelProposer:
         self._last_logits = (len(self.cursor), logits)
         if tok is None or len(self.tree) >= self._max_nodes:
             return self._finish()
+        if self.acceptance is not None and self._path < self._look_cutoff:
+            self.stats["looks_skipped"] = self.stats.get("looks_skipped", 0) + 1
+            return self._finish()   # the next token is not worth a draft step: tok is the tip, not decoded
         pos = self.tree.pos(self._parent)
         if pos != len(self.cursor):
             raise RuntimeError("draft KV out of step")
