@@ -119,6 +119,7 @@ class PassCost:
     alpha: float = 0.2
     max_tokens: int = 16
     mean: dict = field(default_factory=dict)
+    _fit: tuple[float, float] | None = field(default=None, init=False, repr=False)  # (slope, intercept)
 
     def observe(self, n_tokens: int, seconds: float) -> None:
         """A pass of ``n_tokens`` tokens took ``seconds`` of the target's time."""
@@ -127,15 +128,20 @@ class PassCost:
         n = min(n_tokens, self.max_tokens)
         old = self.mean.get(n)
         self.mean[n] = seconds if old is None else old + self.alpha * (seconds - old)
+        self._fit = None
 
     def cost(self, n_tokens: int) -> float | None:
         """Estimated seconds of a pass of ``n_tokens`` (linear fit over the
-        sizes seen; None until two sizes were seen)."""
+        sizes seen, refitted only after a new observation; None until two
+        sizes were seen)."""
         if len(self.mean) < 2:
             return None
-        ns = np.array(sorted(self.mean), dtype=float)
-        ts = np.array([self.mean[int(n)] for n in ns])
-        slope, icpt = np.polyfit(ns, ts, 1)
+        if self._fit is None:
+            ns = np.array(sorted(self.mean), dtype=float)
+            ts = np.array([self.mean[int(n)] for n in ns])
+            slope, icpt = np.polyfit(ns, ts, 1)
+            self._fit = float(slope), float(icpt)
+        slope, icpt = self._fit
         return float(icpt + slope * n_tokens)
 
 
@@ -289,18 +295,17 @@ class AdaptiveCutoff:
         self.draft_step = draft_step
         self.rate = rate
 
-    def _serial(self) -> tuple[float, float] | None:
-        """(tokens/s, draft step s) when the synchronous rule applies."""
+    def _serial(self, lo: float = 0.05, hi: float = 0.6) -> tuple[float, float] | None:
+        """When the synchronous rule applies: (the least path probability a
+        token needs, ``rate * (cost(2) - cost(1))`` clipped to [lo, hi]; a
+        look's cost in tokens, ``rate * d``)."""
         if self.draft_step is None or self.rate is None:
             return None
         d, lam = self.draft_step(), self.rate()
         c1, c2 = self.cost.cost(1), self.cost.cost(2)
         if d is None or lam is None or c1 is None or c2 is None:
             return None
-        return lam, d
-
-    def _gain_bar(self, lam: float, lo: float = 0.05, hi: float = 0.6) -> float:
-        return float(min(hi, max(lo, lam * (self.cost.cost(2) - self.cost.cost(1)))))
+        return float(min(hi, max(lo, lam * (c2 - c1)))), lam * d
 
     @property
     def threshold(self) -> float:
@@ -310,7 +315,7 @@ class AdaptiveCutoff:
         :attr:`look_threshold` charges it)."""
         serial = self._serial()
         if serial is not None:
-            return self._gain_bar(serial[0])
+            return serial[0]
         d = self.draft_step() if self.draft_step is not None else None
         return draft_threshold(self.cost, self.default, draft_step_s=d or 0.0)
 
@@ -320,7 +325,7 @@ class AdaptiveCutoff:
         the anchor in any case, so no draft step is charged."""
         serial = self._serial()
         if serial is not None:
-            return self._gain_bar(serial[0])
+            return serial[0]
         return draft_threshold(self.cost, self.default)
 
     @property
@@ -328,10 +333,7 @@ class AdaptiveCutoff:
         """Least path probability of a chain's tip worth a draft step to see
         the next token (synchronous speculation; 0: always)."""
         serial = self._serial()
-        if serial is None:
-            return 0.0
-        lam, d = serial
-        return look_threshold(self.acceptance.looked(), self._gain_bar(lam), lam * d)
+        return 0.0 if serial is None else look_threshold(self.acceptance.looked(), *serial)
 
     def at(self, path_p: float) -> float:
         """Cutoff (compared with the path probability accumulated below the

@@ -68,7 +68,8 @@ def start(rank: int) -> None:
     name = _comm()
     # named before the fork, so that no one listing processes ever sees the guard under the rank's name
     _prctl(_PR_SET_NAME, ctypes.c_char_p(GUARD_NAME.encode()))
-    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)  # none may be lost between fork and the handlers
+    # none may be lost between the fork and the guard's sigtimedwait (the rank unblocks them)
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     try:
         pid = os.fork()
     except OSError:
@@ -179,11 +180,10 @@ def _guard(rank: int, child: int, page: mmap.mmap) -> None:
     if sig not in passed_on and not page[_REPORTED]:
         os.write(2, (death_line(rank, socket.gethostname(), child, sig, _read(page, _ROLE), _read(page, _DOING))
                      + "\n").encode("utf-8", "replace"))
-    for s in {*FORWARDED, sig}:
-        try:
-            signal.signal(s, signal.SIG_DFL)
-        except (OSError, ValueError):
-            pass  # SIGKILL, SIGSTOP: their action cannot be changed, and is the default
+    try:
+        signal.signal(sig, signal.SIG_DFL)   # it may have been inherited as ignored
+    except (OSError, ValueError):
+        pass  # SIGKILL, SIGSTOP: their action cannot be changed, and is the default
     signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
     sys.stderr.flush()
     os.kill(os.getpid(), sig)   # die as the rank died, so the launcher reports what it always has
