@@ -16,13 +16,23 @@ Every row must give the same tokens for a prompt (greedy; exactness). On a
 schedule under contention, not a cluster.
 
     python scripts/bench_pipedec.py --ranks 2,3,4 --rounds 2 -n 128 --md docs/pipedec.md
+
+``--before DIR`` adds a ``<row> (before)`` twin of every tree row (``pipedec
+tree``, ``pipedec wide``) run from another ggpipe checkout (``git worktree add
+/tmp/ggpipe-before REV`` with the built ``ggpipe/_native*.so`` copied in), in
+the same interleaved rounds: a before/after comparison of a change to the
+tree's handling (e.g. the row masking of layers in flight). The table's
+"target rows" column is the rows the target's worker stages evaluated and,
+after the slash, the rows they masked (ggpipe.pipeline.masking).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
+from pathlib import Path
 
 from ggpipe.bench.prompts import load_prompts, render_prompts
 from ggpipe.bench.runner import ggpipe_run, median_of as med, publish
@@ -41,6 +51,11 @@ def _split(row: str, ranks: int) -> list[str]:
     return ["--split", ",".join([f"{1 / t:.3f}"] * t) + "/1.0"]
 
 
+def _target_ranks(row: str, ranks: int) -> int:
+    """Ranks holding target stages: all of them for iterative, else all but the draft's (the last)."""
+    return ranks if row == "iterative" else ranks - 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", default="smollm2-goliath-40l-f32")
@@ -52,11 +67,15 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None, help="also write the table here")
+    ap.add_argument("--before", default=None, help="another ggpipe checkout for '(before)' twins of the tree rows")
     a = ap.parse_args()
     model = str(fetch(a.model, progress=False)) if not a.model.endswith(".gguf") else a.model
     prompts = load_prompts(a.prompts)
     texts = render_prompts(model, prompts)
     rows = a.rows.split(",")
+    if a.before:
+        rows += [f"{row} (before)" for row in rows if row in ("pipedec tree", "pipedec wide")]
+    before_env = dict(os.environ, PYTHONPATH=str(Path(a.before).resolve())) if a.before else None
     jobs = [(int(r), row) for r in a.ranks.split(",") for row in rows]
     res: dict = {f"{row} R{r}": {p["id"]: [] for p in prompts} for r, row in jobs}
     tokens: dict = {}
@@ -64,8 +83,10 @@ def main() -> int:
         order = jobs[rnd % len(jobs):] + jobs[:rnd % len(jobs)]
         for p, text in zip(prompts, texts):
             for r, row in order:
-                extra = ([] if row == "iterative" else ["-md", a.draft_model]) + ROWS[row] + _split(row, r)
-                j = ggpipe_run(model, text, a.n_predict, r, extra, timeout_s=900, cwd="/")
+                base = row.removesuffix(" (before)")
+                extra = ([] if row == "iterative" else ["-md", a.draft_model]) + ROWS[base] + _split(base, r)
+                j = ggpipe_run(model, text, a.n_predict, r, extra, timeout_s=900, cwd="/",
+                               env=before_env if row != base else None)
                 d, m = j.get("decoder") or {}, j["metrics"]
                 runs = d.get("verified_runs")
                 res[f"{row} R{r}"][p["id"]].append({
@@ -73,7 +94,10 @@ def main() -> int:
                     "per_pass": (len(j["tokens"]) - 1) / runs if runs else 1.0,
                     "acceptance": d.get("acceptance_rate"),
                     "busy": [round(x.get("busy_s", 0.0) / m["total_s"], 2) for x in j["ranks"]],
-                    "new_trees": d.get("new_trees"), "unsent_hits": d.get("unsent_hits")})
+                    "new_trees": d.get("new_trees"), "unsent_hits": d.get("unsent_hits"),
+                    # the target's worker stages (rank 0 is the head, the draft's rank is last)
+                    "target_rows": sum(x.get("tokens", 0) for x in j["ranks"][1:_target_ranks(row, r)]),
+                    "rows_masked": sum(x.get("rows_masked", 0) for x in j["ranks"][1:_target_ranks(row, r)])})
                 if tokens.setdefault(p["id"], j["tokens"]) != j["tokens"]:
                     raise SystemExit(f"{row} R{r} on {p['id']}: tokens differ from the first run's")
             print(f"round {rnd + 1}/{a.rounds}: {p['id']} done", file=sys.stderr, flush=True)
@@ -81,8 +105,8 @@ def main() -> int:
     out = [f"{a.model} + {a.draft_model}, 1 thread per rank, {a.n_predict} tokens, {a.rounds} rounds, "
            f"prompts {a.prompts}; median per prompt, then the mean over prompts\n",
            "| row | tokens/s | vs iterative (same R) | vs pipeinfer (same R) | tokens per target pass | acceptance "
-           "| TTFT s | busy share per rank | new trees / unsent hits (pipedec) |",
-           "|---|---:|---:|---:|---:|---:|---:|---|---|"]
+           "| TTFT s | busy share per rank | new trees / unsent hits (pipedec) | target rows / masked |",
+           "|---|---:|---:|---:|---:|---:|---:|---|---|---:|"]
     pids = [p["id"] for p in prompts]
     for key, per in res.items():
         r = key.rsplit(" R", 1)[1]
@@ -104,7 +128,9 @@ def main() -> int:
                    f"{statistics.mean(med(per[p], 'per_pass') for p in pids):.2f} | "
                    f"{'-' if acc[0] != acc[0] else f'{statistics.mean(acc):.2f}'} | "
                    f"{statistics.mean(med(per[p], 'ttft_s') for p in pids):.3f} | "
-                   f"{' / '.join(f'{b:.2f}' for b in busy)} | {trees} |")
+                   f"{' / '.join(f'{b:.2f}' for b in busy)} | {trees} | "
+                   f"{statistics.mean(med(per[p], 'target_rows') for p in pids):.0f} / "
+                   f"{statistics.mean(med(per[p], 'rows_masked') for p in pids):.0f} |")
     publish("\n".join(out), a.md, a.json, res)
     return 0
 

@@ -79,11 +79,12 @@ decoders = [
     lambda a: m.decode_logits(a, 100, 8),
     lambda a: m.decode_kv(a, 4),
     lambda a: m.decode_simple(a, m.T_SHUTDOWN),
+    lambda a: m.decode_prune(a, 4),
 ]
 
 
 @settings(max_examples=300, deadline=None)
-@given(arrays(np.int32, st.integers(0, 80), elements=st.integers(-(2**31), 2**31 - 1)), st.sampled_from(range(4)))
+@given(arrays(np.int32, st.integers(0, 80), elements=st.integers(-(2**31), 2**31 - 1)), st.sampled_from(range(5)))
 def test_fuzz_random_frames_give_protocol_errors_only(frame, which):
     try:
         decoders[which](frame)

@@ -64,6 +64,17 @@ def test_greedy_equals_reference(width, children, stages, latency, draft_latency
         assert max(target.run_sizes) > 1   # layers with several nodes
 
 
+@pytest.mark.parametrize("width,children,stages,latency,flip", [(4, 2, 4, 5, 0.5), (3, 3, 4, 6, 0.9)])
+def test_dead_rows_of_layers_in_flight_are_masked(width, children, stages, latency, flip):
+    """After a hit, the nodes below the rejected siblings die while their
+    layers are in flight: those rows are masked (PipeDec 3.3.4,
+    ggpipe.pipeline.masking), and the output stays exact."""
+    dec, target, draft = _decoder(width, children, stages, latency, 1, flip)
+    out = dec.generate(np.array(PROMPT, np.int32), 40, Sampler(SamplingParams()))
+    assert out == ToyLM(V).greedy(list(PROMPT), 40)
+    assert dec.stats["rows_mask_sent"] > 0 and target.stats["rows_masked"] > 0
+
+
 def test_a_good_draft_makes_one_token_per_layer_and_few_roots():
     """A perfect draft that keeps up with a 4-stage pipeline (a run's round
     trip is 8 ticks, a draft run's 1): one root run, then every layer hits,

@@ -313,7 +313,7 @@ class SpeculativeDecoder:
             r.counts["returned_cancelled"] += 1
         else:
             r.counts["verified_runs"] += 1
-        g.set_result(rid, None if res.cancelled else res.logits)
+        g.set_result(rid, None if res.cancelled else res.logits, rows=res.rows)
         if not res.cancelled:
             self.pass_cost.observe(res.run.n_tokens, res.finished_at - max(res.run.started_at, self._last_finish))
         self._last_finish = res.finished_at
@@ -338,12 +338,19 @@ class SpeculativeDecoder:
 
     def _cancel_dead(self) -> None:
         """Cancel every run the graph reports dead (marked even when
-        cancellation is off, so each is reported once)."""
-        dead = self.r.graph.dead_runs()
+        cancellation is off, so each is reported once), then mask the dead
+        rows of PipeDec layer runs that keep a live node (one prune message
+        for all of them: ggpipe.pipeline.masking)."""
+        g = self.r.graph
+        dead = g.dead_runs()
+        rows = g.maskable_rows()
         if self.s.cancel and self.s.asynchronous:
             for d in dead:
                 self.target.cancel(d)
                 self.r.counts["cancel_sent"] += 1
+            if rows:
+                self.target.prune(rows)
+                self.r.counts["rows_mask_sent"] += len(rows)
 
     def _release(self, info) -> None:
         """Clear a retired run's KV partition (pipelined behind its runs) and
@@ -550,6 +557,7 @@ class SpeculativeDecoder:
             head_cancelled_before_start=self.target.stats["cancelled_before_start"],
             head_cancelled_mid_compute=self.target.stats["cancelled_mid_compute"],
             head_dropped_after_cancel=self.target.stats.get("dropped_after_cancel", 0),
+            head_rows_masked=self.target.stats.get("rows_masked", 0),
         )
 
 

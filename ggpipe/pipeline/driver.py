@@ -32,6 +32,7 @@ import numpy as np
 
 from ggpipe.errors import GGPipeError, ProtocolError, RankTimeoutError
 from ggpipe.logits import unpack
+from ggpipe.pipeline.masking import PruneBook, live_batch, returned_rows
 from ggpipe.runtime.stage import KV_CLEAR, KV_SEQ_CP, KV_SEQ_RM, Cancelled, InvalidBatch, Stage
 from ggpipe.pipeline.runs import Run, RunResult
 from ggpipe.trace import tracer
@@ -79,6 +80,8 @@ class Pipeline:
         self._done: deque[RunResult] = deque()  # local (single-stage) results, in order
         self._done_cv = threading.Condition()
         self._cancelled: set[int] = set()
+        self._pruned = PruneBook()            # the head's own stage's view
+        self._pruned_lock = threading.Lock()  # prune() on the main thread, the stage on the executor
         self._current: int | None = None
         self._busy = False
         self.busy_s = 0.0  # time the head spent computing its own stage
@@ -86,7 +89,8 @@ class Pipeline:
         self.on_event: Callable[[], None] | None = None
         self.service_s: float | None = None  # EWMA of a remote result's service time (seconds)
         self._last_arrival = 0.0
-        self.stats = {"cancelled_before_start": 0, "cancelled_mid_compute": 0, "dropped_after_cancel": 0}
+        self.stats = {"cancelled_before_start": 0, "cancelled_mid_compute": 0, "dropped_after_cancel": 0,
+                      "rows_masked": 0}
         self._jobs: queue.Queue | None = None
         self._error: BaseException | None = None
         if async_local and stage is not None:
@@ -195,6 +199,25 @@ class Pipeline:
         if self.ranks:
             self.transport.send(self.last_rank, m.T_CANCEL, m.encode_simple(m.T_CANCEL, run_id))
 
+    def prune(self, pairs: list[tuple[int, int]]) -> None:
+        """Mask dead rows of speculative runs in flight (PipeDec 3.3.4,
+        ggpipe.pipeline.masking): in run ``run_id`` the rows whose every
+        sequence id is among the pairs' are dropped by every stage that has
+        not started the run yet (the head's own at once, the others when the
+        message reaches them, travelling back up the pipeline as
+        cancellations do). The run's result then carries the surviving
+        output rows and their batch indices (``RunResult.rows``). Pairs of
+        one decision must go in one call. A run whose every row is pruned
+        must also be cancelled."""
+        if not pairs:
+            return
+        with self._pruned_lock:
+            self._pruned.add(pairs)
+        if _TR:
+            _TR.instant("prune", "head", pairs=len(pairs), pipeline=self.name)
+        if self.ranks:
+            self.transport.send(self.last_rank, m.T_PRUNE, m.encode_prune(pairs))
+
     # -- head stage ------------------------------------------------------------------
 
     def _executor(self) -> None:
@@ -220,10 +243,16 @@ class Pipeline:
                 self.on_event()
 
     def _decode_local(self, run: Run) -> None:
-        header = m.DecodeHeader(run.run_id, run.pos, run.n_seq_id, run.seq_ids, run.outputs, m.PAYLOAD_EMBD,
+        header = m.DecodeHeader(run.run_id, run.pos, run.n_seq_id, run.seq_ids, run.outputs.copy(), m.PAYLOAD_EMBD,
                                 run.reply_k)
+        with self._pruned_lock:
+            keep = self._pruned.apply(header)
+            self._pruned.forget_through(run.run_id)
+            self.stats["rows_masked"] = self._pruned.rows_masked
         out = None
-        if run.run_id in self._cancelled:
+        if not keep.any():   # every row died: it is cancelled as well
+            self.stats["cancelled_before_start"] += 1
+        elif run.run_id in self._cancelled:
             self.stats["cancelled_before_start"] += 1
             if _TR:
                 _TR.instant("skip", f"{self.name} stage", run=run.run_id)
@@ -236,9 +265,9 @@ class Pipeline:
             try:
                 if self.transport is not None:
                     with self.transport.computing():
-                        out = self._stage_decode(run)
+                        out = self._stage_decode(run, header, keep)
                 else:
-                    out = self._stage_decode(run)
+                    out = self._stage_decode(run, header, keep)
             except Cancelled:
                 self.stats["cancelled_mid_compute"] += 1
             except InvalidBatch:
@@ -254,7 +283,7 @@ class Pipeline:
                 self.busy_s += time.perf_counter() - t0
                 if _TR:
                     _TR.span("run", t0, time.perf_counter(), f"{self.name} stage", run=run.run_id,
-                             n=int(run.pos.shape[0]), spec=bool(run.speculative), cancelled=out is None,
+                             n=int(keep.sum()), spec=bool(run.speculative), cancelled=out is None,
                              pipeline=self.name)
         if self.ranks:
             if out is None:
@@ -263,13 +292,16 @@ class Pipeline:
             else:
                 self._send_decode(header, out)
         else:
+            rows = None if out is None else returned_rows(header)
             with self._done_cv:
-                self._done.append(RunResult(run, out, cancelled=out is None, finished_at=time.perf_counter()))
+                self._done.append(RunResult(run, out, cancelled=out is None, finished_at=time.perf_counter(),
+                                            rows=rows))
                 self._done_cv.notify_all()
 
-    def _stage_decode(self, run: Run) -> np.ndarray:
-        return self.stage.decode(tokens=run.tokens, pos=run.pos, n_seq_id=run.n_seq_id,
-                                 seq_ids=run.seq_ids, outputs=run.outputs)
+    def _stage_decode(self, run: Run, header: m.DecodeHeader, keep: np.ndarray) -> np.ndarray:
+        """The head's stage on the rows of ``run`` not masked (``header``'s
+        live rows; ``keep`` selects their tokens)."""
+        return self.stage.decode(tokens=run.tokens[keep], **live_batch(header))
 
     def _kv_local(self, header: m.KvHeader) -> None:
         if self.stage is not None:
@@ -372,7 +404,7 @@ class Pipeline:
         src = self.last_rank
         run = self.inflight[0]
         _, start = t.recv(src, m.T_LOGITS, np.int32, f"the {self.name} logits of run {run.run_id}", timeout_s,
-                          max_items=16)
+                          max_items=m.LOGITS_FIXED + self.max_outputs)
         h = m.decode_logits(start, self.n_vocab, self.max_outputs)
         if h.run_id != run.run_id:
             raise ProtocolError(f"expected the result of run {run.run_id}, {t.name(src)} sent run {h.run_id}")
@@ -397,7 +429,10 @@ class Pipeline:
         self._arrived(run, bool(h.cancelled))
         if _TR:
             _TR.instant("recv", "head", run=run.run_id, cancelled=bool(h.cancelled), pipeline=self.name)
-        return RunResult(run, logits, cancelled=bool(h.cancelled), finished_at=time.perf_counter())
+        if h.rows is not None and (h.rows.size and int(h.rows[-1]) >= run.n_tokens):
+            raise ProtocolError(f"logits of run {run.run_id}: row index {int(h.rows[-1])} beyond its "
+                                f"{run.n_tokens} tokens")
+        return RunResult(run, logits, cancelled=bool(h.cancelled), finished_at=time.perf_counter(), rows=h.rows)
 
     def drain(self, timeout_s: float | None = None) -> list[RunResult]:
         """Wait for every in-flight run."""

@@ -105,9 +105,17 @@ class Run:
 class RunResult:
     """What came back for a run: float32 (n_outputs, n_vocab) logits, their
     compact form (ggpipe.logits.TopLogits, when the run's reply_k > 0 and its
-    last stage is on another rank), or nothing if it was cancelled."""
+    last stage is on another rank), or nothing if it was cancelled.
+
+    Attributes:
+        rows: int32 (n_rows,) batch indices (into the run's tokens) of the
+            logit rows, when stages masked rows of the run
+            (ggpipe.pipeline.masking); None: one row per output token, in
+            batch order.
+    """
 
     run: Run
     logits: np.ndarray | TopLogits | None
     cancelled: bool = False
     finished_at: float = 0.0
+    rows: np.ndarray | None = None

@@ -12,6 +12,10 @@ rank in order, run them on this rank's stage, pass them on.
              it is computing (native cancellation flag polled by llama.cpp's
              abort callback); either way it sends an empty placeholder
              downstream so the order of messages holds.
+    PRUNE    travels as CANCEL does: (run, sequence) pairs whose rows are
+             dead (PipeDec 3.3.4). A stage that has not started such a run
+             drops those rows from it (ggpipe.pipeline.masking) and flags
+             them in the header it passes on.
     SHUTDOWN forward it, and stop.
 
 Every wait is bounded: ``timeout_s`` inside a transaction; between
@@ -28,6 +32,7 @@ import numpy as np
 
 from ggpipe.errors import ProtocolError
 from ggpipe.logits import pack, top_k
+from ggpipe.pipeline.masking import PruneBook, live_batch, returned_rows
 from ggpipe.runtime.stage import Cancelled, InvalidBatch, Stage
 from ggpipe.trace import tracer
 from ggpipe.transport import messages as m
@@ -61,21 +66,35 @@ class Worker:
         self.cancel_src = cancel_src
         self.cancel_fwd = cancel_fwd
         self.cancelled: set[int] = set()
+        self.pruned = PruneBook()
         self.current: int | None = None
         self.idle_doing = f"waiting for the next transaction from rank {prev}"
         self.last_run = -1
         self.stats = {"runs": 0, "tokens": 0, "busy_s": 0.0, "kv_ops": 0,
-                      "cancelled_before_start": 0, "cancelled_mid_compute": 0, "dropped_after_cancel": 0}
+                      "cancelled_before_start": 0, "cancelled_mid_compute": 0, "dropped_after_cancel": 0,
+                      "rows_masked": 0}
 
     # -- cancellation ------------------------------------------------------------
 
     def _take_cancels(self) -> None:
-        """Receive every waiting cancellation (non-blocking)."""
+        """Receive every waiting cancellation and prune message (non-blocking)."""
         if self.cancel_src is None:
             return
         while self.t.probe(self.cancel_src, m.T_CANCEL) is not None:
             _, msg = self.t.recv(self.cancel_src, m.T_CANCEL, np.int32, "a cancellation", max_items=3)
             self._register_cancel(msg)
+        while self.t.probe(self.cancel_src, m.T_PRUNE) is not None:
+            _, msg = self.t.recv(self.cancel_src, m.T_PRUNE, np.int32, "a prune message",
+                                 max_items=4 + 2 * self.stage.spec.n_seq_max)
+            self._register_prune(msg)
+
+    def _register_prune(self, msg: np.ndarray) -> None:
+        pairs = m.decode_prune(msg, self.stage.spec.n_seq_max)
+        if _TR:
+            _TR.instant("prune", "stage", pairs=len(pairs))
+        if self.cancel_fwd is not None:
+            self.t.send(self.cancel_fwd, m.T_PRUNE, msg)
+        self.pruned.add([(r, s) for r, s in pairs if r != self.current], done_below=self.last_run)
 
     def _register_cancel(self, msg: np.ndarray) -> None:
         run_id = m.decode_simple(msg, m.T_CANCEL)
@@ -116,6 +135,8 @@ class Worker:
                 self._kv(start)
             elif tag == m.T_CANCEL:
                 self._register_cancel(start)
+            elif tag == m.T_PRUNE:
+                self._register_prune(start)
             elif tag == m.T_SHUTDOWN:
                 m.decode_simple(start, m.T_SHUTDOWN)
                 if self.next is not None:
@@ -139,15 +160,23 @@ class Worker:
                 _TR.instant("skip", "stage", run=h.run_id)
             self._finish_cancelled(h)
             return
+        keep = self.pruned.apply(h)
+        self.stats["rows_masked"] = self.pruned.rows_masked
+        if not keep.all():
+            inputs = {k: v.reshape(keep.shape[0], -1)[keep].reshape(-1) for k, v in inputs.items()}
+            if not keep.any():   # every row died: its cancel is on the way
+                self._finish_cancelled(h)
+                return
+        batch = live_batch(h)
+        n_live = int(batch["pos"].shape[0])
         self.current = h.run_id
         self.stage.hooks.clear_cancel()
-        rank_guard.set_doing(f"decoding run {h.run_id} ({h.n_tokens} tokens at positions {int(h.pos[0])}..)")
+        rank_guard.set_doing(f"decoding run {h.run_id} ({n_live} tokens at positions {int(batch['pos'][0])}..)")
         t0 = time.perf_counter()
         aborted = False
         try:
             with self.t.computing(self._take_cancels if self.cancel_src is not None else None):
-                out = self.stage.decode(pos=h.pos, n_seq_id=h.n_seq_id, seq_ids=h.seq_ids, outputs=h.outputs,
-                                        **inputs)
+                out = self.stage.decode(**batch, **inputs)
         except Cancelled:
             self.stats["cancelled_mid_compute"] += 1
             aborted = True
@@ -167,12 +196,13 @@ class Worker:
             rank_guard.set_doing(self.idle_doing)
             self.stats["busy_s"] += time.perf_counter() - t0
             if _TR:
-                _TR.span("run", t0, time.perf_counter(), "stage", run=h.run_id, n=h.n_tokens,
+                _TR.span("run", t0, time.perf_counter(), "stage", run=h.run_id, n=n_live,
                          spec=_speculative(h.seq_ids), cancelled=aborted)
         self.last_run = max(self.last_run, h.run_id)
         self.cancelled = {r for r in self.cancelled if r > self.last_run}
+        self.pruned.forget_through(self.last_run)
         self.stats["runs"] += 1
-        self.stats["tokens"] += h.n_tokens
+        self.stats["tokens"] += n_live
         if self.next is not None:
             h.payload = m.PAYLOAD_EMBD
             self.t.send(self.next, m.T_DECODE, m.encode_decode(h))
@@ -180,7 +210,8 @@ class Worker:
         else:
             n_out, n_vocab = out.shape
             k = min(h.reply_k, n_vocab)  # greedy: the k best of each row and its log-sum-exp (ggpipe/logits.py)
-            self.t.send(self.head, m.T_LOGITS, m.encode_logits(m.LogitsHeader(h.run_id, n_out, n_vocab, top_k=k)))
+            self.t.send(self.head, m.T_LOGITS, m.encode_logits(
+                m.LogitsHeader(h.run_id, n_out, n_vocab, top_k=k, rows=returned_rows(h))))
             if n_out:
                 self.t.send(self.head, m.T_LOGITS, out.reshape(-1) if k == 0 else pack(top_k(out, k)))
 
@@ -190,21 +221,22 @@ class Worker:
         if h.payload == m.PAYLOAD_TOKENS:
             if not spec.first:
                 raise ProtocolError(f"run {h.run_id}: token ids sent to a stage that takes hidden states")
-            _, tokens = self.t.recv(self.prev, m.T_DECODE, np.int32, what, max_items=h.n_tokens)
-            if tokens.shape[0] != h.n_tokens:
-                raise ProtocolError(f"run {h.run_id}: {tokens.shape[0]} token ids for {h.n_tokens} positions")
+            _, tokens = self.t.recv(self.prev, m.T_DECODE, np.int32, what, max_items=h.n_live)
+            if tokens.shape[0] != h.n_live:
+                raise ProtocolError(f"run {h.run_id}: {tokens.shape[0]} token ids for {h.n_live} positions")
             return {"tokens": tokens}
         if spec.first:
             raise ProtocolError(f"run {h.run_id}: hidden states sent to a stage that takes token ids")
         n_embd = self.stage.n_embd
-        _, flat = self.t.recv(self.prev, m.T_DECODE, np.float32, what, max_items=h.n_tokens * n_embd)
-        if flat.shape[0] != h.n_tokens * n_embd:
-            raise ProtocolError(f"run {h.run_id}: {flat.shape[0]} floats for {h.n_tokens} x {n_embd}")
+        _, flat = self.t.recv(self.prev, m.T_DECODE, np.float32, what, max_items=h.n_live * n_embd)
+        if flat.shape[0] != h.n_live * n_embd:
+            raise ProtocolError(f"run {h.run_id}: {flat.shape[0]} floats for {h.n_live} x {n_embd}")
         return {"embd": flat}
 
     def _finish_cancelled(self, h: m.DecodeHeader) -> None:
         self.last_run = max(self.last_run, h.run_id)
         self.cancelled.discard(h.run_id)
+        self.pruned.forget_through(self.last_run)
         if self.next is not None:
             h.payload = m.PAYLOAD_NONE
             self.t.send(self.next, m.T_DECODE, m.encode_decode(h))

@@ -252,8 +252,12 @@ class SimPipeline(ToyPipeline):
         self.clock.now = max(self.clock.now, s.due) + self.overhead_s
         self._last_due = s.due
 
-    def _result(self, run: Run, logits, cancelled: bool) -> RunResult:
-        return RunResult(run, logits, cancelled=cancelled, finished_at=self._last_due)
+    def _prune_in_time(self, run: Run) -> bool:
+        """Masking is not simulated: every row is evaluated and returned."""
+        return False
+
+    def _result(self, run: Run, logits, cancelled: bool, rows=None) -> RunResult:
+        return RunResult(run, logits, cancelled=cancelled, finished_at=self._last_due, rows=rows)
 
     def ready(self) -> bool:
         return bool(self.inflight) and self.clock.now >= self.next_due()

@@ -18,7 +18,7 @@ from collections import deque
 
 import numpy as np
 
-from ggpipe.logits import top_k
+from ggpipe.logits import TopLogits, top_k
 from ggpipe.pipeline.runs import Run, RunResult
 
 
@@ -151,9 +151,10 @@ class ToyPipeline:
         self.reply_k = 0  # as Pipeline.reply_k: k > 0 gives compact rows (ggpipe.logits)
         self.inflight: deque[Run] = deque()
         self._cancelled: set[int] = set()
+        self._pruned: dict[int, set[int]] = {}
         self._pending_cells: dict[int, list[tuple[int, int, int]]] = {}
         self.cells: dict[int, dict[int, int]] = {}   # seq -> pos -> token
-        self.stats = {"cancelled_before_start": 0, "cancelled_mid_compute": 0}
+        self.stats = {"cancelled_before_start": 0, "cancelled_mid_compute": 0, "rows_masked": 0}
         self.n_runs = 0
         self.run_sizes: list[int] = []
         self.n_stages = 1     # as Pipeline.n_stages (pipedec bounds its runs in flight by it)
@@ -228,6 +229,15 @@ class ToyPipeline:
     def cancel(self, run_id: int) -> None:
         self._cancelled.add(run_id)
 
+    def prune(self, pairs: list[tuple[int, int]]) -> None:
+        """As ``Pipeline.prune``: a run pruned in time (:meth:`_prune_in_time`,
+        asked now) comes back without the rows whose every sequence is
+        pruned, and without their cells."""
+        runs = {r.run_id: r for r in self.inflight}
+        for rid, seq in pairs:
+            if rid in runs and self._prune_in_time(runs[rid]):
+                self._pruned.setdefault(int(rid), set()).add(int(seq))
+
     def head_idle(self) -> bool:
         return True
 
@@ -288,18 +298,43 @@ class ToyPipeline:
         run = self.inflight.popleft()
         new = self._pending_cells.pop(run.run_id)
         cancelled = run.run_id in self._cancelled and self._in_time(run)
+        pruned = self._pruned.pop(run.run_id, set())
         self._cancelled.discard(run.run_id)
         self._taken(run)
+        ends = np.cumsum(run.n_seq_id)
+        seqs = [set(int(s) for s in run.seq_ids[e - n:e]) for n, e in zip(run.n_seq_id, ends)]
+        dead = [bool(pruned) and row <= pruned for row in seqs]
+        cancelled = cancelled or all(dead)
         if cancelled:
             self.stats["cancelled_mid_compute"] += 1
-            for s, p, t in new:        # an aborted run leaves no cells
-                if self.cells.get(s, {}).get(p) == t:
-                    del self.cells[s][p]
+            self._drop_cells(new)      # an aborted run leaves no cells
             return self._result(run, None, True)
-        return self._result(run, run.tag, False)
+        if not any(dead):
+            return self._result(run, run.tag, False)
+        # ``new`` holds each row's cells in batch order, n_seq_id[i] of them
+        self._drop_cells([new[k] for i in range(run.n_tokens) if dead[i] for k in range(ends[i] - run.n_seq_id[i], ends[i])])
+        self.stats["rows_masked"] += sum(dead)
+        out_rows = [i for i in range(run.n_tokens) if run.outputs[i]]
+        keep = [j for j, i in enumerate(out_rows) if not dead[i]]
+        logits = run.tag
+        if isinstance(logits, TopLogits):
+            logits = TopLogits(logits.ids[keep], logits.values[keep], logits.lse[keep], logits.n_vocab)
+        elif logits is not None:
+            logits = logits[keep]
+        return self._result(run, logits, False, np.array([i for i in out_rows if not dead[i]], dtype=np.int32))
 
-    def _result(self, run: Run, logits, cancelled: bool) -> RunResult:
-        return RunResult(run, logits, cancelled=cancelled)
+    def _prune_in_time(self, run: Run) -> bool:
+        """A prune of ``run`` sent now reaches it before it is evaluated
+        (here: when a cancel sent now would)."""
+        return self._in_time(run)
+
+    def _drop_cells(self, cells) -> None:
+        for s, p, t in cells:
+            if self.cells.get(s, {}).get(p) == t:
+                del self.cells[s][p]
+
+    def _result(self, run: Run, logits, cancelled: bool, rows=None) -> RunResult:
+        return RunResult(run, logits, cancelled=cancelled, rows=rows)
 
 
 class FakePipeline(ToyPipeline):

@@ -57,6 +57,8 @@ class RunInfo:
     seqs: list[int] = field(default_factory=list)
     returned: bool = False
     cancelled: bool = False             # a cancel was sent
+    layer: bool = False                 # a PipeDec layer: one node per row, each in a sequence of its own
+    masked: set[int] = field(default_factory=set)   # node ids whose rows a prune message masked
 
 
 @dataclass
@@ -144,6 +146,7 @@ class SpecGraph:
             raise ValueError("a layer needs one parent, token, probability and sequence per node")
         info = self.runs.setdefault(run_id, RunInfo(run_id, [], speculative=True))
         info.speculative = True
+        info.layer = True
         info.seqs = list(seqs)
         info.partition = partition
         ids = []
@@ -162,15 +165,29 @@ class SpecGraph:
 
     # -- results ---------------------------------------------------------------
 
-    def set_result(self, run_id: int, logits: np.ndarray | None, output_nodes: list[int] | None = None) -> None:
+    def set_result(self, run_id: int, logits: np.ndarray | None, output_nodes: list[int] | None = None,
+                   rows: np.ndarray | None = None) -> None:
         """Store a returned run's logits (float32 (n_out, n_vocab), one row per
         node of ``output_nodes``, default: every node of the run), or mark it
-        returned without logits (cancelled)."""
+        returned without logits (cancelled). ``rows``: the batch indices of
+        the rows when stages masked some (ggpipe.pipeline.masking; a layer
+        run's row i is its node i).
+
+        Raises:
+            ValueError: row counts or indices that do not fit the run, or a
+                masked row of a node that is not dead."""
         info = self.runs[run_id]
         info.returned = True
         if logits is None:
             return
         nodes = info.nodes if output_nodes is None else output_nodes
+        if rows is not None:
+            if not info.layer or int(np.max(rows, initial=-1)) >= len(info.nodes):
+                raise ValueError(f"run {run_id}: masked rows {list(rows)} do not fit its {len(info.nodes)} nodes")
+            nodes = [info.nodes[int(i)] for i in rows]
+            missing = set(info.nodes) - set(nodes)
+            if any(self.nodes[j].state != DEAD for j in missing):
+                raise ValueError(f"run {run_id}: a live node's row was masked")
         if logits.shape[0] != len(nodes):
             raise ValueError(f"run {run_id}: {logits.shape[0]} logit rows for {len(nodes)} nodes")
         for row, nid in enumerate(nodes):
@@ -275,6 +292,21 @@ class SpecGraph:
                     self.nodes[j].state == DEAD for j in info.nodes):
                 info.cancelled = True
                 out.append(rid)
+        return out
+
+    def maskable_rows(self) -> list[tuple[int, int]]:
+        """(run id, sequence id) of every dead node, not yet reported, in
+        the PipeDec layer runs still in flight that keep a live node: rows
+        the stages need not evaluate (PipeDec 3.3.4; ggpipe.pipeline.masking).
+        Wholly dead runs are :meth:`dead_runs`' instead; call this after it."""
+        out = []
+        for rid, info in self.runs.items():
+            if not info.layer or info.returned or info.cancelled:
+                continue
+            for j in info.nodes:
+                if j not in info.masked and self.nodes[j].state == DEAD:
+                    info.masked.add(j)
+                    out.append((rid, self.nodes[j].seq))
         return out
 
     def retirable(self) -> list[RunInfo]:

@@ -36,10 +36,11 @@ T_HELLO = 6      # worker -> head at start: config hash, host (pickled dict)
 T_READY = 7      # worker -> head after loading: ok / error text (pickled dict)
 T_GO = 8         # head -> worker: start serving, or abort (pickled dict)
 T_CANCEL = 9     # head -> stages (backwards): cancel a run (speculation issue)
+T_PRUNE = 10     # head -> stages (backwards): mask dead rows of runs in flight (PipeDec 3.3.4)
 
 TYPE_NAMES = {
     T_DECODE: "decode", T_LOGITS: "logits", T_KV: "kv", T_SHUTDOWN: "shutdown", T_STATS: "stats",
-    T_HELLO: "hello", T_READY: "ready", T_GO: "go", T_CANCEL: "cancel",
+    T_HELLO: "hello", T_READY: "ready", T_GO: "go", T_CANCEL: "cancel", T_PRUNE: "prune",
 }
 
 # Payload kinds of a decode transaction.
@@ -47,7 +48,13 @@ PAYLOAD_NONE = 0    # cancelled run: no payload message follows (placeholder)
 PAYLOAD_TOKENS = 1  # int32 (n,) token ids (a pipeline's first stage)
 PAYLOAD_EMBD = 2    # float32 (n, n_embd) hidden states
 
+# Values of a decode header's per-token ``outputs`` flags.
+OUT_NONE = 0        # evaluate, return no logits
+OUT_LOGITS = 1      # evaluate, return its logits
+OUT_DROPPED = 2     # masked by a stage upstream (T_PRUNE): neither evaluated nor returned, no payload row
+
 _PREFIX = 3
+LOGITS_FIXED = 8  # ints of a logits start message before its optional row indices
 DECODE_FIXED = 7  # ints of a decode start message before its per-token arrays
 
 
@@ -71,7 +78,10 @@ class DecodeHeader:
         pos: int32 (n,) token positions.
         n_seq_id: int32 (n,) number of sequence ids per token.
         seq_ids: int32 (sum n_seq_id,) the KV sequence ids, token by token.
-        outputs: int8 (n,) 1 where the last stage must return logits.
+        outputs: int8 (n,) OUT_LOGITS (1) where the last stage must return
+            logits, OUT_NONE (0) elsewhere; OUT_DROPPED (2) marks a row a
+            stage upstream masked (ggpipe.pipeline.masking): the payload
+            carries no row for it.
         payload: PAYLOAD_NONE / PAYLOAD_TOKENS / PAYLOAD_EMBD.
         reply_k: 0: the last stage returns full float32 logit rows; k in
             1..MAX_REPLY_K: per row the k best token ids, their logits and
@@ -92,7 +102,13 @@ class DecodeHeader:
 
     @property
     def n_outputs(self) -> int:
-        return int(np.count_nonzero(self.outputs))
+        """Rows whose logits the last stage returns."""
+        return int(np.count_nonzero(self.outputs == OUT_LOGITS))
+
+    @property
+    def n_live(self) -> int:
+        """Rows not masked upstream: the payload's row count."""
+        return int(np.count_nonzero(self.outputs != OUT_DROPPED))
 
 
 def encode_decode(h: DecodeHeader) -> np.ndarray:
@@ -102,8 +118,9 @@ def encode_decode(h: DecodeHeader) -> np.ndarray:
          pos[0..n), n_seq_id[0..n), seq_ids[0..n_seq_total), outputs[0..n)]
 
     It is followed (same tag) by one payload message unless payload is
-    PAYLOAD_NONE: int32 (n,) token ids, or float32 (n * n_embd,) hidden
-    states, row-major, one row of n_embd per token.
+    PAYLOAD_NONE: int32 (n_live,) token ids, or float32 (n_live * n_embd,)
+    hidden states, row-major, one row of n_embd per token not flagged
+    OUT_DROPPED, in batch order.
     """
     n = h.n_tokens
     total = int(h.seq_ids.shape[0])
@@ -126,8 +143,8 @@ def decode_decode(msg: np.ndarray, n_seq_max: int, max_tokens: int) -> DecodeHea
     Raises:
         ProtocolError: wrong magic/type, inconsistent lengths, a token count
             outside 1..max_tokens, sequence ids outside 0..n_seq_max-1,
-            negative positions, an unknown payload kind or a reply_k
-            outside 0..MAX_REPLY_K.
+            negative positions, an unknown payload kind, a reply_k
+            outside 0..MAX_REPLY_K, or an output flag outside 0..2.
     """
     _check_prefix(msg, T_DECODE, DECODE_FIXED)
     run_id, n, total, payload, reply_k = (int(x) for x in msg[2:DECODE_FIXED])
@@ -156,8 +173,8 @@ def decode_decode(msg: np.ndarray, n_seq_max: int, max_tokens: int) -> DecodeHea
         raise ProtocolError(f"decode run {run_id}: bad per-token sequence counts")
     if (seq_ids < 0).any() or (seq_ids >= n_seq_max).any():
         raise ProtocolError(f"decode run {run_id}: sequence id outside 0..{n_seq_max - 1}")
-    if ((outputs != 0) & (outputs != 1)).any():
-        raise ProtocolError(f"decode run {run_id}: output flags must be 0 or 1")
+    if ((outputs < OUT_NONE) | (outputs > OUT_DROPPED)).any():
+        raise ProtocolError(f"decode run {run_id}: output flags must be 0, 1 or 2")
     return DecodeHeader(run_id, pos, n_seq_id, seq_ids, outputs.astype(np.int8), payload, reply_k)
 
 
@@ -172,6 +189,10 @@ class LogitsHeader:
         cancelled: 1 if the run was cancelled (no payload).
         top_k: 0: full rows follow; k > 0: compact rows (the run's reply_k,
             capped at n_vocab), ggpipe.logits.pack's layout.
+        rows: int32 (n_outputs,) the batch index (0..n-1 of the run as the
+            head sent it) of each returned row, when a stage masked rows of
+            the run (T_PRUNE); None: the rows are the run's output rows, all
+            of them, in batch order.
     """
 
     run_id: int
@@ -179,6 +200,15 @@ class LogitsHeader:
     n_vocab: int
     cancelled: int = 0
     top_k: int = 0
+    rows: np.ndarray | None = None
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, LogitsHeader):
+            return NotImplemented
+        same_rows = (self.rows is None and other.rows is None) or (
+            self.rows is not None and other.rows is not None and np.array_equal(self.rows, other.rows))
+        return (self.run_id, self.n_outputs, self.n_vocab, self.cancelled, self.top_k) == (
+            other.run_id, other.n_outputs, other.n_vocab, other.cancelled, other.top_k) and same_rows
 
     @property
     def row_floats(self) -> int:
@@ -188,23 +218,37 @@ class LogitsHeader:
 
 def encode_logits(h: LogitsHeader) -> np.ndarray:
     """Start message of a logits transaction, int32:
-    ``[MAGIC, T_LOGITS, run_id, n_outputs, n_vocab, cancelled, top_k]``,
-    followed (same tag), when n_outputs > 0, by float32 (n_outputs *
-    row_floats,): full logit rows (top_k 0) or compact ones (ggpipe.logits.pack),
-    row-major in batch order of the output tokens."""
-    return np.array([MAGIC, T_LOGITS, h.run_id, h.n_outputs, h.n_vocab, h.cancelled, h.top_k], dtype=np.int32)
+    ``[MAGIC, T_LOGITS, run_id, n_outputs, n_vocab, cancelled, top_k, masked,
+    rows[0..n_outputs) if masked]``, followed (same tag), when n_outputs > 0,
+    by float32 (n_outputs * row_floats,): full logit rows (top_k 0) or
+    compact ones (ggpipe.logits.pack), row-major in batch order of the
+    returned rows."""
+    head = [MAGIC, T_LOGITS, h.run_id, h.n_outputs, h.n_vocab, h.cancelled, h.top_k, int(h.rows is not None)]
+    if h.rows is None:
+        return np.array(head, dtype=np.int32)
+    return np.concatenate([np.array(head, dtype=np.int32), np.asarray(h.rows, dtype=np.int32)])
 
 
 def decode_logits(msg: np.ndarray, n_vocab: int, max_outputs: int) -> LogitsHeader:
     """Parse and validate a logits start message.
 
     Raises:
-        ProtocolError: wrong layout, vocabulary size or output count.
+        ProtocolError: wrong layout, vocabulary size, output count, or
+            row indices that are negative or not increasing.
     """
-    _check_prefix(msg, T_LOGITS, 7)
-    if msg.shape[0] != 7:
-        raise ProtocolError(f"logits start message has {msg.shape[0]} ints, expected 7")
-    h = LogitsHeader(*(int(x) for x in msg[2:7]))
+    _check_prefix(msg, T_LOGITS, LOGITS_FIXED)
+    run_id, n_outputs, n_vocab_got, cancelled, top_k, masked = (int(x) for x in msg[2:LOGITS_FIXED])
+    if masked not in (0, 1):
+        raise ProtocolError(f"logits of run {run_id}: bad masked flag {masked}")
+    expect = LOGITS_FIXED + (n_outputs if masked else 0)
+    if n_outputs < 0 or msg.shape[0] != expect:
+        raise ProtocolError(f"logits start message has {msg.shape[0]} ints, expected {expect}")
+    rows = None
+    if masked:
+        rows = msg[LOGITS_FIXED:].copy()
+        if (rows < 0).any() or (n_outputs > 1 and (np.diff(rows) <= 0).any()):
+            raise ProtocolError(f"logits of run {run_id}: row indices must be increasing and non-negative")
+    h = LogitsHeader(run_id, n_outputs, n_vocab_got, cancelled, top_k, rows)
     if h.n_vocab != n_vocab:
         raise ProtocolError(f"logits of run {h.run_id}: n_vocab {h.n_vocab}, expected {n_vocab}")
     if not 0 <= h.n_outputs <= max_outputs:
@@ -258,6 +302,35 @@ def decode_kv(msg: np.ndarray, n_seq_max: int) -> KvHeader:
     if p0 < -1 or p1 < -1:
         raise ProtocolError(f"KV op {op}: bad positions [{p0}, {p1})")
     return KvHeader(op, seq, seq_dst, p0, p1, delta, run_id)
+
+
+def encode_prune(pairs) -> np.ndarray:
+    """Start (and only) message of a prune transaction, int32:
+    ``[MAGIC, T_PRUNE, 0, n, run_0, seq_0, ..., run_{n-1}, seq_{n-1}]``: in
+    run ``run_i`` (not yet evaluated), rows whose every sequence id is
+    pruned are dead (ggpipe.pipeline.masking). One message carries every
+    pair one decision produced, so each stage learns them together."""
+    flat = [x for pair in pairs for x in pair]
+    return np.array([MAGIC, T_PRUNE, 0, len(flat) // 2, *flat], dtype=np.int32)
+
+
+def decode_prune(msg: np.ndarray, n_seq_max: int) -> list[tuple[int, int]]:
+    """Parse and validate a prune message: its (run id, sequence id) pairs.
+
+    Raises:
+        ProtocolError: wrong layout, a negative run id or a sequence id
+            outside 1..n_seq_max-1 (sequence 0 holds accepted tokens: never pruned).
+    """
+    _check_prefix(msg, T_PRUNE, 4)
+    n = int(msg[3])
+    if n < 0 or msg.shape[0] != 4 + 2 * n:
+        raise ProtocolError(f"prune message has {msg.shape[0]} ints for {n} pairs")
+    pairs = msg[4:].reshape(n, 2)
+    if (pairs[:, 0] < 0).any():
+        raise ProtocolError("prune message: negative run id")
+    if ((pairs[:, 1] < 1) | (pairs[:, 1] >= n_seq_max)).any():
+        raise ProtocolError(f"prune message: sequence id outside 1..{n_seq_max - 1}")
+    return [(int(r), int(s)) for r, s in pairs]
 
 
 def encode_simple(ttype: int, run_id: int = 0) -> np.ndarray:
