@@ -47,6 +47,11 @@ def test_decode_header_carries_dropped_rows():
     h = _header([(1,), (2,), (3,)], outputs=[1, m.OUT_DROPPED, 1])
     g = m.decode_decode(m.encode_decode(h), n_seq_max=4, max_tokens=8)
     assert g.n_tokens == 3 and g.n_live == 2 and g.n_outputs == 2
+    every = _header([(1,), (2,)], outputs=[m.OUT_DROPPED, m.OUT_DROPPED])
+    with pytest.raises(ProtocolError, match="every row"):
+        m.decode_decode(m.encode_decode(every), n_seq_max=4, max_tokens=8)
+    every.payload = m.PAYLOAD_NONE     # the placeholder of a run that died on the way is fine
+    assert m.decode_decode(m.encode_decode(every), n_seq_max=4, max_tokens=8).n_live == 0
 
 
 def test_logits_header_with_rows():

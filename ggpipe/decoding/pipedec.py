@@ -16,10 +16,11 @@ token (:class:`~ggpipe.speculation.graph.SpecGraph`, shared with
 pipeinfer): greedily, or with a temperature by one draw from the target's
 distribution matched against the node's children, which the draft chose
 rather than sampled (exact: ggpipe.speculation.verify; a seeded run gives
-iterative mode's tokens for that seed). A *hit* (a child carries it) keeps only that child's subtree, and
-in-flight runs whose every node died are cancelled (PipeInfer IV.D; rows of
-partly dead runs are computed and ignored); a *miss* starts a non-speculative
-root run for the decided token and a new tree at it.
+iterative mode's tokens for that seed). A *hit* (a child carries it) keeps only that child's subtree;
+in-flight runs whose every node died are cancelled (PipeInfer IV.D), and the
+dead rows of runs that keep a live node are masked by every stage that has
+not started them (ggpipe.pipeline.masking); a *miss* starts a
+non-speculative root run for the decided token and a new tree at it.
 
 Ggpipe's choices where the paper leaves room: the paper advances all stages
 in lockstep timesteps; here each layer is sent when formed, with at most

@@ -144,7 +144,8 @@ def decode_decode(msg: np.ndarray, n_seq_max: int, max_tokens: int) -> DecodeHea
         ProtocolError: wrong magic/type, inconsistent lengths, a token count
             outside 1..max_tokens, sequence ids outside 0..n_seq_max-1,
             negative positions, an unknown payload kind, a reply_k
-            outside 0..MAX_REPLY_K, or an output flag outside 0..2.
+            outside 0..MAX_REPLY_K, an output flag outside 0..2, or a
+            payload announced for a run whose every row is masked.
     """
     _check_prefix(msg, T_DECODE, DECODE_FIXED)
     run_id, n, total, payload, reply_k = (int(x) for x in msg[2:DECODE_FIXED])
@@ -175,6 +176,8 @@ def decode_decode(msg: np.ndarray, n_seq_max: int, max_tokens: int) -> DecodeHea
         raise ProtocolError(f"decode run {run_id}: sequence id outside 0..{n_seq_max - 1}")
     if ((outputs < OUT_NONE) | (outputs > OUT_DROPPED)).any():
         raise ProtocolError(f"decode run {run_id}: output flags must be 0, 1 or 2")
+    if payload != PAYLOAD_NONE and (outputs == OUT_DROPPED).all():
+        raise ProtocolError(f"decode run {run_id}: a payload for a run whose every row was masked")
     return DecodeHeader(run_id, pos, n_seq_id, seq_ids, outputs.astype(np.int8), payload, reply_k)
 
 
