@@ -24,6 +24,11 @@ runs it):
   back up the pipeline (last stage first, ``ggpipe.cluster.roles``); a stage
   it reaches before starting the run skips it, one it reaches mid-run
   aborts at that moment (PipeInfer IV.D); later stages then skip it;
+* a prune (``Pipeline.prune``: dead rows of a PipeDec layer) travels as a
+  cancel does; a stage it reaches before starting the run evaluates (and
+  sends on) only the rows not pruned there or upstream
+  (ggpipe.pipeline.masking), and the result carries the rows that reached
+  the last stage; one that has started computes every row;
 * each result the head takes costs it ``overhead_s`` (the loop's own work).
 
 Since a cancel only changes events after it arrives, the schedule of the
@@ -73,6 +78,7 @@ class _Entry:
     n_out: int
     kv: int
     cancel_at: float = math.inf
+    prunes: list[tuple[float, frozenset[int]]] = field(default_factory=list)   # (sent at, pruned sequence ids)
 
 
 @dataclass
@@ -82,6 +88,7 @@ class _Sched:
     spans: list[tuple[float, float, bool]]  # per stage: start, finish, computed (not skipped)
     free: list[float] = field(default_factory=list)   # stage free times after this run
     lfree: dict = field(default_factory=dict)         # link free times after this run
+    dropped: frozenset[int] = frozenset()             # sequence ids pruned by the last stage's start
 
 
 class SimPipeline(ToyPipeline):
@@ -164,11 +171,22 @@ class SimPipeline(ToyPipeline):
             if not self.head_stage:
                 t = self._send(lfree, 0, self.stages[0].rank, t, HEADER_BYTES + PER_TOKEN_BYTES * n + 4 * n)
             cancels = self._cancel_arrivals(e.cancel_at)
+            prunes = [(self._cancel_arrivals(at), seqs) for at, seqs in e.prunes]
+            row_seqs = _row_seqs(e.run) if prunes else []
+            dropped: frozenset[int] = frozenset()
+            n_live, n_out = n, e.n_out
             cancelled = False
             spans = []
             for i, st in enumerate(self.stages):
                 start = max(t, free[i])
-                dur = 0.0 if cancelled else st.cost(n, e.kv, e.n_out if i == last else 0)
+                if prunes and not cancelled:
+                    dropped = dropped.union(*[seqs for arrive, seqs in prunes if arrive[i] <= start])
+                    live = [not r <= dropped for r in row_seqs]
+                    n_live = sum(live)
+                    n_out = sum(1 for j in range(n) if live[j] and e.run.outputs[j])
+                    if n_live == 0:
+                        cancelled = True   # every row pruned: a stage passes the placeholder on
+                dur = 0.0 if cancelled else st.cost(n_live, e.kv, n_out if i == last else 0)
                 if cancelled or cancels[i] <= start:
                     finish, computed, cancelled = start, False, True
                 elif cancels[i] < start + dur:
@@ -178,13 +196,13 @@ class SimPipeline(ToyPipeline):
                 free[i] = finish
                 spans.append((start, finish, computed))
                 if i < last:
-                    nbytes = HEADER_BYTES + (0 if cancelled else PER_TOKEN_BYTES * n + 4 * self.n_embd * n)
+                    nbytes = HEADER_BYTES + (0 if cancelled else PER_TOKEN_BYTES * n + 4 * self.n_embd * n_live)
                     t = self._send(lfree, st.rank, self.stages[i + 1].rank, finish, nbytes)
                 else:
                     row = 4 * (self.n_vocab_real if e.run.reply_k <= 0 else 2 * e.run.reply_k + 1)
-                    nbytes = HEADER_BYTES + (0 if cancelled else e.n_out * row)
+                    nbytes = HEADER_BYTES + (0 if cancelled else n_out * row)
                     t = self._send(lfree, st.rank, 0, finish, nbytes)
-            out.append(_Sched(t, cancelled, spans, list(free), dict(lfree)))
+            out.append(_Sched(t, cancelled, spans, list(free), dict(lfree), dropped))
         self._sched = out
         return out
 
@@ -224,8 +242,23 @@ class SimPipeline(ToyPipeline):
             self._sched = None
         super().cancel(run_id)
 
+    def prune(self, pairs: list[tuple[int, int]]) -> None:
+        """As ``Pipeline.prune``: the pairs travel back up the pipeline from
+        now (see the module docstring)."""
+        by_run: dict[int, set[int]] = {}
+        for rid, seq in pairs:
+            if rid in self._entries:
+                by_run.setdefault(int(rid), set()).add(int(seq))
+        for rid, seqs in by_run.items():
+            self._entries[rid].prunes.append((self.clock.now, frozenset(seqs)))
+        if by_run:
+            self._sched = None
+
     def _in_time(self, run: Run) -> bool:
         return self._schedule()[0].cancelled
+
+    def _pruned_seqs(self, run: Run) -> set[int]:
+        return set(self._schedule()[0].dropped)
 
     def _taken(self, run: Run) -> None:
         s = self._schedule()[0]
@@ -252,10 +285,6 @@ class SimPipeline(ToyPipeline):
         self.clock.now = max(self.clock.now, s.due) + self.overhead_s
         self._last_due = s.due
 
-    def _prune_in_time(self, run: Run) -> bool:
-        """Masking is not simulated: every row is evaluated and returned."""
-        return False
-
     def _result(self, run: Run, logits, cancelled: bool, rows=None) -> RunResult:
         return RunResult(run, logits, cancelled=cancelled, finished_at=self._last_due, rows=rows)
 
@@ -272,6 +301,15 @@ class SimPipeline(ToyPipeline):
         if not self.async_local:
             return True
         return all(s.spans[0][1] <= self.clock.now for s in self._schedule())
+
+
+def _row_seqs(run: Run) -> list[frozenset[int]]:
+    """The sequence ids of each row of ``run``."""
+    out, o = [], 0
+    for k in run.n_seq_id:
+        out.append(frozenset(int(x) for x in run.seq_ids[o:o + int(k)]))
+        o += int(k)
+    return out
 
 
 def idle_until_next(clock: SimClock, pipes: list[SimPipeline]) -> Wait:

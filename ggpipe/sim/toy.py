@@ -298,7 +298,7 @@ class ToyPipeline:
         run = self.inflight.popleft()
         new = self._pending_cells.pop(run.run_id)
         cancelled = run.run_id in self._cancelled and self._in_time(run)
-        pruned = self._pruned.pop(run.run_id, set())
+        pruned = self._pruned_seqs(run)
         self._cancelled.discard(run.run_id)
         self._taken(run)
         ends = np.cumsum(run.n_seq_id)
@@ -322,6 +322,10 @@ class ToyPipeline:
         elif logits is not None:
             logits = logits[keep]
         return self._result(run, logits, False, np.array([i for i in out_rows if not dead[i]], dtype=np.int32))
+
+    def _pruned_seqs(self, run: Run) -> set[int]:
+        """Sequence ids pruned in time for ``run``, taken now (before :meth:`_taken`)."""
+        return self._pruned.pop(run.run_id, set())
 
     def _prune_in_time(self, run: Run) -> bool:
         """A prune of ``run`` sent now reaches it before it is evaluated
