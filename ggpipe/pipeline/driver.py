@@ -211,8 +211,9 @@ class Pipeline:
         must also be cancelled."""
         if not pairs:
             return
-        with self._pruned_lock:
-            self._pruned.add(pairs)
+        if self.stage is not None:
+            with self._pruned_lock:
+                self._pruned.add(pairs)
         if _TR:
             _TR.instant("prune", "head", pairs=len(pairs), pipeline=self.name)
         if self.ranks:

@@ -165,6 +165,7 @@ class Worker:
         if not keep.all():
             inputs = {k: v.reshape(keep.shape[0], -1)[keep].reshape(-1) for k, v in inputs.items()}
             if not keep.any():   # every row died: its cancel is on the way
+                self.stats["cancelled_before_start"] += 1
                 self._finish_cancelled(h)
                 return
         batch = live_batch(h)
