@@ -40,12 +40,12 @@ L, NATIVE, BATCH = _setup_batch()
 
 def one_input(data: bytes) -> None:
     fdp = atheris.FuzzedDataProvider(data)
-    which = fdp.ConsumeIntInRange(0, 5)
+    which = fdp.ConsumeIntInRange(0, 6)
     n = fdp.ConsumeIntInRange(0, 64)
     ints = np.array(fdp.ConsumeIntListInRange(n, -(2**31), 2**31 - 1), dtype=np.int32)
     if fdp.ConsumeBool() and n >= 2:  # often a valid prefix, so the fuzzer gets past it
         ints[0] = m.MAGIC
-        ints[1] = [m.T_DECODE, m.T_LOGITS, m.T_KV, m.T_SHUTDOWN, m.T_CANCEL, m.T_DECODE][which]
+        ints[1] = [m.T_DECODE, m.T_LOGITS, m.T_KV, m.T_SHUTDOWN, m.T_CANCEL, m.T_DECODE, m.T_PRUNE][which]
     try:
         if which == 0 or which == 5:
             m.decode_decode(ints, N_SEQ_MAX, MAX_TOKENS)
@@ -55,6 +55,8 @@ def one_input(data: bytes) -> None:
             m.decode_kv(ints, N_SEQ_MAX)
         elif which == 3:
             m.decode_simple(ints, m.T_SHUTDOWN)
+        elif which == 6:
+            m.decode_prune(ints, N_SEQ_MAX)
         else:
             m.decode_simple(ints, m.T_CANCEL)
     except ProtocolError:
