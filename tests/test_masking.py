@@ -69,9 +69,9 @@ def test_logits_header_with_rows():
 
 def test_a_row_dies_only_when_all_its_sequences_are_pruned():
     h = _header([(1, 2), (1,), (2,), (3,)])
-    assert list(rows_in(h, {1})) == [False, True, False, False]
-    assert list(rows_in(h, {1, 2})) == [True, True, True, False]
-    assert list(rows_in(h, set())) == [False] * 4
+    assert list(rows_in(h.n_seq_id, h.seq_ids, {1})) == [False, True, False, False]
+    assert list(rows_in(h.n_seq_id, h.seq_ids, {1, 2})) == [True, True, True, False]
+    assert list(rows_in(h.n_seq_id, h.seq_ids, set())) == [False] * 4
 
 
 def test_prune_book_drops_rows_and_builds_the_live_batch():

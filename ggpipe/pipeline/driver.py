@@ -251,9 +251,7 @@ class Pipeline:
             self._pruned.forget_through(run.run_id)
             self.stats["rows_masked"] = self._pruned.rows_masked
         out = None
-        if not keep.any():   # every row died: it is cancelled as well
-            self.stats["cancelled_before_start"] += 1
-        elif run.run_id in self._cancelled:
+        if run.run_id in self._cancelled or not keep.any():   # every row pruned: it is cancelled as well
             self.stats["cancelled_before_start"] += 1
             if _TR:
                 _TR.instant("skip", f"{self.name} stage", run=run.run_id)

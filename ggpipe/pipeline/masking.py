@@ -67,22 +67,25 @@ class PruneBook:
         live = h.outputs != OUT_DROPPED
         if not pruned:
             return np.ones(int(live.sum()), dtype=bool)
-        dead = rows_in(h, pruned) & live
+        dead = rows_in(h.n_seq_id, h.seq_ids, pruned) & live
         self.rows_masked += int(dead.sum())
         keep = ~dead[live]
         h.outputs[dead] = OUT_DROPPED
         return keep
 
 
-def rows_in(h: DecodeHeader, seqs: set[int]) -> np.ndarray:
-    """bool (n,): rows of ``h`` whose every sequence id is in ``seqs``."""
-    if not seqs:
-        return np.zeros(h.n_tokens, dtype=bool)
-    member = np.isin(h.seq_ids, np.fromiter(seqs, dtype=np.int32, count=len(seqs)))
-    starts = np.concatenate([[0], np.cumsum(h.n_seq_id)[:-1]]).astype(np.intp)
+def rows_in(n_seq_id: np.ndarray, seq_ids: np.ndarray, seqs) -> np.ndarray:
+    """bool (n,): the rows of a batch (``n_seq_id`` int (n,) sequence ids
+    per row, ``seq_ids`` int (sum n_seq_id,) them, row by row) whose every
+    sequence id is in ``seqs``: the rows a prune of ``seqs`` kills. The one
+    rule of masking, shared by the stages and the simulated pipelines."""
+    n = int(np.asarray(n_seq_id).shape[0])
+    if not seqs or n == 0:
+        return np.zeros(n, dtype=bool)
+    member = np.isin(seq_ids, np.fromiter(seqs, dtype=np.int64, count=len(seqs)))
+    starts = np.concatenate([[0], np.cumsum(n_seq_id)[:-1]]).astype(np.intp)
     # a row is dead when none of its sequence ids is outside ``seqs``
-    outside = np.add.reduceat((~member).astype(np.int32), starts) if h.seq_ids.size else np.zeros(0, np.int32)
-    return outside == 0
+    return np.add.reduceat((~member).astype(np.int32), starts) == 0
 
 
 def live_batch(h: DecodeHeader) -> dict:

@@ -42,7 +42,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 from ggpipe.errors import RankTimeoutError
+from ggpipe.pipeline.masking import rows_in
 from ggpipe.pipeline.runs import Run, RunResult
 from ggpipe.pipeline.waiting import Wait
 from ggpipe.sim.profile import LinkProfile
@@ -172,7 +175,6 @@ class SimPipeline(ToyPipeline):
                 t = self._send(lfree, 0, self.stages[0].rank, t, HEADER_BYTES + PER_TOKEN_BYTES * n + 4 * n)
             cancels = self._cancel_arrivals(e.cancel_at)
             prunes = [(self._cancel_arrivals(at), seqs) for at, seqs in e.prunes]
-            row_seqs = _row_seqs(e.run) if prunes else []
             dropped: frozenset[int] = frozenset()
             n_live, n_out = n, e.n_out
             cancelled = False
@@ -181,9 +183,9 @@ class SimPipeline(ToyPipeline):
                 start = max(t, free[i])
                 if prunes and not cancelled:
                     dropped = dropped.union(*[seqs for arrive, seqs in prunes if arrive[i] <= start])
-                    live = [not r <= dropped for r in row_seqs]
-                    n_live = sum(live)
-                    n_out = sum(1 for j in range(n) if live[j] and e.run.outputs[j])
+                    live = ~rows_in(e.run.n_seq_id, e.run.seq_ids, dropped)
+                    n_live = int(live.sum())
+                    n_out = int(np.count_nonzero(live & (e.run.outputs != 0)))
                     if n_live == 0:
                         cancelled = True   # every row pruned: a stage passes the placeholder on
                 dur = 0.0 if cancelled else st.cost(n_live, e.kv, n_out if i == last else 0)
@@ -301,15 +303,6 @@ class SimPipeline(ToyPipeline):
         if not self.async_local:
             return True
         return all(s.spans[0][1] <= self.clock.now for s in self._schedule())
-
-
-def _row_seqs(run: Run) -> list[frozenset[int]]:
-    """The sequence ids of each row of ``run``."""
-    out, o = [], 0
-    for k in run.n_seq_id:
-        out.append(frozenset(int(x) for x in run.seq_ids[o:o + int(k)]))
-        o += int(k)
-    return out
 
 
 def idle_until_next(clock: SimClock, pipes: list[SimPipeline]) -> Wait:

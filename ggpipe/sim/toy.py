@@ -19,6 +19,7 @@ from collections import deque
 import numpy as np
 
 from ggpipe.logits import TopLogits, top_k
+from ggpipe.pipeline.masking import rows_in
 from ggpipe.pipeline.runs import Run, RunResult
 
 
@@ -301,10 +302,8 @@ class ToyPipeline:
         pruned = self._pruned_seqs(run)
         self._cancelled.discard(run.run_id)
         self._taken(run)
-        ends = np.cumsum(run.n_seq_id)
-        seqs = [set(int(s) for s in run.seq_ids[e - n:e]) for n, e in zip(run.n_seq_id, ends)]
-        dead = [bool(pruned) and row <= pruned for row in seqs]
-        cancelled = cancelled or all(dead)
+        dead = rows_in(run.n_seq_id, run.seq_ids, pruned)
+        cancelled = cancelled or bool(dead.all())
         if cancelled:
             self.stats["cancelled_mid_compute"] += 1
             self._drop_cells(new)      # an aborted run leaves no cells
@@ -312,8 +311,8 @@ class ToyPipeline:
         if not any(dead):
             return self._result(run, run.tag, False)
         # ``new`` holds each row's cells in batch order, n_seq_id[i] of them
-        self._drop_cells([new[k] for i in range(run.n_tokens) if dead[i] for k in range(ends[i] - run.n_seq_id[i], ends[i])])
-        self.stats["rows_masked"] += sum(dead)
+        self._drop_cells([c for c, d in zip(new, np.repeat(dead, run.n_seq_id)) if d])
+        self.stats["rows_masked"] += int(dead.sum())
         out_rows = [i for i in range(run.n_tokens) if run.outputs[i]]
         keep = [j for j, i in enumerate(out_rows) if not dead[i]]
         logits = run.tag
