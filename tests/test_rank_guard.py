@@ -31,8 +31,18 @@ def _run(body: str) -> subprocess.CompletedProcess:
                           timeout=30)
 
 
-def _start(setup: str, body: str = "time.sleep(30)") -> tuple[subprocess.Popen, int]:
-    """A guard whose rank runs ``setup``, prints its pid, then runs ``body``."""
+# The rank waits in short sleeps, as a real rank's serve loop waits with time-outs. One long
+# time.sleep() can hold a Python signal handler back for its whole length: CPython runs handlers
+# between bytecodes, and a signal that lands after the last check but before the sleep's syscall
+# starts does not interrupt it. A CI run caught exactly that (the rank had SIGTERM delivered and
+# its handler installed, yet slept on), which failed the test though the guard had passed the
+# signal on.
+WAIT = "for _ in range(600): time.sleep(0.05)"
+
+
+def _start(setup: str, body: str = WAIT) -> tuple[subprocess.Popen, int]:
+    """A guard whose rank runs ``setup``, prints its pid, then runs ``body`` (by default it
+    waits about 30 s)."""
     code = GUARDED.format(body=f"{setup}\nprint(os.getpid(), flush=True)\n{body}")
     p = subprocess.Popen([sys.executable, "-c", code],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -82,8 +92,7 @@ def _signal_state(pid: int) -> str:
 
 
 def _ended(p: subprocess.Popen, rank_pid: int, timeout: float = 10) -> str:
-    """The guard's stderr once it has ended; if it has not within ``timeout``
-    (seen once in a full suite run on the loaded 2-core VM, never alone),
+    """The guard's stderr once it has ended; if it has not within ``timeout``,
     fail with both processes' signal state, and end them."""
     try:
         return p.communicate(timeout=timeout)[1]
@@ -118,7 +127,7 @@ def test_quiet_when_ggpipe_already_reported():
 
 
 def test_the_rank_dies_with_its_guard_and_the_guard_is_named():
-    p, rank_pid = _start("", "time.sleep(60)")
+    p, rank_pid = _start("")
     assert psutil.Process(p.pid).name() == rank_guard.GUARD_NAME
     assert psutil.Process(rank_pid).ppid() == p.pid
     p.kill()                            # the launcher's clean-up kills the process it started
