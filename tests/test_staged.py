@@ -14,6 +14,7 @@ import pytest
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.sampling import Sampler, SamplingParams, target_probs
 from ggpipe.speculation.proposers.base import ProposerConfig, make_proposer
+from ggpipe.speculation.proposers.staged import guess_budget
 from ggpipe.sim.toy import FakePipeline, ToyLM
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -84,3 +85,69 @@ def test_staged_in_the_loop_is_exact(mode):
     out = dec.generate(np.array(prompt, np.int32), 40, Sampler(SamplingParams()))
     assert out == _reference(40, prompt, period)
     assert dec.stats["spec_type"] == "staged" and dec.stats["guesses_accepted"] > 0
+
+
+# -- how many guesses a run carries: measured costs and the learned acceptance -----------------
+
+def test_guess_budget_keeps_guesses_while_the_saving_pays():
+    assert guess_budget(5, 0.9, None, 0.001) == 5 and guess_budget(5, 0.9, 0.01, None) == 5  # costs unknown
+    assert guess_budget(5, 0.0, 0.01, -0.001) == 5        # a batch that looks free (noise)
+    assert guess_budget(5, 1.0, 0.01, 0.01) == 5          # sure guesses that cost a step each
+    assert guess_budget(5, 0.99, 0.01, 0.01) == 0
+    assert guess_budget(5, 0.5, 0.01, 0.001) == 3         # 0.5, 0.25, 0.125 >= 0.1 > 0.0625
+    assert guess_budget(0, 1.0, 0.01, 0.0) == 0
+
+
+def _grow_timed(ctx, period, step_s, marginal_s, n=6, trees=1):
+    """Like _grow, after the draft's run cost has been timed at 1 and 2 tokens;
+    ``trees`` trees in a row, each below the last one's chain."""
+    pipe = FakePipeline(ToyLM(V, period=period), latency=1, name="draft", cell_order=True)
+    p = make_proposer("staged", ProposerConfig(backend=pipe, n_vocab=V, n_ubatch=64))
+    p.start(SamplingParams(), np.random.default_rng(0))
+    p.timed(1, step_s)
+    p.timed(2, step_s + marginal_s)
+    ctx = list(ctx)
+    for _ in range(trees):
+        p.begin(ctx, 0.0, n)
+        tree = None
+        while tree is None:
+            if p.ready():
+                tree = p.poll()
+        ctx += tree.tokens
+    return ctx, p, pipe
+
+
+def test_guesses_not_worth_their_cost_are_held_back_and_still_learned():
+    """A run that costs 5x a step per extra token carries no guess (but for one
+    exploring run in EXPLORE_EVERY); the draft's own tokens, compared with the
+    guesses held back, still teach the proposer that the guesses are right."""
+    ctx = REPEATING + [1, 2, 3]
+    out, p, pipe = _grow_timed(ctx, len(REPEATING), 0.01, 0.05, trees=4)
+    plain, _, d0 = _grow("draft", ctx, len(REPEATING))
+    assert out[len(ctx):len(ctx) + len(plain.tokens)] == plain.tokens
+    assert p.stats["guesses_made"] == 0 and p.stats["guesses_held"] > 0
+    assert p.stats["guesses_accepted"] == 0
+    assert p.accept > 0.75           # from the prior 0.5: every held-back guess was what the draft drafted
+
+
+def test_sure_cheap_guesses_are_sent():
+    ctx = REPEATING + [1, 2, 3]
+    _, p, pipe = _grow_timed(ctx, len(REPEATING), 0.01, 0.001)
+    plain, _, d0 = _grow("draft", ctx, len(REPEATING))
+    # at the prior 0.5, three guesses pay (0.5, 0.25, 0.125 of 10 ms >= 1 ms); they are right, so more do
+    assert p.stats["guesses_made"] >= 3 and p.stats["guesses_accepted"] >= 3 and pipe.n_runs < d0.n_runs
+    assert p.accept > 0.5
+
+
+def test_the_rate_follows_the_text():
+    """Where the text does not repeat (the toy with period 0, for its first 30
+    tokens) the guesses are wrong: the rate falls from the prior and cheap
+    guesses stop being sent. The toy's text then falls into a cycle of 6
+    tokens; the held-back guesses turn right and the rate climbs again."""
+    ctx = REPEATING + [1, 2, 3]
+    _, p, _ = _grow_timed(ctx, 0, 0.01, 0.004, trees=5)   # one guess pays at the prior (5 ms >= 4 ms)
+    assert p.stats["guesses_made"] >= 1 and p.stats["guesses_accepted"] == 0
+    assert p.accept < 0.4 and guess_budget(4, p.accept, 0.01, 0.004) == 0
+    assert p.stats["guesses_held"] > p.stats["guesses_made"]
+    out, p, _ = _grow_timed(ctx, 0, 0.01, 0.004, trees=12)
+    assert out[-12:] == out[-6:] * 2 and p.accept > 0.5

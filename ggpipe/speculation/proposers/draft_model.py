@@ -208,7 +208,9 @@ class DraftModelProposer:
         """Wait (bounded) for the oldest in-flight draft run and consume it."""
         res = self.pipe.wait(timeout_s)
         if not self.active:
-            self._guesses = []      # the result of an abandoned run: its guesses stay in the KV and cursor
+            # the result of an abandoned run: its guesses stay in the KV and cursor, and tell nothing
+            self.guessed(len(self._guesses), 0, None)
+            self._guesses = []
         elif self.step(res) is not None:
             self.active = False
 
@@ -275,6 +277,7 @@ class DraftModelProposer:
             if tok is None or tok != guess:
                 break
             self.stats["guesses_accepted"] = self.stats.get("guesses_accepted", 0) + 1
+        self.guessed(len(guesses), j, tok)
         keep = base + j + 1        # the cursor up to the token whose logits row j holds
         if keep < len(self.cursor):
             self.pipe.seq_rm(0, keep, -1)
@@ -303,6 +306,12 @@ class DraftModelProposer:
         same draft run as it (at most ``room``): none here; Staged SD's
         draft-of-draft (``--spec-type staged``) guesses them by n-gram lookup."""
         return []
+
+    def guessed(self, sent: int, taken: int, drafted: int | None) -> None:
+        """After a draft result: ``sent`` guesses were decoded after the tip,
+        the first ``taken`` of them were drafted, and ``drafted`` is the token
+        drafted from the row after the last one taken (None: the tree ended
+        there). No-op here; the draft-of-draft learns its guesses' accuracy."""
 
     def _draft_one(self, logits, guess: int | None) -> int | None:
         """Draft one level from one row of logits: add the node (and, greedy,
@@ -356,14 +365,22 @@ class DraftModelProposer:
         return tok
 
     def _observe_step(self, result) -> None:
-        """Time a one-token draft decode from submission to result (runs and
-        results carry ``started_at`` / ``finished_at``; others are skipped)."""
+        """Time a draft decode from submission to result (runs and results
+        carry ``started_at`` / ``finished_at``; others are skipped) and pass it
+        to :meth:`timed`."""
         run = getattr(result, "run", None)
         t1 = getattr(result, "finished_at", 0.0)
-        if run is None or run.n_tokens != 1 or not t1 or not run.started_at or t1 < run.started_at:
+        if run is None or not t1 or not run.started_at or t1 < run.started_at:
             return
-        dt = t1 - run.started_at
-        self.step_s = dt if self.step_s is None else self.step_s + 0.2 * (dt - self.step_s)
+        self.timed(run.n_tokens, t1 - run.started_at)
+
+    def timed(self, n_tokens: int, seconds: float) -> None:
+        """A draft run of ``n_tokens`` took ``seconds`` from submission to
+        result: one-token runs update ``step_s`` (an exponentially weighted
+        mean, weight 0.2)."""
+        if n_tokens == 1:
+            dt = seconds
+            self.step_s = dt if self.step_s is None else self.step_s + 0.2 * (dt - self.step_s)
 
     def _finish(self) -> SpecTree:
         self.active = False
