@@ -29,7 +29,8 @@ least one, so the cost of a longer run keeps being measured.
 
 ``--json`` adds ``guesses_made`` (guesses decoded), ``guesses_accepted``
 (levels that came from a guess), ``guesses_held`` (guesses found but not
-worth decoding) and ``guess_accept`` (the learned rate).
+worth decoding), ``guess_accept`` (the learned rate) and ``guess_cost_ms``
+(what one more token adds to a draft run, as last estimated).
 """
 
 from __future__ import annotations
@@ -110,6 +111,8 @@ class StagedProposer(DraftModelProposer):
             self._found_runs += 1
             c1, c2 = self.run_cost.cost(1), self.run_cost.cost(2)
             marginal = None if c1 is None or c2 is None else c2 - c1
+            if marginal is not None:
+                self.stats["guess_cost_ms"] = round(1e3 * marginal, 3)
             k = guess_budget(len(found), self.accept, self.step_s if self.step_s is not None else c1, marginal)
             if k == 0 and self._found_runs % EXPLORE_EVERY == 0:
                 k = 1
