@@ -7,7 +7,8 @@ against the plain draft (issue "Speculation that pays", part 3).
 Rows, all interleaved and rotated each round, 2 ranks x 1 thread (target on
 rank 0, draft on rank 1): ``draft`` (--spec-type draft), ``ngram``
 (--spec-type ngram; the draft rank idles), ``staged`` (--spec-type staged),
-``vote`` (--spec-type vote --spec-vote draft,ngram). Every row must give the
+``vote`` (--spec-type vote --spec-vote draft,ngram); on request (``--rows``)
+``staged auto`` (staged with ``--p-accept auto``). Every row must give the
 same tokens (greedy). ``--rows`` runs a subset; ``--before DIR`` adds a
 ``staged (before)`` row, ``--spec-type staged`` run from another checkout
 (``git worktree add /tmp/ggpipe-before REV`` with the built
@@ -35,7 +36,8 @@ from ggpipe.models.registry import fetch
 ROOT = Path(__file__).resolve().parents[1]
 EXTRA = ROOT / "scripts" / "prompts" / "speculation.jsonl"
 ROWS = {"draft": ["--spec-type", "draft"], "ngram": ["--spec-type", "ngram"], "staged": ["--spec-type", "staged"],
-        "vote": ["--spec-type", "vote", "--spec-vote", "draft,ngram"], "staged (before)": ["--spec-type", "staged"]}
+        "vote": ["--spec-type", "vote", "--spec-vote", "draft,ngram"], "staged (before)": ["--spec-type", "staged"],
+        "staged auto": ["--spec-type", "staged", "--p-accept", "auto"]}
 
 
 def main() -> int:

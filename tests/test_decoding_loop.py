@@ -328,7 +328,8 @@ def test_look_ahead_rule_of_synchronous_adaptive_depth():
 @pytest.mark.parametrize("mode,spec_type,vote,want", [
     ("speculative", "draft", ("draft", "ngram"), None), ("pipeinfer", "draft", ("draft", "ngram"), 0.3),
     ("speculative", "ngram", ("draft", "ngram"), None), ("pipeinfer", "ngram", ("draft", "ngram"), None),
-    ("speculative", "vote", ("draft", "ngram"), 0.3), ("speculative", "staged", ("draft", "ngram"), 0.3),
+    ("speculative", "vote", ("draft", "ngram"), 0.3), ("speculative", "staged", ("draft", "ngram"), None),
+    ("pipeinfer", "staged", ("draft", "ngram"), 0.3),
 ])
 def test_p_accept_default_is_auto_where_it_measured_better(mode, spec_type, vote, want):
     """The CLI's --p-accept default (docs/BENCHMARKS.md section 4)."""

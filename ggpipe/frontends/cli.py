@@ -115,9 +115,9 @@ def speculation_options(f):
         click.option("--p-accept", default="default", type=ProbabilityOrAuto(),
                      help=f"Confidence cutoff: drafting stops when the draft's probability of its next token is "
                           f"below it; auto: from the measured pass cost curve and the drafts' calibrated "
-                          f"acceptance (docs/BENCHMARKS.md section 4). Default: {d.p_accept} with --spec-type draft "
-                          f"in pipeinfer mode, auto in speculative mode and with ngram (each measured better "
-                          f"there)."),
+                          f"acceptance (docs/BENCHMARKS.md section 4). Default: {d.p_accept} in pipeinfer mode with "
+                          f"a draft model (draft, staged, vote), auto in speculative mode with draft or staged "
+                          f"and with ngram (each measured better there)."),
         click.option("--p-split", default=d.p_split, show_default=True, type=Finite(0, 1),
                      help="Runner-up draft probability that adds a sibling branch (greedy)."),
         click.option("--p-recovery", default=d.p_recovery, show_default=True, type=Finite(0, 1),
@@ -193,7 +193,7 @@ def _spec_settings(mode, spec_type, n_draft, p_accept, p_split, p_recovery, p_de
     spec_type = SPEC_TYPE_ALIASES.get(spec_type, spec_type)
     uses_draft = SpecSettings(spec_type=spec_type, vote=vote).uses_draft_model
     if p_accept == "default":   # auto where it measured better (docs/BENCHMARKS.md section 4)
-        auto = not uses_draft or (mode == "speculative" and spec_type == "draft")
+        auto = not uses_draft or (mode == "speculative" and spec_type in ("draft", "staged"))
         p_accept = None if auto else SpecSettings.p_accept
     return SpecSettings(mode=mode if mode != "iterative" else "pipeinfer", spec_type=spec_type, draft=n_draft,
                         p_accept=p_accept,
