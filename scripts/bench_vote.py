@@ -75,9 +75,8 @@ def main() -> int:
                 d = j["decoder"]
                 rec = {"tokens_per_s": j["metrics"]["tokens_per_s"], "per_pass": d.get("accepted_per_pass"),
                        "acceptance": d.get("acceptance_rate")}
-                rec.update({k: v for k, v in d.items() if k.startswith(("vote_", "guesses_"))})
+                rec.update({k: v for k, v in d.items() if k.startswith(("vote_", "guess"))})
                 rec["draft_decodes"] = d.get("draft_decodes")
-                rec["guess_accept"] = d.get("guess_accept")
                 res[mode][p["id"]][r].append(rec)
                 if tokens.setdefault(p["id"], j["tokens"]) != j["tokens"]:
                     raise SystemExit(f"{mode} {r} on {p['id']}: tokens differ from the first run's")

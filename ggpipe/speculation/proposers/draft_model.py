@@ -379,8 +379,7 @@ class DraftModelProposer:
         result: one-token runs update ``step_s`` (an exponentially weighted
         mean, weight 0.2)."""
         if n_tokens == 1:
-            dt = seconds
-            self.step_s = dt if self.step_s is None else self.step_s + 0.2 * (dt - self.step_s)
+            self.step_s = seconds if self.step_s is None else self.step_s + 0.2 * (seconds - self.step_s)
 
     def _finish(self) -> SpecTree:
         self.active = False
