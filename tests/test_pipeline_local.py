@@ -93,11 +93,12 @@ def test_result_due_times_small_runs_only():
     step.started_at = time.perf_counter()
     time.sleep(0.02)
     pipe._arrived(step, cancelled=False)
-    assert 0.015 < pipe.service_s < 0.1
+    assert 0.015 < pipe.service_s < 1.0                 # 20 ms, or more where the machine stalled
+    measured = pipe.service_s
     cancelled = Run.linear([4], 11)
     cancelled.started_at = time.perf_counter() - 5.0
     pipe._arrived(cancelled, cancelled=True)
-    assert pipe.service_s < 0.1                         # a cancelled run times nothing
+    assert pipe.service_s == measured                   # a cancelled run times nothing
     nxt = Run.linear([5], 12)
     nxt.started_at = time.perf_counter()
     pipe.inflight[0] = nxt
