@@ -98,11 +98,11 @@ def test_guess_budget_keeps_guesses_while_the_saving_pays():
     assert guess_budget(0, 1.0, 0.01, 0.0) == 0
 
 
-def _grow_timed(ctx, period, step_s, marginal_s, n=6, trees=1):
+def _grow_timed(ctx, period, step_s, marginal_s, n=6, trees=1, guesses=None):
     """Like _grow, after the draft's run cost has been timed at 1 and 2 tokens;
     ``trees`` trees in a row, each below the last one's chain."""
     pipe = FakePipeline(ToyLM(V, period=period), latency=1, name="draft", cell_order=True)
-    p = make_proposer("staged", ProposerConfig(backend=pipe, n_vocab=V, n_ubatch=64))
+    p = make_proposer("staged", ProposerConfig(backend=pipe, n_vocab=V, n_ubatch=64, guesses=guesses))
     p.start(SamplingParams(), np.random.default_rng(0))
     p.timed(1, step_s)
     p.timed(2, step_s + marginal_s)
@@ -128,6 +128,27 @@ def test_guesses_not_worth_their_cost_are_held_back_and_still_learned():
     assert p.stats["guesses_made"] == 0 and p.stats["guesses_held"] > 0
     assert p.stats["guesses_accepted"] == 0
     assert p.accept > 0.75           # from the prior 0.5: every held-back guess was what the draft drafted
+
+
+@pytest.mark.parametrize("most", [0, 2])
+def test_spec_guesses_replaces_the_budget(most):
+    """--spec-guesses N: up to N guesses in every run that found some, even
+    where the budget would hold them all back (a 5x-step cost per token);
+    the trees stay those of the plain draft."""
+    ctx = REPEATING + [1, 2, 3]
+    out, p, pipe = _grow_timed(ctx, len(REPEATING), 0.01, 0.05, trees=4, guesses=most)
+    plain, _, _ = _grow("draft", ctx, len(REPEATING))
+    assert out[len(ctx):len(ctx) + len(plain.tokens)] == plain.tokens
+    assert p.stats["guesses_held"] > 0                     # more were found than N
+    if most:   # four trees, each at least one run with N guesses, right ones (the text repeats)
+        assert p.stats["guesses_made"] >= 4 * most and p.stats["guesses_accepted"] >= 4
+    else:
+        assert p.stats["guesses_made"] == 0
+
+
+def test_a_negative_guess_count_is_refused():
+    with pytest.raises(ValueError, match="--spec-guesses"):
+        make_proposer("staged", ProposerConfig(backend=FakePipeline(ToyLM(V), name="draft"), n_vocab=V, guesses=-1))
 
 
 def test_sure_cheap_guesses_are_sent():

@@ -61,7 +61,7 @@ def build_decoder(mode: str, spec: SpecSettings, target, draft, *, n_ubatch: int
         proposer = make_proposer(spec.spec_type, ProposerConfig(
             backend=draft, n_vocab=target.n_vocab, n_ubatch=n_ubatch, p_split=spec.p_split, width=spec.width,
             ngram_min=spec.ngram_min, ngram_max=spec.ngram_max, timeout_s=timeout_s, vote=spec.vote,
-            more_backends=tuple(more_drafts)))
+            guesses=spec.guesses, more_backends=tuple(more_drafts)))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return SpeculativeDecoder(target, proposer, spec, n_seq_max, n_ubatch, is_eog, timeout_s=timeout_s, idle=idle)

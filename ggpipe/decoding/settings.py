@@ -44,6 +44,9 @@ class SpecSettings:
             (tokens) [--spec-ngram-min, --spec-ngram-max].
         vote: the proposers ``spec_type="vote"`` merges, in tie-break order
             [--spec-vote].
+        guesses: staged: most n-gram guesses a draft run decodes after its
+            tip (tokens); None: those worth their measured cost
+            (ggpipe.speculation.proposers.staged.guess_budget) [--spec-guesses].
         tree_width: pipedec: most nodes per prediction-tree layer [--tree-width].
         max_children: pipedec: most children per tree node [--max-children].
         wait_draft: pipeinfer: when the head's target stage runs out of work
@@ -67,6 +70,7 @@ class SpecSettings:
     ngram_min: int = 1
     ngram_max: int = 4
     vote: tuple[str, ...] = ("draft", "ngram")
+    guesses: int | None = None
     tree_width: int = 1     # a chain: exact in every run (README "Exactness"); trees measured slower here
     max_children: int = 4
     wait_draft: bool = True

@@ -110,6 +110,10 @@ def speculation_options(f):
                      type=click.IntRange(1, 64), help="Shortest suffix the n-gram proposer matches (tokens)."),
         click.option("--spec-ngram-max", "ngram_max", default=d.ngram_max, show_default=True,
                      type=click.IntRange(1, 64), help="Longest suffix the n-gram proposer matches (tokens)."),
+        click.option("--spec-guesses", "guesses", default="auto", type=CountOrAuto(), show_default=True,
+                     help="--spec-type staged: most n-gram guesses a draft run checks after its tip; auto: those "
+                          "worth their measured cost (docs/BENCHMARKS.md section 9), N: up to N whatever they "
+                          "cost, 0: none."),
         click.option("--draft", "n_draft", default=d.draft, show_default=True, type=click.IntRange(1, 64),
                      help="Most draft tokens per speculation tree / micro-batch."),
         click.option("--p-accept", default="default", type=ProbabilityOrAuto(),
@@ -164,6 +168,25 @@ class ProbabilityOrAuto(click.ParamType):
         return v
 
 
+class CountOrAuto(click.ParamType):
+    """A count in [0, 64], or ``auto`` (None)."""
+
+    name = "N|auto"
+
+    def convert(self, value, param, ctx):
+        if value is None or value == "auto":
+            return None
+        if isinstance(value, int):
+            return value
+        try:
+            v = int(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither a whole number nor 'auto'", param, ctx)
+        if not 0 <= v <= 64:
+            self.fail(f"{v} is not in [0, 64]", param, ctx)
+        return v
+
+
 SPEC_TYPE_ALIASES = {"draft-simple": "draft", "ngram-simple": "ngram"}  # llama.cpp's --spec-type names
 
 
@@ -187,7 +210,7 @@ def _vote_members(ctx, param, value: str) -> tuple[str, ...]:
 
 def _spec_settings(mode, spec_type, n_draft, p_accept, p_split, p_recovery, p_decay, branches, max_inflight,
                    no_continuous, no_cancel, ngram_min, ngram_max, vote, tree_width=1, max_children=4,
-                   no_wait_draft=False):
+                   no_wait_draft=False, guesses=None):
     from ggpipe.decoding.settings import SpecSettings  # noqa: PLC0415
 
     spec_type = SPEC_TYPE_ALIASES.get(spec_type, spec_type)
@@ -200,7 +223,7 @@ def _spec_settings(mode, spec_type, n_draft, p_accept, p_split, p_recovery, p_de
                         p_split=p_split, p_recovery=p_recovery, p_decay=p_decay, width=branches,
                         continuous=not no_continuous, cancel=not no_cancel, max_inflight=max_inflight,
                         ngram_min=ngram_min, ngram_max=ngram_max, vote=vote, tree_width=tree_width,
-                        max_children=max_children, wait_draft=not no_wait_draft)
+                        max_children=max_children, wait_draft=not no_wait_draft, guesses=guesses)
 
 
 def sampling_options(f):
@@ -223,7 +246,7 @@ def job_options(f):
 
 
 _JOB_KEYS = ("model", "draft_model", "split", "threads", "ctx_size", "ubatch", "n_seq_max", "timeout", "flash_attn",
-             "liveness_timeout", "mode", "spec_type", "ngram_min", "ngram_max", "vote",
+             "liveness_timeout", "mode", "spec_type", "ngram_min", "ngram_max", "vote", "guesses",
              "n_draft", "p_accept", "p_split", "p_recovery", "p_decay", "branches", "max_inflight", "no_continuous",
              "no_cancel", "no_wait_draft", "tree_width", "max_children", "n_predict", "temp", "top_k", "top_p", "seed",
              "ignore_eos")
@@ -277,7 +300,7 @@ def split_job_options(kw: dict):
     spec = _spec_settings(o["mode"], o["spec_type"], o["n_draft"], o["p_accept"], o["p_split"], o["p_recovery"],
                           o["p_decay"], o["branches"], o["max_inflight"], o["no_continuous"], o["no_cancel"],
                           o["ngram_min"], o["ngram_max"], o["vote"], o["tree_width"], o["max_children"],
-                          o["no_wait_draft"])
+                          o["no_wait_draft"], o["guesses"])
     n_seq_max = o["n_seq_max"] if o["n_seq_max"] is not None else auto_n_seq_max(o["mode"], spec)
     if o["split"] is not None and o["split"].startswith("auto"):
         from ggpipe.frontends.plan import auto_split

@@ -143,6 +143,8 @@ class ProposerConfig:
         timeout_s: bound of every wait for the backend (seconds).
         vote: the members of ``--spec-type vote`` (registered names, in
             tie-break order).
+        guesses: staged: most n-gram guesses per draft run (tokens); None:
+            the guess budget decides.
         more_backends: the pipelines of further draft models (``-md a,b``:
             every one but the first); only a vote drafts with them (its
             ``draft`` member stands for one member per draft model).
@@ -157,6 +159,7 @@ class ProposerConfig:
     ngram_max: int = 4
     timeout_s: float = 60.0
     vote: tuple[str, ...] = ("draft", "ngram")
+    guesses: int | None = None
     more_backends: tuple = ()
 
 

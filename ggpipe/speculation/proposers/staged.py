@@ -26,6 +26,9 @@ sampling, a draw from q equals it with probability q(g), the chance that the
 guess would have been taken). Until two run sizes have been timed every
 guess is sent, and every ``EXPLORE_EVERY``-th run with a guess carries at
 least one, so the cost of a longer run keeps being measured.
+``--spec-guesses N`` replaces the budget: up to N guesses in every run,
+whatever they cost (for hardware where draft batches are cheap, and for
+tests that must see guesses checked in every run).
 
 ``--json`` adds ``guesses_made`` (guesses decoded), ``guesses_accepted``
 (levels that came from a guess), ``guesses_held`` (guesses found but not
@@ -94,7 +97,10 @@ class StagedProposer(DraftModelProposer):
         if not 1 <= cfg.ngram_min <= cfg.ngram_max:
             raise ValueError(f"n-gram sizes must satisfy 1 <= --spec-ngram-min <= --spec-ngram-max, "
                              f"got {cfg.ngram_min} and {cfg.ngram_max}")
+        if cfg.guesses is not None and cfg.guesses < 0:
+            raise ValueError(f"--spec-guesses must be auto or >= 0, got {cfg.guesses}")
         self.n_min, self.n_max = cfg.ngram_min, cfg.ngram_max
+        self.most_guesses = cfg.guesses   # None: guess_budget decides
         self.stats.update(guesses_made=0, guesses_accepted=0, guesses_held=0, guess_accept=ACCEPT_PRIOR)
         self.run_cost = PassCost()     # the draft's run round trip (seconds) against tokens per run
         self.accept = ACCEPT_PRIOR
@@ -113,9 +119,12 @@ class StagedProposer(DraftModelProposer):
             marginal = None if c1 is None or c2 is None else c2 - c1
             if marginal is not None:
                 self.stats["guess_cost_ms"] = round(1e3 * marginal, 3)
-            k = guess_budget(len(found), self.accept, self.step_s if self.step_s is not None else c1, marginal)
-            if k == 0 and self._found_runs % EXPLORE_EVERY == 0:
-                k = 1
+            if self.most_guesses is not None:
+                k = min(k, self.most_guesses)
+            else:
+                k = guess_budget(k, self.accept, self.step_s if self.step_s is not None else c1, marginal)
+                if k == 0 and self._found_runs % EXPLORE_EVERY == 0:
+                    k = 1
         self._held = found[k] if k < len(found) else None
         self.stats["guesses_made"] += k
         self.stats["guesses_held"] += len(found) - k
