@@ -147,44 +147,37 @@ def speculation_options(f):
     return _apply(opts, f)
 
 
-class ProbabilityOrAuto(click.ParamType):
-    """A probability in [0, 1], or ``auto`` (None)."""
+class NumberOrAuto(click.ParamType):
+    """A number in [``lo``, ``hi``] of type ``cast``, or ``auto`` (None);
+    the words in ``keep`` pass through as they are."""
 
-    name = "P|auto"
+    cast, lo, hi, noun, keep = float, 0.0, 1.0, "a number", ()
 
     def convert(self, value, param, ctx):
         if value is None or value == "auto":
             return None
-        if value == "default":   # chosen per --spec-type in _spec_settings
-            return value
-        if isinstance(value, float):
+        if value in self.keep or isinstance(value, self.cast):
             return value
         try:
-            v = float(value)
+            v = self.cast(value)
         except ValueError:
-            self.fail(f"{value!r} is neither a probability nor 'auto'", param, ctx)
-        if not 0.0 <= v <= 1.0:
-            self.fail(f"{v} is not in [0, 1]", param, ctx)
+            self.fail(f"{value!r} is neither {self.noun} nor 'auto'", param, ctx)
+        if not self.lo <= v <= self.hi:
+            self.fail(f"{v} is not in [{self.lo:g}, {self.hi:g}]", param, ctx)
         return v
 
 
-class CountOrAuto(click.ParamType):
+class ProbabilityOrAuto(NumberOrAuto):
+    """A probability in [0, 1], or ``auto`` (None); ``default`` is chosen
+    per --spec-type in _spec_settings."""
+
+    name, noun, keep = "P|auto", "a probability", ("default",)
+
+
+class CountOrAuto(NumberOrAuto):
     """A count in [0, 64], or ``auto`` (None)."""
 
-    name = "N|auto"
-
-    def convert(self, value, param, ctx):
-        if value is None or value == "auto":
-            return None
-        if isinstance(value, int):
-            return value
-        try:
-            v = int(value)
-        except ValueError:
-            self.fail(f"{value!r} is neither a whole number nor 'auto'", param, ctx)
-        if not 0 <= v <= 64:
-            self.fail(f"{v} is not in [0, 64]", param, ctx)
-        return v
+    name, cast, lo, hi, noun = "N|auto", int, 0, 64, "a whole number"
 
 
 SPEC_TYPE_ALIASES = {"draft-simple": "draft", "ngram-simple": "ngram"}  # llama.cpp's --spec-type names
