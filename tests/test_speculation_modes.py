@@ -255,8 +255,9 @@ def test_greedy_staged_equals_single_node_target(goliath, smollm2, reference, ra
         assert dec["guesses_made"] + dec["guesses_held"] > 0, dec
         if guesses != "auto":
             assert dec["guesses_made"] > 0, dec
-        taken += dec["guesses_accepted"]
-    assert taken > 0 or guesses == "auto"
+            taken += dec["guesses_accepted"]
+    if guesses != "auto":
+        assert taken > 0
 
 
 # -- PipeDec: a dynamic prediction tree, one layer per pipeline step --------------------------
