@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> None:
 
         watch_launcher_signal()                   # until the heartbeat watch takes SIGUSR1 over
         atexit.register(ignore_launcher_signal)   # and through MPI_Finalize
-    from ggpipe.frontends.cli import main as cli_main
+    from ggpipe.cli.main import main as cli_main
 
     cli_main(argv)
 

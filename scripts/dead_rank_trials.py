@@ -32,7 +32,7 @@ def main() -> int:
     a = ap.parse_args()
     passed: dict[str, int] = collections.Counter()
     seen: dict[str, int] = collections.Counter()
-    flavor = subprocess.run([sys.executable, "-c", "from ggpipe.frontends.plan import detect_flavor as d; print(d())"],
+    flavor = subprocess.run([sys.executable, "-c", "from ggpipe.cluster.plan import detect_flavor as d; print(d())"],
                             capture_output=True, text=True, cwd=ROOT).stdout.strip()
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(a.trials):

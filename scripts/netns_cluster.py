@@ -53,7 +53,7 @@ import sys
 from pathlib import Path
 
 try:
-    from ggpipe.frontends.plan import detect_flavor
+    from ggpipe.cluster.plan import detect_flavor
 except ImportError:
     print(f"netns_cluster: error: ggpipe is not importable by {sys.executable}: run this script with the Python "
           f"of the environment ggpipe is installed in (sudo \"$(command -v python)\" {sys.argv[0]} ...)", file=sys.stderr)

@@ -76,7 +76,7 @@ def reference():
 
 def _mpi_flavor() -> str:
     """"mpich", "openmpi" or "unknown": the launcher the MPI tests will use."""
-    from ggpipe.frontends.plan import detect_flavor
+    from ggpipe.cluster.plan import detect_flavor
 
     return detect_flavor()
 

@@ -333,7 +333,7 @@ def test_look_ahead_rule_of_synchronous_adaptive_depth():
 ])
 def test_p_accept_default_is_auto_where_it_measured_better(mode, spec_type, vote, want):
     """The CLI's --p-accept default (docs/BENCHMARKS.md section 4)."""
-    from ggpipe.frontends.cli import _spec_settings
+    from ggpipe.cli.options import _spec_settings
 
     s = _spec_settings(mode, spec_type, 8, "default", 0.1, 0.0, 0.0, 1, 4, False, False, 1, 4, vote)
     assert s.p_accept == want

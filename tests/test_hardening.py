@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from ggpipe.errors import ConfigError
-from ggpipe.frontends.cli_types import SECONDS, Finite
+from ggpipe.cli.types import SECONDS, Finite
 from ggpipe.transport.launcher_path import find_launcher
 from tests.conftest import ROOT, mpiexec, stderr_lines
 

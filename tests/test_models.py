@@ -380,7 +380,7 @@ def _invoke(cmd, args: list[str]):  # noqa: ANN001, ANN202
 
 
 def test_cli_models(smollm2: Path, cache_env: Path) -> None:
-    from ggpipe.frontends.cli_models import models_group
+    from ggpipe.cli.models import models_group
 
     r = _invoke(models_group, ["list"])
     assert r.exit_code == 0, r.output
@@ -434,7 +434,7 @@ def split_module(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_cli_split(smollm2: Path, cache_env: Path, tmp_path: Path, split_module: None) -> None:
-    from ggpipe.frontends.cli_models import split_command
+    from ggpipe.cli.models import split_command
 
     out = tmp_path / "stages"
     r = _invoke(split_command, ["smollm2-135m", "--split", "0.4,0.6", "-o", str(out), "-q"])

@@ -16,7 +16,7 @@ from gguf import GGUFReader
 from llama_cpp import Llama
 
 from ggpipe.errors import ConfigError
-from ggpipe.frontends.plan import launcher_command, parse_bytes, parse_hostfile, place_ranks
+from ggpipe.cluster.plan import launcher_command, parse_bytes, parse_hostfile, place_ranks
 from ggpipe.models.gguf_info import read_model_info
 from tests.conftest import ROOT, run_ggpipe
 

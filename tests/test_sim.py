@@ -383,7 +383,7 @@ def test_balance_gives_a_faster_host_more_layers():
 
 
 def test_simulate_command_prints_every_configuration(tmp_path):
-    from ggpipe.frontends.cli import cli
+    from ggpipe.cli.main import cli
 
     node = HostProfile("node", mem_bw_Bps=100e9, flops=1e12)  # a described host: roofline costs
     Profile("described", None, [node], [LinkProfile(0, 1, 1e-5, 10e9)]).save(tmp_path / "p.json")
@@ -407,7 +407,7 @@ def test_simulate_command_prints_every_configuration(tmp_path):
 
 
 def test_plan_balance_puts_fewer_layers_on_a_slow_rank(tmp_path):
-    from ggpipe.frontends.cli import cli
+    from ggpipe.cli.main import cli
     from ggpipe.sim.model import from_gguf
 
     m = from_gguf("smollm2-135m")

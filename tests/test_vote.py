@@ -1,5 +1,5 @@
 """Minions' majority-voted speculator: the pure vote and weight learning
-(ggpipe/speculation/vote.py) and the vote proposer against in-memory fake
+(ggpipe/speculation/majority.py) and the vote proposer against in-memory fake
 pipelines (no MPI, no model). Real-weight exactness: tests/test_speculation_modes.py."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.sampling import Sampler, SamplingParams, target_probs
 from ggpipe.speculation.proposers.base import Proposer, ProposerConfig, make_proposer
-from ggpipe.speculation.vote import WeightedMajority, majority_path, support
+from ggpipe.speculation.majority import WeightedMajority, majority_path, support
 from ggpipe.sim.toy import FakePipeline, ToyLM
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -302,7 +302,7 @@ def test_several_draft_models_are_refused_outside_a_vote():
 
 
 def test_draft_stands_for_every_draft_model():
-    from ggpipe.speculation.vote import expand_members, member_of
+    from ggpipe.speculation.majority import expand_members, member_of
 
     assert expand_members(["draft", "ngram"], 3) == ["draft", "draft2", "draft3", "ngram"]
     assert expand_members(["draft"], 2) == ["draft", "draft2"]       # two draft models vote alone

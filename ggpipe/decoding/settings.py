@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ggpipe.errors import ConfigError
-from ggpipe.speculation.vote import expand_members
+from ggpipe.speculation.majority import expand_members
 
 MODES = ("iterative", "speculative", "pipeinfer", "pipedec")
 ASYNC_MODES = ("pipeinfer", "pipedec")  # the head's target stage runs beside the loop

@@ -48,9 +48,9 @@ from pathlib import Path
 
 from ggpipe.errors import ConfigError
 from ggpipe.frontends.batch_output import RecordWriter, check_output_path, id_key, record, repair, scan_output
-from ggpipe.frontends.engine import Engine
+from ggpipe.service.engine import Engine
 from ggpipe.frontends.request_limits import ROLES, STOP_MAX, TEMPERATURE_MAX, template_role
-from ggpipe.frontends.job import JobSpec, head_signals, ignore_signals, run_job
+from ggpipe.service.job import JobSpec, head_signals, ignore_signals, run_job
 from ggpipe.jsonl import iter_jsonl
 from ggpipe.sampling import SamplingParams
 

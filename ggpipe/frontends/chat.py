@@ -3,7 +3,7 @@
 One user turn per line of stdin (a terminal, or a scripted conversation
 piped in). The conversation is rendered with the GGUF's own chat template;
 the KV cache keeps the earlier turns, so only the new turn is decoded (see
-ggpipe.frontends.engine). Replies stream to stdout.
+ggpipe.service.engine). Replies stream to stdout.
 
 Commands: ``/reset`` (forget the conversation), ``/stats`` (the last reply's
 speed, TTFT, acceptance rate), ``/quit`` (or end of input).
@@ -23,8 +23,8 @@ import sys
 import threading
 
 from ggpipe.errors import ConfigError
-from ggpipe.frontends.engine import Engine
-from ggpipe.frontends.job import JobSpec, head_signals, ignore_signals, run_job
+from ggpipe.service.engine import Engine
+from ggpipe.service.job import JobSpec, head_signals, ignore_signals, run_job
 from ggpipe.sampling import SamplingParams
 from ggpipe.transport.launcher_signal import launched_rank
 

@@ -11,8 +11,8 @@ import json
 import sys
 from dataclasses import dataclass, field
 
-from ggpipe.frontends.engine import Engine
-from ggpipe.frontends.job import JobSpec, run_job
+from ggpipe.service.engine import Engine
+from ggpipe.service.job import JobSpec, run_job
 from ggpipe.runtime.llama import llamafile_sgemm
 from ggpipe.sampling import SamplingParams
 

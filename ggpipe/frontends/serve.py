@@ -48,8 +48,8 @@ import time
 from pathlib import Path
 
 from ggpipe.errors import ConfigError, GGPipeError
-from ggpipe.frontends.engine import Engine
-from ggpipe.frontends.job import JobSpec, head_signals, ignore_signals, run_job
+from ggpipe.service.engine import Engine
+from ggpipe.service.job import JobSpec, head_signals, ignore_signals, run_job
 from ggpipe.frontends.http_guard import Access
 from ggpipe.frontends.serve_app import APIError, ServerState, create_app
 from ggpipe.sampling import SamplingParams

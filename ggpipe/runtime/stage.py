@@ -52,6 +52,12 @@ class StageSpec:
         n_ubatch: largest batch one decode call takes (tokens); also n_batch.
         flash_attn: "off" (llama-cpp-python's Llama() default, the exactness
             reference), "on" or "auto" (llama.cpp's tools' default).
+        kv_unified: one KV buffer for every sequence (llama.cpp's
+            ``kv_unified``; needed by partial ``seq_cp``, which the
+            speculative modes use); False: one KV stream of
+            ``n_ctx / n_seq_max`` cells (rounded up to 256) per sequence,
+            so a sequence's cells never sit among another's (continuous
+            batching, ``--parallel``).
     """
 
     model_path: Path
@@ -63,6 +69,7 @@ class StageSpec:
     n_seq_max: int = 1
     n_ubatch: int = 512
     flash_attn: str = "off"
+    kv_unified: bool = True
 
 
 # KV cache operations (the transaction layer carries these codes).
@@ -106,7 +113,7 @@ class Stage:
         cparams.n_seq_max = spec.n_seq_max
         cparams.n_threads = spec.n_threads
         cparams.n_threads_batch = spec.n_threads
-        cparams.kv_unified = True  # partial seq_cp needs a unified KV buffer
+        cparams.kv_unified = spec.kv_unified  # partial seq_cp needs a unified KV buffer
         cparams.no_perf = True
         # off by default: llama-cpp-python's Llama() default (flash_attn=False),
         # the single-node reference of the exactness tests; -fa on|auto as llama.cpp

@@ -1,4 +1,4 @@
-"""Balanced splits from a profile (``ggpipe plan --balance``): the target's
+"""Balanced splits from a profile (``ggpipe plan --balance``, ``--split auto:PROFILE``): the target's
 layers over its ranks so that no stage is the bottleneck and no rank runs out
 of memory (ggpipe.cluster.balance), and, for the speculative modes, how many
 ranks the draft gets, chosen by simulating each choice (ggpipe.sim.run).
@@ -11,10 +11,11 @@ from typing import Callable
 
 from ggpipe.cluster.balance import balance_layers, stage_times
 from ggpipe.cluster.split import parse_split
-from ggpipe.errors import SplitError
-from ggpipe.sim.model import ModelDesc
+from ggpipe.errors import ConfigError, SplitError
+from ggpipe.models.sizes import model_sizes
+from ggpipe.sim.model import ModelDesc, from_gguf
 from ggpipe.sim.profile import Profile
-from ggpipe.sim.run import simulate
+from ggpipe.sim.run import SimConfig, simulate
 
 
 @dataclass
@@ -99,3 +100,74 @@ def place(profile: Profile, target: ModelDesc, draft: ModelDesc | None, n_ranks:
         raise SplitError(f"no split of the target over {n_ranks} ranks (with 1-3 draft ranks) fits their memory")
     best.tried = tried
     return best
+
+
+# -- balanced splits (--balance PROFILE) ------------------------------------------------
+
+
+def balanced_placement(profile_path, params: dict, n_ranks: int, hosts: list[str] | None, mem_per_node: int | None,
+                       acceptance: float, simulate_draft: bool = True):
+    """The balanced placement (ggpipe.sim.placement) of the job ``params``
+    (the job command's parsed options) on ``n_ranks`` ranks placed on
+    ``hosts`` (None: the profile's hosts). A rank may use its host's memory
+    (the profile's, else ``mem_per_node``, else unlimited) divided by the
+    ranks placed there. ``simulate_draft``: compare draft rank counts by
+    simulation (else one draft rank).
+
+    Raises:
+        ConfigError: unreadable profile; SplitError: nothing fits."""
+
+    prof = Profile.load(profile_path)
+    hosts = hosts or [prof.host(r).host for r in range(n_ranks)]
+    mode = params.get("mode") or "iterative"
+    target = from_gguf(params["model"])
+    if params.get("draft_model") and "," in params["draft_model"]:
+        raise ConfigError("--balance plans one draft model; with several (-md a,b) give --split yourself")
+    draft = from_gguf(params["draft_model"]) if params.get("draft_model") else None
+    sizes = model_sizes(params["model"])
+    ctx = int(params.get("ctx_size") or 2048)
+    on_host = {h: hosts.count(h) for h in hosts}
+
+    def fits(rank: int, start: int, stop: int, n_stages: int) -> bool:
+        mem = prof.host(rank).mem_bytes or mem_per_node or 0
+        if mem <= 0:
+            return True
+        need = sizes.slice_bytes(start, stop, start == 0, stop == sizes.n_layer) + sizes.kv_bytes(stop - start, ctx)
+        return need <= mem / on_host.get(hosts[rank], 1)
+
+    cfg = None
+    if draft is not None and mode != "iterative" and simulate_draft:
+        cfg = SimConfig(prof, target, draft, mode=mode, ranks=n_ranks, acceptance=acceptance, prompts=1,
+                        n_predict=64)
+    return place(prof, target, draft, n_ranks, mode, fits, cfg)
+
+
+def balance_summary(p) -> dict:
+    return {"split": p.split, "target_layers": p.target, "draft_layers": p.draft,
+            "stage_ms": [round(1e3 * t, 3) for t in p.stage_s], "tokens_per_s": p.tokens_per_s,
+            "draft_ranks_tried": p.tried}
+
+
+def format_balance(b: dict) -> str:
+    lines = [f"balanced split: --split {b['split']}  (target stage times: "
+             + ", ".join(f"{t:.2f}" for t in b["stage_ms"]) + " ms per run)"]
+    if b.get("draft_ranks_tried"):
+        lines.append("draft ranks, simulated tokens/s: "
+                     + ", ".join(f"{k}: {v:.1f}" for k, v in sorted(b["draft_ranks_tried"].items())))
+    return "\n".join(lines)
+
+
+def auto_split(text: str, params: dict, n_ranks: int) -> str:
+    """``--split auto:PROFILE``: the balanced split of this job from the
+    profile (every rank computes the same one from the same file; one draft
+    rank in the speculative modes), as ``--split`` text; other text unchanged.
+
+    Raises:
+        ConfigError: no profile named, or an unreadable one; SplitError: nothing fits."""
+    if not text.startswith("auto"):
+        return text
+    path = text[5:] if text.startswith("auto:") else ""
+    if not path:
+        raise ConfigError("--split auto needs the profile to balance with: --split auto:PROFILE.json "
+                          "(made by ggpipe calibrate)")
+    return balanced_placement(path, params, n_ranks, None, None, 0.7, simulate_draft=False).split

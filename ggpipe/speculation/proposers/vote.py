@@ -2,9 +2,9 @@
 proposers (Minions section 3.2; ``--spec-type vote --spec-vote draft,ngram``).
 
 Every member drafts a chain below the same anchor; the chain the target
-verifies is the majority-approved one (:func:`ggpipe.speculation.vote.majority_path`),
+verifies is the majority-approved one (:func:`ggpipe.speculation.majority.majority_path`),
 and the members' weights are learnt from the decided tokens
-(:class:`ggpipe.speculation.vote.WeightedMajority`, fed by ``observe``).
+(:class:`ggpipe.speculation.majority.WeightedMajority`, fed by ``observe``).
 
 Members: *leads* that draft on a model pipeline (``draft``, the draft model
 on its own ranks; with several draft models, ``-md a,b``, ``draft`` stands
@@ -57,7 +57,7 @@ from ggpipe.sampling import SamplingParams
 from ggpipe.speculation.cutoff import confident_depth
 from ggpipe.speculation.proposers.base import ProposerConfig, make_proposer
 from ggpipe.speculation.tree import SpecTree
-from ggpipe.speculation.vote import WeightedMajority, expand_members, majority_path, member_of, support
+from ggpipe.speculation.majority import WeightedMajority, expand_members, majority_path, member_of, support
 
 
 def _chain(tree: SpecTree | None) -> tuple[list[int], list[float]]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 
 from ggpipe.errors import ConfigError, GGPipeError
-from ggpipe.frontends.cli_types import Finite
+from ggpipe.cli.types import Finite
 
 
 def _say(msg: str) -> None:
@@ -137,7 +137,7 @@ def simulate_command(profile_path, target, draft, modes, ranks, links, split, ac
     mode x ranks x link, as ggpipe bench measures them.
     """
     from ggpipe.decoding.settings import SpecSettings
-    from ggpipe.frontends.cli_bench import _int_list, _links
+    from ggpipe.cli.bench import _int_list, _links
     from ggpipe.sim.model import resolve_desc
     from ggpipe.sim.profile import Profile
     from ggpipe.sim.run import SimConfig, simulate

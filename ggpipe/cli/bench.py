@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 
 from ggpipe.errors import ConfigError
-from ggpipe.frontends.cli_types import SECONDS, Finite
+from ggpipe.cli.types import SECONDS, Finite
 
 
 def _int_list(text: str, what: str) -> list[int]:

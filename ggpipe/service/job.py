@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from ggpipe.errors import GGPipeError
-from ggpipe.frontends.engine import Engine
+from ggpipe.service.engine import Engine
 from ggpipe.cluster.session import ClusterConfig, Session, open_session
 from ggpipe.decoding.settings import ASYNC_MODES, SpecSettings
 

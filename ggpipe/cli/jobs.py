@@ -1,0 +1,109 @@
+"""The job commands: ``generate``, ``chat``, ``batch`` and ``serve`` (every
+rank runs the same one under ``mpiexec``; the head runs the front end)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from ggpipe.cli.options import job_options, read_prompt_file, split_job_options, utf8_prompt
+from ggpipe.cli.types import Finite
+from ggpipe.frontends.http_guard import Access
+
+
+@click.command()
+@job_options
+@click.option("-p", "--prompt", default=None, help="Prompt text.")
+@click.option("-f", "--prompt-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Read the prompt from a file.")
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template as a user turn.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON summary (text, tokens, metrics, ranks).")
+def generate(prompt, prompt_file, chat, as_json, **kw):
+    """Generate text from a prompt (run under mpiexec for a pipeline)."""
+    from ggpipe.frontends.generate import GenerateRequest, run_generate
+
+    if prompt is None and prompt_file is None:
+        raise click.UsageError("give a prompt with -p or -f")
+    if prompt is not None and prompt_file is not None:
+        raise click.UsageError("give either -p or -f, not both")
+    text = utf8_prompt(prompt) if prompt is not None else read_prompt_file(prompt_file)
+    job, sampling, n_predict = split_job_options(kw)
+    code = run_generate(job, GenerateRequest(prompt=text, n_predict=n_predict, sampling=sampling, chat=chat), as_json)
+    if code:
+        sys.exit(code)
+
+
+@click.command()
+@job_options
+@click.option("--system", default=None, help="System prompt (the first message of the conversation).")
+@click.option("-i", "--input", "input_path", default=None, type=click.Path(dir_okay=False, path_type=Path),
+              help="Read the turns from this file instead of stdin (scripted conversations; one turn per line).")
+def chat(system, input_path, **kw):
+    """Interactive chat on the head rank (other ranks serve the pipeline).
+
+    Reads one user turn per line from stdin (a terminal, or a piped script);
+    /reset, /stats, /quit. Ctrl-C stops the current reply."""
+    from ggpipe.frontends.chat import run_chat
+
+    job, sampling, n_predict = split_job_options(kw)
+    if system is not None:
+        system = utf8_prompt(system, "--system")
+    sys.exit(run_chat(job, sampling, n_predict, system, input_path))
+
+
+@click.command()
+@job_options
+@click.argument("prompts", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Results, one JSON line per request; a rerun skips the ids already in it.")
+@click.option("--progress/--no-progress", default=True, show_default=True,
+              help="Progress bar (ETA, tokens/s) on stderr.")
+def batch(prompts, output, progress, **kw):
+    """Run a JSONL file of requests: {"id", "prompt" | "messages", optional n, temperature, seed, ...} per line.
+
+    Each result is written (and fsync'd) as it finishes; rerunning the same
+    command resumes where a killed job stopped."""
+    from ggpipe.frontends.batch import run_batch
+
+    job, sampling, n_predict = split_job_options(kw)
+    sys.exit(run_batch(job, prompts, output, n_predict, sampling, progress))
+
+
+@click.command()
+@job_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every one).")
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535),
+              help="TCP port (0: any free port, printed at start).")
+@click.option("--api-key", default=None,
+              help="Require 'Authorization: Bearer KEY'. Visible to every local user in /proc/PID/cmdline: "
+                   "prefer --api-key-file or GGPIPE_API_KEY.")
+@click.option("--api-key-file", default=None, type=click.Path(dir_okay=False, path_type=Path),
+              help="Read the API key from this file (first line).")
+@click.option("--allowed-hosts", default="", help="Comma-separated Host names accepted besides IP addresses and "
+              "localhost (DNS-rebinding guard); .example.org for a domain, * for any.")
+@click.option("--allowed-origins", default="", help="Comma-separated browser origins allowed (CORS), e.g. "
+              "http://localhost:3000; none by default.")
+@click.option("--max-body-bytes", default=Access.max_body_bytes, show_default=True, type=click.IntRange(1024),
+              help="Largest request body (bytes); larger gets HTTP 413.")
+@click.option("--model-alias", default=None, help="Model name clients see (default: the GGUF file name).")
+@click.option("--max-queue", default=64, show_default=True, type=click.IntRange(1),
+              help="Most requests waiting for the pipeline; more get HTTP 503.")
+@click.option("--shutdown-grace", default=30.0, show_default=True, type=Finite(0),
+              help="Seconds the running request may go on after SIGINT/SIGTERM.")
+def serve(host, port, api_key, api_key_file, allowed_hosts, allowed_origins, max_body_bytes, model_alias, max_queue,
+          shutdown_grace, **kw):
+    """OpenAI-compatible HTTP server on the head rank (/v1/chat/completions, /v1/completions, /v1/models,
+    /health, /metrics). Requests run one at a time; -n and --temp etc. are the request defaults."""
+    from ggpipe.frontends.serve import read_api_key, run_serve
+
+    job, sampling, n_predict = split_job_options(kw)
+    key = read_api_key(api_key, api_key_file)
+
+    def names(text: str) -> tuple[str, ...]:
+        return tuple(x.strip() for x in text.split(",") if x.strip())
+
+    access = Access(names(allowed_hosts), names(allowed_origins), max_body_bytes)
+    sys.exit(run_serve(job, host, port, key, n_predict, sampling, model_alias, max_queue, shutdown_grace, access))
+
