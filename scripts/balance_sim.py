@@ -77,7 +77,7 @@ def main() -> int:
             order = kinds if mode == "iterative" else [kinds[0]] + kinds[2:] + [kinds[1]]
             prof = cluster(order, overhead)
             base = SimConfig(prof, t, draft, mode=mode, ranks=n, acceptance=acc, n_prompt=64, n_predict=a.n,
-                             prompts=1, spec=SpecSettings(draft=4))
+                             prompts=1, spec=SpecSettings(draft_max=4))
             n_target = n if draft is None else n - 1
             mem = ",".join(str(prof.host(r).mem_bytes >> 30) for r in range(n_target))
             splits = {"even": SplitSpec(None, None) if draft is None else parse_split(",".join(["1"] * n_target) + "/1"),

@@ -78,7 +78,7 @@ def project_pipedec(stages: list[int], n: int, overhead: tuple[float, float]) ->
             for s in stages:
                 ranks = s if mode == "iterative" else s + 1
                 cfg = SimConfig(prof, t, None if mode == "iterative" else d, mode=mode, ranks=ranks,
-                                spec=SpecSettings(mode=mode, draft=4, **knobs), acceptance=acc, n_prompt=64,
+                                spec=SpecSettings(mode=mode, draft_max=4, **knobs), acceptance=acc, n_prompt=64,
                                 n_predict=n, prompts=1)
                 row.append(simulate(cfg)["tokens_per_s"])
             res[label] = row
@@ -126,7 +126,7 @@ def main() -> int:
                     if mode != "iterative" and n < 2:
                         row.append(None)
                         continue
-                    cfg = SimConfig(prof, t, d, mode=mode, ranks=n, spec=SpecSettings(draft=4), acceptance=acc,
+                    cfg = SimConfig(prof, t, d, mode=mode, ranks=n, spec=SpecSettings(draft_max=4), acceptance=acc,
                                     n_prompt=64, n_predict=a.n, prompts=1)
                     row.append(simulate(cfg)["tokens_per_s"])
                 res[mode] = row

@@ -28,10 +28,10 @@ PROMPT = [3, 9, 4, 3, 9, 4, 3, 9, 11, 5, 3, 9]
 def _decoder(spec: SpecSettings, spec_type: str, latency: int = 3, draft_latency: int = 1, flip: float = 0.3,
              n_seq_max: int = 64, period: int = 0):
     # chains: every token's cells must sit at index = position (README "Exactness")
-    target = FakePipeline(ToyLM(V, period=period), latency=latency, cell_order=spec.width == 1)
+    target = FakePipeline(ToyLM(V, period=period), latency=latency, cell_order=spec.branches == 1)
     draft = FakePipeline(ToyLM(V, flip=flip, period=period), latency=draft_latency, name="draft")
     prop = make_proposer(spec_type, ProposerConfig(backend=draft, n_vocab=V, n_ubatch=8, p_split=spec.p_split,
-                                                   width=spec.width))
+                                                   width=spec.branches))
     dec = SpeculativeDecoder(target, prop, spec, n_seq_max=n_seq_max, n_ubatch=8, is_eog=lambda t: False,
                              timeout_s=5)
     return dec, target, draft
@@ -51,7 +51,7 @@ REPEATING = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]  # with 
 ])
 @pytest.mark.parametrize("spec_type", ["draft", "ngram", "vote", "staged"])
 def test_greedy_equals_reference(mode, width, latency, continuous, cancel, spec_type):
-    spec = SpecSettings(mode=mode, spec_type=spec_type, width=width, continuous=continuous, cancel=cancel,
+    spec = SpecSettings(mode=mode, spec_type=spec_type, branches=width, continuous=continuous, cancel=cancel,
                         p_split=0.05)
     dec, target, _ = _decoder(spec, spec_type, latency=latency)
     out = dec.generate(np.array(PROMPT, np.int32), 40, Sampler(SamplingParams()))
@@ -97,14 +97,14 @@ def test_eog_and_emit_stop():
     dec.is_eog = lambda t: False
     out = dec.generate(np.array(PROMPT, np.int32), 30, Sampler(SamplingParams()),
                        emit=lambda toks: got.extend(toks) or len(got) >= 5)
-    assert got == out and out == ref[:len(out)] and 5 <= len(out) <= 5 + spec.draft
+    assert got == out and out == ref[:len(out)] and 5 <= len(out) <= 5 + spec.draft_max
 
 
 def test_ngram_drafts_make_long_passes_on_repetitive_text():
     """On text the prompt already contains, n-gram drafting needs far fewer
     target passes than tokens (the toy model continues the prompt's cycle)."""
     prompt, period = REPEATING + [1, 2], len(REPEATING)
-    spec = SpecSettings(mode="speculative", spec_type="ngram", draft=8)
+    spec = SpecSettings(mode="speculative", spec_type="ngram", draft_max=8)
     dec, target, _ = _decoder(spec, "ngram", period=period)
     out = dec.generate(np.array(prompt, np.int32), 40, Sampler(SamplingParams()))
     assert out == _reference(40, prompt, period)
@@ -250,7 +250,7 @@ def test_all_settings_combinations_stay_exact():
     """A coarse sweep of knobs over both proposers (fast: no model)."""
     for spec_type, draft_n, p_accept, latency in itertools.product(["draft", "ngram", "vote", "staged"], [1, 3, 8], [0.0, 0.5],
                                                                    [1, 5]):
-        spec = SpecSettings(mode="pipeinfer", spec_type=spec_type, draft=draft_n, p_accept=p_accept)
+        spec = SpecSettings(mode="pipeinfer", spec_type=spec_type, draft_max=draft_n, p_accept=p_accept)
         dec, _, _ = _decoder(spec, spec_type, latency=latency, draft_latency=2)
         assert dec.generate(np.array(PROMPT, np.int32), 25, Sampler(SamplingParams())) == _reference(25)
 

@@ -67,7 +67,7 @@ def test_sliced_stages_reproduce_whole_model_bit_for_bit(smollm2, tmp_path):
     """Stage hidden states of a sliced model equal the whole model's (max abs
     diff 0), and the last slice's logits equal the whole model's."""
     from ggpipe.models.derive import derive_gguf
-    from ggpipe.pipeline.runs import Run
+    from ggpipe.runs import Run
 
     a = derive_gguf(smollm2, list(range(0, 12)), tmp_path / "a.gguf")
     b = derive_gguf(smollm2, list(range(12, 30)), tmp_path / "b.gguf")

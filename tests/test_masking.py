@@ -13,7 +13,7 @@ import pytest
 from ggpipe.errors import ProtocolError
 from ggpipe.pipeline.driver import Pipeline
 from ggpipe.pipeline.masking import PruneBook, live_batch, returned_rows, rows_in
-from ggpipe.pipeline.runs import Run
+from ggpipe.runs import Run
 from ggpipe.sampling import Sampler, SamplingParams
 from ggpipe.speculation.graph import DEAD, Decision, SpecGraph
 from ggpipe.transport import messages as m

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ggpipe.pipeline.driver import Pipeline
-from ggpipe.pipeline.runs import Run
+from ggpipe.runs import Run
 from ggpipe.runtime.stage import InvalidBatch
 
 
@@ -78,7 +78,7 @@ def test_result_due_times_small_runs_only():
     import time
 
     from ggpipe.pipeline.driver import SERVICE_MAX_TOKENS, Pipeline
-    from ggpipe.pipeline.runs import Run
+    from ggpipe.runs import Run
 
     pipe = Pipeline(None, None, ranks=[1], n_vocab=8)
     assert pipe.result_due() is None and pipe.due_in() is None

@@ -16,7 +16,7 @@ from ggpipe.cluster.balance import balance_layers, stage_times
 from ggpipe.cluster.split import SplitSpec
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.errors import ConfigError, SplitError
-from ggpipe.pipeline.runs import Run
+from ggpipe.runs import Run
 from ggpipe.sim.backend import HEADER_BYTES, SimClock, SimPipeline, SimStage
 from ggpipe.sim.calibrate import fit_link
 from ggpipe.sim.model import ARCHITECTURES, ModelDesc, described, resolve_desc

@@ -363,7 +363,7 @@ PROMPT = "Once upon a time, a warrior named Goliath"
 def _next_logits(path, n_layer, prompt):
     from ggpipe.runtime.stage import Stage, StageSpec
     from ggpipe.runtime.vocab import Vocab
-    from ggpipe.pipeline.runs import Run
+    from ggpipe.runs import Run
 
     s = Stage(StageSpec(model_path=path, n_layer=n_layer, first=True, last=True, n_ctx=256))
     try:

@@ -80,7 +80,7 @@ def speculation_options(f):
                      help="--spec-type staged: most n-gram guesses a draft run checks after its tip; auto: those "
                           "worth their measured cost (docs/BENCHMARKS.md section 9), N: up to N whatever they "
                           "cost, 0: none."),
-        click.option("--draft", "n_draft", default=d.draft, show_default=True, type=click.IntRange(1, 64),
+        click.option("--draft-max", "--draft", "n_draft", default=d.draft_max, show_default=True, type=click.IntRange(1, 64),
                      help="Most draft tokens per speculation tree / micro-batch."),
         click.option("--p-accept", default="default", type=ProbabilityOrAuto(),
                      help=f"Confidence cutoff: drafting stops when the draft's probability of its next token is "
@@ -94,7 +94,7 @@ def speculation_options(f):
                      help="Cutoff increase per continued micro-batch (with a numeric --p-accept)."),
         click.option("--p-decay", default=d.p_decay, show_default=True, type=Finite(0, 1),
                      help="Cutoff decrease per failed attempt while the pipeline waits (with a numeric --p-accept)."),
-        click.option("--branches", default=d.width, show_default=True, type=click.IntRange(1, 16),
+        click.option("--branches", default=d.branches, show_default=True, type=click.IntRange(1, 16),
                      help="Most branches (KV sequences) per speculation tree."),
         click.option("--max-inflight", default=d.max_inflight, show_default=True, type=click.IntRange(1, 128),
                      help="Most speculative runs in flight (pipeinfer)."),
@@ -177,9 +177,9 @@ def _spec_settings(mode, spec_type, n_draft, p_accept, p_split, p_recovery, p_de
     if p_accept == "default":   # auto where it measured better (docs/BENCHMARKS.md section 4)
         auto = not uses_draft or (mode == "speculative" and spec_type in ("draft", "staged"))
         p_accept = None if auto else SpecSettings.p_accept
-    return SpecSettings(mode=mode if mode != "iterative" else "pipeinfer", spec_type=spec_type, draft=n_draft,
+    return SpecSettings(mode=mode if mode != "iterative" else "pipeinfer", spec_type=spec_type, draft_max=n_draft,
                         p_accept=p_accept,
-                        p_split=p_split, p_recovery=p_recovery, p_decay=p_decay, width=branches,
+                        p_split=p_split, p_recovery=p_recovery, p_decay=p_decay, branches=branches,
                         continuous=not no_continuous, cancel=not no_cancel, max_inflight=max_inflight,
                         ngram_min=ngram_min, ngram_max=ngram_max, vote=vote, tree_width=tree_width,
                         max_children=max_children, wait_draft=not no_wait_draft, guesses=guesses)

@@ -146,7 +146,7 @@ def simulate_command(profile_path, target, draft, modes, ranks, links, split, ac
     prof = Profile.load(profile_path)
     tdesc = resolve_desc(target)
     ddesc = resolve_desc(draft) if draft else None
-    spec = SpecSettings(draft=n_draft, p_accept=None if p_accept == "auto" else float(p_accept),
+    spec = SpecSettings(draft_max=n_draft, p_accept=None if p_accept == "auto" else float(p_accept),
                         tree_width=tree_width, max_children=max_children, wait_draft=not no_wait_draft)
     rows = []
     for link_text in _links(links):

@@ -59,7 +59,7 @@ def build_decoder(mode: str, spec: SpecSettings, target, draft, *, n_ubatch: int
                           "or draft without one: --spec-type ngram")
     try:
         proposer = make_proposer(spec.spec_type, ProposerConfig(
-            backend=draft, n_vocab=target.n_vocab, n_ubatch=n_ubatch, p_split=spec.p_split, width=spec.width,
+            backend=draft, n_vocab=target.n_vocab, n_ubatch=n_ubatch, p_split=spec.p_split, width=spec.branches,
             ngram_min=spec.ngram_min, ngram_max=spec.ngram_max, timeout_s=timeout_s, vote=spec.vote,
             guesses=spec.guesses, more_backends=tuple(more_drafts)))
     except ValueError as exc:

@@ -44,7 +44,7 @@ from ggpipe.decoding.pipelined import SpeculativeDecoder
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.errors import ProtocolError
 from ggpipe.metrics import GenerationClock
-from ggpipe.pipeline.runs import Run, RunResult, next_run_id
+from ggpipe.runs import Run, RunResult, next_run_id
 from ggpipe.pipeline.waiting import Wait
 from ggpipe.sampling import Sampler
 from ggpipe.speculation.cutoff import CutoffController

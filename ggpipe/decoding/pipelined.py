@@ -43,7 +43,7 @@ from ggpipe.decoding.request import SpecRequest
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.errors import ProtocolError
 from ggpipe.metrics import GenerationClock
-from ggpipe.pipeline.runs import Run, RunResult, next_run_id
+from ggpipe.runs import Run, RunResult, next_run_id
 from ggpipe.pipeline.waiting import Wait, poll_wait
 from ggpipe.sampling import Sampler
 from ggpipe.speculation.adaptive import AcceptanceModel, AdaptiveCutoff, DecodeRate, PassCost, wait_pays
@@ -89,7 +89,7 @@ class SpeculativeDecoder:
         self.proposer = proposer
         self.s = settings
         self.name = settings.mode
-        self.pool = PartitionPool(n_seq_max, settings.width)
+        self.pool = PartitionPool(n_seq_max, settings.branches)
         self.n_ubatch = n_ubatch
         self.is_eog = is_eog
         self.timeout_s = timeout_s
@@ -395,7 +395,7 @@ class SpeculativeDecoder:
     def _room(self, anchor_pos: int) -> int:
         """Most nodes a tree anchored at ``anchor_pos`` may have: --draft, and
         no deeper than the tokens still to generate."""
-        return self.r.room(anchor_pos, self.s.draft)
+        return self.r.room(anchor_pos, self.s.draft_max)
 
     def _begin_speculation(self) -> None:
         r = self.r

@@ -25,7 +25,8 @@ class SpecSettings:
             "draft" (the draft model, -md), "ngram" (prompt lookup, no model)
             "vote" (Minions' majority vote of the ``vote`` members) or
             "staged" (the draft model with n-gram draft-of-draft, Staged SD).
-        draft: most draft tokens per tree / micro-batch [--draft].
+        draft_max: most draft tokens per tree / micro-batch (llama.cpp's
+            ``--draft-max``) [--draft-max, --draft].
         p_accept: confidence cutoff [--p-accept]; None (``auto``):
             adaptive depth from the measured pass cost curve and calibrated
             draft acceptance (ggpipe.speculation.adaptive). The CLI's default
@@ -36,7 +37,7 @@ class SpecSettings:
         p_split: runner-up probability that adds a sibling leaf [--p-split].
         p_recovery: cutoff increase per continued micro-batch [--p-recovery].
         p_decay: cutoff decrease per failed idle attempt [--p-decay].
-        width: leaves (KV sequences) per tree [--branches].
+        branches: leaves (KV sequences) per tree [--branches].
         continuous: continuous speculation (pipeinfer) [--no-continuous].
         cancel: early inference cancellation (pipeinfer) [--no-cancel].
         max_inflight: most speculative runs in flight (pipeinfer).
@@ -58,12 +59,12 @@ class SpecSettings:
 
     mode: str = "pipeinfer"
     spec_type: str = "draft"
-    draft: int = 6
+    draft_max: int = 6
     p_accept: float | None = 0.3
     p_split: float = 0.2
     p_recovery: float = 0.05
     p_decay: float = 0.05
-    width: int = 1
+    branches: int = 1
     continuous: bool = True
     cancel: bool = True
     max_inflight: int = 8
@@ -91,7 +92,7 @@ class SpecSettings:
 def auto_n_seq_max(mode: str, spec: SpecSettings) -> int:
     """KV sequence ids a mode needs (``--n-seq-max`` unset; ``ggpipe
     generate`` and ``ggpipe simulate`` alike): 1 for iterative; sequence 0
-    plus one partition of ``spec.width`` ids per speculative run that can be
+    plus one partition of ``spec.branches`` ids per speculative run that can be
     in flight; pipedec: one per live tree node (a layer per run in flight,
     and the layers formed ahead). At most 256."""
     if mode == "iterative":
@@ -99,7 +100,7 @@ def auto_n_seq_max(mode: str, spec: SpecSettings) -> int:
     if mode == "pipedec":
         return min(256, 1 + spec.tree_width * (spec.max_inflight + 3))
     runs = 1 if mode == "speculative" else spec.max_inflight + 2
-    return min(256, 1 + spec.width * runs)
+    return min(256, 1 + spec.branches * runs)
 
 
 def check_draft_models(n: int, mode: str, spec: SpecSettings) -> None:

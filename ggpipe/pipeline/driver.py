@@ -34,7 +34,7 @@ from ggpipe.errors import GGPipeError, ProtocolError, RankTimeoutError
 from ggpipe.logits import unpack
 from ggpipe.pipeline.masking import PruneBook, live_batch, returned_rows
 from ggpipe.runtime.stage import KV_CLEAR, KV_SEQ_CP, KV_SEQ_RM, Cancelled, InvalidBatch, Stage
-from ggpipe.pipeline.runs import Run, RunResult
+from ggpipe.runs import Run, RunResult
 from ggpipe.trace import tracer
 from ggpipe.transport import messages as m
 

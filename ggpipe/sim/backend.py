@@ -46,7 +46,7 @@ import numpy as np
 
 from ggpipe.errors import RankTimeoutError
 from ggpipe.pipeline.masking import rows_in
-from ggpipe.pipeline.runs import Run, RunResult
+from ggpipe.runs import Run, RunResult
 from ggpipe.pipeline.waiting import Wait
 from ggpipe.sim.profile import LinkProfile
 from ggpipe.sim.toy import ToyLM, ToyPipeline

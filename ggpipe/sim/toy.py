@@ -20,7 +20,7 @@ import numpy as np
 
 from ggpipe.logits import TopLogits, top_k
 from ggpipe.pipeline.masking import rows_in
-from ggpipe.pipeline.runs import Run, RunResult
+from ggpipe.runs import Run, RunResult
 
 
 class ToyLM:

@@ -1,7 +1,7 @@
 """PipeDec's draft side: the dynamic prediction tree, grown one layer per
 draft run (PipeDec sections 3.3 and 3.4.3). No MPI, no model: the draft
 model's pipeline is reached through
-:class:`~ggpipe.speculation.proposers.base.DecodeBackend`.
+:class:`~ggpipe.backend.DecodeBackend`.
 
 The tree's root is the last decided token (its target logits are pending).
 A layer is formed from the draft logits of the layer above
@@ -38,11 +38,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ggpipe.logits import best
-from ggpipe.pipeline.runs import Run
+from ggpipe.runs import Run
 from ggpipe.sampling import SamplingParams
 from ggpipe.speculation.graph import ACCEPTED, SpecGraph
 from ggpipe.speculation.prediction_tree import next_layer
-from ggpipe.speculation.proposers.base import DecodeBackend, sync_kv
+from ggpipe.backend import DecodeBackend
+from ggpipe.speculation.proposers.base import sync_kv
 
 HELD, DRAFTING, DRAFTED = 0, 1, 2   # formed / draft run in flight / draft logits known
 

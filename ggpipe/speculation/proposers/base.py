@@ -36,7 +36,7 @@ Life of a proposer (one per decoder; it may keep caches across requests):
 * ``reset()``: the KV caches were cleared (a new conversation).
 
 A proposer that drafts for another model talks to its pipeline only through
-:class:`DecodeBackend` (``ggpipe.pipeline.driver.Pipeline`` is one; the unit
+:class:`ggpipe.backend.DecodeBackend` (``ggpipe.pipeline.driver.Pipeline`` is one; the unit
 tests use an in-memory fake).
 
 Registration: :data:`REGISTRY` maps a ``--spec-type`` name to the class that
@@ -48,64 +48,15 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence, Sized, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
 import numpy as np
 
+from ggpipe.backend import DecodeBackend
 from ggpipe.kv_reuse import reusable_prefix
-from ggpipe.logits import TopLogits
 from ggpipe.sampling import SamplingParams
 from ggpipe.speculation.cutoff import confident_depth
 from ggpipe.speculation.tree import SpecTree
-
-
-class DraftResult(Protocol):
-    """A finished run: float32 (n_outputs, n_vocab) ``logits`` (with the
-    backend's ``reply_k`` > 0 their compact form, ggpipe.logits.TopLogits),
-    or None (no row was asked for, or the run was cancelled)."""
-
-    logits: np.ndarray | TopLogits | None
-
-
-class DecodeBackend(Protocol):
-    """What a proposer may ask of a model's pipeline. Runs complete in the
-    order they were started; KV operations are applied in order with them."""
-
-    inflight: Sized  # runs started whose results were not taken yet
-    reply_k: int     # results of runs started from now on: 0 full logit rows, k the k best (ggpipe.logits)
-
-    def decode(self, tokens: Sequence[int], start_pos: int, seq: int = 0, logits_last: bool = True,
-               logits_all: bool = False) -> None:
-        """Start one run of consecutive tokens of sequence ``seq``, with logits
-        of its last token (``logits_last``), or of every token (``logits_all``)."""
-
-    def submit_prompt(self, tokens: Sequence[int], start_pos: int, n_ubatch: int, seq: int = 0,
-                      want_logits: bool = True) -> int:
-        """Start ``tokens`` as chunks of at most ``n_ubatch``; returns the number of runs."""
-
-    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
-        """Remove cells of sequence ``seq`` at positions [p0, p1)."""
-
-    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
-        """Add sequence ``dst`` to the cells of ``src`` at positions [p0, p1)."""
-
-    def submit(self, run) -> None:
-        """Start a ``ggpipe.pipeline.runs.Run`` (any tokens, positions and
-        sequence ids: a tree layer)."""
-
-    def ready(self) -> bool:
-        """The oldest run's result has arrived."""
-
-    def poll(self) -> DraftResult | None:
-        """The oldest run's result, or None if it has not arrived (never blocks)."""
-
-    def wait(self, timeout_s: float | None = None) -> DraftResult:
-        """The oldest run's result (bounded wait; raises RankTimeoutError)."""
-
-    def due_in(self) -> float | None:
-        """Seconds until the oldest run's result is expected (<= 0: overdue),
-        from the measured service time; None: nothing in flight, or no
-        estimate."""
 
 
 def sync_kv(pipe: DecodeBackend, cursor: list[int], context: list[int], n_ubatch: int,

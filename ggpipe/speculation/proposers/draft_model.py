@@ -25,7 +25,7 @@ finished (possibly empty: the draft was not confident enough). ``cut()``
 hands over the tree drafted so far while a draft decode of its tip is in
 flight, and keeps drafting a new micro-batch below that tip (continuous
 speculation, PipeInfer IV.B.1). The draft model's pipeline is reached only
-through :class:`~ggpipe.speculation.proposers.base.DecodeBackend`.
+through :class:`~ggpipe.backend.DecodeBackend`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ import numpy as np
 
 from ggpipe.logits import best
 from ggpipe.sampling import SamplingParams, target_probs
-from ggpipe.speculation.proposers.base import DecodeBackend, DraftResult, ProposerConfig, sync_kv
+from ggpipe.backend import DecodeBackend, DraftResult
+from ggpipe.speculation.proposers.base import ProposerConfig, sync_kv
 from ggpipe.speculation.tree import SpecTree
 
 
