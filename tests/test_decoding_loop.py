@@ -18,6 +18,7 @@ from ggpipe.sampling import Sampler, SamplingParams
 from ggpipe.speculation.proposers.base import REGISTRY, Proposer, ProposerConfig, make_proposer, proposer_class
 from ggpipe.speculation.proposers.draft_model import DraftModelProposer
 from ggpipe.speculation.proposers.ngram import NgramProposer, ngram_lookup
+from ggpipe.speculation.proposers.options import StrategyOptions
 
 from ggpipe.sim.toy import FakePipeline, ToyLM
 
@@ -35,6 +36,10 @@ def _decoder(spec: SpecSettings, spec_type: str, latency: int = 3, draft_latency
     dec = SpeculativeDecoder(target, prop, spec, n_seq_max=n_seq_max, n_ubatch=8, is_eog=lambda t: False,
                              timeout_s=5)
     return dec, target, draft
+
+
+def _ngram(n_min: int, n_max: int) -> StrategyOptions:
+    return StrategyOptions(ngram=NgramProposer.Options(ngram_min=n_min, ngram_max=n_max))
 
 
 def _reference(n: int, prompt=PROMPT, period: int = 0) -> list[int]:
@@ -128,7 +133,7 @@ def test_registry_and_protocol():
     with pytest.raises(ValueError, match="needs a draft model"):
         make_proposer("draft", ProposerConfig())
     with pytest.raises(ValueError, match="n-gram sizes"):
-        make_proposer("ngram", ProposerConfig(ngram_min=3, ngram_max=2))
+        make_proposer("ngram", ProposerConfig(options=_ngram(3, 2)))
 
 
 @pytest.mark.parametrize("context,n_min,n_max,k,expected", [
@@ -146,7 +151,7 @@ def test_ngram_lookup(context, n_min, n_max, k, expected):
 
 
 def test_ngram_proposer_chain_and_onehot_q():
-    p = NgramProposer(ProposerConfig(n_vocab=V, ngram_min=1, ngram_max=3))
+    p = NgramProposer(ProposerConfig(n_vocab=V, options=_ngram(1, 3)))
     p.start(SamplingParams(temperature=0.8, seed=1), np.random.default_rng(0))
     p.begin([5, 6, 7, 8, 5, 6], cutoff=0.5, max_nodes=2)
     assert p.ready() and p.active
@@ -335,9 +340,9 @@ def test_p_accept_default_is_auto_where_it_measured_better(mode, spec_type, vote
     """The CLI's --p-accept default (docs/BENCHMARKS.md section 4)."""
     from ggpipe.cli.options import _spec_settings
 
-    s = _spec_settings(mode, spec_type, 8, "default", 0.1, 0.0, 0.0, 1, 4, False, False, 1, 4, vote)
-    assert s.p_accept == want
-    assert _spec_settings(mode, spec_type, 8, 0.5, 0.1, 0.0, 0.0, 1, 4, False, False, 1, 4, vote).p_accept == 0.5
+    o = {"mode": mode, "spec_type": spec_type, "n_draft": 8, "p_split": 0.1, "spec_vote": vote}
+    assert _spec_settings(dict(o, p_accept="default")).p_accept == want
+    assert _spec_settings(dict(o, p_accept=0.5)).p_accept == 0.5
 
 
 def test_draft_model_proposer_skips_looks_below_the_look_cutoff():
@@ -367,7 +372,7 @@ def test_ngram_confidence_and_calibrated_truncation():
     """Drafts carry n/(n+1) for a matched suffix of n tokens; with a
     calibration, the chain stops where its path probability falls below the
     cutoff; without one (numeric --p-accept) the whole continuation is kept."""
-    p = NgramProposer(ProposerConfig(n_vocab=V, ngram_min=1, ngram_max=3))
+    p = NgramProposer(ProposerConfig(n_vocab=V, options=_ngram(1, 3)))
     ctx = [5, 6, 7, 8, 9, 10, 5, 6]          # suffix [5, 6] matched (n = 2): confidence 2/3
     p.start(SamplingParams(), np.random.default_rng(0))
     p.begin(ctx, cutoff=0.9, max_nodes=5)

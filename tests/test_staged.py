@@ -14,7 +14,8 @@ import pytest
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.sampling import Sampler, SamplingParams, target_probs
 from ggpipe.speculation.proposers.base import ProposerConfig, make_proposer
-from ggpipe.speculation.proposers.staged import guess_budget
+from ggpipe.speculation.proposers.options import StrategyOptions
+from ggpipe.speculation.proposers.staged import StagedProposer, guess_budget
 from ggpipe.sim.toy import FakePipeline, ToyLM
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -98,11 +99,15 @@ def test_guess_budget_keeps_guesses_while_the_saving_pays():
     assert guess_budget(0, 1.0, 0.01, 0.0) == 0
 
 
+def _guesses(most: int | None) -> StrategyOptions:
+    return StrategyOptions(staged=StagedProposer.Options(guesses=most))
+
+
 def _grow_timed(ctx, period, step_s, marginal_s, n=6, trees=1, guesses=None):
     """Like _grow, after the draft's run cost has been timed at 1 and 2 tokens;
     ``trees`` trees in a row, each below the last one's chain."""
     pipe = FakePipeline(ToyLM(V, period=period), latency=1, name="draft", cell_order=True)
-    p = make_proposer("staged", ProposerConfig(backend=pipe, n_vocab=V, n_ubatch=64, guesses=guesses))
+    p = make_proposer("staged", ProposerConfig(backend=pipe, n_vocab=V, n_ubatch=64, options=_guesses(guesses)))
     p.start(SamplingParams(), np.random.default_rng(0))
     p.timed(1, step_s)
     p.timed(2, step_s + marginal_s)
@@ -148,7 +153,7 @@ def test_spec_guesses_replaces_the_budget(most):
 
 def test_a_negative_guess_count_is_refused():
     with pytest.raises(ValueError, match="--spec-guesses"):
-        make_proposer("staged", ProposerConfig(backend=FakePipeline(ToyLM(V), name="draft"), n_vocab=V, guesses=-1))
+        make_proposer("staged", ProposerConfig(backend=FakePipeline(ToyLM(V), name="draft"), n_vocab=V, options=_guesses(-1)))
 
 
 def test_sure_cheap_guesses_are_sent():

@@ -14,6 +14,8 @@ import pytest
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.sampling import Sampler, SamplingParams, target_probs
 from ggpipe.speculation.proposers.base import Proposer, ProposerConfig, make_proposer
+from ggpipe.speculation.proposers.options import StrategyOptions
+from ggpipe.speculation.proposers.vote import VoteProposer
 from ggpipe.speculation.majority import WeightedMajority, majority_path, support
 from ggpipe.sim.toy import FakePipeline, ToyLM
 
@@ -85,9 +87,13 @@ def test_weighted_majority_scores_only_votes_below_decided_tokens():
 # -- the proposer ----------------------------------------------------------------
 
 
+def _members(members) -> StrategyOptions:
+    return StrategyOptions(vote=VoteProposer.Options(vote=tuple(members)))
+
+
 def _vote(members=("draft", "ngram"), latency=1, flip=0.0, width=3):
     draft = FakePipeline(ToyLM(V, flip=flip), latency=latency, name="draft")
-    p = make_proposer("vote", ProposerConfig(backend=draft, n_vocab=V, n_ubatch=8, width=width, vote=members))
+    p = make_proposer("vote", ProposerConfig(backend=draft, n_vocab=V, n_ubatch=8, width=width, options=_members(members)))
     return p, draft
 
 
@@ -108,11 +114,11 @@ def test_vote_proposer_is_a_proposer_and_refuses_bad_members():
     assert [m.name for m in p.members] == ["draft", "ngram"]
     assert p.members[0].width == 1                       # chains only
     with pytest.raises(ValueError, match="two or more distinct"):
-        make_proposer("vote", ProposerConfig(vote=("ngram",)))
+        make_proposer("vote", ProposerConfig(options=_members(("ngram",))))
     with pytest.raises(ValueError, match="two or more distinct"):
-        make_proposer("vote", ProposerConfig(vote=("ngram", "ngram")))
+        make_proposer("vote", ProposerConfig(options=_members(("ngram", "ngram"))))
     with pytest.raises(ValueError, match="needs a draft model"):
-        make_proposer("vote", ProposerConfig(vote=("draft", "ngram")))
+        make_proposer("vote", ProposerConfig(options=_members(("draft", "ngram"))))
 
 
 def test_vote_agreement_raises_confidence_and_ngram_extends_the_draft():
@@ -122,7 +128,7 @@ def test_vote_agreement_raises_confidence_and_ngram_extends_the_draft():
     period = len(REPEATING)
     ctx = REPEATING + [1, 2, 3]
     draft = FakePipeline(ToyLM(V, period=period), latency=1, name="draft")
-    p = make_proposer("vote", ProposerConfig(backend=draft, n_vocab=V, n_ubatch=8, vote=("draft", "ngram")))
+    p = make_proposer("vote", ProposerConfig(backend=draft, n_vocab=V, n_ubatch=8, options=_members(("draft", "ngram"))))
     p.start(SamplingParams(), np.random.default_rng(0))
     draft_only = make_proposer("draft", ProposerConfig(backend=FakePipeline(ToyLM(V, period=period), latency=1,
                                                                             name="d2"), n_vocab=V, n_ubatch=8))
@@ -226,7 +232,7 @@ def _two_drafts(mode: str, latency: int, lat2: int, flip2: float, members=("draf
     target = FakePipeline(ToyLM(V), latency=latency, cell_order=True)
     good = FakePipeline(ToyLM(V, flip=0.1), latency=1, name="draft")
     poor = FakePipeline(ToyLM(V, flip=flip2, seed=5), latency=lat2, name="draft2")
-    dec = build_decoder(mode, SpecSettings(mode=mode, spec_type="vote", vote=members, **spec), target, good, more_drafts=[poor], n_ubatch=8, n_seq_max=64,
+    dec = build_decoder(mode, SpecSettings(mode=mode, spec_type="vote", strategy_options=_members(members), **spec), target, good, more_drafts=[poor], n_ubatch=8, n_seq_max=64,
                         is_eog=lambda t: False, timeout_s=5)
     return dec, target, good, poor
 
@@ -297,7 +303,7 @@ def test_several_draft_models_are_refused_outside_a_vote():
             build_decoder(mode, SpecSettings(mode=mode, spec_type=st), t, a, more_drafts=[b], n_ubatch=8,
                           n_seq_max=64, is_eog=lambda x: False, timeout_s=5)
     with pytest.raises(ConfigError, match="draft only in a vote"):
-        build_decoder("pipeinfer", SpecSettings(mode="pipeinfer", spec_type="vote", vote=("staged", "ngram")),
+        build_decoder("pipeinfer", SpecSettings(mode="pipeinfer", spec_type="vote", strategy_options=_members(("staged", "ngram"))),
                       t, a, more_drafts=[b], n_ubatch=8, n_seq_max=64, is_eog=lambda x: False, timeout_s=5)
 
 

@@ -9,11 +9,12 @@ from pathlib import Path
 import click
 
 from ggpipe.cli.options import job_options, read_prompt_file, split_job_options, utf8_prompt
+from ggpipe.cli.strategies import JobCommand
 from ggpipe.cli.types import Finite
 from ggpipe.frontends.http_guard import Access
 
 
-@click.command()
+@click.command(cls=JobCommand)
 @job_options
 @click.option("-p", "--prompt", default=None, help="Prompt text.")
 @click.option("-f", "--prompt-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
@@ -35,7 +36,7 @@ def generate(prompt, prompt_file, chat, as_json, **kw):
         sys.exit(code)
 
 
-@click.command()
+@click.command(cls=JobCommand)
 @job_options
 @click.option("--system", default=None, help="System prompt (the first message of the conversation).")
 @click.option("-i", "--input", "input_path", default=None, type=click.Path(dir_okay=False, path_type=Path),
@@ -53,7 +54,7 @@ def chat(system, input_path, **kw):
     sys.exit(run_chat(job, sampling, n_predict, system, input_path))
 
 
-@click.command()
+@click.command(cls=JobCommand)
 @job_options
 @click.argument("prompts", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path),
@@ -71,7 +72,7 @@ def batch(prompts, output, progress, **kw):
     sys.exit(run_batch(job, prompts, output, n_predict, sampling, progress))
 
 
-@click.command()
+@click.command(cls=JobCommand)
 @job_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every one).")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535),

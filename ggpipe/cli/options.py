@@ -3,11 +3,13 @@ and turning their values into a :class:`~ggpipe.service.job.JobSpec`."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import click
 
-from ggpipe.cli.types import SECONDS, Finite
+from ggpipe.cli.types import SECONDS, Finite, NumberOrAuto
 from ggpipe.models.registry import DEFAULT_MODEL
 from ggpipe.sampling import SamplingParams
 
@@ -53,8 +55,10 @@ def cluster_options(f):
 
 
 def speculation_options(f):
-    """Speculation knobs (PipeInfer IV.B; defaults tuned in docs/BENCHMARKS.md)."""
-    from ggpipe.decoding.settings import MODES, SPEC_TYPES, SpecSettings  # noqa: PLC0415
+    """Speculation knobs (PipeInfer IV.B; defaults tuned in docs/BENCHMARKS.md). The
+    drafting strategy's (``--spec-type``, ``--spec-vote``, ...) come from the
+    registered proposers, through :class:`ggpipe.cli.strategies.JobCommand`."""
+    from ggpipe.decoding.settings import MODES, SpecSettings  # noqa: PLC0415
 
     d = SpecSettings()
     opts = [
@@ -62,27 +66,9 @@ def speculation_options(f):
                      show_default=True, help="Scheduling mode: iterative (plain pipeline), speculative "
                                              "(synchronous), pipeinfer (PipeInfer), pipedec (PipeDec's dynamic "
                                              "prediction tree, one layer per pipeline step)."),
-        click.option("--spec-type", type=click.Choice(list(SPEC_TYPES) + list(SPEC_TYPE_ALIASES)),
-                     default=d.spec_type, show_default=True,
-                     help="Drafting strategy of the speculative modes: draft (the draft model, -md) or ngram "
-                          "(prompt lookup in the request's own tokens, no draft model). llama.cpp's names "
-                          "draft-simple and ngram-simple are accepted. vote: Minions' weighted majority vote "
-                          "of the --spec-vote proposers. staged: the draft model, each draft run also checking "
-                          "n-gram guesses (Staged SD's draft-of-draft)."),
-        click.option("--spec-vote", "vote", default=",".join(d.vote), show_default=True, callback=_vote_members,
-                     help="Proposers --spec-type vote merges, comma-separated, ties going to the first "
-                          "(at most one that drafts with the draft model: draft or staged)."),
-        click.option("--spec-ngram-min", "ngram_min", default=d.ngram_min, show_default=True,
-                     type=click.IntRange(1, 64), help="Shortest suffix the n-gram proposer matches (tokens)."),
-        click.option("--spec-ngram-max", "ngram_max", default=d.ngram_max, show_default=True,
-                     type=click.IntRange(1, 64), help="Longest suffix the n-gram proposer matches (tokens)."),
-        click.option("--spec-guesses", "guesses", default="auto", type=CountOrAuto(), show_default=True,
-                     help="--spec-type staged: most n-gram guesses a draft run checks after its tip; auto: those "
-                          "worth their measured cost (docs/BENCHMARKS.md section 9), N: up to N whatever they "
-                          "cost, 0: none."),
         click.option("--draft-max", "--draft", "n_draft", default=d.draft_max, show_default=True, type=click.IntRange(1, 64),
                      help="Most draft tokens per speculation tree / micro-batch."),
-        click.option("--p-accept", default="default", type=ProbabilityOrAuto(),
+        click.option("--p-accept", default="default", type=PROBABILITY_OR_AUTO,
                      help=f"Confidence cutoff: drafting stops when the draft's probability of its next token is "
                           f"below it; auto: from the measured pass cost curve and the drafts' calibrated "
                           f"acceptance (docs/BENCHMARKS.md section 4). Default: {d.p_accept} in pipeinfer mode with "
@@ -113,76 +99,39 @@ def speculation_options(f):
     return _apply(opts, f)
 
 
-class NumberOrAuto(click.ParamType):
-    """A number in [``lo``, ``hi``] of type ``cast``, or ``auto`` (None);
-    the words in ``keep`` pass through as they are."""
+#: --p-accept: a probability, auto (None), or "default" (chosen per --spec-type in _spec_settings).
+PROBABILITY_OR_AUTO = NumberOrAuto(float, 0.0, 1.0, "P|auto", "a probability", keep=("default",))
 
-    cast, lo, hi, noun, keep = float, 0.0, 1.0, "a number", ()
-
-    def convert(self, value, param, ctx):
-        if value is None or value == "auto":
-            return None
-        if value in self.keep or isinstance(value, self.cast):
-            return value
-        try:
-            v = self.cast(value)
-        except ValueError:
-            self.fail(f"{value!r} is neither {self.noun} nor 'auto'", param, ctx)
-        if not self.lo <= v <= self.hi:
-            self.fail(f"{v} is not in [{self.lo:g}, {self.hi:g}]", param, ctx)
-        return v
+_SAME = ("p_split", "p_recovery", "p_decay", "branches", "max_inflight", "tree_width", "max_children")
+_NEGATED = {"no_continuous": "continuous", "no_cancel": "cancel", "no_wait_draft": "wait_draft"}
 
 
-class ProbabilityOrAuto(NumberOrAuto):
-    """A probability in [0, 1], or ``auto`` (None); ``default`` is chosen
-    per --spec-type in _spec_settings."""
+def _spec_settings(o: Mapping[str, Any]):
+    """The :class:`~ggpipe.decoding.settings.SpecSettings` of the job
+    options' values ``o`` (keyword names, as :func:`split_job_options` pops
+    them; absent ones keep SpecSettings' defaults). ``--p-accept default``
+    becomes auto where the strategy's class says so for the mode
+    (``p_accept_auto``: measured better there, docs/BENCHMARKS.md section 4),
+    else the fixed cutoff.
 
-    name, noun, keep = "P|auto", "a probability", ("default",)
-
-
-class CountOrAuto(NumberOrAuto):
-    """A count in [0, 64], or ``auto`` (None)."""
-
-    name, cast, lo, hi, noun = "N|auto", int, 0, 64, "a whole number"
-
-
-SPEC_TYPE_ALIASES = {"draft-simple": "draft", "ngram-simple": "ngram"}  # llama.cpp's --spec-type names
-
-
-def _vote_members(ctx, param, value: str) -> tuple[str, ...]:
-    """``--spec-vote``: registered proposer names, distinct (at least two
-    members once ``draft`` stands for each draft model: checked with -md)."""
-    from ggpipe.decoding.settings import SPEC_TYPES  # noqa: PLC0415
-
-    from ggpipe.speculation.majority import check_members  # noqa: PLC0415
-
-    names = tuple(SPEC_TYPE_ALIASES.get(v.strip(), v.strip()) for v in value.split(",") if v.strip())
-    bad = [n for n in names if n not in SPEC_TYPES or n == "vote"]
-    if bad:
-        raise click.BadParameter(f"unknown proposer {bad[0]!r}: choose from "
-                                 f"{', '.join(t for t in SPEC_TYPES if t != 'vote')}")
-    try:
-        return names if names == ("draft",) else tuple(check_members(names))
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
-
-
-def _spec_settings(mode, spec_type, n_draft, p_accept, p_split, p_recovery, p_decay, branches, max_inflight,
-                   no_continuous, no_cancel, ngram_min, ngram_max, vote, tree_width=1, max_children=4,
-                   no_wait_draft=False, guesses=None):
+    Raises:
+        ValueError: an unknown ``spec_type``."""
+    from ggpipe.cli.strategies import strategy_options  # noqa: PLC0415
     from ggpipe.decoding.settings import SpecSettings  # noqa: PLC0415
+    from ggpipe.speculation.proposers.base import canonical_name, proposer_class  # noqa: PLC0415
 
-    spec_type = SPEC_TYPE_ALIASES.get(spec_type, spec_type)
-    uses_draft = SpecSettings(spec_type=spec_type, vote=vote).uses_draft_model
-    if p_accept == "default":   # auto where it measured better (docs/BENCHMARKS.md section 4)
-        auto = not uses_draft or (mode == "speculative" and spec_type in ("draft", "staged"))
-        p_accept = None if auto else SpecSettings.p_accept
-    return SpecSettings(mode=mode if mode != "iterative" else "pipeinfer", spec_type=spec_type, draft_max=n_draft,
-                        p_accept=p_accept,
-                        p_split=p_split, p_recovery=p_recovery, p_decay=p_decay, branches=branches,
-                        continuous=not no_continuous, cancel=not no_cancel, max_inflight=max_inflight,
-                        ngram_min=ngram_min, ngram_max=ngram_max, vote=vote, tree_width=tree_width,
-                        max_children=max_children, wait_draft=not no_wait_draft, guesses=guesses)
+    mode = o.get("mode", SpecSettings.mode)
+    spec_type = canonical_name(o.get("spec_type", SpecSettings.spec_type))
+    options = strategy_options(o)
+    p_accept = o.get("p_accept", "default")
+    if p_accept == "default":
+        p_accept = None if proposer_class(spec_type).p_accept_auto(mode, options) else SpecSettings.p_accept
+    kw = {k: o[k] for k in _SAME if k in o}
+    kw.update({field: not o[flag] for flag, field in _NEGATED.items() if flag in o})
+    if "n_draft" in o:
+        kw["draft_max"] = o["n_draft"]
+    return SpecSettings(mode=mode if mode != "iterative" else "pipeinfer", spec_type=spec_type, p_accept=p_accept,
+                        strategy_options=options, **kw)
 
 
 def sampling_options(f):
@@ -205,7 +154,7 @@ def job_options(f):
 
 
 _JOB_KEYS = ("model", "draft_model", "split", "threads", "ctx_size", "ubatch", "n_seq_max", "timeout", "flash_attn",
-             "liveness_timeout", "mode", "spec_type", "ngram_min", "ngram_max", "vote", "guesses",
+             "liveness_timeout", "mode", "spec_type",
              "n_draft", "p_accept", "p_split", "p_recovery", "p_decay", "branches", "max_inflight", "no_continuous",
              "no_cancel", "no_wait_draft", "tree_width", "max_children", "n_predict", "temp", "top_k", "top_p", "seed",
              "ignore_eos")
@@ -253,13 +202,12 @@ def split_job_options(kw: dict):
     from ggpipe.service.job import JobSpec
     from ggpipe.cluster.session import ClusterConfig
     from ggpipe.decoding.settings import auto_n_seq_max, check_draft_models
+    from ggpipe.cli.strategies import strategy_keys
 
     o = {k: kw.pop(k) for k in _JOB_KEYS}
+    o.update({k: kw.pop(k) for k in strategy_keys() if k in kw})
     sampling = SamplingParams(temperature=o["temp"], top_k=o["top_k"], top_p=o["top_p"], seed=o["seed"]).validate()
-    spec = _spec_settings(o["mode"], o["spec_type"], o["n_draft"], o["p_accept"], o["p_split"], o["p_recovery"],
-                          o["p_decay"], o["branches"], o["max_inflight"], o["no_continuous"], o["no_cancel"],
-                          o["ngram_min"], o["ngram_max"], o["vote"], o["tree_width"], o["max_children"],
-                          o["no_wait_draft"], o["guesses"])
+    spec = _spec_settings(o)
     n_seq_max = o["n_seq_max"] if o["n_seq_max"] is not None else auto_n_seq_max(o["mode"], spec)
     if o["split"] is not None and o["split"].startswith("auto"):
         from ggpipe.sim.placement import auto_split

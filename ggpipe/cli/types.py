@@ -25,3 +25,29 @@ class Finite(click.FloatRange):
 
 #: Seconds a wait may last: a finite number > 0.
 SECONDS = Finite(min=0, min_open=True)
+
+
+class NumberOrAuto(click.ParamType):
+    """A number in [``lo``, ``hi``] of type ``cast``, or ``auto`` (None);
+    the words in ``keep`` pass through as they are.
+
+    Args:
+        name: the metavar (``N|auto``).
+        noun: what a number is called in the error message ("a whole number")."""
+
+    def __init__(self, cast: type = float, lo: float = 0.0, hi: float = 1.0, name: str = "X|auto",
+                 noun: str = "a number", keep: tuple[str, ...] = ()):
+        self.cast, self.lo, self.hi, self.name, self.noun, self.keep = cast, lo, hi, name, noun, keep
+
+    def convert(self, value, param, ctx):
+        if value is None or value == "auto":
+            return None
+        if value in self.keep or isinstance(value, self.cast):
+            return value
+        try:
+            v = self.cast(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither {self.noun} nor 'auto'", param, ctx)
+        if not self.lo <= v <= self.hi:
+            self.fail(f"{v} is not in [{self.lo:g}, {self.hi:g}]", param, ctx)
+        return v

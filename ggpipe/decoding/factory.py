@@ -60,8 +60,7 @@ def build_decoder(mode: str, spec: SpecSettings, target, draft, *, n_ubatch: int
     try:
         proposer = make_proposer(spec.spec_type, ProposerConfig(
             backend=draft, n_vocab=target.n_vocab, n_ubatch=n_ubatch, p_split=spec.p_split, width=spec.branches,
-            ngram_min=spec.ngram_min, ngram_max=spec.ngram_max, timeout_s=timeout_s, vote=spec.vote,
-            guesses=spec.guesses, more_backends=tuple(more_drafts)))
+            timeout_s=timeout_s, options=spec.strategy_options, more_backends=tuple(more_drafts)))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return SpeculativeDecoder(target, proposer, spec, n_seq_max, n_ubatch, is_eog, timeout_s=timeout_s, idle=idle)

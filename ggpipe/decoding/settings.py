@@ -1,17 +1,17 @@
 """Decoding settings: the modes and the speculation knobs (CLI names in
-brackets). Pure data."""
+brackets). Pure data; what a drafting strategy is and needs is asked of its
+class (``ggpipe.speculation.proposers.base.REGISTRY``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ggpipe.errors import ConfigError
-from ggpipe.speculation.majority import expand_members
+from ggpipe.speculation.proposers.base import proposer_class
+from ggpipe.speculation.proposers.options import StrategyOptions
 
 MODES = ("iterative", "speculative", "pipeinfer", "pipedec")
 ASYNC_MODES = ("pipeinfer", "pipedec")  # the head's target stage runs beside the loop
-SPEC_TYPES = ("draft", "ngram", "vote", "staged")
-DRAFT_MODEL_TYPES = ("draft", "staged")  # strategies that draft with the draft model (-md)
 
 
 @dataclass(frozen=True)
@@ -23,8 +23,8 @@ class SpecSettings:
         spec_type: the drafting strategy, a name in
             ``ggpipe.speculation.proposers.base.REGISTRY`` [--spec-type]:
             "draft" (the draft model, -md), "ngram" (prompt lookup, no model)
-            "vote" (Minions' majority vote of the ``vote`` members) or
-            "staged" (the draft model with n-gram draft-of-draft, Staged SD).
+            "vote" (Minions' majority vote of its members) or "staged" (the
+            draft model with n-gram draft-of-draft, Staged SD).
         draft_max: most draft tokens per tree / micro-batch (llama.cpp's
             ``--draft-max``) [--draft-max, --draft].
         p_accept: confidence cutoff [--p-accept]; None (``auto``):
@@ -41,13 +41,11 @@ class SpecSettings:
         continuous: continuous speculation (pipeinfer) [--no-continuous].
         cancel: early inference cancellation (pipeinfer) [--no-cancel].
         max_inflight: most speculative runs in flight (pipeinfer).
-        ngram_min, ngram_max: suffix lengths the n-gram proposer matches
-            (tokens) [--spec-ngram-min, --spec-ngram-max].
-        vote: the proposers ``spec_type="vote"`` merges, in tie-break order
-            [--spec-vote].
-        guesses: staged: most n-gram guesses a draft run decodes after its
-            tip (tokens); None: those worth their measured cost
-            (ggpipe.speculation.proposers.staged.guess_budget) [--spec-guesses].
+        strategy_options: each strategy's own settings, ``--spec-type``
+            name -> its class's ``Options`` (absent: defaults), e.g.
+            ``NgramProposer.Options(ngram_min, ngram_max)``
+            [--spec-ngram-min, --spec-ngram-max], ``VoteProposer.Options(vote)``
+            [--spec-vote], ``StagedProposer.Options(guesses)`` [--spec-guesses].
         tree_width: pipedec: most nodes per prediction-tree layer [--tree-width].
         max_children: pipedec: most children per tree node [--max-children].
         wait_draft: pipeinfer: when the head's target stage runs out of work
@@ -68,10 +66,7 @@ class SpecSettings:
     continuous: bool = True
     cancel: bool = True
     max_inflight: int = 8
-    ngram_min: int = 1
-    ngram_max: int = 4
-    vote: tuple[str, ...] = ("draft", "ngram")
-    guesses: int | None = None
+    strategy_options: StrategyOptions = field(default_factory=StrategyOptions)
     tree_width: int = 1     # a chain: exact in every run (README "Exactness"); trees measured slower here
     max_children: int = 4
     wait_draft: bool = True
@@ -79,10 +74,12 @@ class SpecSettings:
 
     @property
     def uses_draft_model(self) -> bool:
-        """The strategy drafts with the draft model (-md)."""
-        if self.spec_type == "vote":
-            return any(m in DRAFT_MODEL_TYPES for m in self.vote)
-        return self.spec_type in DRAFT_MODEL_TYPES
+        """The strategy drafts with the draft model (-md), as its class says
+        (a vote asks its members).
+
+        Raises:
+            ValueError: ``spec_type`` is not registered."""
+        return proposer_class(self.spec_type).uses_draft_model(self.strategy_options)
 
     @property
     def asynchronous(self) -> bool:
@@ -105,17 +102,22 @@ def auto_n_seq_max(mode: str, spec: SpecSettings) -> int:
 
 def check_draft_models(n: int, mode: str, spec: SpecSettings) -> None:
     """Refuse ``n`` > 1 draft models (``-md a,b``) where only one can draft:
-    several draft models draft only in a vote with a ``draft`` member; and
-    a vote of fewer than two members once ``draft`` stands for each model.
+    several draft models draft only in a strategy that says it drafts with
+    each (``several_draft_models``: a vote with a ``draft`` member); and
+    settings the strategy's class refuses with ``n`` models
+    (``check_options``: a vote of fewer than two members once ``draft``
+    stands for each model).
 
     Raises:
         ConfigError: several draft models outside such a vote; a vote of
-            one member."""
-    if n > 1 and (mode in ("iterative", "pipedec") or spec.spec_type != "vote" or "draft" not in spec.vote):
-        raise ConfigError(f"{n} draft models (-md a,b) draft only in a vote that has a draft member: "
-                          "--mode pipeinfer --spec-type vote --spec-vote draft,ngram")
-    if spec.spec_type == "vote" and mode not in ("iterative", "pipedec"):
-        try:
-            expand_members(spec.vote, max(n, 1))
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+            one member; an unknown ``spec.spec_type`` (speculative modes)."""
+    spec_modes = mode not in ("iterative", "pipedec")
+    try:
+        cls = proposer_class(spec.spec_type) if spec_modes else None
+        if n > 1 and (cls is None or not cls.several_draft_models(spec.strategy_options)):
+            raise ConfigError(f"{n} draft models (-md a,b) draft only in a vote that has a draft member: "
+                              "--mode pipeinfer --spec-type vote --spec-vote draft,ngram")
+        if cls is not None:
+            cls.check_options(spec.strategy_options, n)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None

@@ -2,52 +2,75 @@
 loop, and what it may ask of a model's pipeline. No MPI, no model.
 
 A *proposer* drafts speculation trees (micro-batches) below an anchor token.
-The loop (:mod:`ggpipe.decoding.pipelined`, PipeInfer section IV) knows only
-this protocol; it never learns which strategy it holds. The shape follows
-llama.cpp's ``common/speculative.h`` (begin / draft / accept, strategies
-chosen by name) and vLLM's n-gram proposer (a pure ``propose()`` tested
-without a model).
+The loop (:mod:`ggpipe.decoding`, PipeInfer section IV) knows only this
+protocol; it never learns which strategy it holds. The shape follows
+llama.cpp's ``common/speculative.h`` (strategies chosen by name,
+``--spec-type``; a strategy is ``common_speculative_begin`` /
+``common_speculative_draft`` / ``common_speculative_accept``) and vLLM's
+n-gram proposer (a pure ``propose()`` tested without a model).
 
-Life of a proposer (one per decoder; it may keep caches across requests):
+Core (:class:`Proposer`, what the loop always needs), one proposer per
+decoder (it may keep caches across requests):
 
-* ``start(params, rng, acceptance)`` at the start of each request (with
+* llama.cpp's *begin* (``common_speculative_begin(spec, prompt)``):
+  ``start(params, rng, acceptance)`` at the start of each request (with
   ``acceptance``, a calibration draft probability -> P(accepted), the cutoff
-  applies to the product of calibrated acceptance along a path), ``prefill(context)``
-  once the prompt is known (may start work and return at once);
-* ``begin(context, cutoff, max_nodes, first_cutoff, look_cutoff)`` starts a
-  micro-batch below ``context[-1]`` (the anchor, at position
-  ``len(context) - 1``); ``first_cutoff`` (default ``cutoff``) applies to the
-  first token below the anchor, which needs no draft step of its own; a
-  proposer whose next token costs a draft step takes that step only while
-  the chain's path probability is at least ``look_cutoff`` (0: always);
-* while ``active``: ``ready()`` says ``poll()`` would make progress without
-  waiting; ``poll()`` makes it and returns the finished tree (possibly empty:
-  nothing worth verifying), or None while drafting goes on;
-* continuous speculation (PipeInfer IV.B.1): ``can_cut()`` / ``cut(cutoff,
-  room)`` hand over the tree drafted so far and keep drafting below its tip
-  (at most ``room(tip position)`` nodes);
-* ``salvage(decided)``: the target decided ``decided`` below the anchor of the
-  tree being drafted; the part of that tree below them, if they lead into it;
-* ``observe(context)``: the tokens decided so far (prompt and accepted
-  tokens), after each decision; a proposer that learns from outcomes
-  (the vote's member weights) reads them here;
-* ``abandon()`` drops the micro-batch; ``busy()`` / ``drain_one()`` consume
-  results of work already started; ``settle()`` consumes all of them;
-* ``reset()``: the KV caches were cleared (a new conversation).
+  applies to the product of calibrated acceptance along a path), then
+  ``prefill(context)`` once the prompt is known (may start work and return
+  at once);
+* llama.cpp's *draft* (``common_speculative_draft(spec, params, prompt,
+  id_last)``), asynchronous here: ``begin(context, cutoff, max_nodes,
+  first_cutoff, look_cutoff)`` starts a micro-batch below ``context[-1]``
+  (the anchor, at position ``len(context) - 1``); ``first_cutoff`` (default
+  ``cutoff``) applies to the first token below the anchor, which needs no
+  draft step of its own; a proposer whose next token costs a draft step
+  takes that step only while the chain's path probability is at least
+  ``look_cutoff`` (0: always). While ``active``: ``ready()`` says ``poll()``
+  would make progress without waiting; ``poll()`` makes it and returns the
+  finished tree (possibly empty: nothing worth verifying), or None while
+  drafting goes on; ``abandon()`` drops the micro-batch;
+* llama.cpp's *accept* (``common_speculative_accept(spec, n_accepted)``):
+  ``observe(context)``, the tokens decided so far (prompt and accepted
+  tokens) after each decision, rather than a count (drafts are trees, and
+  drafting runs ahead of the decisions); a proposer that learns from
+  outcomes (the vote's member weights) reads them here;
+* ``settle(timeout_s)``: the request ends (in-flight work consumed, the
+  micro-batch dropped); ``reset()``: the KV caches were cleared (a new
+  conversation).
+
+Capabilities, optional (:class:`Cuttable`, :class:`Draining`; the loop may
+call them on any proposer, and :class:`ProposerBase` answers "none" for a
+strategy that does not have them; :func:`implements` tells which do):
+
+* :class:`Cuttable`, continuous speculation (PipeInfer IV.B.1): ``can_cut()``
+  / ``cut(cutoff, room)`` hand over the tree drafted so far and keep
+  drafting below its tip (at most ``room(tip position)`` nodes);
+  ``salvage(decided)``: the target decided ``decided`` below the anchor of
+  the tree being drafted; the part of that tree below them, if they lead
+  into it; ``due_in()`` / ``partial()``: when the next drafted token is
+  expected and the tree as far as it has grown (the loop's "wait for the
+  draft or send now" decision);
+* :class:`Draining`, work in flight on another pipeline: ``busy()`` /
+  ``drain_one()`` / ``drain_ready()`` consume results of work already
+  started (e.g. of an abandoned micro-batch).
 
 A proposer that drafts for another model talks to its pipeline only through
 :class:`ggpipe.backend.DecodeBackend` (``ggpipe.pipeline.driver.Pipeline`` is one; the unit
 tests use an in-memory fake).
 
-Registration: :data:`REGISTRY` maps a ``--spec-type`` name to the class that
-implements it, as ``"module:Class"`` (imported on first use); a new strategy
-is one new module here plus one line in that table.
+A strategy is one class (usually one module here), which declares itself
+(:class:`ProposerBase`: ``name``, ``summary``, ``aliases``,
+``needs_draft_model``, ``Options``, ``p_accept_auto_in``), and one entry in
+:data:`REGISTRY` (``"module:Class"``, imported on first use, or the class;
+plug-ins and tests call :func:`register`). The command line
+(``ggpipe.cli.strategies``), the settings (``SpecSettings``) and the
+factory read those declarations.
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol, runtime_checkable
 
 import numpy as np
@@ -55,8 +78,13 @@ import numpy as np
 from ggpipe.backend import DecodeBackend
 from ggpipe.kv_reuse import reusable_prefix
 from ggpipe.sampling import SamplingParams
-from ggpipe.speculation.cutoff import confident_depth
+from ggpipe.speculation.proposers.defaults import EVERY_MODE, InstantProposer, ProposerBase
+from ggpipe.speculation.proposers.options import StrategyOptions
 from ggpipe.speculation.tree import SpecTree
+
+__all__ = ["EVERY_MODE", "REGISTRY", "Cuttable", "Draining", "InstantProposer", "Proposer", "ProposerBase",
+           "ProposerConfig", "canonical_name", "implements", "make_proposer", "proposer_class",
+           "proposer_classes", "register", "strategy_aliases", "sync_kv", "unregister"]
 
 
 def sync_kv(pipe: DecodeBackend, cursor: list[int], context: list[int], n_ubatch: int,
@@ -90,12 +118,10 @@ class ProposerConfig:
         n_ubatch: largest decode a proposer may start (tokens).
         p_split: draft probability above which a runner-up becomes a sibling leaf.
         width: most leaves (KV sequences) per tree.
-        ngram_min, ngram_max: shortest / longest suffix an n-gram lookup matches (tokens).
         timeout_s: bound of every wait for the backend (seconds).
-        vote: the members of ``--spec-type vote`` (registered names, in
-            tie-break order).
-        guesses: staged: most n-gram guesses per draft run (tokens); None:
-            the guess budget decides.
+        options: each strategy's own settings (``--spec-type`` name ->
+            its ``Options``; absent: defaults); a proposer reads
+            ``options.of(ItsClass)`` (and those of strategies it builds on).
         more_backends: the pipelines of further draft models (``-md a,b``:
             every one but the first); only a vote drafts with them (its
             ``draft`` member stands for one member per draft model).
@@ -106,17 +132,15 @@ class ProposerConfig:
     n_ubatch: int = 512
     p_split: float = 0.2
     width: int = 1
-    ngram_min: int = 1
-    ngram_max: int = 4
     timeout_s: float = 60.0
-    vote: tuple[str, ...] = ("draft", "ngram")
-    guesses: int | None = None
+    options: StrategyOptions = field(default_factory=StrategyOptions)
     more_backends: tuple = ()
 
 
 @runtime_checkable
 class Proposer(Protocol):
-    """A drafting strategy (see the module docstring for the call order).
+    """A drafting strategy, core (see the module docstring for the call
+    order; :class:`ProposerBase` declares the rest of what a strategy is).
 
     Attributes:
         name: the ``--spec-type`` name.
@@ -125,18 +149,12 @@ class Proposer(Protocol):
             stochastic (SpecInfer MSS) verification stays exact.
         instant: drafting costs nothing worth overlapping (it happens on the
             head inside ``begin``; ``poll`` never waits).
+        active: a micro-batch is being drafted (``begin`` .. ``poll``'s tree).
         stats: counters for ``--json`` (strategy specific).
         step_s: measured seconds per drafted token (a one-token draft
             decode from submission to result; 0 for an instant proposer;
             None until measured). Adaptive depth charges it when the target waits for
             the draft (synchronous speculation).
-
-    ``due_in()``: seconds until the next drafted token is expected (<= 0:
-    overdue), or None (nothing being drafted, an instant proposer, or no
-    estimate yet); ``partial()``: the tree being drafted as far as it has
-    grown (read only), or None. The loop's per-pass "wait for the draft or
-    send now" decision reads both; a proposer whose ``due_in()`` is None is
-    never waited for.
     """
 
     name: str
@@ -153,26 +171,86 @@ class Proposer(Protocol):
               first_cutoff: float | None = None, look_cutoff: float = 0.0) -> None: ...
     def ready(self) -> bool: ...
     def poll(self) -> SpecTree | None: ...
+    def abandon(self) -> None: ...
+    def observe(self, context: list[int]) -> None: ...
+    def settle(self, timeout_s: float) -> None: ...
+    def reset(self) -> None: ...
+
+
+@runtime_checkable
+class Cuttable(Protocol):
+    """Continuous speculation (PipeInfer IV.B.1): the tree being drafted can
+    be handed over while drafting goes on below its tip.
+
+    ``due_in()``: seconds until the next drafted token is expected (<= 0:
+    overdue), or None (nothing being drafted, or no estimate yet);
+    ``partial()``: the tree being drafted as far as it has grown (read
+    only), or None. The loop's per-pass "wait for the draft or send now"
+    decision reads both; a proposer whose ``due_in()`` is None is never
+    waited for."""
+
     def can_cut(self) -> bool: ...
     def cut(self, cutoff: float, room: Callable[[int], int]) -> tuple[SpecTree, int]: ...
     def salvage(self, decided: list[int]) -> tuple[SpecTree, int] | None: ...
-    def observe(self, context: list[int]) -> None: ...
-    def abandon(self) -> None: ...
-    def busy(self) -> bool: ...
-    def drain_one(self, timeout_s: float) -> None: ...
-    def drain_ready(self) -> None: ...
-    def settle(self, timeout_s: float) -> None: ...
-    def reset(self) -> None: ...
     def due_in(self) -> float | None: ...
     def partial(self) -> SpecTree | None: ...
 
 
-REGISTRY: dict[str, str] = {
+@runtime_checkable
+class Draining(Protocol):
+    """Work in flight on another pipeline (a draft model's), whose results
+    must be consumed even when the micro-batch they were for was abandoned:
+    ``busy()`` (some are in flight), ``drain_one(timeout_s)`` (wait, bounded,
+    for the oldest and consume it), ``drain_ready()`` (consume those that
+    have arrived, never blocking)."""
+
+    def busy(self) -> bool: ...
+    def drain_one(self, timeout_s: float) -> None: ...
+    def drain_ready(self) -> None: ...
+
+
+def implements(proposer: object, capability: type) -> bool:
+    """``proposer`` has ``capability`` (:class:`Cuttable`, :class:`Draining`)
+    of its own: every method of it, none of them :class:`ProposerBase`'s
+    "none" default."""
+    methods = [n for n in vars(capability) if not n.startswith("_")]
+    cls = type(proposer)
+    return all(callable(getattr(cls, n, None)) and getattr(cls, n) is not getattr(ProposerBase, n, None)
+               for n in methods)
+
+
+REGISTRY: dict[str, str | type] = {
     "draft": "ggpipe.speculation.proposers.draft_model:DraftModelProposer",
     "ngram": "ggpipe.speculation.proposers.ngram:NgramProposer",
     "vote": "ggpipe.speculation.proposers.vote:VoteProposer",
     "staged": "ggpipe.speculation.proposers.staged:StagedProposer",
 }
+
+
+def register(name: str, cls: str | type) -> None:
+    """Add the strategy ``name`` (``--spec-type name``): its class, or
+    ``"module:Class"`` (imported on first use). The command line, the
+    settings and the factory see it from then on.
+
+    Raises:
+        ValueError: ``name`` empty or taken, ``cls`` neither a class named
+            ``name`` nor a ``"module:Class"`` string."""
+    if not name or name in REGISTRY:
+        raise ValueError(f"cannot register a proposer as {name!r}: " + ("taken" if name else "no name"))
+    if isinstance(cls, type) and getattr(cls, "name", None) != name:
+        raise ValueError(f"{cls.__name__}.name is {getattr(cls, 'name', None)!r}, not {name!r}")
+    if not isinstance(cls, (str, type)) or (isinstance(cls, str) and cls.count(":") != 1):
+        raise ValueError(f"register {name!r} as a class or 'module:Class', not {cls!r}")
+    REGISTRY[name] = cls
+
+
+def unregister(name: str) -> None:
+    """Remove the strategy ``name`` (undoes :func:`register`).
+
+    Raises:
+        ValueError: no proposer of that name."""
+    if REGISTRY.pop(name, None) is None:
+        raise ValueError(f"no proposer registered as {name!r}")
 
 
 def proposer_class(name: str) -> type:
@@ -181,10 +259,38 @@ def proposer_class(name: str) -> type:
     Raises:
         ValueError: no proposer of that name."""
     try:
-        mod, cls = REGISTRY[name].split(":")
+        entry = REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown speculation type {name!r}: choose one of {', '.join(REGISTRY)}") from None
+    if isinstance(entry, type):
+        return entry
+    mod, cls = entry.split(":")
     return getattr(importlib.import_module(mod), cls)
+
+
+def proposer_classes() -> dict[str, type]:
+    """Every registered strategy: name -> class, in registration order."""
+    return {name: proposer_class(name) for name in REGISTRY}
+
+
+def strategy_aliases() -> dict[str, str]:
+    """Every alias a registered class declares (``aliases``) -> its name.
+
+    Raises:
+        ValueError: an alias claimed twice, or that is a registered name."""
+    out: dict[str, str] = {}
+    for name, cls in proposer_classes().items():
+        for alias in cls.aliases:
+            if alias in out or alias in REGISTRY:
+                raise ValueError(f"--spec-type alias {alias!r} of {name!r} is taken")
+            out[alias] = name
+    return out
+
+
+def canonical_name(name: str) -> str:
+    """The registered name ``name`` stands for (an alias's, e.g.
+    ``draft-simple`` -> ``draft``); anything else unchanged."""
+    return name if name in REGISTRY else strategy_aliases().get(name, name)
 
 
 def make_proposer(name: str, cfg: ProposerConfig) -> Proposer:
@@ -194,99 +300,3 @@ def make_proposer(name: str, cfg: ProposerConfig) -> Proposer:
         ValueError: unknown name, or the proposer needs what ``cfg`` lacks
             (e.g. ``draft`` without a draft model)."""
     return proposer_class(name)(cfg)
-
-
-class InstantProposer:
-    """Base of proposers that draft synchronously on the head from the
-    context alone (no model, no backend): ``begin`` computes the tree with
-    :meth:`propose`, ``poll`` hands it over. Subclasses implement
-    ``propose(context, max_nodes) -> SpecTree``."""
-
-    iid_children = True
-    instant = True
-    step_s = 0.0
-
-    def __init__(self) -> None:
-        self.active = False
-        self.stats: dict = {}
-        self._tree: SpecTree | None = None
-        self.acceptance: Callable[[float], float] | None = None
-
-    def start(self, params: SamplingParams, rng: np.random.Generator,
-              acceptance: Callable[[float], float] | None = None) -> None:
-        self.active = False
-        self._tree = None
-        self.acceptance = acceptance
-
-    def prefill(self, context: list[int]) -> None:
-        pass
-
-    def begin(self, context: list[int], cutoff: float, max_nodes: int,
-              first_cutoff: float | None = None, look_cutoff: float = 0.0) -> None:
-        """Draft at once. With a calibration (``start(..., acceptance)``), a
-        chain is cut where the product of calibrated acceptance of its nodes'
-        confidences (``SpecTree.draft_p``) falls below ``cutoff``
-        (``first_cutoff`` for its first node); without one, the cutoff (a
-        draft model's probability) does not apply. ``look_cutoff`` does not
-        apply (drafting costs no draft step)."""
-        if self.active:
-            raise RuntimeError("a micro-batch is already being drafted")
-        tree = self.propose(list(context), max_nodes)
-        if self.acceptance is not None:
-            keep = confident_depth(tree.draft_p, cutoff, first_cutoff, self.acceptance)
-            if keep < len(tree):
-                tree = tree.prefix(keep)
-        self._tree = tree
-        self.active = True
-
-    def propose(self, context: list[int], max_nodes: int) -> SpecTree:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def ready(self) -> bool:
-        return self.active
-
-    def poll(self) -> SpecTree | None:
-        if not self.active:
-            return None
-        self.active = False
-        tree, self._tree = self._tree, None
-        return tree
-
-    def due_in(self) -> float | None:
-        """Never waited for: the tree is there as soon as it is begun."""
-        return None
-
-    def partial(self) -> SpecTree | None:
-        """None: nothing grows in the background."""
-        return None
-
-    def can_cut(self) -> bool:
-        return False
-
-    def cut(self, cutoff: float, room: Callable[[int], int]) -> tuple[SpecTree, int]:
-        raise RuntimeError("nothing to cut: this proposer drafts a whole micro-batch at once")
-
-    def salvage(self, decided: list[int]) -> tuple[SpecTree, int] | None:
-        return None
-
-    def observe(self, context: list[int]) -> None:
-        pass
-
-    def abandon(self) -> None:
-        self.active = False
-        self._tree = None
-
-    def busy(self) -> bool:
-        return False
-
-    def drain_one(self, timeout_s: float) -> None:
-        raise RuntimeError("nothing in flight")
-
-    def drain_ready(self) -> None:
-        pass
-
-    def settle(self, timeout_s: float) -> None:
-        self.abandon()
-
-    def reset(self) -> None:
-        self.abandon()

@@ -18,10 +18,11 @@ step with the tokens it has decoded (``cursor``) and only re-decodes what
 changed, so a micro-batch that continues the previous one costs one draft
 decode per level.
 
-It implements :class:`~ggpipe.speculation.proposers.base.Proposer`
-(``--spec-type draft``): ``begin`` submits a draft run; each draft result
-that :meth:`poll` takes submits the next draft decode, until the tree is
-finished (possibly empty: the draft was not confident enough). ``cut()``
+It implements :class:`~ggpipe.speculation.proposers.base.Proposer` and
+both capabilities, ``Cuttable`` and ``Draining`` (``--spec-type draft``):
+``begin`` submits a draft run; each draft result that :meth:`poll` takes
+submits the next draft decode, until the tree is finished (possibly empty:
+the draft was not confident enough). ``cut()``
 hands over the tree drafted so far while a draft decode of its tip is in
 flight, and keeps drafting a new micro-batch below that tip (continuous
 speculation, PipeInfer IV.B.1). The draft model's pipeline is reached only
@@ -37,11 +38,11 @@ import numpy as np
 from ggpipe.logits import best
 from ggpipe.sampling import SamplingParams, target_probs
 from ggpipe.backend import DecodeBackend, DraftResult
-from ggpipe.speculation.proposers.base import ProposerConfig, sync_kv
+from ggpipe.speculation.proposers.base import ProposerBase, ProposerConfig, sync_kv
 from ggpipe.speculation.tree import SpecTree
 
 
-class DraftModelProposer:
+class DraftModelProposer(ProposerBase):
     """Args:
         cfg: ``backend`` (the draft model's pipeline, head-driven), ``p_split``
             (probability above which a runner-up becomes a sibling leaf),
@@ -53,6 +54,10 @@ class DraftModelProposer:
     """
 
     name = "draft"
+    summary = "the draft model, -md"
+    aliases = ("draft-simple",)           # llama.cpp's name
+    needs_draft_model = True
+    p_accept_auto_in = ("speculative",)   # auto 6% faster there, 3% slower in pipeinfer (docs/BENCHMARKS.md 4)
     instant = False
 
     def __init__(self, cfg: ProposerConfig):

@@ -38,10 +38,13 @@ worth decoding), ``guess_accept`` (the learned rate) and ``guess_cost_ms``
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ggpipe.speculation.adaptive import PassCost
 from ggpipe.speculation.proposers.base import ProposerConfig
 from ggpipe.speculation.proposers.draft_model import DraftModelProposer
-from ggpipe.speculation.proposers.ngram import ngram_lookup
+from ggpipe.speculation.proposers.ngram import NgramProposer, check_sizes, ngram_lookup
+from ggpipe.speculation.proposers.options import option
 
 EXPLORE_EVERY = 32   # runs with a guess found; one in this many carries at least one guess
 ACCEPT_PRIOR = 0.5   # the learned guess acceptance rate before any trial
@@ -84,23 +87,35 @@ def guess_budget(n_found: int, accept: float, step_s: float | None, marginal_s: 
 
 class StagedProposer(DraftModelProposer):
     """Args:
-        cfg: as :class:`DraftModelProposer`, plus ``ngram_min`` / ``ngram_max``
-            (the suffix lengths the guesses are looked up with).
+        cfg: as :class:`DraftModelProposer`, plus this strategy's
+            :class:`Options` and ``NgramProposer.Options`` (the suffix
+            lengths the guesses are looked up with).
 
     Raises:
-        ValueError: no draft model, or invalid n-gram sizes."""
+        ValueError: no draft model, invalid n-gram sizes, or a negative
+            guess count."""
 
     name = "staged"
+    summary = "the draft model, each draft run also checking n-gram guesses: Staged SD's draft-of-draft"
+    aliases = ()
+
+    @dataclass(frozen=True)
+    class Options:
+        """How many n-gram guesses a draft run decodes after its tip."""
+
+        guesses: int | None = option(
+            None, flag="--spec-guesses", type=int, range=(0, 64), auto=True,
+            help="--spec-type staged: most n-gram guesses a draft run checks after its tip; auto: those worth "
+                 "their measured cost (docs/BENCHMARKS.md section 9), N: up to N whatever they cost, 0: none.")
 
     def __init__(self, cfg: ProposerConfig):
         super().__init__(cfg)
-        if not 1 <= cfg.ngram_min <= cfg.ngram_max:
-            raise ValueError(f"n-gram sizes must satisfy 1 <= --spec-ngram-min <= --spec-ngram-max, "
-                             f"got {cfg.ngram_min} and {cfg.ngram_max}")
-        if cfg.guesses is not None and cfg.guesses < 0:
-            raise ValueError(f"--spec-guesses must be auto or >= 0, got {cfg.guesses}")
-        self.n_min, self.n_max = cfg.ngram_min, cfg.ngram_max
-        self.most_guesses = cfg.guesses   # None: guess_budget decides
+        ngram, own = cfg.options.of(NgramProposer), cfg.options.of(StagedProposer)
+        check_sizes(ngram.ngram_min, ngram.ngram_max)
+        if own.guesses is not None and own.guesses < 0:
+            raise ValueError(f"--spec-guesses must be auto or >= 0, got {own.guesses}")
+        self.n_min, self.n_max = ngram.ngram_min, ngram.ngram_max
+        self.most_guesses = own.guesses   # None: guess_budget decides
         self.stats.update(guesses_made=0, guesses_accepted=0, guesses_held=0, guess_accept=ACCEPT_PRIOR)
         self.run_cost = PassCost()     # the draft's run round trip (seconds) against tokens per run
         self.accept = ACCEPT_PRIOR

@@ -48,16 +48,19 @@ target's random draws.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
 
 from ggpipe.sampling import SamplingParams
 from ggpipe.speculation.cutoff import confident_depth
-from ggpipe.speculation.proposers.base import ProposerConfig, make_proposer
+from ggpipe.speculation.majority import (WeightedMajority, check_members, expand_members, majority_path, member_of,
+                                         support)
+from ggpipe.speculation.proposers.base import (REGISTRY, ProposerBase, ProposerConfig, canonical_name, make_proposer,
+                                               proposer_class)
+from ggpipe.speculation.proposers.options import StrategyOptions, option
 from ggpipe.speculation.tree import SpecTree
-from ggpipe.speculation.majority import WeightedMajority, expand_members, majority_path, member_of, support
 
 
 def _chain(tree: SpecTree | None) -> tuple[list[int], list[float]]:
@@ -67,11 +70,29 @@ def _chain(tree: SpecTree | None) -> tuple[list[int], list[float]]:
     return list(tree.tokens), list(tree.draft_p)
 
 
-class VoteProposer:
+def parse_members(text: str) -> tuple[str, ...]:
+    """``--spec-vote``: comma-separated registered proposer names (aliases
+    allowed), distinct; ``draft`` alone stands for every draft model of
+    ``-md a,b`` (at least two members once expanded: checked with -md,
+    :meth:`VoteProposer.check_options`).
+
+    Raises:
+        ValueError: an unknown name or the vote itself, fewer than two
+            members, or one named twice."""
+    names = tuple(canonical_name(v.strip()) for v in text.split(",") if v.strip())
+    bad = [n for n in names if n not in REGISTRY or n == VoteProposer.name]
+    if bad:
+        raise ValueError(f"unknown proposer {bad[0]!r}: choose from "
+                         f"{', '.join(t for t in REGISTRY if t != VoteProposer.name)}")
+    return names if names == ("draft",) else tuple(check_members(names))
+
+
+class VoteProposer(ProposerBase):
     """Args:
-        cfg: ``vote`` (member names, >= 2, distinct, in tie-break order) and
-            whatever the members read (``backend`` for ``draft``, the n-gram
-            sizes for ``ngram``); ``width`` is forced to 1 (chains).
+        cfg: this strategy's :class:`Options` (member names, >= 2, distinct,
+            in tie-break order) and whatever the members read (``backend``
+            for ``draft``, the n-gram sizes for ``ngram``); ``width`` is
+            forced to 1 (chains).
 
     Raises:
         ValueError: fewer than two members, a repeated or nested member, an
@@ -80,17 +101,58 @@ class VoteProposer:
     """
 
     name = "vote"
+    summary = "Minions' weighted majority vote of the --spec-vote proposers"
     iid_children = True
+
+    @dataclass(frozen=True)
+    class Options:
+        """The members, in tie-break order."""
+
+        vote: tuple[str, ...] = option(
+            ("draft", "ngram"), flag="--spec-vote", parse=parse_members, text=",".join,
+            help="Proposers --spec-type vote merges, comma-separated, ties going to the first "
+                 "(at most one that drafts with the draft model: draft or staged).")
+
+    @classmethod
+    def _members(cls, options: StrategyOptions) -> list[type]:
+        """The classes of the registered members (others are refused when built)."""
+        return [proposer_class(m) for m in options.of(cls).vote if m in REGISTRY and m != cls.name]
+
+    @classmethod
+    def uses_draft_model(cls, options: StrategyOptions) -> bool:
+        """A member drafts with the draft model."""
+        return any(m.uses_draft_model(options) for m in cls._members(options))
+
+    @classmethod
+    def p_accept_auto(cls, mode: str, options: StrategyOptions) -> bool:
+        """Auto only without a draft-model member (the fixed cutoff measured
+        better with one, docs/BENCHMARKS.md section 4)."""
+        return not cls.uses_draft_model(options)
+
+    @classmethod
+    def several_draft_models(cls, options: StrategyOptions) -> bool:
+        """With a ``draft`` member, which stands for one member per model."""
+        return "draft" in options.of(cls).vote
+
+    @classmethod
+    def check_options(cls, options: StrategyOptions, n_models: int) -> None:
+        """At least two distinct members once ``draft`` stands for each of
+        the ``n_models`` draft models (:func:`expand_members`).
+
+        Raises:
+            ValueError: a vote of one member."""
+        expand_members(options.of(cls).vote, max(n_models, 1))
 
     def __init__(self, cfg: ProposerConfig):
         backends = [cfg.backend, *cfg.more_backends]
-        self.labels = expand_members(cfg.vote, len(backends))   # the members' names in stats and in the weights
+        members = cfg.options.of(VoteProposer).vote
+        self.labels = expand_members(members, len(backends))   # the members' names in stats and in the weights
         mcfg = replace(cfg, width=1, more_backends=())
         self.members = []
         for label in self.labels:
             name, k = member_of(label)
             self.members.append(make_proposer(name, replace(mcfg, backend=backends[k]) if name == "draft" else mcfg))
-        on_models = [n for n in cfg.vote if not self.members[self.labels.index(n)].instant]
+        on_models = [n for n in members if not self.members[self.labels.index(n)].instant]
         if len(on_models) > 1:
             raise ValueError("--spec-vote takes at most one proposer that drafts on the draft model "
                              f"({', '.join(on_models)}); several draft models: -md a,b with one draft member")
