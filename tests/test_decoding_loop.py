@@ -11,8 +11,8 @@ import itertools
 import numpy as np
 import pytest
 
-from ggpipe.decoding.iterative import IterativeDecoder
-from ggpipe.decoding.pipelined import SpeculativeDecoder
+from ggpipe.decoding.iterative import Iterative
+from ggpipe.decoding.mode import mode_class
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.sampling import Sampler, SamplingParams
 from ggpipe.speculation.proposers.base import REGISTRY, Proposer, ProposerConfig, make_proposer, proposer_class
@@ -33,8 +33,8 @@ def _decoder(spec: SpecSettings, spec_type: str, latency: int = 3, draft_latency
     draft = FakePipeline(ToyLM(V, flip=flip, period=period), latency=draft_latency, name="draft")
     prop = make_proposer(spec_type, ProposerConfig(backend=draft, n_vocab=V, n_ubatch=8, p_split=spec.p_split,
                                                    width=spec.branches))
-    dec = SpeculativeDecoder(target, prop, spec, n_seq_max=n_seq_max, n_ubatch=8, is_eog=lambda t: False,
-                             timeout_s=5)
+    dec = mode_class(spec.mode).over(target, prop, spec, n_seq_max=n_seq_max, n_ubatch=8, is_eog=lambda t: False,
+                                     timeout_s=5)
     return dec, target, draft
 
 
@@ -68,7 +68,7 @@ def test_greedy_equals_reference(mode, width, latency, continuous, cancel, spec_
 
 def test_iterative_equals_reference():
     target = FakePipeline(ToyLM(V))
-    out = IterativeDecoder(target, 8, lambda t: False).generate(np.array(PROMPT, np.int32), 20,
+    out = Iterative(target, 8, lambda t: False).generate(np.array(PROMPT, np.int32), 20,
                                                                Sampler(SamplingParams()))
     assert out == _reference(20)
 

@@ -54,15 +54,34 @@ def cluster_options(f):
     return _apply(opts, f)
 
 
+class ModeName(click.ParamType):
+    """``--mode``: a name registered in ``ggpipe.decoding.mode.MODES`` (read
+    when the value is checked, so a mode registered later is accepted)."""
+
+    name = "MODE"
+
+    def convert(self, value, param, ctx):
+        from ggpipe.decoding.mode import MODES  # noqa: PLC0415
+
+        if value not in MODES:
+            self.fail(f"{value!r} is not one of {', '.join(map(repr, MODES))}", param, ctx)
+        return value
+
+    def get_metavar(self, param, ctx=None):
+        from ggpipe.decoding.mode import MODES  # noqa: PLC0415
+
+        return "[" + "|".join(MODES) + "]"
+
+
 def speculation_options(f):
     """Speculation knobs (PipeInfer IV.B; defaults tuned in docs/BENCHMARKS.md). The
     drafting strategy's (``--spec-type``, ``--spec-vote``, ...) come from the
     registered proposers, through :class:`ggpipe.cli.strategies.JobCommand`."""
-    from ggpipe.decoding.settings import MODES, SpecSettings  # noqa: PLC0415
+    from ggpipe.decoding.settings import SpecSettings  # noqa: PLC0415
 
     d = SpecSettings()
     opts = [
-        click.option("--mode", type=click.Choice(list(MODES)), default="iterative",
+        click.option("--mode", type=ModeName(), default="iterative",
                      show_default=True, help="Scheduling mode: iterative (plain pipeline), speculative "
                                              "(synchronous), pipeinfer (PipeInfer), pipedec (PipeDec's dynamic "
                                              "prediction tree, one layer per pipeline step)."),
@@ -201,14 +220,14 @@ def split_job_options(kw: dict):
     """
     from ggpipe.service.job import JobSpec
     from ggpipe.cluster.session import ClusterConfig
-    from ggpipe.decoding.settings import auto_n_seq_max, check_draft_models
+    from ggpipe.decoding.mode import mode_class, seq_ids_needed
     from ggpipe.cli.strategies import strategy_keys
 
     o = {k: kw.pop(k) for k in _JOB_KEYS}
     o.update({k: kw.pop(k) for k in strategy_keys() if k in kw})
     sampling = SamplingParams(temperature=o["temp"], top_k=o["top_k"], top_p=o["top_p"], seed=o["seed"]).validate()
     spec = _spec_settings(o)
-    n_seq_max = o["n_seq_max"] if o["n_seq_max"] is not None else auto_n_seq_max(o["mode"], spec)
+    n_seq_max = o["n_seq_max"] if o["n_seq_max"] is not None else seq_ids_needed(o["mode"], spec)
     if o["split"] is not None and o["split"].startswith("auto"):
         from ggpipe.sim.placement import auto_split
         from ggpipe.transport.launcher_signal import launched_size
@@ -217,6 +236,6 @@ def split_job_options(kw: dict):
     cfg = ClusterConfig(model=o["model"], draft_model=o["draft_model"], split=o["split"], threads=o["threads"],
                         ctx_size=o["ctx_size"], n_seq_max=n_seq_max, ubatch=o["ubatch"], timeout_s=o["timeout"],
                         liveness_timeout_s=o["liveness_timeout"], flash_attn=o["flash_attn"])
-    check_draft_models(len(cfg.draft_models), o["mode"], spec)
+    mode_class(o["mode"]).check(spec, len(cfg.draft_models))
     return JobSpec(cfg, o["mode"], spec, o["ignore_eos"]), sampling, o["n_predict"]
 

@@ -30,22 +30,20 @@ that was not yet sent is a hit as well (the paper checks the draft's tree);
 the paper verifies greedily, sampling is ggpipe's addition.
 
 Everything that is not the layer policy (results, swaps into sequence 0,
-cancellation, retirement of KV sequences, statistics) is
-:class:`~ggpipe.decoding.pipelined.SpeculativeDecoder`'s.
+cancellation, retirement of KV sequences, statistics) is the core's
+(:class:`~ggpipe.decoding.core.SpecCore`).
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import numpy as np
 
-from ggpipe.decoding.pipelined import SpeculativeDecoder
+from ggpipe.decoding.core import SpecCore
+from ggpipe.decoding.mode import BuildContext, Mode
+from ggpipe.decoding.request import Emit, SpecRequest
 from ggpipe.decoding.settings import SpecSettings
-from ggpipe.errors import ProtocolError
+from ggpipe.errors import ConfigError, ProtocolError
 from ggpipe.metrics import GenerationClock
-from ggpipe.runs import Run, RunResult, next_run_id
-from ggpipe.pipeline.waiting import Wait
 from ggpipe.sampling import Sampler
 from ggpipe.speculation.cutoff import CutoffController
 from ggpipe.speculation.layer_drafter import LayerDrafter
@@ -53,75 +51,90 @@ from ggpipe.speculation.partitions import PartitionPool
 from ggpipe.speculation.tree import SpecTree
 
 
-class PipeDecDecoder(SpeculativeDecoder):
+class PipeDec(Mode):
     """Args:
-        target: the target pipeline (``ggpipe.pipeline.driver.Pipeline`` or
-            a fake with its verbs); its ``n_stages`` (default 1) bounds the
-            runs in flight.
+        core: the speculative core over the target pipeline; its pool has
+            one partition per layer run, one sequence of it per node
+            (retired with the run).
         drafter: the draft side.
-        settings: speculation knobs (``max_inflight`` also bounds the runs in flight).
-        n_seq_max: KV sequence ids of the target contexts (one per live tree node, plus sequence 0).
-        n_ubatch, is_eog, timeout_s, idle: as :class:`SpeculativeDecoder`.
     """
 
-    def __init__(self, target, drafter: LayerDrafter, settings: SpecSettings, n_seq_max: int, n_ubatch: int,
-                 is_eog: Callable[[int], bool], timeout_s: float = 60.0, idle: Wait | None = None):
-        super().__init__(target, drafter, settings, n_seq_max, n_ubatch, is_eog, timeout_s=timeout_s, idle=idle)
-        self.drafter = drafter
-        # one partition per layer run, one sequence of it per node (retired with the run)
-        self.pool = PartitionPool(n_seq_max, max(1, min(settings.tree_width, n_seq_max - 1)))
-        self.name = "pipedec"
+    name = "pipedec"
+    asynchronous = True
 
-    @property
-    def adaptive(self) -> bool:
-        return False   # the tree's shape is --tree-width / --max-children, not a cutoff
+    def __init__(self, core: SpecCore, drafter: LayerDrafter):
+        super().__init__()
+        self.core = core
+        self.target = core.target
+        self.drafter = drafter
+        self.s = core.s
+        core.on_root = self._new_root
+        core.observe = drafter.observe
+
+    @classmethod
+    def seq_ids(cls, spec: SpecSettings) -> int:
+        """One per live tree node: a layer per run in flight, and the layers formed ahead (at most 256)."""
+        return min(256, 1 + spec.tree_width * (spec.max_inflight + 3))
+
+    @classmethod
+    def build(cls, ctx: BuildContext) -> "PipeDec":
+        """Raises:
+            ConfigError: no draft model; a draft context without room for a tree."""
+        if ctx.draft is None:
+            raise ConfigError("--mode pipedec needs a draft model: give one with -md (e.g. -md smollm2-135m)")
+        spec = ctx.spec
+        try:
+            drafter = LayerDrafter(ctx.draft, ctx.draft.n_seq_max, spec.tree_width, spec.max_children, ctx.n_ubatch)
+        except ValueError as exc:
+            raise ConfigError(f"{exc} (--n-seq-max)") from None
+        pool = PartitionPool(ctx.n_seq_max, max(1, min(spec.tree_width, ctx.n_seq_max - 1)))
+        core = SpecCore(ctx.target, spec, pool, ctx.n_ubatch, ctx.is_eog, timeout_s=ctx.timeout_s, idle=ctx.idle,
+                        cancels=spec.cancel)
+        return cls(core, drafter)
 
     @property
     def max_runs(self) -> int:
         """Most target runs in flight: the pipeline's depth plus one."""
         return min(self.s.max_inflight, self.target.n_stages + 1)
 
-    def generate(self, prompt: np.ndarray, n_predict: int, sampler: Sampler, start_pos: int = 0,
-                 emit: Callable[[list[int]], bool | None] = lambda toks: None,
-                 clock: GenerationClock | None = None, history: list[int] | None = None) -> list[int]:
-        """As :meth:`SpeculativeDecoder.generate`.
+    def open(self, prompt: np.ndarray, n_predict: int, sampler: Sampler, start_pos: int, emit: Emit,
+             clock: GenerationClock, history: list[int]) -> SpecRequest:
+        """The tree's shape is --tree-width / --max-children, not a cutoff; a
+        fixed controller keeps the core's bookkeeping. The loop takes the
+        draft's prefill results as they come."""
+        core = self.core
+        r = self.r = core.begin(prompt, n_predict, sampler, emit, clock, history, CutoffController(0.0, 0.0, 0.0))
+        self.drafter.start(sampler.params)
+        core.submit_prompt(len(prompt), start_pos)
+        self.drafter.prefill(r.context[:-1])
+        core.first_token(sampler, core.prompt_logits())
+        return r
 
-        Raises:
-            ValueError: ``history`` does not have ``start_pos`` tokens.
-            RankTimeoutError, ProtocolError: from the pipelines."""
-        self._open(prompt, n_predict, sampler, start_pos, emit, clock, history)
-        r, d = self.r, self.drafter
-        while not r.done:
-            if self.target.ready():
-                self._handle(self.target.poll())
-            elif len(self.target.inflight) < self.max_runs and self.pool.n_free and d.layer_for_target():
-                self._submit_layer()    # before the draft's results: the target pipeline is what must not idle
-            elif d.ready():
-                d.poll()
-            elif self.target.inflight or d.busy():
-                self._wait_any()
-            else:
-                raise ProtocolError("pipedec: no target or draft run in flight and no layer to send")
-        self._finish()
-        r.clock.finish()
-        return r.out
+    def step(self) -> None:
+        """One turn: a target result first; then a formed layer, while the
+        target has room (the target pipeline is what must not idle); then
+        the draft's results; else wait for either."""
+        r, d, t = self.r, self.drafter, self.target
+        if t.ready():
+            self.core.handle(t.poll())
+            if not r.done:
+                d.follow(r.graph)
+                self._set_depth()
+        elif len(t.inflight) < self.max_runs and self.core.pool.n_free and d.layer_for_target():
+            self._submit_layer()
+        elif d.ready():
+            d.poll()
+        elif t.inflight or d.busy():
+            self.core.idle(lambda: t.ready() or d.ready(), self.core.timeout_s)
+        else:
+            raise ProtocolError("pipedec: no target or draft run in flight and no layer to send")
 
-    _settle_after_prefill = False   # the loop takes the draft's prefill results as they come
+    def close(self) -> None:
+        self.stats = self.core.finish(self.drafter, adaptive=False)
 
-    def _cutoff(self):
-        """Not read by the layer policy (the tree's shape is --tree-width /
-        --max-children); a fixed controller keeps the shared result handling's
-        bookkeeping."""
-        return CutoffController(0.0, 0.0, 0.0)
-
-    def _start_proposer(self, params) -> None:
-        self.drafter.start(params)
-
-    def _handle(self, res: RunResult) -> None:
-        super()._handle(res)
-        if not self.r.done:
-            self.drafter.follow(self.r.graph)
-            self._set_depth()
+    def reset(self) -> None:
+        """The KV caches were cleared (target and draft)."""
+        self.drafter.reset()
 
     def _set_depth(self) -> None:
         """Nodes deeper than the tokens still to generate are not worth drafting."""
@@ -134,31 +147,17 @@ class PipeDecDecoder(SpeculativeDecoder):
         goes on below it (or starts anew)."""
         r = self.r
         r.pending_root = token
-        self._submit_spec(None, SpecTree(anchor_pos=len(r.context) - 1))   # the root alone, in sequence 0
-        gid = r.graph.committed
+        self.core.submit_tree(None, SpecTree(anchor_pos=len(r.context) - 1))   # the root alone, in sequence 0
         self._set_depth()
-        self.drafter.reroot(r.context, r.graph, gid)
+        self.drafter.reroot(r.context, r.graph, r.graph.committed)
 
     def _submit_layer(self) -> None:
         """Send the next formed layer as one speculative run in a free KV
-        partition (the loop checked there is one), each node in a sequence of
-        it copied from its parent's up to the parent; nodes beyond the
+        partition (the loop checked there is one); nodes beyond the
         partition's width are dropped."""
-        r, g, d = self.r, self.r.graph, self.drafter
-        part = self.pool.acquire()
-        ids = d.layer_for_target()[: self.pool.width]
+        d = self.drafter
+        ids = d.layer_for_target()[: self.core.pool.width]
         nodes = [d.nodes[i] for i in ids]
-        pos = nodes[0].pos
-        parents = [d.nodes[n.parent].gid for n in nodes]
-        seqs = self.pool.seqs(part)[: len(nodes)]
-        self._trim_kv(pos)
-        for parent, s in zip(parents, seqs):
-            self.target.seq_cp(g.nodes[parent].seq, s, 0, pos)
-        rid = next_run_id()
-        tokens = [n.token for n in nodes]
-        gids = g.add_layer(rid, parents, tokens, [n.p for n in nodes], seqs, part)
-        self.target.submit(Run.layer(tokens, pos, seqs, run_id=rid, speculative=True))
-        r.kv_top = max(r.kv_top, pos + 1)
-        r.counts["target_runs"] += 1
-        r.counts["spec_runs"] += 1
+        gids = self.core.submit_layer([n.token for n in nodes], nodes[0].pos, [d.nodes[n.parent].gid for n in nodes],
+                                      [n.p for n in nodes])
         d.sent(ids, gids)

@@ -10,9 +10,6 @@ from ggpipe.errors import ConfigError
 from ggpipe.speculation.proposers.base import proposer_class
 from ggpipe.speculation.proposers.options import StrategyOptions
 
-MODES = ("iterative", "speculative", "pipeinfer", "pipedec")
-ASYNC_MODES = ("pipeinfer", "pipedec")  # the head's target stage runs beside the loop
-
 
 @dataclass(frozen=True)
 class SpecSettings:
@@ -81,43 +78,23 @@ class SpecSettings:
             ValueError: ``spec_type`` is not registered."""
         return proposer_class(self.spec_type).uses_draft_model(self.strategy_options)
 
-    @property
-    def asynchronous(self) -> bool:
-        return self.mode in ASYNC_MODES
 
-
-def auto_n_seq_max(mode: str, spec: SpecSettings) -> int:
-    """KV sequence ids a mode needs (``--n-seq-max`` unset; ``ggpipe
-    generate`` and ``ggpipe simulate`` alike): 1 for iterative; sequence 0
-    plus one partition of ``spec.branches`` ids per speculative run that can be
-    in flight; pipedec: one per live tree node (a layer per run in flight,
-    and the layers formed ahead). At most 256."""
-    if mode == "iterative":
-        return 1
-    if mode == "pipedec":
-        return min(256, 1 + spec.tree_width * (spec.max_inflight + 3))
-    runs = 1 if mode == "speculative" else spec.max_inflight + 2
-    return min(256, 1 + spec.branches * runs)
-
-
-def check_draft_models(n: int, mode: str, spec: SpecSettings) -> None:
-    """Refuse ``n`` > 1 draft models (``-md a,b``) where only one can draft:
-    several draft models draft only in a strategy that says it drafts with
-    each (``several_draft_models``: a vote with a ``draft`` member); and
-    settings the strategy's class refuses with ``n`` models
-    (``check_options``: a vote of fewer than two members once ``draft``
-    stands for each model).
+def check_draft_models(n: int, spec: SpecSettings) -> None:
+    """For a mode that drafts with ``spec.spec_type`` (speculative,
+    pipeinfer): refuse ``n`` > 1 draft models (``-md a,b``) unless the
+    strategy says it drafts with each (``several_draft_models``: a vote with
+    a ``draft`` member), and settings the strategy's class refuses with
+    ``n`` models (``check_options``: a vote of fewer than two members once
+    ``draft`` stands for each model).
 
     Raises:
         ConfigError: several draft models outside such a vote; a vote of
-            one member; an unknown ``spec.spec_type`` (speculative modes)."""
-    spec_modes = mode not in ("iterative", "pipedec")
+            one member; an unknown ``spec.spec_type``."""
     try:
-        cls = proposer_class(spec.spec_type) if spec_modes else None
-        if n > 1 and (cls is None or not cls.several_draft_models(spec.strategy_options)):
+        cls = proposer_class(spec.spec_type)
+        if n > 1 and not cls.several_draft_models(spec.strategy_options):
             raise ConfigError(f"{n} draft models (-md a,b) draft only in a vote that has a draft member: "
                               "--mode pipeinfer --spec-type vote --spec-vote draft,ngram")
-        if cls is not None:
-            cls.check_options(spec.strategy_options, n)
+        cls.check_options(spec.strategy_options, n)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None

@@ -18,7 +18,8 @@ import numpy as np
 from ggpipe.cluster.roles import Roles
 from ggpipe.cluster.split import SplitSpec, plan_layers
 from ggpipe.decoding.factory import build_decoder
-from ggpipe.decoding.settings import ASYNC_MODES, SpecSettings, auto_n_seq_max
+from ggpipe.decoding.mode import mode_class, seq_ids_needed
+from ggpipe.decoding.settings import SpecSettings
 from ggpipe.errors import ConfigError
 from ggpipe.metrics import GenerationClock
 from ggpipe.sampling import Sampler, SamplingParams
@@ -115,7 +116,7 @@ def contention(cfg: SimConfig, busy_share: dict) -> dict:
         h = cfg.profile.host(r)
         same = [s for s in range(cfg.ranks) if s != r and hosts[s] == hosts[r]]
         e_b = sum(busy_share.get(s, 0.0) for s in same)
-        e_w = len(same) - e_b + (1.0 if cfg.mode in ASYNC_MODES and hosts[0] == hosts[r] else 0.0)
+        e_w = len(same) - e_b + (1.0 if mode_class(cfg.mode).asynchronous and hosts[0] == hosts[r] else 0.0)
         out[r] = 1.0 + (slowdown(h.busy_slowdown, e_b) - 1.0) + (slowdown(h.wait_slowdown, e_w) - 1.0)
     return out
 
@@ -152,7 +153,7 @@ def build(cfg: SimConfig, factors: dict | None = None, trace: dict | None = None
               for r, (a, b) in enumerate(tgt_ranges)]
     lm = ToyLM(TOY_VOCAB, seed=cfg.seed)
     target = SimPipeline(lm, clock, stages, link, cfg.target.n_embd, cfg.target.n_vocab,
-                         async_local=cfg.mode in ASYNC_MODES, overhead_s=overhead, busy=busy, name="target",
+                         async_local=mode_class(cfg.mode).asynchronous, overhead_s=overhead, busy=busy, name="target",
                          trace=trace)
     target.n_stages = roles.n_target   # pipedec keeps at most n_stages + 1 runs in flight
     draft = None
@@ -224,7 +225,7 @@ def _simulate_once(cfg: SimConfig, factors: dict, trace: dict | None = None) -> 
     clock, target, draft, busy, roles = build(cfg, factors, trace)
     pipes = [p for p in (target, draft) if p is not None]
     spec = replace(cfg.spec, mode=cfg.mode) if cfg.mode != "iterative" else cfg.spec
-    n_seq_max = auto_n_seq_max(cfg.mode, spec)
+    n_seq_max = seq_ids_needed(cfg.mode, spec)
     dec = build_decoder(cfg.mode, spec, target, draft, n_ubatch=cfg.ubatch, n_seq_max=n_seq_max,
                         is_eog=lambda t: False, timeout_s=3600.0, idle=idle_until_next(clock, pipes))
     rng = np.random.default_rng(cfg.seed)

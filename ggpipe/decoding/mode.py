@@ -1,0 +1,183 @@
+"""What a decoding mode is: a policy that decides what to submit to the
+target next, behind one loop every mode shares, and the registry of modes.
+
+Every mode (``--mode NAME``) is one class in one module of this package,
+registered in :data:`MODES` as ``"module:Class"`` (imported on first use):
+
+* it declares itself: ``name``, ``asynchronous`` (the head's own target
+  stage runs on an executor thread beside the loop, so the head can draft,
+  verify and probe while it computes), ``seq_ids(spec)`` (the KV sequence
+  ids its target contexts need), ``check(spec, n_draft_models)`` (refuse
+  settings it cannot run) and ``build(ctx)`` (its instance over the
+  target, the draft pipelines and the settings of :class:`BuildContext`);
+* it implements ``open`` (a request's prompt and first token), ``step``
+  (one turn of the loop: take a result, submit a run, or wait) and
+  ``close`` (the end of a request: runs drained, statistics);
+  :meth:`Mode.generate` runs them.
+
+The CLI's ``--mode`` choices, ``ggpipe simulate`` and the session (does the
+head's stage need its own thread?) read the registry; a new mode is one new
+module plus :func:`register_mode` (``tests/test_toy_mode.py`` adds one).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ggpipe.backend import DecodeBackend, TargetBackend
+from ggpipe.decoding.request import Emit, Request, _never_stop
+from ggpipe.decoding.settings import SpecSettings
+from ggpipe.errors import ConfigError
+from ggpipe.metrics import GenerationClock
+from ggpipe.pipeline.waiting import Wait
+from ggpipe.sampling import Sampler
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What a mode may be built from.
+
+    Attributes:
+        target: the target model's pipeline.
+        draft: the first draft model's pipeline, or None (no draft model).
+        more_drafts: further draft models' pipelines (``-md a,b``).
+        spec: the speculation settings.
+        n_ubatch: prefill chunk size (tokens).
+        n_seq_max: KV sequence ids of the target contexts.
+        is_eog: token -> end of generation?
+        timeout_s: bound of every wait for a result (seconds).
+        idle: the wait for "any result" (``ggpipe.pipeline.waiting``); None:
+            back-off polling.
+    """
+
+    target: TargetBackend
+    draft: DecodeBackend | None
+    spec: SpecSettings
+    n_ubatch: int
+    n_seq_max: int
+    is_eog: Callable[[int], bool]
+    timeout_s: float = 60.0
+    idle: Wait | None = None
+    more_drafts: Sequence[DecodeBackend] = field(default_factory=tuple)
+
+
+class Mode:
+    """Base of every mode's policy: the loop they share.
+
+    Attributes:
+        name: the ``--mode`` name.
+        asynchronous: the head's own target stage runs on an executor thread.
+        stats: the last request's statistics (``--json``'s ``decoder``).
+    """
+
+    name = ""
+    asynchronous = False
+
+    def __init__(self) -> None:
+        self.stats: dict = {}
+        self.r: Request | None = None
+
+    # -- declarations -------------------------------------------------------
+
+    @classmethod
+    def seq_ids(cls, spec: SpecSettings) -> int:
+        """KV sequence ids the target contexts need for ``spec`` (``--n-seq-max`` unset)."""
+        return 1
+
+    @classmethod
+    def check(cls, spec: SpecSettings, n_draft_models: int) -> None:
+        """Refuse settings this mode cannot run (raises ConfigError)."""
+        if n_draft_models > 1:
+            raise ConfigError(f"{n_draft_models} draft models (-md a,b) draft only in a vote that has a draft "
+                              "member: --mode pipeinfer --spec-type vote --spec-vote draft,ngram")
+
+    @classmethod
+    def build(cls, ctx: BuildContext) -> "Mode":  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    # -- the loop -----------------------------------------------------------
+
+    def generate(self, prompt: np.ndarray, n_predict: int, sampler: Sampler, start_pos: int = 0,
+                 emit: Emit = _never_stop, clock: GenerationClock | None = None,
+                 history: list[int] | None = None) -> list[int]:
+        """Generate up to ``n_predict`` tokens after ``prompt`` (int32 (n,)),
+        whose first token goes at ``start_pos`` of sequence 0; positions
+        0..start_pos-1 of sequence 0 already hold ``history`` (the tokens
+        before it; the speculative modes bring their drafts to the same
+        context). Stops after an end-of-generation token (included in the
+        result). ``emit`` is called with each accepted token list as soon
+        as it is accepted; a true return value stops the generation there
+        (a stop string, Ctrl-C).
+
+        Raises:
+            ValueError: ``history`` does not have ``start_pos`` tokens.
+            RankTimeoutError, ProtocolError: from the pipelines."""
+        history = list(history or [])
+        if len(history) != start_pos:
+            raise ValueError(f"history has {len(history)} tokens, start_pos is {start_pos}")
+        clock = clock or GenerationClock()
+        clock.start()
+        r = self.open(prompt, n_predict, sampler, start_pos, emit, clock, history)
+        while not r.done:
+            self.step()
+        self.close()
+        r.clock.finish()
+        return r.out
+
+    def open(self, prompt: np.ndarray, n_predict: int, sampler: Sampler, start_pos: int, emit: Emit,
+             clock: GenerationClock, history: list[int]) -> Request:  # pragma: no cover - abstract
+        """Start a request: its prompt through the pipeline and its first token."""
+        raise NotImplementedError
+
+    def step(self) -> None:  # pragma: no cover - abstract
+        """One turn of the loop (the request is not done)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """The request is done: settle what is in flight, set ``stats``."""
+
+    def reset(self) -> None:
+        """The KV caches were cleared (target and draft)."""
+
+
+MODES: dict[str, str | type] = {
+    "iterative": "ggpipe.decoding.iterative:Iterative",
+    "speculative": "ggpipe.decoding.speculative:Speculative",
+    "pipeinfer": "ggpipe.decoding.pipeinfer:PipeInfer",
+    "pipedec": "ggpipe.decoding.pipedec:PipeDec",
+}
+
+
+def mode_class(name: str) -> type[Mode]:
+    """The class registered as ``--mode name``.
+
+    Raises:
+        ConfigError: no mode of that name."""
+    try:
+        entry = MODES[name]
+    except KeyError:
+        raise ConfigError(f"unknown mode {name!r}: choose one of {', '.join(MODES)}") from None
+    if isinstance(entry, str):
+        mod, cls = entry.split(":")
+        entry = getattr(importlib.import_module(mod), cls)
+    return entry
+
+
+def seq_ids_needed(mode: str, spec: SpecSettings) -> int:
+    """KV sequence ids the target contexts of ``mode`` need for ``spec``
+    (``--n-seq-max`` unset; ``ggpipe generate`` and ``ggpipe simulate``
+    alike): the mode's own declaration (:meth:`Mode.seq_ids`).
+
+    Raises:
+        ConfigError: unknown mode."""
+    return mode_class(mode).seq_ids(spec)
+
+
+def register_mode(name: str, cls: type[Mode] | str) -> None:
+    """Register a mode (a class, or ``"module:Class"``) as ``--mode name``
+    (plug-ins and tests; the built-in ones are listed in :data:`MODES`)."""
+    MODES[name] = cls
