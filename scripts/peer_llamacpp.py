@@ -7,8 +7,9 @@ prompts, token counts and cores as ``ggpipe bench``.
 
 ``build`` downloads the sdist of the pinned ``llama-cpp-python==0.3.36`` with
 pip (``pip download --no-binary :all: --no-deps``), unpacks it and builds
-only the targets ``llama-completion``, ``llama-speculative-simple`` and
-``ggml-rpc-server`` (``GGML_RPC=ON``) of its
+only the targets ``llama-completion``, ``llama-speculative-simple``,
+``ggml-rpc-server`` (``GGML_RPC=ON``), ``llama-batched-bench`` and
+``llama-server`` (scripts/bench_parallel.py runs the last two) of its
 vendored llama.cpp with cmake (Release, ``-march=native`` as llama-cpp-python,
 AMX off: ``GGML_AMX_TILE/INT8/BF16=OFF`` and ``-mno-amx-*``, see
 NOTES-llamacpp), in a cache directory outside the repository
@@ -52,10 +53,10 @@ import time
 from pathlib import Path
 
 VERSION = "0.3.36"
-TARGETS = ("llama-completion", "llama-speculative-simple", "ggml-rpc-server")
+TARGETS = ("llama-completion", "llama-speculative-simple", "ggml-rpc-server", "llama-batched-bench", "llama-server")
 CMAKE_FLAGS = [
     "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
-    "-DGGML_AMX_BF16=OFF", "-DGGML_RPC=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+    "-DGGML_AMX_BF16=OFF", "-DGGML_RPC=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=ON",
     "-DBUILD_SHARED_LIBS=OFF", "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
     "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
 ]
@@ -75,7 +76,7 @@ def sh(cmd: list[str], **kw) -> None:
 
 
 def build(jobs: int) -> None:
-    """Download the pinned sdist and build the two peer programs (idempotent)."""
+    """Download the pinned sdist and build the peer programs (idempotent)."""
     d = peer_dir()
     d.mkdir(parents=True, exist_ok=True)
     if all(bin_path(t).exists() for t in TARGETS):

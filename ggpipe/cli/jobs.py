@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from ggpipe.cli.options import job_options, read_prompt_file, split_job_options, utf8_prompt
+from ggpipe.cli.parallel import parallel_option, with_parallel
 from ggpipe.cli.strategies import JobCommand
 from ggpipe.cli.types import Finite
 from ggpipe.frontends.http_guard import Access
@@ -61,7 +62,9 @@ def chat(system, input_path, **kw):
               help="Results, one JSON line per request; a rerun skips the ids already in it.")
 @click.option("--progress/--no-progress", default=True, show_default=True,
               help="Progress bar (ETA, tokens/s) on stderr.")
-def batch(prompts, output, progress, **kw):
+@parallel_option
+@click.pass_context
+def batch(ctx, prompts, output, progress, parallel, **kw):
     """Run a JSONL file of requests: {"id", "prompt" | "messages", optional n, temperature, seed, ...} per line.
 
     Each result is written (and fsync'd) as it finishes; rerunning the same
@@ -69,6 +72,7 @@ def batch(prompts, output, progress, **kw):
     from ggpipe.frontends.batch import run_batch
 
     job, sampling, n_predict = split_job_options(kw)
+    job = with_parallel(job, parallel, ctx)
     sys.exit(run_batch(job, prompts, output, n_predict, sampling, progress))
 
 
@@ -92,14 +96,17 @@ def batch(prompts, output, progress, **kw):
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(1),
               help="Most requests waiting for the pipeline; more get HTTP 503.")
 @click.option("--shutdown-grace", default=30.0, show_default=True, type=Finite(0),
-              help="Seconds the running request may go on after SIGINT/SIGTERM.")
-def serve(host, port, api_key, api_key_file, allowed_hosts, allowed_origins, max_body_bytes, model_alias, max_queue,
-          shutdown_grace, **kw):
+              help="Seconds the running requests may go on after SIGINT/SIGTERM.")
+@parallel_option
+@click.pass_context
+def serve(ctx, host, port, api_key, api_key_file, allowed_hosts, allowed_origins, max_body_bytes, model_alias,
+          max_queue, shutdown_grace, parallel, **kw):
     """OpenAI-compatible HTTP server on the head rank (/v1/chat/completions, /v1/completions, /v1/models,
-    /health, /metrics). Requests run one at a time; -n and --temp etc. are the request defaults."""
+    /health, /metrics, /slots). --parallel requests run at once; -n and --temp etc. are the request defaults."""
     from ggpipe.frontends.serve import read_api_key, run_serve
 
     job, sampling, n_predict = split_job_options(kw)
+    job = with_parallel(job, parallel, ctx)
     key = read_api_key(api_key, api_key_file)
 
     def names(text: str) -> tuple[str, ...]:

@@ -71,6 +71,10 @@ class ClusterConfig:
             it also bounds a worker's wait between transactions, which has no
             time-out of its own (a chat or server may idle for days).
         flash_attn: ``-fa``: "off" (the exactness reference), "on", "auto".
+        kv_unified: one KV buffer for every sequence (the speculative modes'
+            partitions need it); False: one KV stream per sequence, of
+            ``ctx_size / n_seq_max`` cells (``--parallel`` slots: a slot's
+            cells never sit among another's).
     """
 
     model: str
@@ -84,6 +88,7 @@ class ClusterConfig:
     load_timeout_s: float = 900.0
     liveness_timeout_s: float = 6.0
     flash_attn: str = "off"
+    kv_unified: bool = True
 
     @property
     def draft_models(self) -> list[str]:
@@ -477,7 +482,7 @@ def _load(config: ClusterConfig, rank: int, size: int) -> _Loaded:
         model_path=stage_slice(m_path, start, stop, cache_dir()), n_layer=stop - start,
         first=index == 0, last=index == n_stages - 1, n_ctx=config.ctx_size, n_threads=threads[rank],
         n_seq_max=config.n_seq_max, n_ubatch=config.ubatch,
-        flash_attn=config.flash_attn,
+        flash_attn=config.flash_attn, kv_unified=config.kv_unified,
     ))
     draft_stage = None
     if rank == 0 and roles.has_draft and roles.n_draft == 0:

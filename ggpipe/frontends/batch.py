@@ -253,6 +253,40 @@ class BatchRunner:
             todo.append((it, tokens))
         return todo
 
+    def _stopping(self) -> bool:
+        return self.signal is not None
+
+    def _run_one_at_a_time(self, todo, finished) -> None:
+        for item, tokens in todo:
+            if self._stopping():
+                return
+            done = self.engine.generate(tokens, item.n_predict, item.sampling, stop=item.stop,
+                                        should_stop=self._stopping)
+            finished(item, done)
+
+    def _run_concurrent(self, todo, finished) -> None:
+        """``--parallel`` > 1: requests are queued as slots free up (at most
+        ``--parallel`` waiting), and records are written in the order the
+        requests finish. A signal drops the queued ones and stops the
+        running ones at their next token."""
+        engine, pending, queued = self.engine, iter(todo), []
+        while True:
+            while not self._stopping() and len(engine.scheduler.queue) < engine.parallel:
+                item, tokens = next(pending, (None, None))
+                if item is None:
+                    break
+                queued.append(engine.submit(tokens, item.n_predict, item.sampling, stop=item.stop,
+                                            should_stop=self._stopping,
+                                            on_done=lambda done, item=item: finished(item, done)))
+            if not engine.busy:
+                break
+            if self._stopping():
+                for job in queued:
+                    job.cancelled = True
+            engine.step()
+            queued = [j for j in queued if j.request is None and not j.cancelled]
+        engine.drain()
+
     def run(self) -> int:
         """Run every pending request; returns the exit code (0, or 128 + signal)."""
         from tqdm import tqdm  # noqa: PLC0415
@@ -262,26 +296,30 @@ class BatchRunner:
             sys.stderr.write(f"ggpipe: every request is already in {self.output_path}: nothing to do\n")
             return 0
         out = RecordWriter(self.output_path)
-        n_tokens, t0 = 0, time.perf_counter()
+        self._n_tokens, self._t0, self._written = 0, time.perf_counter(), 0
         bar = tqdm(total=len(todo), unit="req", file=sys.stderr, disable=not self.progress, dynamic_ncols=True,
                    desc="batch")
-        written = 0
+
+        def finished(item: BatchItem, done) -> None:
+            """A request ended: its record, unless it was cut by a signal."""
+            if done is None or done.finish_reason == "interrupted":
+                return
+            out.write(record(item.id, done))
+            self._written += 1
+            self._n_tokens += len(done.tokens)
+            bar.set_postfix_str(f"{self._n_tokens / max(time.perf_counter() - self._t0, 1e-9):.1f} tokens/s",
+                                refresh=False)
+            bar.update(1)
+
         try:
-            for item, tokens in todo:
-                if self.signal is not None:
-                    break
-                done = self.engine.generate(tokens, item.n_predict, item.sampling, stop=item.stop,
-                                            should_stop=lambda: self.signal is not None)
-                if done.finish_reason == "interrupted":
-                    break
-                out.write(record(item.id, done))
-                written += 1
-                n_tokens += len(done.tokens)
-                bar.set_postfix_str(f"{n_tokens / max(time.perf_counter() - t0, 1e-9):.1f} tokens/s", refresh=False)
-                bar.update(1)
+            if self.engine.scheduler is not None:
+                self._run_concurrent(todo, finished)
+            else:
+                self._run_one_at_a_time(todo, finished)
         finally:
             bar.close()
             out.close()
+        written = self._written
         if self.signal is not None:
             left = len(todo) - written
             sys.stderr.write(f"ggpipe: interrupted: {written} written, {left} left; "

@@ -52,6 +52,7 @@ from ggpipe.service.engine import Engine
 from ggpipe.service.job import JobSpec, head_signals, ignore_signals, run_job
 from ggpipe.frontends.http_guard import Access
 from ggpipe.frontends.serve_app import APIError, ServerState, create_app
+from ggpipe.frontends.serve_slots import SlotLoop
 from ggpipe.sampling import SamplingParams
 
 
@@ -135,13 +136,16 @@ class Server:
             n_ctx=engine.n_ctx, n_vocab=int(session.stage.n_vocab), n_predict=n_predict, sampling=sampling,
             api_key=api_key, max_queue=max_queue, access=access or Access(),
             info={"mode": engine.mode, "ranks": session.size, "hosts": session.hosts,
-                  "chat_template": bool(engine.vocab.chat_template())})
+                  "chat_template": bool(engine.vocab.chat_template())},
+            parallel=engine.parallel, slots=engine.scheduler.view if engine.scheduler else None,
+            tokens_per_s=engine.scheduler.tokens_per_s if engine.scheduler else None)
         self.shutdown_grace_s = shutdown_grace_s
         self.deadline: float | None = None  # interrupt the running request after this (monotonic)
         self.signals = 0
         self.http = None
         self.thread: threading.Thread | None = None
-        self.current = None  # the request being generated
+        self.current = None  # the request being generated (one at a time)
+        self.slots = None    # the request loop of --parallel > 1 (ggpipe.frontends.serve_slots)
         if session.liveness is not None:
             session.liveness.before_abort.append(self.on_rank_failure)
 
@@ -151,6 +155,8 @@ class Server:
         queued requests with 503 instead of leaving them hanging."""
         self.state.failed = message
         self.state.stopping.set()
+        if self.slots is not None:
+            self.slots.fail_all(f"the pipeline failed: {message}")
         job = self.current
         if job is not None and not job.finished:
             job.finished = True
@@ -244,11 +250,17 @@ class Server:
     def serve(self) -> int:
         """Run requests until a shutdown signal; returns 0."""
         self.start_http()
+        engine = self.engine
+        how = ("requests run one at a time, in order" if engine.scheduler is None else
+               f"up to {engine.parallel} requests at once ({engine.n_ctx} KV cells each)")
         sys.stdout.write(f"ggpipe serve: listening on http://{_url_host(self.host)}:{self.port}/v1 "
-                         f"(model {self.state.model_id}, {self.engine.mode}, {self.engine.session.size} ranks); "
-                         f"requests run one at a time, in order\n")
+                         f"(model {self.state.model_id}, {engine.mode}, {engine.session.size} ranks); {how}\n")
         sys.stdout.flush()
         try:
+            if engine.scheduler is not None:
+                self.slots = SlotLoop(engine, self.state, lambda: self.deadline,
+                                      lambda: self.thread.is_alive())
+                self.slots.run()
             while not self.state.stopping.is_set():
                 if not self.thread.is_alive():
                     raise ConfigError("the HTTP server stopped unexpectedly")

@@ -42,6 +42,14 @@ from ggpipe.sampling import SamplingParams
 SCHEDULING = "one request at a time through the pipeline; further requests wait in a FIFO queue"
 
 
+def scheduling(parallel: int, n_ctx_slot: int) -> str:
+    """How the server schedules requests, for ``/v1/models``'s ``meta``."""
+    if parallel <= 1:
+        return SCHEDULING
+    return (f"continuous batching: up to {parallel} requests at once, each in a slot of {n_ctx_slot} KV cells; "
+            "further requests wait in a FIFO queue")
+
+
 # -- errors ------------------------------------------------------------------------------
 
 
@@ -128,7 +136,8 @@ class CompletionBody(_Body):
 class ServeMetrics:
     """Prometheus metrics of one server (its own registry)."""
 
-    def __init__(self, queue_depth: Callable[[], float], running: Callable[[], float]):
+    def __init__(self, queue_depth: Callable[[], float], running: Callable[[], float], n_slots: int = 1,
+                 tokens_per_s: Callable[[], float] | None = None):
         disable_created_metrics()  # no *_created series: they only add noise here
         r = self.registry = CollectorRegistry()
         self.requests = Counter("ggpipe_requests", "HTTP requests by endpoint and status code",
@@ -148,6 +157,12 @@ class ServeMetrics:
                                     buckets=(.01, .1, .5, 1, 5, 10, 30, 60, 300), registry=r)
         self.duration = Histogram("ggpipe_request_duration_seconds", "Generation time of a request (queue excluded)",
                                   buckets=(.1, .5, 1, 2.5, 5, 10, 30, 60, 300), registry=r)
+        itl = (.005, .01, .02, .03, .05, .075, .1, .15, .25, .5, 1)
+        self.itl_p50 = Histogram("ggpipe_inter_token_latency_p50_seconds",
+                                 "Median gap between a finished request's accepted tokens", buckets=itl, registry=r)
+        self.itl_p90 = Histogram("ggpipe_inter_token_latency_p90_seconds",
+                                 "90th percentile gap between a finished request's accepted tokens", buckets=itl,
+                                 registry=r)
         self.drafted = Counter("ggpipe_draft_tokens", "Draft tokens proposed (speculative modes)", registry=r)
         self.accepted = Counter("ggpipe_draft_tokens_accepted", "Draft tokens accepted (speculative modes)",
                                 registry=r)
@@ -156,8 +171,15 @@ class ServeMetrics:
         self.acceptance.set(float("nan"))
         g = Gauge("ggpipe_queue_depth", "Requests waiting in the queue (not counting the running one)", registry=r)
         g.set_function(queue_depth)
-        g = Gauge("ggpipe_requests_running", "Requests being generated now (0 or 1)", registry=r)
+        g = Gauge("ggpipe_requests_running", "Requests being generated now (= slots busy)", registry=r)
         g.set_function(running)
+        g = Gauge("ggpipe_slots_busy", "Slots holding a request (--parallel)", registry=r)
+        g.set_function(running)
+        Gauge("ggpipe_slots", "Slots: requests that can run at once (--parallel)", registry=r).set(n_slots)
+        g = Gauge("ggpipe_aggregate_tokens_per_second", "Tokens generated per second over the last 10 s, all "
+                  "requests together", registry=r)
+        if tokens_per_s is not None:
+            g.set_function(tokens_per_s)
         self._drafted = self._accepted = 0.0
 
     def finished(self, done, queue_wait_s: float) -> None:
@@ -175,6 +197,9 @@ class ServeMetrics:
             self.ttft.observe(m["ttft_wall_s"])
         if m.get("total_s") is not None:
             self.duration.observe(m["total_s"])
+        if m.get("itl_p50_s") is not None:
+            self.itl_p50.observe(m["itl_p50_s"])
+            self.itl_p90.observe(m["itl_p90_s"])
         d = done.decoder
         if d.get("drafted"):
             self.drafted.inc(d["drafted"])
@@ -220,6 +245,9 @@ class ServerState:
         access: Host / Origin allow-lists and the body size limit (http_guard).
         max_queue: most requests waiting; more get 503.
         info: extra ``/v1/models`` metadata (mode, ranks, ...).
+        parallel: slots (``--parallel``); n_ctx is then one slot's cells.
+        slots: -> the ``/slots`` view (one dict per slot), or None.
+        tokens_per_s: -> tokens generated per second lately, all requests together.
     """
 
     tokenize: Callable[[str | None, list | None], np.ndarray]
@@ -238,15 +266,18 @@ class ServerState:
     running: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: ServeMetrics | None = None
+    parallel: int = 1
+    slots: Callable[[], list[dict]] | None = None
+    tokens_per_s: Callable[[], float] | None = None
 
     def __post_init__(self):
-        self.metrics = ServeMetrics(lambda: self.jobs.qsize(), lambda: self.running)
+        self.metrics = ServeMetrics(lambda: self.jobs.qsize(), lambda: self.running, self.parallel, self.tokens_per_s)
 
 
 # -- the app -----------------------------------------------------------------------------------
 
 FINISH = {"stop": "stop", "length": "length", "interrupted": "length"}
-_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
+_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/slots"}
 
 
 def _error_message(exc: ValidationError) -> tuple[str, str | None]:
@@ -372,10 +403,17 @@ def create_app(state: ServerState) -> FastAPI:
     async def metrics():
         return PlainTextResponse(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/slots")
+    async def slots():
+        """llama-server's view of the slots: what each one holds now."""
+        if state.slots is None:
+            return [{"id": 0, "n_ctx": state.n_ctx, "is_processing": bool(state.running)}]
+        return state.slots()
+
     @app.get("/v1/models")
     async def models():
-        meta = dict(state.info, n_ctx=state.n_ctx, scheduling=SCHEDULING, queue_depth=state.jobs.qsize(),
-                    max_queue=state.max_queue)
+        meta = dict(state.info, n_ctx=state.n_ctx, scheduling=scheduling(state.parallel, state.n_ctx),
+                    parallel=state.parallel, queue_depth=state.jobs.qsize(), max_queue=state.max_queue)
         return {"object": "list", "data": [{"id": state.model_id, "object": "model", "created": state.created,
                                             "owned_by": "ggpipe", "meta": meta}]}
 

@@ -133,6 +133,9 @@ class Stage:
                 f"n_ubatch={spec.n_ubatch}) for {spec.model_path}"
             )
         self.mem = L.llama_get_memory(self.ctx)
+        # cells one sequence may fill: n_ctx, or with one KV stream per sequence
+        # n_ctx / n_seq_max rounded up to 256 (llama_context's n_ctx_seq)
+        self.n_ctx_seq = int(L.llama_n_ctx_seq(self.ctx))
         self._batch = L.llama_batch_init(spec.n_ubatch, 0 if spec.first else self.n_embd, spec.n_seq_max)
         self._batch_addr = ctypes.addressof(self._batch)
         self._capture_node = f"l_out-{spec.n_layer - 1}"

@@ -1,6 +1,8 @@
 """The head rank's generation service, shared by every front end (generate,
 chat, batch, serve): one request at a time through the open pipeline, in any
-mode, with the KV cache's prefix reused between requests.
+mode, with the KV cache's prefix reused between requests; or, with
+``--parallel N`` (batch, serve), many at once through the continuous-batching
+scheduler (ggpipe.decoding.scheduler), each in a slot of its own.
 
 Prefix reuse (as llama.cpp's server and llama-cpp-python's ``Llama`` do):
 the engine remembers the tokens held in sequence 0 of the KV cache. A new
@@ -19,15 +21,16 @@ from typing import Callable
 
 import numpy as np
 
-from ggpipe.errors import ConfigError
 from ggpipe.metrics import GenerationClock
 from ggpipe.runtime.vocab import Vocab, check_prompt_fits
 from ggpipe.kv_reuse import reusable_prefix
 from ggpipe.sampling import Sampler, SamplingParams
 from ggpipe.cluster.session import Session
 from ggpipe.decoding.factory import build_decoder
+from ggpipe.decoding.scheduler import Job, Scheduler
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.pipeline.waiting import EventWait
+from ggpipe.service.text import TextStream
 
 
 
@@ -69,26 +72,37 @@ class Engine:
         spec: speculation settings (the speculative modes).
         ignore_eos: keep generating after end-of-generation tokens.
         reuse_kv: keep the KV cache's common prefix between requests.
+        parallel: slots (``--parallel``); above 1, requests go through the
+            continuous-batching scheduler (:meth:`submit`, :meth:`step`)
+            instead of :meth:`generate`, and the session's contexts must
+            keep one KV stream per slot (``ClusterConfig.kv_unified`` False).
 
     Raises:
         ConfigError: a speculative mode without a draft model.
     """
 
     def __init__(self, session: Session, mode: str = "iterative", spec: SpecSettings = SpecSettings(),
-                 ignore_eos: bool = False, reuse_kv: bool = True):
+                 ignore_eos: bool = False, reuse_kv: bool = True, parallel: int = 1):
         self.session = session
         self.mode = mode
         self.vocab = Vocab(session.stage.model, session.stage.vocab)
         self.reuse_kv = reuse_kv
         self.n_ctx = session.config.ctx_size
         self.kv_tokens: list[int] = []  # tokens in sequence 0 of the target's KV, position i at index i
-        is_eog = (lambda t: False) if ignore_eos else self.vocab.is_eog
+        self.is_eog = (lambda t: False) if ignore_eos else self.vocab.is_eog
         cfg = session.config
         drafts = session.draft_pipelines
         self.waiter = EventWait([session.pipeline, *drafts])
-        self.decoder = build_decoder(mode, spec, session.pipeline, drafts[0] if drafts else None,
-                                     more_drafts=drafts[1:], n_ubatch=cfg.ubatch, n_seq_max=cfg.n_seq_max,
-                                     is_eog=is_eog, timeout_s=cfg.timeout_s, idle=self.waiter)
+        self.parallel = parallel
+        self.decoder = self.scheduler = None
+        if parallel > 1:
+            self.n_ctx = session.stage.n_ctx_seq    # the cells of one slot
+            self.scheduler = Scheduler(session.pipeline, parallel, self.n_ctx, cfg.ubatch, self.is_eog,
+                                       timeout_s=cfg.timeout_s, idle=self.waiter)
+        else:
+            self.decoder = build_decoder(mode, spec, session.pipeline, drafts[0] if drafts else None,
+                                         more_drafts=drafts[1:], n_ubatch=cfg.ubatch, n_seq_max=cfg.n_seq_max,
+                                         is_eog=self.is_eog, timeout_s=cfg.timeout_s, idle=self.waiter)
         self.last: Completion | None = None
 
     # -- tokens ------------------------------------------------------------------
@@ -105,8 +119,12 @@ class Engine:
         return self.vocab.tokenize(prompt or "")
 
     def check_fits(self, n_prompt: int, n_predict: int) -> None:
-        """Raise ConfigError when the prompt (tokens) plus ``n_predict`` do not fit the context."""
-        check_prompt_fits(n_prompt, n_predict, self.n_ctx)
+        """Raise ConfigError when the prompt (tokens) plus ``n_predict`` do
+        not fit the context (with ``--parallel`` > 1: one slot's cells)."""
+        if self.scheduler is not None:
+            self.scheduler.check_fits(n_prompt, n_predict)
+        else:
+            check_prompt_fits(n_prompt, n_predict, self.n_ctx)
 
     # -- the KV cache --------------------------------------------------------------
 
@@ -148,59 +166,81 @@ class Engine:
                 the context.
             RankTimeoutError, ProtocolError: from the pipeline.
         """
+        if self.decoder is None:
+            raise RuntimeError("with --parallel > 1 requests go through submit() and step()")
         toks = [int(t) for t in tokens]
         self.check_fits(len(toks), n_predict)
         start = self._keep_prefix(toks)
-        sampler = Sampler(sampling)
-        detok = self.vocab.detokenizer()
-        state = {"text": "", "sent": 0, "stopped": None}
-        hold = max((len(s) for s in stop), default=0)  # chars that may start a stop string
-
-        def flush(upto: int) -> None:
-            if on_text is not None and upto > state["sent"]:
-                on_text(state["text"][state["sent"]:upto])
-            state["sent"] = max(state["sent"], upto)
-
-        def emit(new: list[int]) -> bool:
-            for t in new:
-                if not self.vocab.is_eog(t):
-                    state["text"] += detok.push(t)
-            for s in stop:
-                i = state["text"].find(s)
-                if i >= 0:
-                    state["text"] = state["text"][:i]
-                    state["stopped"] = "stop"
-            if state["stopped"]:
-                flush(len(state["text"]))
-                return True
-            flush(len(state["text"]) - max(hold - 1, 0))
-            if should_stop is not None and should_stop():
-                state["stopped"] = "interrupted"
-                return True
-            return False
-
+        stream = TextStream(self.vocab, on_text, stop, should_stop)
         clock = GenerationClock()
         activity = self.session.activity
         if activity is not None:
             activity.set(f"answering a request ({len(toks)} prompt tokens, {self.mode})", clock)
         waits0, cpu0 = dict(self.waiter.stats), time.thread_time()
         try:
-            out = self.decoder.generate(np.asarray(toks[start:], dtype=np.int32), n_predict, sampler,
-                                        start_pos=start, emit=emit, clock=clock, history=toks[:start])
+            out = self.decoder.generate(np.asarray(toks[start:], dtype=np.int32), n_predict, Sampler(sampling),
+                                        start_pos=start, emit=stream.emit, clock=clock, history=toks[:start])
         finally:
             if activity is not None:
                 activity.set("idle between requests")
-        if not state["stopped"]:
-            state["text"] += detok.flush()
-        flush(len(state["text"]))
+        reason = stream.finish(out, n_predict)
         # cells now in sequence 0: the prompt and every generated token but the last
         self.kv_tokens = toks + out[:-1]
-        reason = state["stopped"] or ("stop" if out and self.vocab.is_eog(out[-1]) else
-                                      "length" if len(out) >= n_predict else "stop")
-        self.last = Completion(tokens=[int(t) for t in out], text=state["text"], finish_reason=reason,
+        self.last = Completion(tokens=[int(t) for t in out], text=stream.text, finish_reason=reason,
                                n_prompt=len(toks), n_reused=start, metrics=clock.as_dict(),
                                decoder={**self.decoder.stats, **self._head_stats(waits0, cpu0)})
         return self.last
+
+    # -- many requests at once (--parallel > 1) ----------------------------------------
+
+    def submit(self, tokens: np.ndarray, n_predict: int, sampling: SamplingParams = SamplingParams(),
+               on_text: Callable[[str], None] | None = None, stop: list[str] | tuple = (),
+               should_stop: Callable[[], bool] | None = None,
+               on_done: Callable[[Completion | None], None] = lambda c: None) -> Job:
+        """Queue a request for the scheduler (``--parallel`` > 1); it runs
+        as :meth:`step` is called. ``on_text``, ``stop`` and ``should_stop``
+        as :meth:`generate`; ``on_done`` gets the :class:`Completion` when
+        the request ends, or None for a job cancelled while queued
+        (``job.cancelled``).
+
+        Raises:
+            ConfigError: the prompt is empty or does not fit one slot."""
+        toks = [int(t) for t in tokens]
+        stream = TextStream(self.vocab, on_text, stop, should_stop)
+
+        def done(job: Job) -> None:
+            if job.request is None:
+                on_done(None)
+                return
+            out = job.request.out
+            reason = stream.finish(out, n_predict)
+            on_done(Completion(tokens=[int(t) for t in out], text=stream.text, finish_reason=reason,
+                               n_prompt=len(toks), n_reused=job.n_reused, metrics=job.clock.as_dict(),
+                               decoder={"slot": job.slot, "queue_s": round(job.queue_s, 4),
+                                        "parallel": self.parallel}))
+
+        job = Job(toks, n_predict, Sampler(sampling), emit=stream.emit, on_done=done)
+        self.scheduler.submit(job)
+        return job
+
+    @property
+    def busy(self) -> bool:
+        """Requests queued or running in the scheduler."""
+        return self.scheduler is not None and self.scheduler.busy
+
+    def step(self, wake: Callable[[], bool] = lambda: False) -> None:
+        """One turn of the scheduler (:meth:`Scheduler.step`); ``wake``:
+        stop waiting when it is true (new requests from another thread)."""
+        s = self.scheduler
+        activity = self.session.activity
+        if activity is not None:
+            activity.set(f"answering {s.n_busy} requests ({len(s.queue)} queued, --parallel {self.parallel})")
+        s.step(wake)
+
+    def drain(self) -> None:
+        """Wait for the micro-batches in flight (before a shutdown)."""
+        if self.scheduler is not None:
+            self.scheduler.drain()
 
     def _head_stats(self, waits0: dict, cpu0: float) -> dict:
         """The head's main thread during the last request: its CPU time

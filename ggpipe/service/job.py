@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from ggpipe.errors import GGPipeError
 from ggpipe.service.engine import Engine
 from ggpipe.cluster.session import ClusterConfig, Session, open_session
-from ggpipe.decoding.settings import ASYNC_MODES, SpecSettings
+from ggpipe.decoding.mode import mode_class
+from ggpipe.decoding.settings import SpecSettings
 
 
 @dataclass(frozen=True)
@@ -25,12 +26,15 @@ class JobSpec:
         mode: "iterative", "speculative" or "pipeinfer".
         spec: speculation settings (speculative modes).
         ignore_eos: keep generating after end-of-generation tokens.
+        parallel: slots of the continuous-batching scheduler (``--parallel``;
+            batch and serve); 1: one request at a time.
     """
 
     config: ClusterConfig
     mode: str = "iterative"
     spec: SpecSettings = field(default_factory=SpecSettings)
     ignore_eos: bool = False
+    parallel: int = 1
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -66,13 +70,15 @@ def run_job(job: JobSpec, head: Callable[[Engine], int],
     Raises:
         GGPipeError: start-up or pipeline errors (the CLI prints one line).
     """
-    session = open_session(job.config, async_head=job.mode in ASYNC_MODES)
+    # the head's stage on its own thread: the asynchronous modes, and the scheduler's
+    # micro-batches (the head samples one group while its stage computes the next)
+    session = open_session(job.config, async_head=mode_class(job.mode).asynchronous or job.parallel > 1)
     try:
         if not session.is_head:
             session.serve()
             return 0
         try:
-            code = head(Engine(session, job.mode, job.spec, ignore_eos=job.ignore_eos))
+            code = head(Engine(session, job.mode, job.spec, ignore_eos=job.ignore_eos, parallel=job.parallel))
         except GGPipeError as exc:
             if not exc.abort_job:  # the pipeline is still in step: stop it cleanly
                 session.shutdown()

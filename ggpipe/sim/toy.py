@@ -134,6 +134,45 @@ class KvCells:
                     f"{'nothing' if self.pos[k] < 0 else f'position {self.pos[k]} of {sorted(self.seqs[k])}'}")
 
 
+class KvStreams:
+    """llama.cpp's KV cache with ``kv_unified = false``: one stream of
+    cells per sequence (each a :class:`KvCells`), so a sequence's cells never
+    sit among another's. A token belongs to one sequence (llama.cpp refuses
+    coupled sequences there), and a partial ``seq_cp`` is refused ("only
+    supported for full KV buffers")."""
+
+    def __init__(self, size: int = 4096):
+        self.size = size
+        self.streams: dict[int, KvCells] = {}
+
+    def _stream(self, seq: int) -> KvCells:
+        return self.streams.setdefault(seq, KvCells(self.size))
+
+    def place(self, pos: list[int], seqs: list[list[int]]) -> list[int]:
+        if any(len(s) != 1 for s in seqs):
+            raise AssertionError("a token of several sequences in a KV cache of one stream per sequence")
+        idxs = [0] * len(pos)
+        for seq in {s[0] for s in seqs}:
+            rows = [i for i, s in enumerate(seqs) if s[0] == seq]
+            for i, j in zip(rows, self._stream(seq).place([pos[i] for i in rows], [[seq]] * len(rows))):
+                idxs[i] = j
+        return idxs
+
+    def rm(self, seq: int, p0: int, p1: int) -> None:
+        for s, cells in self.streams.items():
+            if seq in (-1, s):
+                cells.rm(s, p0, p1)
+
+    def cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        raise AssertionError("seq_cp() is only supported for full KV buffers (kv_unified = false)")
+
+    def clear(self) -> None:
+        self.streams.clear()
+
+    def check_in_order(self, run_id: int, seqs: list[int], pos: int) -> None:
+        self._stream(seqs[0]).check_in_order(run_id, seqs, pos)
+
+
 class ToyPipeline:
     """The verbs of :class:`ggpipe.pipeline.driver.Pipeline` over a
     :class:`ToyLM`: logits are computed at submit time from the cells the
@@ -143,9 +182,9 @@ class ToyPipeline:
     a run cancelled in time comes back cancelled, without cells (as
     llama.cpp removes an aborted ubatch's cells)."""
 
-    def __init__(self, model: ToyLM, name: str = "target", cell_order: bool = False):
+    def __init__(self, model: ToyLM, name: str = "target", cell_order: bool = False, streams: bool = False):
         self.model = model
-        self.kv_cells = KvCells()
+        self.kv_cells = KvStreams() if streams else KvCells()
         self.cell_order = cell_order  # assert every token's cells sit at index = position
         self.n_vocab = model.n_vocab
         self.name = name
@@ -345,8 +384,9 @@ class FakePipeline(ToyPipeline):
     result is ready ``latency`` calls of ready()/poll() after it was
     submitted; ``wait`` returns it at once."""
 
-    def __init__(self, model: ToyLM, latency: int = 3, name: str = "target", cell_order: bool = False):
-        super().__init__(model, name, cell_order)
+    def __init__(self, model: ToyLM, latency: int = 3, name: str = "target", cell_order: bool = False,
+                 streams: bool = False):
+        super().__init__(model, name, cell_order, streams)
         self.latency = latency
         self.clock = 0
         self._due: dict[int, int] = {}

@@ -1,0 +1,72 @@
+"""``-np/--parallel N|auto`` of ``batch`` and ``serve``: how many requests
+run at once through the continuous-batching scheduler
+(ggpipe.decoding.scheduler), with llama.cpp's meaning of slots and of ``-c``.
+
+* ``N`` slots, each a KV sequence with a KV stream of its own
+  (``kv_unified = false``); ``-c`` is the KV size *shared* by the slots,
+  ``-c / N`` cells each (rounded up to a multiple of 256 by llama.cpp), as
+  in llama-server without ``--kv-unified``. Without ``-c`` it is 2048 per
+  slot.
+* ``auto`` (the default): ``max(8, 4 x ranks)`` in ``--mode iterative``
+  (enough requests per micro-batch, and at least as many micro-batches in
+  flight as stages; docs/BENCHMARKS.md "Many requests at once"); 1 in the
+  speculative modes, which serve one request at a time.
+* ``1``: one request at a time, as ``generate`` and ``chat`` run them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import click
+
+from ggpipe.service.job import JobSpec
+from ggpipe.transport.launcher_signal import launched_size
+
+CTX_PER_SLOT = 2048   # -c when not given: this many cells per slot
+
+
+class Parallel(click.ParamType):
+    """A slot count in [1, 256] (llama.cpp's LLAMA_MAX_SEQ), or ``auto`` (None)."""
+
+    name = "N|auto"
+
+    def convert(self, value, param, ctx):
+        if value is None or value == "auto" or isinstance(value, int):
+            return None if value == "auto" else value
+        try:
+            n = int(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither a slot count nor 'auto'", param, ctx)
+        if not 1 <= n <= 256:
+            self.fail(f"{n} is not in [1, 256] (llama.cpp's most sequences per context)", param, ctx)
+        return n
+
+
+parallel_option = click.option(
+    "-np", "--parallel", default="auto", type=Parallel(), show_default=True,
+    help="Requests served at once (slots), each with a KV stream of its own; -c is shared among them (-c/N cells "
+         "each; without -c, 2048 per slot). auto: max(8, 4 x ranks) in --mode iterative, 1 in the speculative "
+         "modes. 1: one at a time.")
+
+
+def with_parallel(job: JobSpec, parallel: int | None, ctx: click.Context) -> JobSpec:
+    """``job`` with ``--parallel`` applied: the slots, one KV stream per
+    slot, ``-c`` per slot when not given.
+
+    Raises:
+        click.UsageError: ``--parallel`` > 1 with a speculative mode, or with
+            ``--n-seq-max`` (the slots are the sequences)."""
+    speculative = job.mode != "iterative"
+    n = parallel if parallel is not None else (1 if speculative else max(8, 4 * (launched_size() or 1)))
+    if n == 1:
+        return job
+    if speculative:
+        raise click.UsageError(f"--parallel {n}: the speculative modes serve one request at a time; use "
+                               f"--parallel 1 with --mode {job.mode}, or --mode iterative for many requests at once")
+    if ctx.get_parameter_source("n_seq_max") == click.core.ParameterSource.COMMANDLINE:
+        raise click.UsageError("--n-seq-max is set by --parallel (one KV sequence per slot): leave it out")
+    given_c = ctx.get_parameter_source("ctx_size") == click.core.ParameterSource.COMMANDLINE
+    cfg = dataclasses.replace(job.config, n_seq_max=n, kv_unified=False,
+                              ctx_size=job.config.ctx_size if given_c else CTX_PER_SLOT * n)
+    return dataclasses.replace(job, config=cfg, parallel=n)

@@ -1,0 +1,380 @@
+"""Many requests through one target pipeline: continuous batching with
+slots, chunked prefill and several micro-batches in flight.
+
+The anchors are llama.cpp's server (``-np N`` slots, one ``llama_batch`` per
+step holding the next token of every generating slot plus a chunk of a
+prompt being processed, a slot freed on stop or disconnect) and vLLM's
+pipeline-parallel engine (a queue of micro-batches in flight, one per
+stage, each scheduled from requests not already in flight).
+
+* **Slots.** Slot ``s`` is KV sequence ``s`` on every stage. The target's
+  contexts keep one KV stream per sequence (llama.cpp ``kv_unified =
+  false``; ``-c`` is shared among the slots, ``n_ctx / n_slots`` cells each,
+  as llama-server without ``--kv-unified``), so a slot's cells sit at index =
+  position in a stream of its own and never among another request's: every
+  request's logits are bit-identical to the same request run alone
+  (README "Many requests at once"). A request takes the free slot whose
+  cached tokens share the longest prefix with its prompt (the lowest id on
+  a tie); the cells after that prefix are removed and the rest of the prompt
+  is decoded (llama-server's prompt cache).
+* **Micro-batches.** Each holds either the next token of generating slots
+  (in slot order: llama.cpp evaluates consecutive sequence ids of a
+  non-unified cache in one ubatch) or one chunk of one prompt (chunked
+  prefill, at most ``n_ubatch`` tokens); while both wait, they take turns
+  (:func:`plan_microbatch` says why they are not mixed). A slot whose next
+  token waits for logits is in one micro-batch at a time; prompt chunks of
+  one slot may follow each other without waiting. With ``depth`` micro-batches in
+  flight (default: the pipeline's stages, so every stage works at once), a
+  micro-batch takes at most ``ceil(active slots / depth)`` generating slots:
+  the slots fall into ``depth`` groups that take turns.
+* **Results** come back in order; each slot's row is sampled with the
+  request's own sampler (its own random stream), so a seeded request gives
+  the same tokens whatever runs beside it. A request that ends (end of
+  generation, ``n_predict``, a stop string, its client gone) frees its slot
+  at once; a new request starts at the next micro-batch.
+
+No MPI here: the pipeline is a :class:`~ggpipe.backend.TargetBackend`
+(``tests/test_scheduler.py`` runs this against the in-memory toy pipeline,
+checking every slot's cells stream by stream).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from ggpipe.backend import TargetBackend
+from ggpipe.decoding.request import Emit, Request, _never_stop
+from ggpipe.errors import ConfigError
+from ggpipe.kv_reuse import reusable_prefix
+from ggpipe.metrics import GenerationClock
+from ggpipe.pipeline.waiting import Wait, poll_wait
+from ggpipe.runs import Run, RunResult, next_run_id
+from ggpipe.sampling import Sampler
+
+RATE_WINDOW_S = 10.0   # the window of tokens_per_s()
+
+
+@dataclass(eq=False)
+class Job:
+    """One request handed to the :class:`Scheduler`.
+
+    Attributes:
+        tokens: the prompt's token ids (history included: the whole context).
+        n_predict: most tokens to generate.
+        sampler: the request's own sampler (settings and random stream).
+        emit: called with each accepted token list; a true return ends the
+            request (a stop string, a client that left).
+        on_done: called once with the job when the request has ended.
+        cancelled: set by another thread to drop a job that waits in the
+            queue (its ``on_done`` is still called, with ``request`` None).
+        clock: TTFT / ITL clock (restarted when the job gets a slot).
+        request: the running request (:class:`~ggpipe.decoding.request.Request`), once started.
+        slot: its slot, once started.
+        n_reused: prompt tokens whose cells the slot already held.
+        queue_s: seconds spent waiting for a slot.
+    """
+
+    tokens: list[int]
+    n_predict: int
+    sampler: Sampler
+    emit: Emit = _never_stop
+    on_done: Callable[["Job"], None] = lambda job: None
+    cancelled: bool = False
+    clock: GenerationClock = field(default_factory=GenerationClock)
+    request: Request | None = None
+    slot: int | None = None
+    n_reused: int = 0
+    queue_s: float = 0.0
+    t_queued: float = field(default_factory=time.monotonic)
+
+
+@dataclass(eq=False)
+class Slot:
+    """A KV sequence and the request that holds it.
+
+    Attributes:
+        seq: its KV sequence id (= slot id).
+        kv: the tokens whose cells this sequence holds or will hold once the
+            micro-batches in flight are placed (position i at index i).
+        job: the request in it, or None (free).
+        todo: tokens to send next: a prompt's rest, or the last sampled token.
+        waiting: a row that asks for logits is in flight.
+        in_flight: micro-batches in flight holding rows of this slot.
+    """
+
+    seq: int
+    kv: list[int] = field(default_factory=list)
+    job: Job | None = None
+    todo: list[int] = field(default_factory=list)
+    waiting: bool = False
+    in_flight: int = 0
+
+    @property
+    def free(self) -> bool:
+        """No request, and nothing of an earlier one in flight."""
+        return self.job is None and self.in_flight == 0
+
+
+@dataclass
+class _Row:
+    slot: Slot
+    job: Job
+    logits: bool   # this row asked for logits
+
+
+def plan_microbatch(slots: list[Slot], budget: int, max_decode: int,
+                    prefer_prompt: bool = False) -> list[tuple[Slot, int, bool]]:
+    """Which slots send what in the next micro-batch: (slot, tokens, wants
+    logits), in batch order. Pure.
+
+    A micro-batch is either the next token of generating slots (at most
+    ``max_decode`` and ``budget`` of them, the lowest ids, in id order), or
+    one chunk of one prompt (the earliest-queued, at most ``budget``
+    tokens; its last chunk asks for the logits of its last token): with one
+    KV stream per sequence, llama.cpp splits a batch into ubatches of
+    consecutive sequence ids and equal tokens per sequence
+    (``llama_batch_allocr::split_equal``), and only these two shapes come
+    out of it in batch order, which the stages' hidden-state capture
+    relies on. Prompts go first when ``prefer_prompt`` (the scheduler
+    alternates while both wait) or when no slot is generating. Slots
+    waiting for logits send nothing."""
+    ready = [s for s in slots if s.job is not None and s.todo and not s.waiting]
+    decode = [s for s in ready if s.job.request is not None and s.job.request.out]
+    prompts = sorted((s for s in ready if s not in decode), key=lambda s: s.job.t_queued)
+    if decode and not (prompts and prefer_prompt):
+        return [(s, 1, True) for s in decode[:min(max_decode, budget)]]
+    if prompts:
+        s = prompts[0]
+        n = min(budget, len(s.todo))
+        return [(s, n, n == len(s.todo))]
+    return []
+
+
+class Scheduler:
+    """Args:
+        target: the target pipeline (its contexts: one KV stream per slot).
+        n_slots: slots (``--parallel``), KV sequences 0..n_slots-1.
+        n_ctx_slot: KV cells of one slot (tokens a request's prompt and
+            generation may fill).
+        n_ubatch: most tokens per micro-batch.
+        is_eog: token -> end of generation?
+        depth: micro-batches in flight (default: the pipeline's stages).
+        timeout_s: bound of every wait for a result (seconds).
+        idle: the wait when nothing is ready (``idle(ready, timeout_s)``);
+            None: back-off polling.
+
+    Attributes:
+        stats: "micro_batches", "rows", "prefill_tokens", "generated",
+            "finished", "reused_tokens" (cumulative).
+    """
+
+    def __init__(self, target: TargetBackend, n_slots: int, n_ctx_slot: int, n_ubatch: int,
+                 is_eog: Callable[[int], bool], depth: int | None = None, timeout_s: float = 60.0,
+                 idle: Wait | None = None):
+        if n_slots < 1:
+            raise ConfigError(f"--parallel must be at least 1, got {n_slots}")
+        self.target = target
+        self.slots = [Slot(s) for s in range(n_slots)]
+        self.n_ctx_slot = n_ctx_slot
+        self.n_ubatch = n_ubatch
+        self.is_eog = is_eog
+        self.depth = max(1, depth if depth is not None else getattr(target, "n_stages", 1))
+        self.timeout_s = timeout_s
+        self.idle = idle or poll_wait
+        self.queue: deque[Job] = deque()
+        self._rows: dict[int, list[_Row]] = {}
+        self._prompt_turn = False    # a prompt chunk goes next, when both prompts and tokens wait
+        self.stats = dict.fromkeys(("micro_batches", "rows", "prefill_tokens", "generated", "finished",
+                                    "reused_tokens"), 0)
+        self._recent: deque[float] = deque()    # when each of the tokens of the last RATE_WINDOW_S was generated
+
+    # -- requests ------------------------------------------------------------------
+
+    def check_fits(self, n_prompt: int, n_predict: int) -> None:
+        """Raise ConfigError when a prompt of ``n_prompt`` tokens plus
+        ``n_predict`` do not fit one slot's cells."""
+        if n_prompt < 1:
+            raise ConfigError("the prompt is empty")
+        if n_prompt + n_predict > self.n_ctx_slot:
+            raise ConfigError(f"the prompt ({n_prompt} tokens) plus -n {n_predict} do not fit one slot's "
+                              f"{self.n_ctx_slot} KV cells (-c is shared among the --parallel slots: raise -c or "
+                              "lower --parallel, -n or the prompt)")
+
+    def submit(self, job: Job) -> None:
+        """Queue a request (it starts when a slot is free).
+
+        Raises:
+            ConfigError: it does not fit a slot."""
+        self.check_fits(len(job.tokens), job.n_predict)
+        job.t_queued = time.monotonic()
+        self.queue.append(job)
+
+    @property
+    def n_busy(self) -> int:
+        """Slots holding a request."""
+        return sum(s.job is not None for s in self.slots)
+
+    @property
+    def busy(self) -> bool:
+        """Requests running or queued, or micro-batches in flight."""
+        return bool(self.queue) or bool(self._rows) or self.n_busy > 0
+
+    def _start_queued(self) -> None:
+        """Give free slots to queued requests (longest cached prefix first)."""
+        while self.queue:
+            free = [s for s in self.slots if s.free]
+            if not free:
+                return
+            job = self.queue.popleft()
+            if job.cancelled:
+                job.on_done(job)
+                continue
+            slot = max(free, key=lambda s: (reusable_prefix(s.kv, job.tokens), -s.seq))
+            self._start(slot, job)
+
+    def _start(self, slot: Slot, job: Job) -> None:
+        keep = reusable_prefix(slot.kv, job.tokens)
+        if keep < len(slot.kv):
+            self.target.seq_rm(slot.seq, keep, -1)     # pipelined behind the runs already sent
+            del slot.kv[keep:]
+        job.slot, job.n_reused = slot.seq, keep
+        job.queue_s = time.monotonic() - job.t_queued
+        job.clock.start()     # TTFT and ITL from the start in a slot (the queue wait is queue_s)
+        job.request = Request(n_predict=job.n_predict, emit=job.emit, clock=job.clock, is_eog=self.is_eog,
+                              context=list(job.tokens))
+        slot.job, slot.todo, slot.waiting = job, list(job.tokens[keep:]), False
+        self.stats["reused_tokens"] += keep
+
+    def _end(self, slot: Slot) -> None:
+        job = slot.job
+        slot.job, slot.todo, slot.waiting = None, [], False
+        job.clock.finish()
+        self.stats["finished"] += 1
+        job.on_done(job)
+
+    # -- micro-batches --------------------------------------------------------------
+
+    def _submit_next(self) -> bool:
+        """Form and submit the next micro-batch, if any slot has something to send."""
+        active = self.n_busy
+        plan = plan_microbatch(self.slots, self.n_ubatch, max(1, math.ceil(active / self.depth)), self._prompt_turn)
+        if not plan:
+            return False
+        self._prompt_turn = bool(plan[0][0].job.request.out)   # tokens now: a prompt's turn next
+        tokens, pos, seqs, outputs, rows = [], [], [], [], []
+        reply = []
+        for slot, n, wants in plan:
+            chunk = slot.todo[:n]
+            del slot.todo[:n]
+            p0 = len(slot.kv)
+            tokens += chunk
+            pos += range(p0, p0 + n)
+            seqs += [slot.seq] * n
+            outputs += [0] * (n - 1) + [int(wants)]
+            slot.kv += chunk
+            slot.in_flight += 1
+            slot.waiting = wants
+            rows.append(_Row(slot, slot.job, wants))
+            if wants:
+                reply.append(slot.job.sampler.params.reply_k())
+            else:
+                self.stats["prefill_tokens"] += n
+        n = len(tokens)
+        run = Run(run_id=next_run_id(), tokens=np.asarray(tokens, np.int32), pos=np.asarray(pos, np.int32),
+                  n_seq_id=np.ones(n, np.int32), seq_ids=np.asarray(seqs, np.int32),
+                  outputs=np.asarray(outputs, np.int8))
+        # the rows' samplers read the k best of each row (greedy: the argmax), or whole rows
+        self.target.reply_k = 0 if not reply or 0 in reply else max(reply)
+        self._rows[run.run_id] = rows
+        self.target.submit(run)
+        self.stats["micro_batches"] += 1
+        self.stats["rows"] += n
+        return True
+
+    def _handle(self, res: RunResult) -> None:
+        """A micro-batch's logits: each row's request decides its next token."""
+        rows = self._rows.pop(res.run.run_id)
+        k = 0
+        for row in rows:
+            slot = row.slot
+            slot.in_flight -= 1
+            if not row.logits:
+                continue
+            logits = res.logits[k]
+            k += 1
+            slot.waiting = False
+            if slot.job is not row.job:      # the request ended while this row was in flight
+                continue
+            r = row.job.request
+            if not r.out:
+                r.clock.prompt_done()
+            r.accept([row.job.sampler.sample(logits)])
+            self.stats["generated"] += 1
+            self._recent.append(time.monotonic())
+            if r.done:
+                self._end(slot)
+            else:
+                slot.todo = [r.out[-1]]
+
+    # -- views (any thread) ----------------------------------------------------------
+
+    def tokens_per_s(self) -> float:
+        """Tokens generated per second over the last ``RATE_WINDOW_S`` seconds, every request together."""
+        now = time.monotonic()
+        while self._recent and self._recent[0] < now - RATE_WINDOW_S:
+            self._recent.popleft()
+        return len(self._recent) / RATE_WINDOW_S
+
+    def view(self) -> list[dict]:
+        """One dict per slot (llama-server's ``/slots``): id, KV cells, busy,
+        prompt tokens, tokens generated, cells cached."""
+        out = []
+        for s in list(self.slots):
+            job = s.job
+            r = job.request if job is not None else None
+            out.append({"id": s.seq, "n_ctx": self.n_ctx_slot, "is_processing": job is not None,
+                        "n_prompt_tokens": len(job.tokens) if job is not None else 0,
+                        "n_decoded": len(r.out) if r is not None else 0, "n_cached": len(s.kv)})
+        return out
+
+    # -- the loop ------------------------------------------------------------------
+
+    def step(self, wake: Callable[[], bool] = lambda: False) -> None:
+        """One turn: take every result that has arrived, start queued
+        requests in free slots, fill the pipeline up to ``depth``
+        micro-batches; then, if nothing could be done, wait (bounded) for a
+        result, or until ``wake()`` is true (new requests from another
+        thread).
+
+        Raises:
+            RankTimeoutError, ProtocolError: from the pipeline."""
+        t = self.target
+        progressed = False
+        while t.ready():
+            self._handle(t.poll())
+            progressed = True
+        self._start_queued()
+        while len(t.inflight) < self.depth and self._submit_next():
+            progressed = True
+        if not progressed and t.inflight:
+            self.idle(lambda: t.ready() or wake(), self.timeout_s)
+
+    def run(self, should_stop: Callable[[], bool] = lambda: False) -> None:
+        """Step until every queued and running request has ended (or
+        ``should_stop()``: the running requests are then ended by their own
+        ``emit``), then drain the pipeline."""
+        while self.busy and not should_stop():
+            self.step()
+        self.drain()
+
+    def drain(self) -> None:
+        """Wait for every micro-batch in flight (shutdown; results of
+        requests still running are handled)."""
+        while self.target.inflight:
+            self._handle(self.target.wait(self.timeout_s))

@@ -1,0 +1,138 @@
+"""``ggpipe serve --parallel N``: the head's request loop when many requests
+run at once (the engine's continuous-batching scheduler), on the main
+thread, beside the HTTP thread (ggpipe.frontends.serve_app).
+
+Requests move from the HTTP queue (bounded by ``--max-queue``) into the
+scheduler only when a slot is free for them, so the HTTP queue is the one
+place requests wait. Each request streams its own text; a request whose
+client leaves (streaming or not) is stopped at its next token, or dropped
+while still waiting; one that does not fit a slot gets 400; a shutdown
+signal stops taking requests, answers the waiting ones with 503 and lets the
+running ones finish until ``--shutdown-grace`` (then they are cut and told
+so).
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from typing import Callable
+
+from ggpipe.errors import GGPipeError
+from ggpipe.frontends.serve_app import APIError, Job, ServerState
+from ggpipe.service.engine import Completion, Engine
+
+
+class SlotLoop:
+    """Args:
+        engine: the head's engine (``--parallel`` > 1).
+        state: the app's shared state.
+        deadline: when running requests must stop (monotonic seconds), or
+            None; read at every token.
+        http_alive: the HTTP thread still serves.
+    """
+
+    def __init__(self, engine: Engine, state: ServerState, deadline: Callable[[], float | None],
+                 http_alive: Callable[[], bool]):
+        self.engine = engine
+        self.state = state
+        self.deadline = deadline
+        self.http_alive = http_alive
+        self.jobs: list[tuple[Job, object]] = []   # (HTTP job, scheduler job) not answered yet
+
+    # -- one request -----------------------------------------------------------------
+
+    def _stop(self, job: Job) -> bool:
+        d = self.deadline()
+        return job.cancelled.is_set() or (d is not None and time.monotonic() >= d)
+
+    def _done(self, job: Job, done: Completion | None, sched_job) -> None:
+        if job.finished:
+            return
+        job.finished = True
+        if done is None:            # dropped while waiting: its client left, or the server stops
+            if not job.cancelled.is_set():
+                job.push("error", APIError(503, "the server is shutting down", "server_error"))
+            return
+        if done.finish_reason == "interrupted" and not job.cancelled.is_set():   # cut by the shutdown
+            job.push("error", APIError(503, f"the server is shutting down: the reply was cut after "
+                                       f"{len(done.tokens)} tokens (--shutdown-grace)", "server_error",
+                                       code="shutdown"))
+            return
+        waited = (sched_job.t_queued - job.t_queued) + sched_job.queue_s
+        self.state.metrics.finished(done, waited)
+        job.push("done", done)
+
+    def _submit(self, job: Job) -> None:
+        if job.cancelled.is_set():
+            job.finished = True
+            return
+        holder: list = []
+        try:
+            sched_job = self.engine.submit(job.tokens, job.n_predict, job.sampling,
+                                           on_text=lambda t: job.push("text", t), stop=job.stop,
+                                           should_stop=lambda: self._stop(job),
+                                           on_done=lambda done: self._done(job, done, holder[0]))
+        except GGPipeError as e:
+            job.finished = True
+            job.push("error", APIError(400, str(e)))
+            return
+        holder.append(sched_job)
+        self.jobs.append((job, sched_job))
+
+    # -- the loop ----------------------------------------------------------------------
+
+    def _free_slots(self) -> int:
+        s = self.engine.scheduler
+        return len(s.slots) - s.n_busy - len(s.queue)
+
+    def _take(self) -> None:
+        """Move requests from the HTTP queue into free slots; with nothing
+        running, wait up to 0.25 s for one."""
+        jobs = self.state.jobs
+        block = not self.engine.busy
+        while self._free_slots() > 0:
+            try:
+                job = jobs.get(timeout=0.25) if block else jobs.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            self._submit(job)
+
+    def _drop_left(self) -> None:
+        """Forget answered requests; drop waiting ones whose clients left
+        (running ones stop through their ``should_stop``)."""
+        self.jobs = [(job, sj) for job, sj in self.jobs if not job.finished]
+        for job, sj in self.jobs:
+            if sj.request is None and job.cancelled.is_set():
+                sj.cancelled = True
+
+    def run(self) -> None:
+        """Serve until the state says stop, then finish the running requests
+        (bounded by the deadline) and drop the waiting ones.
+
+        Raises:
+            GGPipeError: the HTTP thread died; pipeline errors."""
+        state, engine = self.state, self.engine
+        while not state.stopping.is_set():
+            if not self.http_alive():
+                raise GGPipeError("the HTTP server stopped unexpectedly")
+            self._take()
+            if engine.busy:
+                engine.step(wake=lambda: not state.jobs.empty() and self._free_slots() > 0)
+            self._drop_left()
+            state.running = engine.scheduler.n_busy
+        for _, sj in self.jobs:
+            if sj.request is None:
+                sj.cancelled = True
+        while engine.busy:
+            engine.step()
+        engine.drain()
+        state.running = 0
+
+    def fail_all(self, why: str) -> None:
+        """The pipeline failed: answer every running and waiting request (any thread)."""
+        for job, _ in list(self.jobs):
+            if not job.finished:
+                job.finished = True
+                job.push("error", APIError(503, why, "server_error"))

@@ -1,0 +1,72 @@
+"""One request's text as its tokens are accepted: detokenizing, stop
+strings, and when to stop. Shared by the one-at-a-time path and the
+continuous-batching path of the engine (ggpipe.service.engine)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ggpipe.runtime.vocab import Vocab
+
+
+class TextStream:
+    """Turns accepted tokens into text for ``on_text``, holding back the
+    characters that may start a stop string.
+
+    Args:
+        vocab: the model's vocabulary.
+        on_text: called with each new piece of text (never text after a
+            stop string), or None.
+        stop: strings that end the generation (not included in the text).
+        should_stop: polled after each accepted token list; true stops the
+            reply there (Ctrl-C in the chat, a closed HTTP stream).
+
+    Attributes:
+        text: the text so far (cut before a stop string).
+        stopped: None, "stop" (a stop string) or "interrupted" (``should_stop``).
+    """
+
+    def __init__(self, vocab: Vocab, on_text: Callable[[str], None] | None = None, stop=(),
+                 should_stop: Callable[[], bool] | None = None):
+        self.vocab = vocab
+        self.on_text = on_text
+        self.stop = list(stop)
+        self.should_stop = should_stop
+        self.detok = vocab.detokenizer()
+        self.text = ""
+        self.sent = 0
+        self.stopped: str | None = None
+        self.hold = max((len(s) for s in self.stop), default=0)  # chars that may start a stop string
+
+    def _flush(self, upto: int) -> None:
+        if self.on_text is not None and upto > self.sent:
+            self.on_text(self.text[self.sent:upto])
+        self.sent = max(self.sent, upto)
+
+    def emit(self, new: list[int]) -> bool:
+        """Accepted tokens (a decoder's ``emit``); True: stop here."""
+        for t in new:
+            if not self.vocab.is_eog(t):
+                self.text += self.detok.push(t)
+        for s in self.stop:
+            i = self.text.find(s)
+            if i >= 0:
+                self.text = self.text[:i]
+                self.stopped = "stop"
+        if self.stopped:
+            self._flush(len(self.text))
+            return True
+        self._flush(len(self.text) - max(self.hold - 1, 0))
+        if self.should_stop is not None and self.should_stop():
+            self.stopped = "interrupted"
+            return True
+        return False
+
+    def finish(self, out: list[int], n_predict: int) -> str:
+        """The generation ended with ``out``: send the rest of the text;
+        returns the finish reason ("stop", "length" or "interrupted")."""
+        if not self.stopped:
+            self.text += self.detok.flush()
+        self._flush(len(self.text))
+        return self.stopped or ("stop" if out and self.vocab.is_eog(out[-1]) else
+                                "length" if len(out) >= n_predict else "stop")

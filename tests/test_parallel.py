@@ -1,0 +1,108 @@
+"""Many requests at once (``--parallel``) on real ranks and real weights:
+every request's greedy tokens equal single-node llama.cpp on the same
+prompt, whatever runs beside it, at 2 and 3 ranks, with requests of
+different lengths joining and leaving mid-run; a seeded sampled request
+gives the same tokens at any ``--parallel``; the server answers concurrent
+clients exactly, keeps serving when one request cannot fit, and reports its
+slots. The F16 goliath model is the sensitive case: its logits differ in
+the last bits when another sequence's cells sit among a request's own
+(``kv_unified``; README "Many requests at once")."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.conftest import run_ggpipe, stderr_lines
+from tests.test_batch import read_records, write_jsonl
+from tests.test_serve import ServerProc, http
+
+pytestmark = pytest.mark.mpi
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Once upon a time, a warrior named Goliath",
+    "MPI stands for",
+    "The three laws of thermodynamics are",
+    "A haiku about autumn:",
+    "In 1969, the first humans",
+]
+LENGTHS = [24, 40, 6, 17, 32, 3, 28]   # requests end at different times; later ones take their slots
+
+
+def _batch(tmp_path, model, ranks: int, parallel: int, rows: list[dict], name: str) -> dict:
+    inp, out = tmp_path / f"{name}.in.jsonl", tmp_path / f"{name}.out.jsonl"
+    write_jsonl(inp, rows)
+    p = run_ggpipe(["batch", str(inp), "-o", str(out), "-m", str(model), "--parallel", str(parallel),
+                    "--no-progress", "--ignore-eos"], ranks, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return {r["id"]: r for r in read_records(out)}
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_batch_requests_equal_single_node_at_any_parallel(tmp_path, goliath, reference, ranks):
+    rows = [{"id": i, "prompt": p, "n": n} for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS))]
+    got = _batch(tmp_path, goliath, ranks, 3, rows, "p3")
+    assert sorted(got) == list(range(len(rows)))
+    for i, (prompt, n) in enumerate(zip(PROMPTS, LENGTHS)):
+        assert got[i]["tokens"] == reference(goliath, prompt, n), (ranks, prompt)
+        assert got[i]["finish_reason"] == "length"
+
+
+def test_seeded_sampling_is_the_same_at_any_parallel(tmp_path, goliath):
+    rows = [{"id": i, "prompt": p, "n": n, "temperature": 0.8, "seed": 10 + i}
+            for i, (p, n) in enumerate(zip(PROMPTS[:5], LENGTHS[:5]))]
+    one = _batch(tmp_path, goliath, 2, 1, rows, "one")
+    many = _batch(tmp_path, goliath, 2, 4, rows, "many")
+    assert {k: v["tokens"] for k, v in many.items()} == {k: v["tokens"] for k, v in one.items()}
+
+
+def test_a_speculative_mode_with_parallel_is_refused_in_one_line(tmp_path, smollm2):
+    inp = tmp_path / "in.jsonl"
+    write_jsonl(inp, [{"id": 1, "prompt": "hi"}])
+    p = run_ggpipe(["batch", str(inp), "-o", str(tmp_path / "o.jsonl"), "-m", str(smollm2), "-md", str(smollm2),
+                    "--mode", "speculative", "--parallel", "4"], None, timeout=120)
+    assert p.returncode == 2
+    assert stderr_lines(p.stderr) == [
+        "ggpipe: error: --parallel 4: the speculative modes serve one request at a time; use --parallel 1 with "
+        "--mode speculative, or --mode iterative for many requests at once (see 'ggpipe batch --help')"]
+
+
+def test_serve_answers_concurrent_clients_exactly(goliath, reference):
+    s = ServerProc(["-m", str(goliath), "--parallel", "3", "-c", "1536", "--api-key", "k"])
+    try:
+        def ask(i: int) -> dict:
+            body = json.dumps({"prompt": PROMPTS[i], "max_tokens": LENGTHS[i], "temperature": 0,
+                               "stream": i % 2 == 1, "stream_options": {"include_usage": True}})
+            status, text = http(s, "POST", "/v1/completions", body, key="k")
+            assert status == 200, text
+            if i % 2 == 0:
+                return json.loads(text)
+            events = [json.loads(ln[6:]) for ln in text.splitlines() if ln.startswith("data: {")]
+            return {"text": "".join(e["choices"][0]["text"] for e in events if e.get("choices")),
+                    "usage": events[-1]["usage"]}
+
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            answers = list(pool.map(ask, range(len(PROMPTS))))
+        for i, a in enumerate(answers):
+            if i % 2 == 0:
+                assert a["ggpipe"]["tokens"] == reference(goliath, PROMPTS[i], LENGTHS[i]), PROMPTS[i]
+            assert a["usage"]["completion_tokens"] == LENGTHS[i]
+        # one slot holds 1536 / 3 = 512 cells: a request that cannot fit gets 400, the others go on
+        status, text = http(s, "POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 600}), key="k")
+        assert status == 400 and "context" in text
+        status, text = http(s, "GET", "/slots", key="k")
+        slots = json.loads(text)
+        assert status == 200 and [x["id"] for x in slots] == [0, 1, 2] and all(x["n_ctx"] == 512 for x in slots)
+        status, text = http(s, "GET", "/metrics", key="k")
+        assert "ggpipe_slots 3.0" in text and "ggpipe_aggregate_tokens_per_second" in text
+        assert "ggpipe_inter_token_latency_p90_seconds_count 7.0" in text
+        models = json.loads(http(s, "GET", "/v1/models", key="k")[1])["data"][0]["meta"]
+        assert models["parallel"] == 3 and models["n_ctx"] == 512 and "continuous batching" in models["scheduling"]
+        assert urllib.request.urlopen(s.url + "/health").status == 200
+    finally:
+        assert s.stop() == 0

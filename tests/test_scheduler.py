@@ -1,0 +1,165 @@
+"""The continuous-batching scheduler (ggpipe/decoding/scheduler.py) against
+the in-memory toy pipeline with one KV stream per sequence (llama.cpp's
+``kv_unified = false``): every request's tokens equal the same request run
+alone, while requests of different lengths join and leave; every token's
+cells sit at index = position in its slot's own stream."""
+
+from __future__ import annotations
+
+
+import pytest
+
+from ggpipe.decoding.scheduler import Job, Scheduler, Slot, plan_microbatch
+from ggpipe.decoding.request import Request
+from ggpipe.errors import ConfigError
+from ggpipe.sampling import Sampler, SamplingParams
+from ggpipe.sim.toy import FakePipeline, ToyLM
+
+V = 48
+PROMPTS = [[3, 9, 4, 3, 9], [7, 1], [5, 5, 5, 2, 8, 1, 4], [11], [2, 4, 6, 8, 10, 12, 14, 16, 18, 20], [9, 9, 1]]
+LENGTHS = [12, 3, 20, 7, 1, 15]
+
+
+def _run(jobs: list[Job], n_slots: int, depth: int = 2, n_ubatch: int = 8, latency: int = 3, eog=None):
+    target = FakePipeline(ToyLM(V), latency=latency, cell_order=True, streams=True)
+    target.n_stages = depth
+    sched = Scheduler(target, n_slots, n_ctx_slot=64, n_ubatch=n_ubatch, is_eog=eog or (lambda t: False))
+    done = []
+    for j in jobs:
+        j.on_done = done.append
+        sched.submit(j)
+    sched.run()
+    assert not target.inflight and not sched.busy
+    return sched, done, target
+
+
+def _jobs(params=SamplingParams(), prompts=PROMPTS, lengths=LENGTHS):
+    return [Job(list(p), n, Sampler(params)) for p, n in zip(prompts, lengths)]
+
+
+@pytest.mark.parametrize("n_slots,depth,n_ubatch,latency", [(1, 1, 8, 1), (2, 2, 8, 3), (3, 2, 4, 3), (4, 3, 16, 5),
+                                                             (8, 2, 3, 2)])
+def test_greedy_requests_equal_each_alone(n_slots, depth, n_ubatch, latency):
+    jobs = _jobs()
+    sched, done, _ = _run(jobs, n_slots, depth, n_ubatch, latency)
+    assert len(done) == len(jobs)
+    for j, p, n in zip(jobs, PROMPTS, LENGTHS):
+        assert j.request.out == ToyLM(V).greedy(p, n), (p, n)
+    assert sched.stats["generated"] == sum(LENGTHS)
+    if n_slots >= 3:
+        assert sched.stats["rows"] > sched.stats["micro_batches"]   # several requests per micro-batch
+
+
+def test_seeded_sampling_does_not_depend_on_what_runs_beside():
+    params = [SamplingParams(temperature=0.9, top_k=0, top_p=1.0, seed=s) for s in range(len(PROMPTS))]
+
+    def outputs(n_slots):
+        jobs = [Job(list(p), n, Sampler(pr)) for p, n, pr in zip(PROMPTS, LENGTHS, params)]
+        _run(jobs, n_slots)
+        return [j.request.out for j in jobs]
+
+    alone = outputs(1)
+    assert outputs(2) == alone and outputs(4) == alone
+    assert any(a != ToyLM(V).greedy(p, len(a)) for a, p in zip(alone, PROMPTS))   # really sampled
+
+
+def test_a_slot_reuses_the_cached_prefix_of_an_earlier_request():
+    first = Job([1, 2, 3, 4, 5, 6], 4, Sampler(SamplingParams()))
+    ctx = first.tokens + ToyLM(V).greedy(first.tokens, 4)
+    follow = Job(ctx[:-1] + [7, 8], 5, Sampler(SamplingParams()))   # the next turn of a conversation
+    target = FakePipeline(ToyLM(V), cell_order=True, streams=True)
+    sched = Scheduler(target, 2, n_ctx_slot=64, n_ubatch=8, is_eog=lambda t: False)
+    for j in (first, follow):
+        sched.submit(j)
+        sched.run()
+    assert follow.slot == first.slot and follow.n_reused == len(ctx) - 1
+    assert follow.request.out == ToyLM(V).greedy(follow.tokens, 5)
+
+
+def test_a_request_that_stops_frees_its_slot_and_disturbs_no_other():
+    stopped = Job(list(PROMPTS[0]), 30, Sampler(SamplingParams()))
+    stopped.emit = lambda toks: len(stopped.request.out) >= 3          # a stop string, a client gone
+    others = _jobs()[1:]
+    _, done, _ = _run([stopped, *others], n_slots=2)
+    assert stopped.request.out == ToyLM(V).greedy(PROMPTS[0], 3)
+    for j, p, n in zip(others, PROMPTS[1:], LENGTHS[1:]):
+        assert j.request.out == ToyLM(V).greedy(p, n)
+    assert len(done) == len(PROMPTS)
+
+
+def test_end_of_generation_ends_a_request():
+    ref = ToyLM(V).greedy(PROMPTS[2], 20)
+    eog = ref[5]
+    jobs = _jobs()
+    _run(jobs, 3, eog=lambda t: t == eog)
+    assert jobs[2].request.out == ref[:ref.index(eog) + 1]
+
+
+def test_a_cancelled_queued_job_is_dropped_and_reported():
+    jobs = _jobs()
+    jobs[-1].cancelled = True
+    _, done, _ = _run(jobs, 1)
+    assert jobs[-1] in done and jobs[-1].request is None
+
+
+def test_a_request_must_fit_one_slot():
+    sched = Scheduler(FakePipeline(ToyLM(V), streams=True), 4, n_ctx_slot=16, n_ubatch=8, is_eog=lambda t: False)
+    with pytest.raises(ConfigError, match="do not fit one slot's 16 KV cells"):
+        sched.submit(Job([1] * 10, 7, Sampler(SamplingParams())))
+    with pytest.raises(ConfigError, match="empty"):
+        sched.submit(Job([], 1, Sampler(SamplingParams())))
+    with pytest.raises(ConfigError, match="--parallel"):
+        Scheduler(FakePipeline(ToyLM(V)), 0, 16, 8, lambda t: False)
+
+
+def test_partial_copies_are_refused_by_a_cache_of_streams():
+    """What the toy models of llama.cpp: the speculative modes' partial seq_cp needs a unified cache."""
+    t = FakePipeline(ToyLM(V), streams=True)
+    with pytest.raises(AssertionError, match="full KV buffers"):
+        t.seq_cp(0, 1, 0, 4)
+
+
+def _slot(seq, todo, generating, t_queued=0.0, waiting=False):
+    job = Job([1], 8, Sampler(SamplingParams()))
+    job.t_queued = t_queued
+    job.request = Request(n_predict=8, out=[1] if generating else [])
+    return Slot(seq, job=job, todo=list(todo), waiting=waiting)
+
+
+def test_plan_sends_generating_slots_or_one_prompt_chunk():
+    slots = [_slot(0, [5], True), _slot(1, [6], True, waiting=True), _slot(2, [7], True), _slot(3, [8], True),
+             _slot(4, list(range(10)), False, t_queued=2.0), _slot(5, list(range(3)), False, t_queued=1.0),
+             Slot(6)]
+    plan = plan_microbatch(slots, budget=8, max_decode=2)
+    assert [(s.seq, n, w) for s, n, w in plan] == [(0, 1, True), (2, 1, True)]
+    assert plan_microbatch(slots, budget=2, max_decode=4) == [(slots[0], 1, True), (slots[2], 1, True)]
+    # a prompt's turn: the earliest-queued one, one chunk of it; its last chunk asks for logits
+    assert [(s.seq, n, w) for s, n, w in plan_microbatch(slots, 8, 2, prefer_prompt=True)] == [(5, 3, True)]
+    assert [(s.seq, n, w) for s, n, w in plan_microbatch(slots[4:5], 8, 2)] == [(4, 8, False)]
+    assert plan_microbatch([Slot(0)], 8, 1) == []
+
+
+def test_depth_keeps_several_micro_batches_in_flight():
+    """With 4 generating requests and 2 stages, two groups of two take turns."""
+    jobs = [Job([i + 1, i + 2], 10, Sampler(SamplingParams())) for i in range(4)]
+    target = FakePipeline(ToyLM(V), latency=4, streams=True)
+    target.n_stages = 2
+    sched = Scheduler(target, 4, n_ctx_slot=64, n_ubatch=8, is_eog=lambda t: False)
+    peak, batches = 0, []
+    submit = target.submit
+
+    def counting(run):
+        batches.append([int(x) for x in run.seq_ids])
+        submit(run)
+
+    target.submit = counting
+    for j in jobs:
+        sched.submit(j)
+    while sched.busy:
+        sched.step()
+        peak = max(peak, len(target.inflight))
+    assert peak == 2
+    decode = [b for b in batches if len(set(b)) == len(b)]   # one token per slot (prompts are one slot's chunk)
+    assert decode.count([0, 1]) >= 5 and decode.count([2, 3]) >= 5 and max(map(len, decode)) == 2
+    for j in jobs:
+        assert j.request.out == ToyLM(V).greedy(j.tokens, 10)
