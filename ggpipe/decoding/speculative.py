@@ -24,6 +24,7 @@ from ggpipe.metrics import GenerationClock
 from ggpipe.sampling import Sampler
 from ggpipe.speculation.adaptive import AdaptiveCutoff
 from ggpipe.speculation.cutoff import CutoffController
+from ggpipe.speculation.gate import DraftGate
 from ggpipe.speculation.graph import ACCEPTED, DEAD
 from ggpipe.speculation.partitions import PartitionPool
 from ggpipe.speculation.proposers.base import Proposer
@@ -265,9 +266,38 @@ class Drafting(Mode):
 
 class Speculative(Drafting):
     """``--mode speculative``: draft a tree below the pending root, verify
-    it, repeat (one run in flight; the target waits while the draft works)."""
+    it, repeat (one run in flight; the target waits while the draft works).
+    A root is drafted below only while drafting pays
+    (:class:`~ggpipe.speculation.gate.DraftGate`: the accepted tokens per
+    attempt against the draft's step and the bigger verification pass);
+    otherwise it goes to the target alone, as in iterative mode."""
 
     name = "speculative"
+
+    def __init__(self, core: SpecCore, proposer: Proposer):
+        super().__init__(core, proposer)
+        self.gate = DraftGate()
+        self._accepted_at_attempt: int | None = None
+
+    def open(self, *args) -> SpecRequest:
+        self._accepted_at_attempt = None
+        return super().open(*args)
+
+    def _begin_speculation(self) -> None:
+        r, core = self.r, self.core
+        if r.pending_root is not None:
+            g = r.graph
+            if self._accepted_at_attempt is not None:
+                self.gate.observe(g.n_draft_accepted - self._accepted_at_attempt)
+                self._accepted_at_attempt = None
+            cost = core.pass_cost
+            c1 = cost.cost(1) if len(cost.mean) > 1 else cost.mean.get(1)   # one size seen: its mean
+            if not self.gate.pays(self.proposer.step_s, c1, cost.cost(2)):
+                r.counts["draft_skipped"] += 1
+                core.submit_tree(None, SpecTree(anchor_pos=len(r.context) - 1))
+                return
+            self._accepted_at_attempt = g.n_draft_accepted
+        super()._begin_speculation()
 
     @classmethod
     def runs_in_flight(cls, spec: SpecSettings) -> int:

@@ -1,0 +1,74 @@
+"""Whether drafting pays at all: the per-step decision of synchronous
+speculation (``--mode speculative``). Pure, no MPI.
+
+In speculative mode the target waits while the draft works, so every
+drafting attempt costs the draft's step (its decode of the anchor: the
+draft's distribution of the first token below it, ``d`` seconds), and a
+verification batch of k + 1 tokens costs the target ``c(k+1) - c(1)`` more
+than the root alone. It gains the target passes its accepted tokens save,
+``c(1)`` each. Where the draft is seldom right (a prompt unlike its
+training, a weak draft), attempts lose: measured on three prompts outside
+the bench set, speculative mode with its defaults ran at 0.83x iterative.
+The adaptive cutoff (ggpipe.speculation.adaptive) sets how deep a chain
+goes once the anchor is decoded; this gate decides before that step:
+
+    draft  iff  y * c(1) >= d + max(0, c(2) - c(1))
+
+with ``y`` the accepted draft tokens per attempt, an exponentially
+weighted mean over the attempts so far, ``c`` the target's pass cost curve
+and ``d`` the draft's measured step. Until ``y`` and ``c(1)`` are
+known every root is drafted (the behaviour before the gate; an unknown
+``c(2)`` counts as ``c(1)``). An attempt is
+also made after ``explore_every`` roots in a row went without one, so ``y``
+follows text where the draft becomes right again. The same rule, with the
+target's cost at the current load, is what a scheduler asks per slot
+(ggpipe's issue "Many requests at once", part 4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class DraftGate:
+    """Attributes:
+        alpha: weight of a new attempt in the yield's mean.
+        explore_every: after this many roots in a row without an attempt, make one.
+        yield_: accepted draft tokens per attempt (None before the first).
+        skipped: roots sent without drafting (``draft_skipped`` in ``--json``).
+        explored: attempts made only to keep measuring.
+    """
+
+    alpha: float = 0.25
+    explore_every: int = 8
+    yield_: float | None = None
+    skipped: int = 0
+    explored: int = 0
+    _run: int = 0    # roots in a row without an attempt
+
+    def observe(self, accepted: int) -> None:
+        """An attempt's outcome: ``accepted`` of its draft tokens were accepted."""
+        y = float(accepted)
+        self.yield_ = y if self.yield_ is None else self.yield_ + self.alpha * (y - self.yield_)
+
+    def pays(self, step_s: float | None, c1: float | None, c2: float | None) -> bool:
+        """Draft at this root? ``step_s``: the draft's seconds per step
+        (0 for an instant proposer); ``c1``, ``c2``: the target's seconds
+        for a pass of 1 and 2 tokens (None while unmeasured; an unknown
+        ``c2`` counts as ``c1``: no batch was sent yet, so none cost more)."""
+        if self.yield_ is None or step_s is None or c1 is None:
+            return self._attempt()
+        extra = 0.0 if c2 is None else max(0.0, c2 - c1)
+        if self.yield_ * c1 >= step_s + extra:
+            return self._attempt()
+        if self._run + 1 >= self.explore_every:
+            self.explored += 1
+            return self._attempt()
+        self._run += 1
+        self.skipped += 1
+        return False
+
+    def _attempt(self) -> bool:
+        self._run = 0
+        return True

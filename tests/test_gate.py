@@ -1,0 +1,71 @@
+"""Whether drafting pays at all in synchronous speculation
+(ggpipe/speculation/gate.py): the rule alone, and the real speculative loop
+on the simulator's virtual clock, where a draft that is seldom right must
+cost (almost) nothing against not drafting, and a good draft is never
+held back."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ggpipe.decoding.factory import build_decoder
+from ggpipe.decoding.settings import SpecSettings
+from ggpipe.sampling import Sampler, SamplingParams
+from ggpipe.sim.backend import idle_until_next
+from ggpipe.sim.model import ModelDesc
+from ggpipe.sim.profile import LayerShape, LinkProfile, Profile
+from ggpipe.sim.run import SimConfig, build
+from ggpipe.speculation.gate import DraftGate
+from ggpipe.sim.toy import ToyLM
+from tests.test_sim import MS, flat_host, toy_model
+
+
+def test_the_rule():
+    g = DraftGate(explore_every=3)
+    assert g.pays(None, None, None)                         # nothing measured: draft
+    g.observe(0)
+    assert g.pays(None, 0.020, 0.024)                       # the draft's step unknown: draft
+    assert not g.pays(0.006, 0.020, None)                   # 0 tokens per attempt cannot pay a 6 ms step
+    assert not g.pays(0.006, 0.020, 0.024)
+    assert g.pays(0.006, 0.020, 0.024) and g.explored == 1  # the third root in a row: explore
+    assert g.skipped == 2
+    for _ in range(8):
+        g.observe(2)                                        # the draft became right: 2 tokens per attempt
+    assert g.pays(0.006, 0.020, 0.024)                      # 2 x 20 ms >= 6 + 4 ms
+    assert DraftGate(yield_=0.1).pays(0.0, 0.020, 0.024) is False   # an instant draft still pays the batch
+    assert DraftGate(yield_=0.1).pays(0.0, 0.020, 0.021)
+
+
+def _run(acceptance: float, gate: DraftGate | None) -> tuple[list[int], float, dict]:
+    """Speculative mode on a simulated 2-rank job (target on rank 0, the
+    draft on rank 1, 0.6 ms per draft step, 8 ms per target pass); returns
+    tokens, virtual seconds and stats."""
+    prof = Profile("toy", None, [flat_host(1.0, 2.0)], [LinkProfile(0, 1, 0.1 * MS, 0.0)])
+    draft = ModelDesc("d", (LayerShape(100, 25),) * 2, LayerShape(100, 25), 8, 64)
+    spec = SpecSettings(mode="speculative", p_accept=None)
+    cfg = SimConfig(prof, toy_model(6), draft, mode="speculative", ranks=2, acceptance=acceptance, spec=spec)
+    clock, target, dpipe, busy, roles = build(cfg)
+    dec = build_decoder("speculative", spec, target, dpipe, n_ubatch=512, n_seq_max=32, is_eog=lambda t: False,
+                        timeout_s=60, idle=idle_until_next(clock, [target, dpipe]))
+    if gate is not None:
+        dec.gate = gate
+    t0 = clock.now
+    out = dec.generate(np.arange(16, dtype=np.int32), 120, Sampler(SamplingParams(temperature=0.0)))
+    return out, clock.now - t0, dec.stats
+
+
+def test_a_draft_that_is_seldom_right_is_not_waited_for():
+    always = DraftGate(explore_every=1)          # every root drafted: the behaviour before the gate
+    out_a, t_always, _ = _run(0.02, always)
+    out_g, t_gated, stats = _run(0.02, None)
+    assert out_g == out_a                        # the same tokens: a skipped root is verified alone
+    assert stats["draft_skipped"] > 60 and t_gated < 0.97 * t_always
+    assert t_gated / len(out_g) < 1.03 * 8.2 * MS   # about one target pass (and its links) per token
+
+
+def test_a_good_draft_is_never_held_back():
+    out_a, t_always, _ = _run(0.95, DraftGate(explore_every=1))
+    out_g, t_gated, stats = _run(0.95, None)
+    assert out_g == out_a and stats["draft_skipped"] == 0 and t_gated == pytest.approx(t_always)
+    assert out_g == ToyLM(64).greedy(list(range(16)), 120) or len(out_g) == 120
