@@ -484,3 +484,21 @@ def test_simulated_timelines_are_traces_ggpipe_timeline_draws(tmp_path):
         runs = [e for e in events[rank] if e["name"] == "run"]
         assert len(runs) == 10 and all(e["dur"] == pytest.approx(ms * MS) for e in runs)  # prompt + 9 tokens
     assert r["busy_share"][0] == pytest.approx(2 / 7, rel=1e-6)
+
+
+def test_simulated_parallel_requests_share_the_pipeline():
+    """--parallel on the virtual clock: the scheduler's micro-batches of
+    several slots, depth = stages in flight. With costs that do not grow with
+    the batch (flat_host), 4 slots in 2 groups over 2 stages keep the slower
+    stage (4 ms a micro-batch of 2) busy: 500 tokens/s at most, against 161
+    for one request at a time (6.2 ms per token through both stages and
+    links); prompts and tails cost the rest."""
+    prof = Profile("toy", None, [flat_host(1.0, 2.0)], [LinkProfile(0, 1, 0.1 * MS, 0.0)])
+    base = dict(mode="iterative", ranks=2, n_prompt=8, n_predict=20, prompts=4)
+    one = simulate(SimConfig(prof, toy_model(), **base), rounds=1)
+    many = simulate(SimConfig(prof, toy_model(), parallel=4, **base), rounds=1)
+    assert many["parallel"] == 4 and len(many["records"]) == 4
+    assert 2.5 * one["tokens_per_s"] < many["aggregate_tokens_per_s"] <= 500.0
+    assert all(r["tokens_per_s"] > 0 for r in many["records"])
+    with pytest.raises(ConfigError, match="scheduler runs --mode iterative"):
+        simulate(SimConfig(prof, toy_model(), toy_model(2), mode="speculative", ranks=2, parallel=4), rounds=1)

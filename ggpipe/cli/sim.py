@@ -8,6 +8,7 @@ ggpipe/sim/calibrate.py and ggpipe/sim/run.py).
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -124,13 +125,16 @@ def _split(text):
 @click.option("-n", "--n-predict", default=128, show_default=True, type=click.IntRange(1, 1 << 16))
 @click.option("--n-prompt", default=128, show_default=True, type=click.IntRange(1, 1 << 16))
 @click.option("--prompts", default=3, show_default=True, type=click.IntRange(1, 1000), help="Requests per configuration.")
+@click.option("--parallel", default="1", show_default=True,
+              help="Comma-separated slot counts of the continuous-batching scheduler (--mode iterative); above 1 "
+                   "the --prompts requests are submitted at once, as to 'ggpipe serve --parallel N'.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per configuration instead of a table.")
 @click.option("--timeline", "timeline_dir", default=None, type=click.Path(file_okay=False, path_type=Path),
               help="Write each configuration's per-rank traces to DIR/<link>_r<ranks>_<mode>/ "
                    "(draw them with ggpipe timeline).")
 def simulate_command(profile_path, target, draft, modes, ranks, links, split, acceptance, confidence_exponent,
-                     n_draft, p_accept, tree_width, max_children, no_wait_draft, n_predict, n_prompt, prompts, as_json,
-                     timeline_dir):
+                     n_draft, p_accept, tree_width, max_children, no_wait_draft, n_predict, n_prompt, prompts, parallel,
+                     as_json, timeline_dir):
     """Simulate jobs on a virtual clock: the real decoding loops against measured costs.
 
     Reports tokens/s, TTFT, ITL, tokens per target pass, acceptance and per-rank busy share for every
@@ -149,37 +153,40 @@ def simulate_command(profile_path, target, draft, modes, ranks, links, split, ac
     spec = SpecSettings(draft_max=n_draft, p_accept=None if p_accept == "auto" else float(p_accept),
                         tree_width=tree_width, max_children=max_children, wait_draft=not no_wait_draft)
     rows = []
+    mode_list = [m.strip() for m in modes.split(",") if m.strip()]
     for link_text in _links(links):
         link = parse_link(link_text)
-        for n_ranks in _int_list(ranks, "--ranks"):
-            for mode in [m.strip() for m in modes.split(",") if m.strip()]:
-                cfg = SimConfig(prof, tdesc, ddesc, mode=mode, ranks=n_ranks, split=_split(split), spec=spec,
-                                link=link, acceptance=acceptance, confidence_exponent=confidence_exponent,
-                                n_prompt=n_prompt, n_predict=n_predict, prompts=prompts)
-                tdir = None
-                if timeline_dir is not None:
-                    tdir = timeline_dir / f"{format_link(link).replace(',', '-')}_r{n_ranks}_{mode}"
-                r = simulate(cfg, trace_dir=tdir)
-                r["link"] = format_link(link)
-                if tdir is not None:
-                    r["timeline"] = str(tdir)
-                r.pop("records")
-                rows.append(r)
-                if as_json:
-                    click.echo(json.dumps(r))
+        for n_ranks, mode, n_par in itertools.product(_int_list(ranks, "--ranks"), mode_list,
+                                                      _int_list(parallel, "--parallel")):
+            cfg = SimConfig(prof, tdesc, ddesc, mode=mode, ranks=n_ranks, split=_split(split), spec=spec, link=link,
+                            acceptance=acceptance, confidence_exponent=confidence_exponent, n_prompt=n_prompt,
+                            n_predict=n_predict, prompts=prompts, parallel=n_par)
+            tdir = None
+            if timeline_dir is not None:
+                tdir = timeline_dir / f"{format_link(link).replace(',', '-')}_r{n_ranks}_{mode}_p{n_par}"
+            r = simulate(cfg, trace_dir=tdir)
+            r["link"] = format_link(link)
+            if tdir is not None:
+                r["timeline"] = str(tdir)
+            r.pop("records")
+            rows.append(r)
+            if as_json:
+                click.echo(json.dumps(r))
     if not as_json:
         click.echo(format_table(rows))
 
 
 def format_table(rows: list[dict]) -> str:
-    head = "| link | ranks | mode | tokens/s | TTFT ms | ITL ms | tokens/pass | acceptance | busy share per rank |"
-    out = [head, "|---|---:|---|---:|---:|---:|---:|---:|---|"]
+    head = ("| link | ranks | mode | parallel | tokens/s | aggregate tokens/s | TTFT ms | ITL ms | tokens/pass | "
+            "acceptance | busy share per rank |")
+    out = [head, "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
 
     def f(v, d=1):
         return "-" if v is None else f"{v:.{d}f}"
     for r in rows:
         busy = " ".join(f"{v:.2f}" for _, v in sorted(r["busy_share"].items()))
-        out.append(f"| {r['link']} | {r['ranks']} | {r['mode']} | {f(r['tokens_per_s'])} | {f(r['ttft_ms'])} | "
+        out.append(f"| {r['link']} | {r['ranks']} | {r['mode']} | {r.get('parallel', 1)} | {f(r['tokens_per_s'])} | "
+                   f"{f(r.get('aggregate_tokens_per_s'))} | {f(r['ttft_ms'])} | "
                    f"{f(r['itl_mean_ms'], 2)} | {f(r['accepted_per_pass'], 2)} | {f(r['acceptance_rate'], 2)} "
                    f"| {busy} |")
     return "\n".join(out)

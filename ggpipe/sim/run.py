@@ -19,6 +19,7 @@ from ggpipe.cluster.roles import Roles
 from ggpipe.cluster.split import SplitSpec, plan_layers
 from ggpipe.decoding.factory import build_decoder
 from ggpipe.decoding.mode import mode_class, seq_ids_needed
+from ggpipe.decoding.scheduler import Job, Scheduler
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.errors import ConfigError
 from ggpipe.metrics import GenerationClock
@@ -53,6 +54,10 @@ class SimConfig:
         prompts: requests simulated (each a different toy prompt).
         ubatch: prefill chunk (tokens).
         seed: toy models' seed.
+        parallel: slots of the continuous-batching scheduler
+            (``--parallel``, iterative mode); above 1 the ``prompts``
+            requests are submitted at once and run through
+            ``ggpipe.decoding.scheduler`` as ``serve``/``batch`` run them.
     """
 
     profile: Profile
@@ -70,6 +75,7 @@ class SimConfig:
     prompts: int = 3
     ubatch: int = 512
     seed: int = 0
+    parallel: int = 1
 
 
 def _links(cfg: SimConfig):
@@ -153,7 +159,8 @@ def build(cfg: SimConfig, factors: dict | None = None, trace: dict | None = None
               for r, (a, b) in enumerate(tgt_ranges)]
     lm = ToyLM(TOY_VOCAB, seed=cfg.seed)
     target = SimPipeline(lm, clock, stages, link, cfg.target.n_embd, cfg.target.n_vocab,
-                         async_local=mode_class(cfg.mode).asynchronous, overhead_s=overhead, busy=busy, name="target",
+                         async_local=mode_class(cfg.mode).asynchronous or cfg.parallel > 1, overhead_s=overhead,
+                         busy=busy, name="target",
                          trace=trace)
     target.n_stages = roles.n_target   # pipedec keeps at most n_stages + 1 runs in flight
     draft = None
@@ -223,6 +230,8 @@ def _simulate_once(cfg: SimConfig, factors: dict, trace: dict | None = None) -> 
     Raises:
         ConfigError, SplitError: an impossible job (as ``ggpipe generate``)."""
     clock, target, draft, busy, roles = build(cfg, factors, trace)
+    if cfg.parallel > 1:
+        return _simulate_parallel(cfg, clock, target, busy)
     pipes = [p for p in (target, draft) if p is not None]
     spec = replace(cfg.spec, mode=cfg.mode) if cfg.mode != "iterative" else cfg.spec
     n_seq_max = seq_ids_needed(cfg.mode, spec)
@@ -256,6 +265,48 @@ def _simulate_once(cfg: SimConfig, factors: dict, trace: dict | None = None) -> 
             "wall_s": span,
         })
     return {"mode": cfg.mode, "ranks": cfg.ranks, "records": records, **_means(records, cfg.ranks)}
+
+
+def _simulate_parallel(cfg: SimConfig, clock: SimClock, target: SimPipeline, busy: dict) -> dict:
+    """``cfg.prompts`` greedy requests submitted at once to the scheduler
+    with ``cfg.parallel`` slots. Adds to the per-request figures
+    ``aggregate_tokens_per_s`` (every request's tokens / virtual seconds
+    from the first submission to the last token) and ``itl_p90_ms`` (the
+    mean over requests of each one's 90th percentile gap).
+
+    Raises:
+        ConfigError: a speculative mode (the scheduler decodes plainly)."""
+    if cfg.mode != "iterative":
+        raise ConfigError(f"--parallel {cfg.parallel}: the scheduler runs --mode iterative; the speculative modes "
+                          "serve one request at a time")
+    sched = Scheduler(target, cfg.parallel, n_ctx_slot=1 << 30, n_ubatch=cfg.ubatch, is_eog=lambda t: False,
+                      timeout_s=3600.0, idle=idle_until_next(clock, [target]))
+    rng = np.random.default_rng(cfg.seed)
+    jobs = [Job([int(t) for t in rng.integers(0, TOY_VOCAB, cfg.n_prompt)], cfg.n_predict,
+                Sampler(SamplingParams(temperature=0.0)), clock=GenerationClock(now=clock)) for _ in range(cfg.prompts)]
+    busy.clear()
+    t0 = clock.now
+    for j in jobs:
+        sched.submit(j)
+    sched.run()
+    wall = max(clock.now - t0, 1e-12)
+    records = []
+    for i, j in enumerate(jobs):
+        d = j.clock.as_dict()
+        records.append({
+            "prompt": i, "tokens_per_s": d.get("tokens_per_s"),
+            "ttft_ms": None if d.get("ttft_s") is None else 1e3 * d["ttft_s"],
+            "itl_mean_ms": None if d.get("itl_mean_s") is None else 1e3 * d["itl_mean_s"],
+            "itl_p90_ms": None if d.get("itl_p90_s") is None else 1e3 * d["itl_p90_s"],
+            "accepted_per_pass": 1.0, "acceptance_rate": None, "target_passes": None,
+            "busy_share": {r: busy.get(r, 0.0) / wall for r in range(cfg.ranks)}, "wall_s": wall,
+        })
+    out = {"mode": cfg.mode, "ranks": cfg.ranks, "parallel": cfg.parallel, "records": records,
+           **_means(records, cfg.ranks)}
+    vals = [r["itl_p90_ms"] for r in records if r["itl_p90_ms"] is not None]
+    out["itl_p90_ms"] = float(np.mean(vals)) if vals else None
+    out["aggregate_tokens_per_s"] = sum(len(j.request.out) for j in jobs) / wall
+    return out
 
 
 def _means(records: list[dict], ranks: int) -> dict:
