@@ -110,3 +110,22 @@ def test_body_size_is_bounded():
 
     r = c.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
     assert r.status_code == 413
+
+
+def test_a_full_queue_answers_503_with_retry_after_and_the_slots_view():
+    """--max-queue requests waiting: the next gets 503 queue_full with
+    Retry-After (a slot frees as soon as any request ends); /slots shows the
+    scheduler's view; /v1/models says how requests are scheduled."""
+    view = [{"id": 0, "n_ctx": 512, "is_processing": True, "n_prompt_tokens": 3, "n_decoded": 7, "n_cached": 9}]
+    state = ServerState(tokenize=lambda p, m: np.array([1, 2, 3], np.int32), model_id="m", n_ctx=512, n_vocab=10,
+                        n_predict=4, sampling=SamplingParams(), max_queue=1, parallel=2, slots=lambda: view,
+                        tokens_per_s=lambda: 12.5)
+    c = TestClient(create_app(state), base_url="http://127.0.0.1")
+    state.jobs.put(object())                         # one request waiting already
+    r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 503 and r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full"
+    assert c.get("/slots").json() == view
+    meta = c.get("/v1/models").json()["data"][0]["meta"]
+    assert meta["parallel"] == 2 and meta["scheduling"].startswith("continuous batching: up to 2 requests")
+    metrics = c.get("/metrics").text
+    assert "ggpipe_slots 2.0" in metrics and "ggpipe_aggregate_tokens_per_second 12.5" in metrics

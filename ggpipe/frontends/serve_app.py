@@ -66,6 +66,8 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        if self.code == "queue_full":
+            headers = {"Retry-After": "1"}   # a slot frees as soon as any request ends
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
