@@ -35,6 +35,15 @@ def test_the_rule():
     assert g.pays(0.006, 0.020, 0.024)                      # 2 x 20 ms >= 6 + 4 ms
     assert DraftGate(yield_=0.1).pays(0.0, 0.020, 0.024) is False   # an instant draft still pays the batch
     assert DraftGate(yield_=0.1).pays(0.0, 0.020, 0.021)
+    blind = DraftGate(yield_=0.1, explore_every=3)          # every pass so far carried a chain: c(1) unknown
+    assert [blind.pays(0.0, None, 0.030) for _ in range(6)] == [True, True, False, True, True, False]
+
+
+class Always(DraftGate):
+    """Every root drafted: the behaviour before the gate."""
+
+    def pays(self, step_s, c1, c2) -> bool:
+        return True
 
 
 def _run(acceptance: float, gate: DraftGate | None) -> tuple[list[int], float, dict]:
@@ -56,8 +65,7 @@ def _run(acceptance: float, gate: DraftGate | None) -> tuple[list[int], float, d
 
 
 def test_a_draft_that_is_seldom_right_is_not_waited_for():
-    always = DraftGate(explore_every=1)          # every root drafted: the behaviour before the gate
-    out_a, t_always, _ = _run(0.02, always)
+    out_a, t_always, _ = _run(0.02, Always())
     out_g, t_gated, stats = _run(0.02, None)
     assert out_g == out_a                        # the same tokens: a skipped root is verified alone
     assert stats["draft_skipped"] > 60 and t_gated < 0.97 * t_always
@@ -65,7 +73,7 @@ def test_a_draft_that_is_seldom_right_is_not_waited_for():
 
 
 def test_a_good_draft_is_never_held_back():
-    out_a, t_always, _ = _run(0.95, DraftGate(explore_every=1))
+    out_a, t_always, _ = _run(0.95, Always())
     out_g, t_gated, stats = _run(0.95, None)
     assert out_g == out_a and stats["draft_skipped"] == 0 and t_gated == pytest.approx(t_always)
     assert out_g == ToyLM(64).greedy(list(range(16)), 120) or len(out_g) == 120

@@ -20,7 +20,7 @@ from tests.conftest import run_ggpipe, stderr_lines
 from tests.test_batch import read_records, write_jsonl
 from tests.test_serve import ServerProc, http
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.full]  # the fast tier runs the one case marked smoke
 
 PROMPTS = [
     "The capital of France is",
@@ -34,16 +34,16 @@ PROMPTS = [
 LENGTHS = [24, 40, 6, 17, 32, 3, 28]   # requests end at different times; later ones take their slots
 
 
-def _batch(tmp_path, model, ranks: int, parallel: int, rows: list[dict], name: str) -> dict:
+def _batch(tmp_path, model, ranks: int, parallel: int, rows: list[dict], name: str, extra=()) -> dict:
     inp, out = tmp_path / f"{name}.in.jsonl", tmp_path / f"{name}.out.jsonl"
     write_jsonl(inp, rows)
     p = run_ggpipe(["batch", str(inp), "-o", str(out), "-m", str(model), "--parallel", str(parallel),
-                    "--no-progress", "--ignore-eos"], ranks, timeout=600)
+                    "--no-progress", "--ignore-eos", *extra], ranks, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     return {r["id"]: r for r in read_records(out)}
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("ranks", [pytest.param(2, marks=pytest.mark.smoke), 3])  # 2: the fast tier's smoke test
 def test_batch_requests_equal_single_node_at_any_parallel(tmp_path, goliath, reference, ranks):
     rows = [{"id": i, "prompt": p, "n": n} for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS))]
     got = _batch(tmp_path, goliath, ranks, 3, rows, "p3")
@@ -68,8 +68,20 @@ def test_a_speculative_mode_with_parallel_is_refused_in_one_line(tmp_path, smoll
                     "--mode", "speculative", "--parallel", "4"], None, timeout=120)
     assert p.returncode == 2
     assert stderr_lines(p.stderr) == [
-        "ggpipe: error: --parallel 4: the speculative modes serve one request at a time; use --parallel 1 with "
-        "--mode speculative, or --mode iterative for many requests at once (see 'ggpipe batch --help')"]
+        "ggpipe: error: --parallel 4: the speculative modes serve one request at a time with a draft model; use "
+        "--parallel 1 with --mode speculative, --spec-type ngram, or --mode iterative for many requests at once "
+        "(see 'ggpipe batch --help')"]
+
+
+def test_ngram_chains_of_a_request_alone_are_exact(tmp_path, goliath, reference):
+    """--spec-type ngram with --parallel: a request that generates alone sends
+    n-gram chains below its tokens, verified in micro-batches of its own;
+    others beside it decode plainly. Tokens: single-node llama.cpp's."""
+    text = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
+    rows = [{"id": 0, "prompt": text, "n": 40}, {"id": 1, "prompt": PROMPTS[0], "n": 8}]
+    got = _batch(tmp_path, goliath, 2, 2, rows, "ngram", ["--mode", "speculative", "--spec-type", "ngram"])
+    assert got[0]["tokens"] == reference(goliath, text, 40)
+    assert got[1]["tokens"] == reference(goliath, PROMPTS[0], 8)
 
 
 def test_serve_answers_concurrent_clients_exactly(goliath, reference):

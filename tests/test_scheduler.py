@@ -163,3 +163,72 @@ def test_depth_keeps_several_micro_batches_in_flight():
     assert decode.count([0, 1]) >= 5 and decode.count([2, 3]) >= 5 and max(map(len, decode)) == 2
     for j in jobs:
         assert j.request.out == ToyLM(V).greedy(j.tokens, 10)
+
+
+def _ngram(context, k):
+    from ggpipe.speculation.proposers.ngram import ngram_lookup
+
+    return ngram_lookup(context, 1, 4, k)
+
+
+def test_a_request_alone_drafts_chains_and_stays_exact():
+    """Speculation in the scheduler: while one greedy request generates, its
+    token goes with an n-gram chain below it (a micro-batch of its own) and
+    the target keeps the tokens it agrees with; on text that repeats itself
+    most drafts are taken. A sampled request is never drafted for."""
+    period = 7
+    lm = ToyLM(V, period=period)
+    target = FakePipeline(lm, latency=2, cell_order=True, streams=True)
+    sched = Scheduler(target, 2, n_ctx_slot=256, n_ubatch=16, is_eog=lambda t: False, draft=_ngram, draft_max=5)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3]
+    job = Job(list(prompt), 40, Sampler(SamplingParams()))
+    sched.submit(job)
+    sched.run()
+    assert job.request.out == lm.greedy(prompt, 40)
+    st = sched.stats
+    assert st["drafted"] > 20 and st["draft_accepted"] > 0.8 * st["drafted"]
+    assert st["micro_batches"] < 20                      # far fewer passes than 40 tokens
+    sampled = Job(list(prompt), 10, Sampler(SamplingParams(temperature=0.7, seed=1)))
+    sched.submit(sampled)
+    drafted = st["drafted"]
+    sched.run()
+    assert sched.stats["drafted"] == drafted
+
+
+def test_chains_fade_when_several_requests_generate():
+    lm = ToyLM(V, period=5)
+    target = FakePipeline(lm, latency=2, cell_order=True, streams=True)
+    sched = Scheduler(target, 4, n_ctx_slot=256, n_ubatch=16, is_eog=lambda t: False, draft=_ngram, draft_max=4)
+    jobs = [Job([i + 1, i + 2, i + 3, i + 4, i + 5, i + 1], 30, Sampler(SamplingParams())) for i in range(4)]
+    for j in jobs:
+        sched.submit(j)
+    sched.run()
+    for j in jobs:
+        assert j.request.out == lm.greedy(j.tokens, 30)
+    # drafting only once the others have ended: the tails of the last requests
+    assert 0 < sched.stats["drafted"] < 60
+
+
+def test_chains_that_miss_are_given_up_and_the_refused_cells_removed():
+    """A draft that is never right: its refused tokens' cells are removed
+    (the toy's streams check every token's cells), and once the gate has
+    measured that chains cost more than they save, tokens go alone."""
+    lm = ToyLM(V)
+    target = FakePipeline(lm, latency=2, cell_order=True, streams=True)
+    sched = Scheduler(target, 1, n_ctx_slot=256, n_ubatch=16, is_eog=lambda t: False,
+                      draft=lambda ctx, k: [(ctx[-1] + 1) % V] * k, draft_max=3)
+    clock = iter(range(1, 10**6))
+    target_result = target._result
+
+    def timed(run, logits, cancelled, rows=None):      # a pass costs 10 ms + 5 ms per token on this toy
+        res = target_result(run, logits, cancelled, rows)
+        run.started_at = next(clock) * 1.0
+        res.finished_at = run.started_at + 0.010 + 0.005 * run.n_tokens
+        return res
+
+    target._result = timed
+    job = Job([3, 9, 4], 60, Sampler(SamplingParams()))
+    sched.submit(job)
+    sched.run()
+    assert job.request.out == lm.greedy([3, 9, 4], 60)
+    assert sched.stats["draft_skipped"] > 30

@@ -8,9 +8,13 @@ run at once through the continuous-batching scheduler
   in llama-server without ``--kv-unified``. Without ``-c`` it is 2048 per
   slot.
 * ``auto`` (the default): ``max(8, 4 x ranks)`` in ``--mode iterative``
-  (enough requests per micro-batch, and at least as many micro-batches in
-  flight as stages; docs/BENCHMARKS.md "Many requests at once"); 1 in the
-  speculative modes, which serve one request at a time.
+  and with ``--spec-type ngram`` (enough requests per micro-batch, and at
+  least as many micro-batches in flight as stages; docs/BENCHMARKS.md "Many
+  requests at once"); 1 with a draft model, whose proposers serve one
+  request at a time.
+* A speculative mode with ``--spec-type ngram`` and ``N`` > 1 drafts an
+  n-gram chain below a request's token while it generates alone
+  (ggpipe.decoding.scheduler); the draft-model strategies need ``N`` = 1.
 * ``1``: one request at a time, as ``generate`` and ``chat`` run them.
 """
 
@@ -46,8 +50,8 @@ class Parallel(click.ParamType):
 parallel_option = click.option(
     "-np", "--parallel", default="auto", type=Parallel(), show_default=True,
     help="Requests served at once (slots), each with a KV stream of its own; -c is shared among them (-c/N cells "
-         "each; without -c, 2048 per slot). auto: max(8, 4 x ranks) in --mode iterative, 1 in the speculative "
-         "modes. 1: one at a time.")
+         "each; without -c, 2048 per slot). auto: max(8, 4 x ranks) in --mode iterative and with --spec-type "
+         "ngram, 1 with a draft model. 1: one at a time.")
 
 
 def with_parallel(job: JobSpec, parallel: int | None, ctx: click.Context) -> JobSpec:
@@ -55,15 +59,17 @@ def with_parallel(job: JobSpec, parallel: int | None, ctx: click.Context) -> Job
     slot, ``-c`` per slot when not given.
 
     Raises:
-        click.UsageError: ``--parallel`` > 1 with a speculative mode, or with
-            ``--n-seq-max`` (the slots are the sequences)."""
-    speculative = job.mode != "iterative"
-    n = parallel if parallel is not None else (1 if speculative else max(8, 4 * (launched_size() or 1)))
+        click.UsageError: ``--parallel`` > 1 with a speculative mode drafting
+            with a draft model, or with ``--n-seq-max`` (the slots are the
+            sequences)."""
+    one_at_a_time = job.mode != "iterative" and job.spec.spec_type != "ngram"
+    n = parallel if parallel is not None else (1 if one_at_a_time else max(8, 4 * (launched_size() or 1)))
     if n == 1:
         return job
-    if speculative:
-        raise click.UsageError(f"--parallel {n}: the speculative modes serve one request at a time; use "
-                               f"--parallel 1 with --mode {job.mode}, or --mode iterative for many requests at once")
+    if one_at_a_time:
+        raise click.UsageError(f"--parallel {n}: the speculative modes serve one request at a time with a draft "
+                               f"model; use --parallel 1 with --mode {job.mode}, --spec-type ngram, or --mode "
+                               "iterative for many requests at once")
     if ctx.get_parameter_source("n_seq_max") == click.core.ParameterSource.COMMANDLINE:
         raise click.UsageError("--n-seq-max is set by --parallel (one KV sequence per slot): leave it out")
     given_c = ctx.get_parameter_source("ctx_size") == click.core.ParameterSource.COMMANDLINE

@@ -56,6 +56,8 @@ from ggpipe.metrics import GenerationClock
 from ggpipe.pipeline.waiting import Wait, poll_wait
 from ggpipe.runs import Run, RunResult, next_run_id
 from ggpipe.sampling import Sampler
+from ggpipe.speculation.adaptive import PassCost
+from ggpipe.speculation.gate import DraftGate
 
 RATE_WINDOW_S = 10.0   # the window of tokens_per_s()
 
@@ -78,6 +80,8 @@ class Job:
         slot: its slot, once started.
         n_reused: prompt tokens whose cells the slot already held.
         queue_s: seconds spent waiting for a slot.
+        drafted, draft_accepted: tokens drafted below this request's tokens,
+            and how many of them the target took.
     """
 
     tokens: list[int]
@@ -91,6 +95,8 @@ class Job:
     slot: int | None = None
     n_reused: int = 0
     queue_s: float = 0.0
+    drafted: int = 0
+    draft_accepted: int = 0
     t_queued: float = field(default_factory=time.monotonic)
 
 
@@ -126,31 +132,33 @@ class _Row:
     slot: Slot
     job: Job
     logits: bool   # this row asked for logits
+    chain: list[int] = field(default_factory=list)   # drafted tokens after the row's token (a logit row each)
 
 
 def plan_microbatch(slots: list[Slot], budget: int, max_decode: int,
                     prefer_prompt: bool = False) -> list[tuple[Slot, int, bool]]:
     """Which slots send what in the next micro-batch: (slot, tokens, wants
-    logits), in batch order. Pure.
+    logits of its last token), in batch order. Pure.
 
     A micro-batch is either the next token of generating slots (at most
     ``max_decode`` and ``budget`` of them, the lowest ids, in id order), or
-    one chunk of one prompt (the earliest-queued, at most ``budget``
-    tokens; its last chunk asks for the logits of its last token): with one
-    KV stream per sequence, llama.cpp splits a batch into ubatches of
-    consecutive sequence ids and equal tokens per sequence
-    (``llama_batch_allocr::split_equal``), and only these two shapes come
-    out of it in batch order, which the stages' hidden-state capture
-    relies on. Prompts go first when ``prefer_prompt`` (the scheduler
-    alternates while both wait) or when no slot is generating. Slots
-    waiting for logits send nothing."""
+    one sequence's chunk: a chunk of the earliest-queued prompt (at most
+    ``budget`` tokens; its last chunk asks for the logits of its last token)
+    or a generating slot's token with a drafted chain below it (every row's
+    logits). With one KV stream per sequence, llama.cpp splits a batch into
+    ubatches of consecutive sequence ids and equal tokens per sequence
+    (``llama_batch_allocr::split_equal``), and only these shapes come out of
+    it in batch order, which the stages' hidden-state capture relies on.
+    A chunk goes first when ``prefer_prompt`` (the scheduler alternates
+    while both wait) or when no slot waits with one token. Slots waiting
+    for logits send nothing."""
     ready = [s for s in slots if s.job is not None and s.todo and not s.waiting]
-    decode = [s for s in ready if s.job.request is not None and s.job.request.out]
-    prompts = sorted((s for s in ready if s not in decode), key=lambda s: s.job.t_queued)
-    if decode and not (prompts and prefer_prompt):
+    decode = [s for s in ready if s.job.request is not None and s.job.request.out and len(s.todo) == 1]
+    chunks = sorted((s for s in ready if s not in decode), key=lambda s: s.job.t_queued)
+    if decode and not (chunks and prefer_prompt):
         return [(s, 1, True) for s in decode[:min(max_decode, budget)]]
-    if prompts:
-        s = prompts[0]
+    if chunks:
+        s = chunks[0]
         n = min(budget, len(s.todo))
         return [(s, n, n == len(s.todo))]
     return []
@@ -168,6 +176,11 @@ class Scheduler:
         timeout_s: bound of every wait for a result (seconds).
         idle: the wait when nothing is ready (``idle(ready, timeout_s)``);
             None: back-off polling.
+        draft: ``draft(context, k) -> tokens``: up to ``k`` drafted tokens
+            that may follow ``context`` (an n-gram lookup, instant), or None:
+            no speculation. Used while one greedy request is generating
+            (:meth:`_draft_below`).
+        draft_max: most drafted tokens per chain.
 
     Attributes:
         stats: "micro_batches", "rows", "prefill_tokens", "generated",
@@ -176,7 +189,8 @@ class Scheduler:
 
     def __init__(self, target: TargetBackend, n_slots: int, n_ctx_slot: int, n_ubatch: int,
                  is_eog: Callable[[int], bool], depth: int | None = None, timeout_s: float = 60.0,
-                 idle: Wait | None = None):
+                 idle: Wait | None = None, draft: Callable[[list[int], int], list[int]] | None = None,
+                 draft_max: int = 6):
         if n_slots < 1:
             raise ConfigError(f"--parallel must be at least 1, got {n_slots}")
         self.target = target
@@ -190,8 +204,12 @@ class Scheduler:
         self.queue: deque[Job] = deque()
         self._rows: dict[int, list[_Row]] = {}
         self._prompt_turn = False    # a prompt chunk goes next, when both prompts and tokens wait
+        self.draft, self.draft_max = draft, draft_max
+        self.gate = DraftGate()      # whether a chain pays (speculation.gate), from the passes' measured costs
+        self.pass_cost = PassCost()
+        self._last_finish = 0.0
         self.stats = dict.fromkeys(("micro_batches", "rows", "prefill_tokens", "generated", "finished",
-                                    "reused_tokens"), 0)
+                                    "reused_tokens", "drafted", "draft_accepted", "draft_skipped"), 0)
         self._recent: deque[float] = deque()    # when each of the tokens of the last RATE_WINDOW_S was generated
 
     # -- requests ------------------------------------------------------------------
@@ -272,15 +290,16 @@ class Scheduler:
         for slot, n, wants in plan:
             chunk = slot.todo[:n]
             del slot.todo[:n]
+            chain = chunk[1:] if slot.job.request.out else []   # drafted tokens below a generating slot's token
             p0 = len(slot.kv)
             tokens += chunk
             pos += range(p0, p0 + n)
             seqs += [slot.seq] * n
-            outputs += [0] * (n - 1) + [int(wants)]
+            outputs += [int(bool(chain))] * (n - 1) + [int(wants)]
             slot.kv += chunk
             slot.in_flight += 1
             slot.waiting = wants
-            rows.append(_Row(slot, slot.job, wants))
+            rows.append(_Row(slot, slot.job, wants, chain))
             if wants:
                 reply.append(slot.job.sampler.params.reply_k())
             else:
@@ -298,29 +317,92 @@ class Scheduler:
         return True
 
     def _handle(self, res: RunResult) -> None:
-        """A micro-batch's logits: each row's request decides its next token."""
+        """A micro-batch's logits: each row's request decides its next
+        token (a chain: the drafted tokens the target agrees with, and one
+        more)."""
         rows = self._rows.pop(res.run.run_id)
+        self._timed(res)
         k = 0
         for row in rows:
             slot = row.slot
             slot.in_flight -= 1
             if not row.logits:
                 continue
-            logits = res.logits[k]
-            k += 1
+            logits = [res.logits[k + i] for i in range(len(row.chain) + 1)]
+            k += len(logits)
             slot.waiting = False
             if slot.job is not row.job:      # the request ended while this row was in flight
                 continue
             r = row.job.request
             if not r.out:
                 r.clock.prompt_done()
-            r.accept([row.job.sampler.sample(logits)])
-            self.stats["generated"] += 1
-            self._recent.append(time.monotonic())
+            decided = self._verify(row, logits)
+            n_out = len(r.out)
+            r.accept(decided)
+            self.stats["generated"] += len(r.out) - n_out
+            self._recent.extend([time.monotonic()] * (len(r.out) - n_out))
             if r.done:
                 self._end(slot)
             else:
-                slot.todo = [r.out[-1]]
+                slot.todo = [r.out[-1]] + self._draft_below(slot)
+
+    def _verify(self, row: _Row, logits: list) -> list[int]:
+        """The tokens a row decides: its sampled token, or for a chain (greedy
+        requests only) the drafted tokens the target's argmax agrees with and
+        the target's token after them; the cells of the drafted tokens it
+        refuses are removed (``seq_rm``, pipelined behind the runs sent)."""
+        sampler = row.job.sampler
+        decided = [sampler.sample(logits[0])]
+        for t, lg in zip(row.chain, logits[1:]):
+            if t != decided[-1]:
+                break
+            decided.append(sampler.sample(lg))
+        if row.chain:
+            matched = len(decided) - 1
+            self.gate.observe(matched)
+            self.stats["draft_accepted"] += matched
+            row.job.draft_accepted += matched
+            slot = row.slot
+            cut = len(slot.kv) - (len(row.chain) - matched)
+            if cut < len(slot.kv):
+                self.target.seq_rm(slot.seq, cut, -1)
+                del slot.kv[cut:]
+        return decided
+
+    def _draft_below(self, slot: Slot) -> list[int]:
+        """Drafted tokens to send below the slot's next token: only for a
+        greedy request that generates alone (beside other generating slots a
+        chain travels in a micro-batch of its own, a whole pass, where its
+        plain token rides in its group's batch almost for free), only while
+        a chain pays (:class:`~ggpipe.speculation.gate.DraftGate`: accepted
+        tokens per chain against what a bigger pass costs)."""
+        r = slot.job.request
+        if self.draft is None or not slot.job.sampler.params.greedy:
+            return []
+        if sum(1 for s in self.slots if s.job is not None and s.job.request and s.job.request.out) > 1:
+            return []
+        room = min(self.draft_max, r.n_predict - len(r.out), self.n_ctx_slot - len(slot.kv) - 2)
+        if room <= 0:
+            return []
+        cost = self.pass_cost
+        c1 = cost.cost(1) if len(cost.mean) > 1 else cost.mean.get(1)
+        if not self.gate.pays(0.0, c1, cost.cost(2)):
+            self.stats["draft_skipped"] += 1
+            return []
+        chain = self.draft(r.context, room)
+        self.stats["drafted"] += len(chain)
+        slot.job.drafted += len(chain)
+        return chain
+
+    def _timed(self, res: RunResult) -> None:
+        """The target's pass cost per size, from the service times of
+        micro-batches of one sequence with a logit row per token (a slot's
+        token, alone or with its chain; not prompt chunks)."""
+        run = res.run
+        if (res.finished_at and run.started_at and run.n_outputs == run.n_tokens
+                and len(set(run.seq_ids.tolist())) == 1):
+            self.pass_cost.observe(run.n_tokens, res.finished_at - max(run.started_at, self._last_finish))
+        self._last_finish = res.finished_at
 
     # -- views (any thread) ----------------------------------------------------------
 

@@ -63,6 +63,15 @@ class Completion:
                     n_reused=self.n_reused, metrics=self.metrics, decoder=self.decoder)
 
 
+def _ngram_drafter(spec: SpecSettings) -> Callable[[list[int], int], list[int]]:
+    """The scheduler's drafting with ``--spec-type ngram`` (the only strategy
+    it runs per slot): prompt lookup with the strategy's n-gram sizes."""
+    from ggpipe.speculation.proposers.ngram import NgramProposer, ngram_lookup  # noqa: PLC0415
+
+    opts = spec.strategy_options.of(NgramProposer)
+    return lambda context, k: ngram_lookup(context, opts.ngram_min, opts.ngram_max, k)
+
+
 class Engine:
     """Head rank: generate through ``session``'s pipeline(s) in ``mode``.
 
@@ -98,7 +107,9 @@ class Engine:
         if parallel > 1:
             self.n_ctx = session.stage.n_ctx_seq    # the cells of one slot
             self.scheduler = Scheduler(session.pipeline, parallel, self.n_ctx, cfg.ubatch, self.is_eog,
-                                       timeout_s=cfg.timeout_s, idle=self.waiter)
+                                       timeout_s=cfg.timeout_s, idle=self.waiter,
+                                       draft=_ngram_drafter(spec) if mode != "iterative" else None,
+                                       draft_max=spec.draft_max)
         else:
             self.decoder = build_decoder(mode, spec, session.pipeline, drafts[0] if drafts else None,
                                          more_drafts=drafts[1:], n_ubatch=cfg.ubatch, n_seq_max=cfg.n_seq_max,
@@ -217,7 +228,9 @@ class Engine:
             on_done(Completion(tokens=[int(t) for t in out], text=stream.text, finish_reason=reason,
                                n_prompt=len(toks), n_reused=job.n_reused, metrics=job.clock.as_dict(),
                                decoder={"slot": job.slot, "queue_s": round(job.queue_s, 4),
-                                        "parallel": self.parallel}))
+                                        "parallel": self.parallel, "drafted": job.drafted,
+                                        "draft_accepted": job.draft_accepted,
+                                        "acceptance_rate": job.draft_accepted / job.drafted if job.drafted else None}))
 
         job = Job(toks, n_predict, Sampler(sampling), emit=stream.emit, on_done=done)
         self.scheduler.submit(job)

@@ -18,7 +18,8 @@ with ``y`` the accepted draft tokens per attempt, an exponentially
 weighted mean over the attempts so far, ``c`` the target's pass cost curve
 and ``d`` the draft's measured step. Until ``y`` and ``c(1)`` are
 known every root is drafted (the behaviour before the gate; an unknown
-``c(2)`` counts as ``c(1)``). An attempt is
+``c(2)`` counts as ``c(1)``), except that when every pass carried a chain
+for ``explore_every`` attempts, one root goes alone so ``c(1)`` is measured. An attempt is
 also made after ``explore_every`` roots in a row went without one, so ``y``
 follows text where the draft becomes right again. The same rule, with the
 target's cost at the current load, is what a scheduler asks per slot
@@ -46,6 +47,7 @@ class DraftGate:
     skipped: int = 0
     explored: int = 0
     _run: int = 0    # roots in a row without an attempt
+    _blind: int = 0  # attempts in a row made without knowing c(1)
 
     def observe(self, accepted: int) -> None:
         """An attempt's outcome: ``accepted`` of its draft tokens were accepted."""
@@ -57,7 +59,12 @@ class DraftGate:
         (0 for an instant proposer); ``c1``, ``c2``: the target's seconds
         for a pass of 1 and 2 tokens (None while unmeasured; an unknown
         ``c2`` counts as ``c1``: no batch was sent yet, so none cost more)."""
+        if c1 is None and self.yield_ is not None and self._blind + 1 >= self.explore_every:
+            self._blind = 0              # every pass had a chain: send one token alone, to learn c(1)
+            self.skipped += 1
+            return False
         if self.yield_ is None or step_s is None or c1 is None:
+            self._blind += c1 is None
             return self._attempt()
         extra = 0.0 if c2 is None else max(0.0, c2 - c1)
         if self.yield_ * c1 >= step_s + extra:
