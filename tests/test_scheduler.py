@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from ggpipe.decoding.scheduler import Job, Scheduler, Slot, plan_microbatch
+from ggpipe.decoding.scheduler import Scheduler
+from ggpipe.decoding.slots import Job, Slot, plan_microbatch
 from ggpipe.decoding.request import Request
 from ggpipe.errors import ConfigError
 from ggpipe.sampling import Sampler, SamplingParams

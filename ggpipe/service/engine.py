@@ -27,7 +27,8 @@ from ggpipe.kv_reuse import reusable_prefix
 from ggpipe.sampling import Sampler, SamplingParams
 from ggpipe.cluster.session import Session
 from ggpipe.decoding.factory import build_decoder
-from ggpipe.decoding.scheduler import Job, Scheduler
+from ggpipe.decoding.scheduler import Scheduler
+from ggpipe.decoding.slots import Job
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.pipeline.waiting import EventWait
 from ggpipe.service.text import TextStream

@@ -19,7 +19,8 @@ from ggpipe.cluster.roles import Roles
 from ggpipe.cluster.split import SplitSpec, plan_layers
 from ggpipe.decoding.factory import build_decoder
 from ggpipe.decoding.mode import mode_class, seq_ids_needed
-from ggpipe.decoding.scheduler import Job, Scheduler
+from ggpipe.decoding.scheduler import Scheduler
+from ggpipe.decoding.slots import Job
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.errors import ConfigError
 from ggpipe.metrics import GenerationClock
