@@ -20,8 +20,9 @@ Rows (``--rows`` picks a subset, by name):
   (draft-simple, 6 tokens), 2 threads;
 * ``ggpipe iterative``, ``ggpipe speculative``, ``ggpipe pipeinfer``: 2 ranks x
   1 thread (speculative modes: target on rank 0, draft on rank 1);
-* ``ggpipe pipeinfer (before)``: the same from another checkout (``--before``,
-  run with ``PYTHONPATH`` pointing at it);
+* ``ggpipe iterative (before)``, ``ggpipe speculative (before)``, ``ggpipe
+  pipeinfer (before)``: the same from another checkout (``--before``, run
+  with ``PYTHONPATH`` pointing at it), each right after its own row;
 * ``ggpipe ngram (pipeinfer)``, ``ggpipe ngram (speculative)``: ``--spec-type
   ngram`` in either mode, 2 ranks x 1 thread, both ranks target stages, no
   draft model;
@@ -92,8 +93,9 @@ class Rows:
                  "ggpipe staged (pipeinfer)", "ggpipe staged (speculative)", "ggpipe vote (speculative)",
                  "ggpipe pipedec",
                  "ggpipe iterative fa-on", "ggpipe pipeinfer fa-on"]
-        if self.a.before:
-            names.insert(names.index("ggpipe pipeinfer"), "ggpipe pipeinfer (before)")
+        if self.a.before:    # the three modes again from the other checkout, each right after its own row
+            for row in ("ggpipe iterative", "ggpipe speculative", "ggpipe pipeinfer"):
+                names.insert(names.index(row) + 1, f"{row} (before)")
         if self.a.alt_python:
             names += ["ggpipe iterative (alt python)", "ggpipe speculative (alt python)",
                       "ggpipe pipeinfer (alt python)"]
@@ -160,6 +162,9 @@ class Rows:
             # the same ggpipe under another interpreter (e.g. a venv whose llama-cpp-python was built otherwise)
             python = self.a.alt_python
             name = name[: -len(" (alt python)")]
+        if name.endswith(" (before)"):      # the same row from the --before checkout
+            env["PYTHONPATH"] = str(Path(self.a.before).resolve())
+            name = name[: -len(" (before)")]
         if name.startswith("ggpipe iterative"):
             args += ["--mode", "iterative"]
         elif name == "ggpipe speculative":
@@ -168,8 +173,6 @@ class Rows:
             args += ["--mode", "pipedec", "-md", self.draft]
         elif name.startswith("ggpipe pipeinfer"):
             args += ["--mode", "pipeinfer", "-md", self.draft]
-            if "before" in name:
-                env["PYTHONPATH"] = str(Path(self.a.before).resolve())
         elif name.startswith(("ggpipe ngram", "ggpipe staged", "ggpipe vote")):
             spec_type = name.split()[1]
             args += ["--mode", "speculative" if "speculative" in name else "pipeinfer", "--spec-type", spec_type]
@@ -325,7 +328,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--rows", default=None, help="comma-separated row names (default: all)")
     ap.add_argument("--prompts", default=None, help="comma-separated prompt ids (default: all five)")
-    ap.add_argument("--before", default=None, help="another ggpipe checkout for the 'pipeinfer (before)' row")
+    ap.add_argument("--before", default=None,
+                    help="another ggpipe checkout for the '(before)' twins of the iterative, speculative and pipeinfer rows")
     ap.add_argument("--alt-python", default=None,
                     help="another venv's python (with ggpipe installed) for the '(alt python)' rows, e.g. one whose "
                          "llama-cpp-python was built with llamafile's sgemm (the default build)")
