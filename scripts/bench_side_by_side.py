@@ -205,7 +205,8 @@ def measure(a) -> None:
         if not peer.bin_path(t).exists():
             raise SystemExit(f"{peer.bin_path(t)} missing: run `python scripts/peer_llamacpp.py build` first")
     target, draft = str(resolve(a.model)), str(resolve(a.draft_model))
-    prompts = load_prompts("default") + load_prompts(str(PROMPTS_EXTRA))
+    prompts = (load_prompts(a.prompt_set) if a.prompt_set else
+               load_prompts("default") + load_prompts(str(PROMPTS_EXTRA)))
     if a.prompts:
         prompts = [p for p in prompts if p["id"] in a.prompts.split(",")]
     texts = render_prompts(target, prompts)
@@ -328,6 +329,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--rows", default=None, help="comma-separated row names (default: all)")
     ap.add_argument("--prompts", default=None, help="comma-separated prompt ids (default: all five)")
+    ap.add_argument("--prompt-set", default=None,
+                    help="a JSONL prompt set instead of the five bench prompts (e.g. scripts/prompts/holdout.jsonl: "
+                         "three prompts never used to tune a default)")
     ap.add_argument("--before", default=None,
                     help="another ggpipe checkout for the '(before)' twins of the iterative, speculative and pipeinfer rows")
     ap.add_argument("--alt-python", default=None,
