@@ -13,7 +13,8 @@ from starlette.testclient import TestClient
 from ggpipe.errors import ConfigError
 from ggpipe.frontends.http_guard import Access, host_allowed, is_json_content_type, origin_allowed, split_host
 from ggpipe.frontends.serve import read_api_key
-from ggpipe.frontends.serve_app import ServerState, create_app
+from ggpipe.frontends.serve_app import create_app
+from ggpipe.frontends.serve_state import ServerState
 from ggpipe.sampling import SamplingParams
 
 

@@ -51,7 +51,9 @@ from ggpipe.errors import ConfigError, GGPipeError
 from ggpipe.service.engine import Engine
 from ggpipe.service.job import JobSpec, head_signals, ignore_signals, run_job
 from ggpipe.frontends.http_guard import Access
-from ggpipe.frontends.serve_app import APIError, ServerState, create_app
+from ggpipe.frontends.serve_app import create_app
+from ggpipe.frontends.serve_bodies import APIError
+from ggpipe.frontends.serve_state import ServerState
 from ggpipe.frontends.serve_slots import SlotLoop
 from ggpipe.sampling import SamplingParams
 

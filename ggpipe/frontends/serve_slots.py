@@ -19,7 +19,8 @@ import time
 from typing import Callable
 
 from ggpipe.errors import GGPipeError
-from ggpipe.frontends.serve_app import APIError, Job, ServerState
+from ggpipe.frontends.serve_bodies import APIError
+from ggpipe.frontends.serve_state import Job, ServerState
 from ggpipe.service.engine import Completion, Engine
 
 

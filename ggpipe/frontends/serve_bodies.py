@@ -1,0 +1,158 @@
+"""What ``ggpipe serve`` accepts: the OpenAI-style request bodies and their checks.
+
+:class:`APIError` is the error every endpoint answers with (an OpenAI-style
+``{"error": {"message", "type", "param", "code"}}`` body); the pydantic models
+are the bodies of ``/v1/chat/completions`` and ``/v1/completions`` (strict
+types, unknown fields ignored); :func:`parse_body` reads a request's body,
+bounded by ``--max-body-bytes``, and validates it, turning pydantic's report
+into one line.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+from ggpipe.frontends.request_limits import ROLES, STOP_MAX, TEMPERATURE_MAX, template_role
+from ggpipe.frontends.serve_state import ServerState, state_of
+
+# -- errors ------------------------------------------------------------------------------
+
+
+class APIError(Exception):
+    """An error answered with ``status`` and an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        if self.code == "queue_full":
+            headers = {"Retry-After": "1"}   # a slot frees as soon as any request ends
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+# -- request bodies ------------------------------------------------------------------------
+
+PosInt = Annotated[StrictInt, Field(ge=1)]
+
+
+class _Body(BaseModel):
+    # strict: "0.5" is not a temperature; unknown OpenAI fields are ignored
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: StrictStr | None = None
+    max_tokens: PosInt | None = None
+    temperature: Annotated[float, Field(ge=0, le=TEMPERATURE_MAX, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=0)] | None = None
+    seed: Annotated[StrictInt, Field(ge=0, lt=2**63)] | None = None
+    stop: StrictStr | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(max_length=STOP_MAX)] | None = None
+    stream: StrictBool = False
+    stream_options: dict[str, Any] | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=1)] = 1
+    logprobs: Any = None
+    echo: StrictBool = False
+
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        if isinstance(self.stop, str):
+            if not self.stop:
+                raise APIError(400, "stop must be a non-empty string or a list of them", param="stop")
+            return [self.stop]
+        return list(self.stop)
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal[ROLES]  # type: ignore[valid-type]
+    content: StrictStr | list[TextPart]
+
+    def as_template_message(self) -> dict:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": template_role(self.role), "content": text}
+
+
+class ChatBody(_Body):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: PosInt | None = None
+
+
+class CompletionBody(_Body):
+    # text, a list of one text, or token ids
+    prompt: StrictStr | list[StrictStr] | list[Annotated[StrictInt, Field(ge=0)]]
+
+
+
+# -- reading and checking a body -----------------------------------------------------------
+
+
+def _error_message(exc: ValidationError) -> tuple[str, str | None]:
+    """One line about the first problem pydantic found, and the field it names."""
+    errs = exc.errors(include_url=False)
+    if not errs:
+        return "invalid request body", None
+    # With a union (stop: str | list[str]), pydantic reports every branch; the
+    # branch whose type matched says what is wrong ("at most 16 items", ">= 0"),
+    # not "Input should be a valid string": prefer constraint errors, then the
+    # deepest location (the branch that got furthest into the value).
+    constraint = [x for x in errs if not str(x.get("type", "")).endswith("_type")]
+    e = constraint[0] if constraint else max(errs, key=lambda x: len(x.get("loc", ())))
+    # drop pydantic's union-branch names ("str", "list[...]", "constrained-str") from the location
+    loc = [str(x) for x in e.get("loc", ()) if not (isinstance(x, str) and (x in ("str", "int", "float", "bool")
+                                                                               or "[" in x or "-" in x))]
+    where = ".".join(loc)
+    if e.get("type") == "missing":
+        return f"missing required field {where!r}", where or None
+    return (f"{where}: {e.get('msg')}" if where else str(e.get("msg"))), where or None
+
+
+async def parse_body(request: Request, model: type[BaseModel]):
+    """The request's JSON body validated as ``model`` (any content type).
+
+    Raises:
+        APIError: 400 for a body that is not JSON, not an object, or not valid.
+    """
+    raw = bytearray()
+    async for chunk in request.stream():  # bounded, also when no Content-Length was sent (chunked)
+        raw += chunk
+        if len(raw) > state_of(request).access.max_body_bytes:
+            raise too_large(state_of(request))
+    try:
+        obj = json.loads(bytes(raw))
+    except ValueError as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
+    if not isinstance(obj, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        msg, param = _error_message(e)
+        raise APIError(400, msg, param=param) from None
+
+
+def too_large(state: ServerState) -> APIError:
+    """The 413 answer to a body over ``--max-body-bytes``."""
+    return APIError(413, f"the request body is larger than {state.access.max_body_bytes} bytes (--max-body-bytes)",
+                    code="request_too_large")

@@ -1,0 +1,93 @@
+"""What the HTTP thread of ``ggpipe serve`` shares with the head's main thread.
+
+:class:`ServerState` holds the model facts, the defaults, the access rules and
+the queue of :class:`Job` s (one per request) that the main thread works
+through (ggpipe.frontends.serve, ggpipe.frontends.serve_slots); a job brings
+its text back to the HTTP thread through its asyncio queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+from fastapi import Request
+
+from ggpipe.frontends.http_guard import Access
+from ggpipe.frontends.serve_metrics import ServeMetrics
+from ggpipe.sampling import SamplingParams
+
+
+@dataclass
+class Job:
+    """One request on its way through the queue. The main thread reports
+    through :meth:`push`: ("text", str), ("done", Completion) or ("error",
+    APIError); ``cancelled`` is set when the client went away."""
+
+    tokens: np.ndarray
+    n_predict: int
+    sampling: SamplingParams
+    stop: list[str]
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    t_queued: float = field(default_factory=time.monotonic)
+    finished: bool = False
+
+    def push(self, kind: str, value) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        except RuntimeError:  # the event loop is closed: nobody listens any more
+            self.cancelled.set()
+
+
+@dataclass
+class ServerState:
+    """What the app needs from the head: model facts, defaults, the queue.
+
+    Attributes:
+        tokenize: (prompt | None, messages | None) -> token ids; thread-safe.
+        model_id: the name clients see (``/v1/models``, ``model`` fields).
+        n_ctx, n_vocab: the context size and vocabulary size (tokens).
+        n_predict: default max_tokens; sampling: default sampling settings.
+        api_key: required bearer token, or None.
+        access: Host / Origin allow-lists and the body size limit (http_guard).
+        max_queue: most requests waiting; more get 503.
+        info: extra ``/v1/models`` metadata (mode, ranks, ...).
+        parallel: slots (``--parallel``); n_ctx is then one slot's cells.
+        slots: -> the ``/slots`` view (one dict per slot), or None.
+        tokens_per_s: -> tokens generated per second lately, all requests together.
+    """
+
+    tokenize: Callable[[str | None, list | None], np.ndarray]
+    model_id: str
+    n_ctx: int
+    n_vocab: int
+    n_predict: int
+    sampling: SamplingParams
+    api_key: str | None = None
+    access: Access = field(default_factory=Access)
+    max_queue: int = 64
+    info: dict = field(default_factory=dict)
+    jobs: queue.Queue = field(default_factory=queue.Queue)
+    stopping: threading.Event = field(default_factory=threading.Event)
+    failed: str | None = None  # why the pipeline is gone (a rank died): /health says so
+    running: int = 0
+    created: int = field(default_factory=lambda: int(time.time()))
+    metrics: ServeMetrics | None = None
+    parallel: int = 1
+    slots: Callable[[], list[dict]] | None = None
+    tokens_per_s: Callable[[], float] | None = None
+
+    def __post_init__(self):
+        self.metrics = ServeMetrics(lambda: self.jobs.qsize(), lambda: self.running, self.parallel, self.tokens_per_s)
+
+
+def state_of(request: Request) -> ServerState:
+    """The ServerState of the app serving ``request``."""
+    return request.app.state.ggpipe
