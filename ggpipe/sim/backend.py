@@ -110,13 +110,15 @@ class SimPipeline(ToyPipeline):
         trace: rank -> a list that receives that rank's events in the
             format of ``ggpipe.trace`` (``run`` spans per stage, ``skip``,
             ``submit`` and ``recv`` instants; virtual seconds), or None.
+        streams: a KV stream per sequence (``--parallel``'s layout), else
+            one unified cache.
     """
 
     def __init__(self, model: ToyLM, clock: SimClock, stages: list[SimStage],
                  link: Callable[[int, int], LinkProfile], n_embd: int, n_vocab_real: int,
                  async_local: bool = False, overhead_s: float = 0.0, busy: dict | None = None,
-                 name: str = "target", trace: dict | None = None):
-        super().__init__(model, name)
+                 name: str = "target", trace: dict | None = None, streams: bool = False):
+        super().__init__(model, name, streams=streams)
         self.clock = clock
         self.stages = stages
         self.link = link

@@ -161,7 +161,7 @@ def build(cfg: SimConfig, factors: dict | None = None, trace: dict | None = None
     lm = ToyLM(TOY_VOCAB, seed=cfg.seed)
     target = SimPipeline(lm, clock, stages, link, cfg.target.n_embd, cfg.target.n_vocab,
                          async_local=mode_class(cfg.mode).asynchronous or cfg.parallel > 1, overhead_s=overhead,
-                         busy=busy, name="target",
+                         busy=busy, name="target", streams=cfg.parallel > 1,
                          trace=trace)
     target.n_stages = roles.n_target   # pipedec keeps at most n_stages + 1 runs in flight
     draft = None
