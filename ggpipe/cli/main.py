@@ -8,7 +8,7 @@ Errors a user can cause print one line, ``ggpipe: error: ...``, and exit 1
 (usage errors: 2; a traceback only with ``-v``). Under MPI only the head
 prints it; a worker that fails on its own prints its line (naming its rank)
 and aborts the job so nothing hangs. An error before the ranks have met is
-carried to the head by the start-up exchange (``cluster/session.py``).
+carried to the head by the start-up exchange (``cluster/startup.py``).
 """
 
 
@@ -79,7 +79,7 @@ def _fail(message: str, code: int, abort_job: bool = False) -> None:
     to print) and exit with ``code``."""
     rank = launched_rank() or 0
     if launched_rank() is not None:
-        from ggpipe.cluster.session import report_startup_error, startup_entered  # noqa: PLC0415
+        from ggpipe.cluster.startup import report_startup_error, startup_entered  # noqa: PLC0415
 
         if not startup_entered():  # before the ranks have met: meet them with it, so no rank waits for this one
             line = report_startup_error(message)

@@ -219,7 +219,7 @@ def split_job_options(kw: dict):
         ConfigError: impossible sampling settings.
     """
     from ggpipe.service.job import JobSpec
-    from ggpipe.cluster.session import ClusterConfig
+    from ggpipe.cluster.config import ClusterConfig
     from ggpipe.decoding.mode import mode_class, seq_ids_needed
     from ggpipe.cli.strategies import strategy_keys
 

@@ -66,7 +66,7 @@ def plan(ctx, ranks, model, draft_model, split, ctx_size, threads, hostfile, map
         params = dict(model=model or DEFAULT_MODEL, draft_model=draft_model, split=split,
                       ctx_size=ctx_size or 2048, threads=threads or "1")
         argv = ["generate"] + [x for k, v in own.items() if v is not None for x in (k, str(v))] + ["-p", "…"]
-    from ggpipe.cluster.session import ClusterConfig
+    from ggpipe.cluster.config import ClusterConfig
 
     hosts = P.parse_hostfile(hostfile) if hostfile else None
     placed = P.place_ranks(ranks, hosts, map_by)

@@ -44,7 +44,7 @@ def calibrate_command(model, draft, threads, reps, concurrent, output, timeout_s
     Run it under the job's launcher (mpiexec -n R ggpipe calibrate ...), or alone for this host.
     ggpipe simulate and ggpipe plan --balance read the profile.
     """
-    from ggpipe.cluster import session as S
+    from ggpipe.cluster.startup import enter_startup
     from ggpipe.models.registry import resolve
     from ggpipe.models.sizes import model_sizes
     from ggpipe.sim.calibrate import calibrate_job
@@ -64,7 +64,7 @@ def calibrate_command(model, draft, threads, reps, concurrent, output, timeout_s
     if world is None or world[2] == 1:
         transport = _Solo()
     else:
-        S.enter_startup()
+        enter_startup()
         transport = Transport(world[0], timeout_s=timeout_s)
     try:
         prof = calibrate_job(transport, model, draft, threads, concurrent=concurrent, reps=reps,

@@ -37,7 +37,7 @@ from ggpipe.errors import ConfigError
 from ggpipe.transport.launcher_path import find_launcher
 from ggpipe.models.sizes import ModelSizes, model_sizes  # noqa: F401 (ggpipe plan's sizes)
 from ggpipe.cluster.roles import Roles
-from ggpipe.cluster.session import ClusterConfig, parse_threads
+from ggpipe.cluster.config import ClusterConfig, parse_threads
 from ggpipe.cluster.split import parse_split, plan_layers
 
 # -- hosts -------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 from ggpipe.errors import GGPipeError
 from ggpipe.service.engine import Engine
-from ggpipe.cluster.session import ClusterConfig, Session, open_session
+from ggpipe.cluster.config import ClusterConfig
+from ggpipe.cluster.session import Session, open_session
 from ggpipe.decoding.mode import mode_class
 from ggpipe.decoding.settings import SpecSettings
 

@@ -1,0 +1,111 @@
+"""Loading one rank's stage: the layer split, the rank's slice of its model
+(target or draft, cut and cached) loaded into llama.cpp, and the head's own
+draft model when no rank runs it; with the checks done before anything loads
+(``--n-seq-max``, ``--ubatch``, ``-t``, a draft's vocabulary)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ggpipe.cluster.config import ClusterConfig, parse_threads
+from ggpipe.cluster.roles import Roles
+from ggpipe.cluster.split import parse_split, plan_layers
+from ggpipe.errors import ConfigError
+from ggpipe.models.derive import stage_slice
+from ggpipe.models.gguf_info import read_model_info
+from ggpipe.models.registry import cache_dir, resolve
+from ggpipe.runtime.stage import Stage, StageSpec
+
+
+@dataclass
+class Loaded:
+    """One rank's loaded stage: its layers [start, stop), the model file it was cut from, the job's roles."""
+
+    stage: Stage
+    layers: tuple[int, int]
+    path: str
+    roles: Roles
+    draft_stage: Stage | None = None
+
+
+def load_rank(config: ClusterConfig, rank: int, size: int) -> Loaded:
+    """This rank's stage (and the head's draft stage when no rank runs the draft).
+
+    Raises:
+        GGPipeError: a bad setting, a model that cannot be resolved, read, cut or loaded.
+    """
+    if not 1 <= config.n_seq_max <= 256:
+        raise ConfigError(f"--n-seq-max must be 1..256 (llama.cpp's LLAMA_MAX_SEQ), got {config.n_seq_max}")
+    if config.ubatch < 1 or config.ctx_size < 8:
+        raise ConfigError("--ubatch must be >= 1 and --ctx-size >= 8")
+    threads = parse_threads(config.threads, size)
+    split = parse_split(config.split)
+    names = config.draft_models
+    roles = Roles.plan(size, split, bool(names), n_draft_models=len(names))
+    path = resolve(config.model)
+    info = read_model_info(path)
+    drafts = []
+    for name in names:
+        d_path = resolve(name)
+        d_info = read_model_info(d_path)
+        check_same_vocab(info, d_info)
+        drafts.append((d_path, d_info))
+    draft_path, draft_info = drafts[0] if drafts else (None, None)
+
+    model = roles.model_of(rank)
+    if model == "target":
+        m_path, m_info, weights = path, info, split.target
+    else:
+        k = roles.draft_of(rank)
+        (m_path, m_info), weights = drafts[k], (split.drafts[k] if split.drafts else None)
+    index, n_stages = roles.stage_of(rank)
+    plan = plan_layers(m_info.n_layer, n_stages, weights, model=model)
+    start, stop = plan[index]
+    stage = Stage(StageSpec(
+        model_path=stage_slice(m_path, start, stop, cache_dir()), n_layer=stop - start,
+        first=index == 0, last=index == n_stages - 1, n_ctx=config.ctx_size, n_threads=threads[rank],
+        n_seq_max=config.n_seq_max, n_ubatch=config.ubatch,
+        flash_attn=config.flash_attn, kv_unified=config.kv_unified,
+    ))
+    draft_stage = None
+    if rank == 0 and roles.has_draft and roles.n_draft == 0:
+        try:
+            draft_stage = Stage(StageSpec(model_path=draft_path, n_layer=draft_info.n_layer, first=True, last=True,
+                                          n_ctx=config.ctx_size, n_threads=threads[0], n_seq_max=config.n_seq_max,
+                                          n_ubatch=config.ubatch, flash_attn=config.flash_attn))
+        except BaseException:
+            stage.close()
+            raise
+    return Loaded(stage, (start, stop), str(m_path), roles, draft_stage)
+
+
+def close_loaded(loaded: Loaded | None) -> None:
+    """Free what :func:`load_rank` loaded (None: nothing was)."""
+    if loaded is not None:
+        loaded.stage.close()
+        if loaded.draft_stage is not None:
+            loaded.draft_stage.close()
+
+
+def describe_role(roles: Roles, rank: int, layers: tuple[int, int]) -> str:
+    """A rank's model and layer range (inclusive), e.g. "target layers 14-26"."""
+    return f"{roles.model_of(rank)} layers {layers[0]}-{layers[1] - 1}"
+
+
+def check_same_vocab(target, draft) -> None:
+    """Refuse a draft whose vocabulary differs from the target's: speculation
+    compares token ids, so they must mean the same text.
+
+    Raises:
+        ConfigError: sizes, special tokens or token texts differ.
+    """
+    if target.n_vocab != draft.n_vocab:
+        raise ConfigError(
+            f"the draft model's vocabulary ({draft.n_vocab} tokens, {draft.path.name}) differs from the target's "
+            f"({target.n_vocab} tokens, {target.path.name}): speculation needs the same tokenizer")
+    for what in ("bos_token_id", "eos_token_id", "vocab_digest"):
+        a, b = getattr(target, what, None), getattr(draft, what, None)
+        if a != b:
+            raise ConfigError(
+                f"the draft model's vocabulary differs from the target's ({what.replace('_', ' ')}: "
+                f"{b} vs {a}): speculation needs the same tokenizer")
