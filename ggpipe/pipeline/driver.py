@@ -17,23 +17,22 @@ With ``async_local`` the head's own stage runs on an executor thread: ``submit``
 returns at once and the head can draft, verify and probe meanwhile (ctypes
 calls into llama.cpp release the GIL). Runs, KV operations and their
 downstream sends then all go through the executor's FIFO, so their order is
-the order they were issued in.
+the order they were issued in. The head's own stage (that thread, the
+masking of its queued runs) is ggpipe.pipeline.head_stage.HeadStage.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from collections import deque
 from typing import Callable
 
 import numpy as np
 
-from ggpipe.errors import GGPipeError, ProtocolError, RankTimeoutError
+from ggpipe.errors import ProtocolError, RankTimeoutError
 from ggpipe.logits import unpack
-from ggpipe.pipeline.masking import PruneBook, live_batch, returned_rows
-from ggpipe.runtime.stage import KV_CLEAR, KV_SEQ_CP, KV_SEQ_RM, Cancelled, InvalidBatch, Stage
+from ggpipe.pipeline.head_stage import HeadStage, send_decode
+from ggpipe.runtime.stage import KV_CLEAR, KV_SEQ_CP, KV_SEQ_RM, Stage
 from ggpipe.runs import Run, RunResult
 from ggpipe.trace import tracer
 from ggpipe.transport import messages as m
@@ -77,33 +76,31 @@ class Pipeline:
         self.name = name
         self.reply_k = 0
         self.inflight: deque[Run] = deque()
-        self._done: deque[RunResult] = deque()  # local (single-stage) results, in order
-        self._done_cv = threading.Condition()
         self._cancelled: set[int] = set()
-        self._pruned = PruneBook()            # the head's own stage's view
-        self._pruned_lock = threading.Lock()  # prune() on the main thread, the stage on the executor
-        self._current: int | None = None
-        self._busy = False
-        self.busy_s = 0.0  # time the head spent computing its own stage
         # the head's wait (ggpipe.pipeline.waiting): called by the executor after each job
         self.on_event: Callable[[], None] | None = None
         self.service_s: float | None = None  # EWMA of a remote result's service time (seconds)
         self._last_arrival = 0.0
         self.stats = {"cancelled_before_start": 0, "cancelled_mid_compute": 0, "dropped_after_cancel": 0,
                       "rows_masked": 0}
-        self._jobs: queue.Queue | None = None
-        self._error: BaseException | None = None
-        if async_local and stage is not None:
-            self._jobs = queue.Queue()
-            self._thread = threading.Thread(target=self._executor, name=f"{name}-stage0", daemon=True)
-            self._thread.start()
+        self._head: HeadStage | None = None
+        if stage is not None:
+            self._head = HeadStage(stage, transport, self.ranks, name, self._cancelled, self.stats, self._notify,
+                                   async_local=async_local)
+
+    def _notify(self) -> None:
+        if self.on_event is not None:
+            self.on_event()
+
+    @property
+    def busy_s(self) -> float:
+        """Time the head spent computing its own stage."""
+        return self._head.busy_s if self._head is not None else 0.0
 
     def head_idle(self) -> bool:
         """The head's own stage has nothing to compute (asynchronous head
         stage); always True otherwise, since submit() computes at once."""
-        if self._jobs is None:
-            return True
-        return not self._busy and self._jobs.empty()
+        return self._head is None or self._head.idle()
 
     @property
     def n_stages(self) -> int:
@@ -126,15 +123,12 @@ class Pipeline:
         if _TR:
             _TR.instant("submit", "head", run=run.run_id, n=int(run.pos.shape[0]), spec=bool(run.speculative),
                         pipeline=self.name)
-        if self.stage is None:
+        if self._head is None:
             header = m.DecodeHeader(run.run_id, run.pos, run.n_seq_id, run.seq_ids, run.outputs, m.PAYLOAD_TOKENS,
                                     run.reply_k)
-            self._send_decode(header, run.tokens)
-        elif self._jobs is not None:
-            self._busy = True
-            self._jobs.put(("decode", run))
+            send_decode(self.transport, self.ranks[0], header, run.tokens)
         else:
-            self._decode_local(run)
+            self._head.submit(run)
 
     def decode(self, tokens, start_pos: int, seq: int = 0, logits_last: bool = True,
                logits_all: bool = False) -> None:
@@ -181,10 +175,10 @@ class Pipeline:
         """Apply a KV cache operation on the head's stage, then pipeline it to
         the other stages behind the runs already issued (PipeInfer IV.C.3)."""
         self._check()
-        if self._jobs is not None:
-            self._jobs.put(("kv", header))
+        if self._head is not None:
+            self._head.kv(header)
         else:
-            self._kv_local(header)
+            self.transport.send(self.ranks[0], m.T_KV, m.encode_kv(header))
 
     def cancel(self, run_id: int) -> None:
         """Cancel a speculative run (PipeInfer IV.D.2): the head's stage skips
@@ -194,8 +188,8 @@ class Pipeline:
         self._cancelled.add(run_id)
         if _TR:
             _TR.instant("cancel", "head", run=run_id, pipeline=self.name)
-        if self._current == run_id and self.stage is not None:
-            self.stage.hooks.cancel()
+        if self._head is not None:
+            self._head.cancel(run_id)
         if self.ranks:
             self.transport.send(self.last_rank, m.T_CANCEL, m.encode_simple(m.T_CANCEL, run_id))
 
@@ -211,114 +205,16 @@ class Pipeline:
         must also be cancelled."""
         if not pairs:
             return
-        if self.stage is not None:
-            with self._pruned_lock:
-                self._pruned.add(pairs)
+        if self._head is not None:
+            self._head.prune(pairs)
         if _TR:
             _TR.instant("prune", "head", pairs=len(pairs), pipeline=self.name)
         if self.ranks:
             self.transport.send(self.last_rank, m.T_PRUNE, m.encode_prune(pairs))
 
-    # -- head stage ------------------------------------------------------------------
-
-    def _executor(self) -> None:
-        try:
-            while True:
-                job = self._jobs.get()
-                if job is None:
-                    return
-                self._busy = True
-                kind, arg = job
-                if kind == "decode":
-                    self._decode_local(arg)
-                else:
-                    self._kv_local(arg)
-                self._busy = not self._jobs.empty()
-                if self.on_event is not None:
-                    self.on_event()
-        except BaseException as exc:  # surfaced on the main thread by _check()
-            self._error = exc
-            with self._done_cv:
-                self._done_cv.notify_all()
-            if self.on_event is not None:
-                self.on_event()
-
-    def _decode_local(self, run: Run) -> None:
-        header = m.DecodeHeader(run.run_id, run.pos, run.n_seq_id, run.seq_ids, run.outputs.copy(), m.PAYLOAD_EMBD,
-                                run.reply_k)
-        with self._pruned_lock:
-            keep = self._pruned.apply(header)
-            self._pruned.forget_through(run.run_id)
-            self.stats["rows_masked"] = self._pruned.rows_masked
-        out = None
-        if run.run_id in self._cancelled or not keep.any():   # every row pruned: it is cancelled as well
-            self.stats["cancelled_before_start"] += 1
-            if _TR:
-                _TR.instant("skip", f"{self.name} stage", run=run.run_id)
-        else:
-            self._current = run.run_id
-            self.stage.hooks.clear_cancel()
-            if run.run_id in self._cancelled:  # raced with cancel()
-                self.stage.hooks.cancel()
-            t0 = time.perf_counter()
-            try:
-                if self.transport is not None:
-                    with self.transport.computing():
-                        out = self._stage_decode(run, header, keep)
-                else:
-                    out = self._stage_decode(run, header, keep)
-            except Cancelled:
-                self.stats["cancelled_mid_compute"] += 1
-            except InvalidBatch:
-                if not run.speculative:
-                    raise
-                # It builds on cells of a run aborted here before this run's own
-                # cancel was registered (cancels are issued one at a time): it is
-                # dead too. Dropped as the workers do (worker.py); the decoder
-                # checks that it does cancel it when the result comes back.
-                self.stats["dropped_after_cancel"] += 1
-            finally:
-                self._current = None
-                self.busy_s += time.perf_counter() - t0
-                if _TR:
-                    _TR.span("run", t0, time.perf_counter(), f"{self.name} stage", run=run.run_id,
-                             n=int(keep.sum()), spec=bool(run.speculative), cancelled=out is None,
-                             pipeline=self.name)
-        if self.ranks:
-            if out is None:
-                header.payload = m.PAYLOAD_NONE
-                self.transport.send(self.ranks[0], m.T_DECODE, m.encode_decode(header))
-            else:
-                self._send_decode(header, out)
-        else:
-            rows = None if out is None else returned_rows(header)
-            with self._done_cv:
-                self._done.append(RunResult(run, out, cancelled=out is None, finished_at=time.perf_counter(),
-                                            rows=rows))
-                self._done_cv.notify_all()
-
-    def _stage_decode(self, run: Run, header: m.DecodeHeader, keep: np.ndarray) -> np.ndarray:
-        """The head's stage on the rows of ``run`` not masked (``header``'s
-        live rows; ``keep`` selects their tokens)."""
-        return self.stage.decode(tokens=run.tokens[keep], **live_batch(header))
-
-    def _kv_local(self, header: m.KvHeader) -> None:
-        if self.stage is not None:
-            self.stage.kv(header.op, header.seq, header.seq_dst, header.p0, header.p1, header.delta)
-        if self.ranks:
-            self.transport.send(self.ranks[0], m.T_KV, m.encode_kv(header))
-
-    def _send_decode(self, header: m.DecodeHeader, payload: np.ndarray) -> None:
-        first = self.ranks[0]
-        self.transport.send(first, m.T_DECODE, m.encode_decode(header))
-        self.transport.send(first, m.T_DECODE, payload.reshape(-1))
-
     def _check(self) -> None:
-        if self._error is not None:
-            err = self._error
-            if isinstance(err, GGPipeError):
-                raise err
-            raise RuntimeError(f"the head's {self.name} stage failed: {err!r}") from err
+        if self._head is not None:
+            self._head.check()
 
     # -- results -------------------------------------------------------------
 
@@ -328,7 +224,7 @@ class Pipeline:
         if not self.inflight:
             return None
         if not self.ranks:
-            return self._pop_local() if self._done else None
+            return self._pop_local() if self._head.done else None
         if self.transport.probe(self.last_rank, m.T_LOGITS) is None:
             self.transport.progress()
             return None
@@ -339,7 +235,7 @@ class Pipeline:
         if not self.inflight:
             return False
         if not self.ranks:
-            return bool(self._done)
+            return bool(self._head.done)
         return self.transport.probe(self.last_rank, m.T_LOGITS) is not None
 
     def result_due(self) -> tuple[float, float] | None:
@@ -382,16 +278,17 @@ class Pipeline:
             raise RuntimeError("no run in flight")
         if not self.ranks:
             limit = 600.0 if timeout_s is None else timeout_s
-            with self._done_cv:
-                if not self._done_cv.wait_for(lambda: self._done or self._error is not None, timeout=limit):
+            head = self._head
+            with head.done_cv:
+                if not head.done_cv.wait_for(lambda: head.done or head.error is not None, timeout=limit):
                     raise RankTimeoutError(f"the head's own {self.name} stage did not finish a run in {limit:.0f} s")
             self._check()
             return self._pop_local()
         return self._receive(timeout_s)
 
     def _pop_local(self) -> RunResult:
-        with self._done_cv:
-            res = self._done.popleft()
+        with self._head.done_cv:
+            res = self._head.done.popleft()
         run = self.inflight.popleft()
         self._cancelled.discard(res.run.run_id)  # as _receive does: the set stays bounded for a serve job
         if run.run_id != res.run.run_id:
@@ -439,7 +336,5 @@ class Pipeline:
 
     def close(self) -> None:
         """Stop the executor thread (after the jobs already queued)."""
-        if self._jobs is not None:
-            self._jobs.put(None)
-            self._thread.join(timeout=60)
-            self._jobs = None
+        if self._head is not None:
+            self._head.close()
