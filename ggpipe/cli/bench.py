@@ -75,29 +75,31 @@ def bench_command(target, draft, modes, ranks, prompt_set, n, repeat, links, thr
     Finished configurations in OUT are not run again. Exit status 3 when a run failed or its output
     differs from the first mode's (exactness is part of the benchmark).
     """
-    from ggpipe.bench import sweep
+    from ggpipe.bench.grid import BenchSpec, launch_command
     from ggpipe.bench.prompts import load_prompts
+    from ggpipe.bench.results import finish_report, read_csv, spec_title, title_from_rows
+    from ggpipe.bench.sweep import run_bench
 
     if plots_only:
         csv_path = output / "results.csv"
         if not csv_path.is_file():
             raise ConfigError(f"{csv_path} does not exist: run the bench first")
-        rows = sweep.read_csv(csv_path)
+        rows = read_csv(csv_path)
         mode_list = [m for m in modes.split(",") if m]
-        click.echo(sweep.finish_report(output, rows, mode_list[0] if mode_list else None,
-                                       title=sweep.title_from_rows(rows, target)))
+        click.echo(finish_report(output, rows, mode_list[0] if mode_list else None,
+                                 title=title_from_rows(rows, target)))
         return
-    spec = sweep.BenchSpec(target=target, draft=draft, modes=[m.strip() for m in modes.split(",") if m.strip()],
-                           ranks=_int_list(ranks, "--ranks"), links=_links(links), prompts=load_prompts(prompt_set),
-                           n=n, repeat=repeat, threads=threads, launcher=launcher, extra_args=shlex.split(extra),
-                           chat=not no_chat, timeline=timeline, timeout_s=run_timeout).validate()
+    spec = BenchSpec(target=target, draft=draft, modes=[m.strip() for m in modes.split(",") if m.strip()],
+                     ranks=_int_list(ranks, "--ranks"), links=_links(links), prompts=load_prompts(prompt_set),
+                     n=n, repeat=repeat, threads=threads, launcher=launcher, extra_args=shlex.split(extra),
+                     chat=not no_chat, timeline=timeline, timeout_s=run_timeout).validate()
     if dry_run:
         for cfg in spec.configs():
-            cmd = sweep.launch_command(spec, cfg, output / "prompts" / f"{cfg.prompt}.txt")
+            cmd = launch_command(spec, cfg, output / "prompts" / f"{cfg.prompt}.txt")
             click.echo(f"GGPIPE_LINK={cfg.link} " + shlex.join(cmd))
         return
-    rows, problems = sweep.run_bench(spec, output, progress=not no_progress, log=lambda s: click.echo(s, err=True))
-    click.echo(sweep.finish_report(output, rows, spec.modes[0], title=sweep._title(spec)) if rows else "")
+    rows, problems = run_bench(spec, output, progress=not no_progress, log=lambda s: click.echo(s, err=True))
+    click.echo(finish_report(output, rows, spec.modes[0], title=spec_title(spec)) if rows else "")
     click.echo(f"\nresults: {output / 'results.csv'}, {output / 'summary.md'}, plots in {output}/", err=True)
     if problems:
         for p in problems:
