@@ -26,6 +26,10 @@ message's one-way time, bandwidth the slope up to the largest.
 Ranks that share a host measure one at a time (a token passed in rank
 order), so they do not slow each other down; ``concurrent=True`` measures
 all at once (what a job on shared cores sees).
+
+A rank's own measurements (the stage costs and the loop overhead) are in
+ggpipe.sim.measure; this module is the job around them: the measuring turns
+of ranks that share a host, their contention, the links, and the profile.
 """
 
 from __future__ import annotations
@@ -33,182 +37,15 @@ from __future__ import annotations
 import socket
 import statistics
 import time
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from ggpipe.sim.profile import BATCH_SIZES, HostProfile, LinkProfile, Profile
+from ggpipe.sim.measure import decode_cost, measure_host, measure_overhead, middle_stage
+from ggpipe.sim.profile import LinkProfile, Profile
 
 TAG_TURN, TAG_PING, TAG_RECORD, TAG_LOAD = 91, 92, 93, 94
 LOAD_BUSY, LOAD_WAIT, LOAD_STOP, LOAD_DONE = 1, 2, 3, 4
-
-
-def _timed(fn: Callable[[], None], reps: int, min_s: float = 0.25) -> float:
-    """Mean seconds of one call: one warm-up call, then at least ``reps``
-    calls and at least ``min_s`` seconds of them. The mean over a span of
-    that length, not a median of a few calls, so that what slows a host
-    periodically (a CPU quota's throttling, every 100 ms by default) counts
-    as it does in a job."""
-    fn()
-    n, t0 = 0, time.perf_counter()
-    while n < reps or time.perf_counter() - t0 < min_s:
-        fn()
-        n += 1
-    return (time.perf_counter() - t0) / n
-
-
-def _decode_cost(stage, n: int, pos0: int, reps: int, tokens: bool, last_only: bool = False,
-                 min_s: float = 0.25) -> float:
-    """Seconds of one decode of ``n`` tokens at positions pos0.. of sequence
-    0 (its cells removed after each call); a last stage returns a logit row
-    per token, or only the last one (``last_only``)."""
-    from ggpipe.runtime.stage import KV_SEQ_RM
-
-    pos = np.arange(pos0, pos0 + n, dtype=np.int32)
-    ones = np.ones(n, dtype=np.int32)
-    seqs = np.zeros(n, dtype=np.int32)
-    outs = np.eye(1, n, n - 1, dtype=np.int8)[0] if last_only else np.ones(n, dtype=np.int8)
-    rng = np.random.default_rng(n)
-    toks = rng.integers(0, 1000, n).astype(np.int32) if tokens else None
-    embd = None if tokens else rng.standard_normal((n, stage.n_embd)).astype(np.float32)
-
-    def once() -> None:
-        stage.decode(pos=pos, n_seq_id=ones, seq_ids=seqs, outputs=outs, tokens=toks, embd=embd)
-        stage.kv(KV_SEQ_RM, 0, -1, pos0, -1)
-    return _timed(once, reps, min_s)
-
-
-def _fill(stage, n_cells: int, tokens: bool) -> None:
-    """Put ``n_cells`` cells of sequence 0 in the stage's KV cache (positions 0..n-1)."""
-    from ggpipe.runtime.stage import KV_SEQ_RM
-
-    stage.kv(KV_SEQ_RM, 0, -1, 0, -1)
-    step = 64
-    rng = np.random.default_rng(0)
-    for p0 in range(0, n_cells, step):
-        n = min(step, n_cells - p0)
-        stage.decode(pos=np.arange(p0, p0 + n, dtype=np.int32), n_seq_id=np.ones(n, np.int32),
-                     seq_ids=np.zeros(n, np.int32), outputs=np.zeros(n, np.int8) if not stage.spec.last else
-                     np.eye(1, n, n - 1, dtype=np.int8)[0],
-                     tokens=rng.integers(0, 1000, n).astype(np.int32) if tokens else None,
-                     embd=None if tokens else rng.standard_normal((n, stage.n_embd)).astype(np.float32))
-
-
-def _layer_ranges(n_layer: int, k_layers: int = 4) -> tuple[int, tuple[int, int], tuple[int, int]]:
-    """(k, middle range, last range): the k layers a middle stage and a last
-    stage of the calibration hold (the middle one skips layer 0, the first
-    stage's, when the model has 3 layers or more)."""
-    k = max(1, min(k_layers, n_layer - 2)) if n_layer >= 3 else 1
-    return k, ((1, 1 + k) if n_layer >= 3 else (0, 1)), (n_layer - k, n_layer)
-
-
-def _stage(model: str, layers: tuple[int, int], first: bool, last: bool, threads: int, n_ctx: int = 1024,
-           n_ubatch: int = 64):
-    """A llama.cpp stage of ``model``'s ``layers`` (its cached slice; the
-    whole file for all of them), as ``ggpipe.runtime.stage`` runs it."""
-    from ggpipe.models.derive import stage_slice
-    from ggpipe.models.registry import resolve
-    from ggpipe.runtime.stage import Stage, StageSpec
-
-    path = Path(stage_slice(resolve(model), *layers))
-    return Stage(StageSpec(path, layers[1] - layers[0], first=first, last=last, n_ctx=n_ctx, n_threads=threads,
-                           n_seq_max=1, n_ubatch=n_ubatch))
-
-
-def measure_host(model: str, draft: str | None, threads: int, k_layers: int = 4, reps: int = 5,
-                 kv_ref: int = 64, kv_long: int = 512, batch_sizes=BATCH_SIZES,
-                 say: Callable[[str], None] = lambda s: None) -> HostProfile:
-    """Measure this process's host (see the module docstring).
-
-    Raises:
-        ModelError: a model cannot be read or sliced.
-        ConfigError: a context cannot be created."""
-    from ggpipe.models.sizes import model_sizes
-
-    sizes = model_sizes(model)
-    k, mid_range, last_range = _layer_ranges(sizes.n_layer, k_layers)
-    ctx = {"threads": threads, "n_ctx": max(1024, kv_long + 2 * max(batch_sizes)),
-           "n_ubatch": max(64, max(batch_sizes))}
-
-    say(f"middle stage, {k} layers")
-    with _stage(model, mid_range, mid_range[0] == 0, False, **ctx) as mid:
-        tok = mid.spec.first
-        _fill(mid, kv_ref, tok)
-        mid_s = [_decode_cost(mid, n, kv_ref, reps, tok) for n in batch_sizes]
-        _fill(mid, kv_long, tok)
-        long_s = _decode_cost(mid, 8, kv_long, reps, tok)
-    say(f"last stage, {k} layers + output head")
-    with _stage(model, last_range, False, True, **ctx) as last:
-        _fill(last, kv_ref, False)
-        last_s = [_decode_cost(last, n, kv_ref, reps, False) for n in batch_sizes]
-    i8 = list(batch_sizes).index(8) if 8 in batch_sizes else len(batch_sizes) - 1
-    layer_s = [t / k for t in mid_s]
-    head_s = [max(1e-7, b - a) for a, b in zip(mid_s, last_s)]
-    kv_slope = max(0.0, (long_s - mid_s[i8]) / k / batch_sizes[i8] / (kv_long - kv_ref))
-    draft_s = None
-    if draft is not None:
-        say("draft model")
-        with _stage(draft, (0, model_sizes(draft).n_layer), True, True, **ctx) as d:
-            _fill(d, kv_ref, True)
-            draft_s = [_decode_cost(d, n, kv_ref, reps, True, last_only=True) for n in batch_sizes]
-    import psutil
-
-    return HostProfile(
-        host=socket.gethostname(), threads=threads, batch_sizes=list(batch_sizes), layer_s=layer_s,
-        layer_bytes=int(np.mean(sizes.layer_bytes[last_range[0]:last_range[1]])), head_s=head_s,
-        head_bytes=sizes.head_bytes, kv_s_per_cell=kv_slope, kv_ref=kv_ref, draft_s=draft_s, draft_name=draft,
-        mem_bytes=int(psutil.virtual_memory().total))
-
-
-def measure_overhead(mode: str, n_tokens: int = 256) -> float:
-    """The decoding loop's own seconds per target result on this host:
-    the loop of ``mode`` (pipeinfer: with the n-gram proposer) over an
-    in-memory pipeline whose results are ready at once, minus the time spent
-    inside that pipeline (its toy model and KV bookkeeping)."""
-    from ggpipe.decoding.factory import build_decoder
-    from ggpipe.decoding.settings import SpecSettings
-    from ggpipe.sampling import Sampler, SamplingParams
-    from ggpipe.sim.toy import FakePipeline, ToyLM
-
-    spent = [0.0]
-
-    class Timed(FakePipeline):
-        pass
-
-    for verb in ("submit", "seq_rm", "seq_cp", "ready", "poll", "wait", "cancel", "head_idle"):
-        def timed(self, *a, _f=getattr(FakePipeline, verb), **kw):
-            t0 = time.perf_counter()
-            try:
-                return _f(self, *a, **kw)
-            finally:
-                spent[0] += time.perf_counter() - t0
-        setattr(Timed, verb, timed)
-
-    pipe = Timed(ToyLM(64, seed=3, flip=0.3), latency=1)
-    spec = SpecSettings(mode="pipeinfer", spec_type="ngram", p_accept=0.0)
-    dec = build_decoder(mode, spec, pipe, None, n_ubatch=512, n_seq_max=64, is_eog=lambda t: False, timeout_s=10.0)
-    prompt = np.arange(48, dtype=np.int32) % 64
-    sampler = Sampler(SamplingParams(temperature=0.0))
-    dec.generate(prompt, 16, sampler)  # warm-up
-    pipe.clear()
-    dec.reset()
-    runs0 = pipe.n_runs
-    spent[0] = 0.0
-    t0 = time.perf_counter()
-    dec.generate(prompt, n_tokens, sampler)
-    wall = time.perf_counter() - t0
-    return max(0.0, (wall - spent[0]) / max(1, pipe.n_runs - runs0))
-
-
-def _middle_stage(model: str, threads: int):
-    """The middle stage :func:`measure_host` times, KV filled to 64 cells."""
-    from ggpipe.models.sizes import model_sizes
-
-    _, mid, _ = _layer_ranges(model_sizes(model).n_layer)
-    st = _stage(model, mid, mid[0] == 0, False, threads)
-    _fill(st, 64, st.spec.first)
-    return st
 
 
 def measure_contention(transport, group: list[int], model: str, threads: int, reps: int,
@@ -225,7 +62,7 @@ def measure_contention(transport, group: list[int], model: str, threads: int, re
     lead = group[0]
     # waiting load: poll like a job's rank between pipeline hops (never settling into idle sleeps)
     waiter = Transport(transport.comm, timeout_s=transport.timeout_s, idle_after_s=1e9)
-    with _middle_stage(model, threads) as st:
+    with middle_stage(model, threads) as st:
         tok = st.spec.first
         if me != lead:
             transport.send(lead, TAG_LOAD, np.array([LOAD_DONE], np.int32))  # ready
@@ -237,14 +74,14 @@ def measure_contention(transport, group: list[int], model: str, threads: int, re
                 transport.send(lead, TAG_LOAD, np.array([LOAD_DONE], np.int32))  # the load has started
                 if int(cmd[0]) == LOAD_BUSY:
                     while transport.probe(lead, TAG_LOAD) is None:
-                        _decode_cost(st, 1, 64, 1, tok, min_s=0.0)
+                        decode_cost(st, 1, 64, 1, tok, min_s=0.0)
                 else:
                     waiter.recv(lead, TAG_LOAD, np.int32, "the end of a contention phase")
                     continue
                 transport.recv(lead, TAG_LOAD, np.int32, "the end of a contention phase")
 
         def timed() -> float:
-            return statistics.mean(_decode_cost(st, n, 64, reps, tok) for n in (1, 8))
+            return statistics.mean(decode_cost(st, n, 64, reps, tok) for n in (1, 8))
 
         def timed_under(kind: int, others: list[int]) -> float:
             for r in others:
