@@ -44,30 +44,27 @@ n-gram proposer does; multi-step speculative sampling then accepts token x
 with probability p(x) and otherwise samples from p without x, which yields
 exactly p whatever the law of x was, as long as x does not depend on the
 target's random draws.
+
+The members themselves (building them, their chains below the anchor, what
+is asked of every member or lead) are kept by
+:class:`ggpipe.speculation.proposers.vote_members.VoteMembers`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 from ggpipe.sampling import SamplingParams
 from ggpipe.speculation.cutoff import confident_depth
-from ggpipe.speculation.majority import (WeightedMajority, check_members, expand_members, majority_path, member_of,
-                                         support)
-from ggpipe.speculation.proposers.base import (REGISTRY, ProposerBase, ProposerConfig, canonical_name, make_proposer,
+from ggpipe.speculation.majority import WeightedMajority, check_members, expand_members, majority_path, support
+from ggpipe.speculation.proposers.base import (REGISTRY, ProposerBase, ProposerConfig, canonical_name,
                                                proposer_class)
 from ggpipe.speculation.proposers.options import StrategyOptions, option
+from ggpipe.speculation.proposers.vote_members import VoteMembers, chain_of
 from ggpipe.speculation.tree import SpecTree
-
-
-def _chain(tree: SpecTree | None) -> tuple[list[int], list[float]]:
-    """Tokens and draft probabilities of a chain (index order)."""
-    if tree is None:
-        return [], []
-    return list(tree.tokens), list(tree.draft_p)
 
 
 def parse_members(text: str) -> tuple[str, ...]:
@@ -144,21 +141,10 @@ class VoteProposer(ProposerBase):
         expand_members(options.of(cls).vote, max(n_models, 1))
 
     def __init__(self, cfg: ProposerConfig):
-        backends = [cfg.backend, *cfg.more_backends]
-        members = cfg.options.of(VoteProposer).vote
-        self.labels = expand_members(members, len(backends))   # the members' names in stats and in the weights
-        mcfg = replace(cfg, width=1, more_backends=())
-        self.members = []
-        for label in self.labels:
-            name, k = member_of(label)
-            self.members.append(make_proposer(name, replace(mcfg, backend=backends[k]) if name == "draft" else mcfg))
-        on_models = [n for n in members if not self.members[self.labels.index(n)].instant]
-        if len(on_models) > 1:
-            raise ValueError("--spec-vote takes at most one proposer that drafts on the draft model "
-                             f"({', '.join(on_models)}); several draft models: -md a,b with one draft member")
-        self.leads = [i for i, m in enumerate(self.members) if not m.instant]
-        self.lead = self.members[self.leads[0]] if len(self.leads) == 1 else None
-        self.instant = not self.leads
+        self.crew = VoteMembers(cfg, cfg.options.of(VoteProposer).vote)
+        self.labels, self.members, self.leads = self.crew.labels, self.crew.members, self.crew.leads
+        self.lead = self.crew.lead
+        self.instant = self.crew.instant
         self.n_vocab = cfg.n_vocab
         self.book = WeightedMajority(self.labels)
         self.params = SamplingParams()
@@ -168,25 +154,17 @@ class VoteProposer(ProposerBase):
         self._cutoff = 1.0
         self._first_cutoff = 1.0
         self._max_nodes = 0
-        self._chains: list[tuple[list[int], list[float]]] = []  # per member: its chain (a lead's: as far as known)
-        self._done: set[int] = set()     # several leads: those that finished this micro-batch
         self._result: SpecTree | None = None
         self._counts = {"vote_overruled": 0, "vote_extended": 0}
 
     @property
     def step_s(self) -> float | None:
         """The slowest lead's (the vote waits for every lead); 0 without one."""
-        steps = [self.members[i].step_s for i in self.leads]
-        if not steps:
-            return 0.0
-        return None if None in steps else max(steps)
+        return self.crew.step_s
 
     @property
     def stats(self) -> dict:
-        out = {}
-        for m, label in zip(self.members, self.labels):
-            extra = member_of(label)[1] > 0   # draft2, ...: its counters under its own name
-            out.update({f"{label}_{k}" if extra else k: v for k, v in m.stats.items()})
+        out = self.crew.stats()
         out.update(self._counts)
         out.update(self.book.stats())
         return out
@@ -197,26 +175,20 @@ class VoteProposer(ProposerBase):
               acceptance: Callable[[float], float] | None = None) -> None:
         self.params = params
         self.acceptance = acceptance
-        # a stream of its own per member: several draft models' results arrive in an order that timing decides,
-        # and draws from one shared stream would make what each drafts depend on that order
-        for m, own in zip(self.members, rng.spawn(len(self.members))):
-            m.start(params, own, None if m.instant else acceptance)
+        self.crew.start(params, rng, acceptance)
         self.book.start()
         self.active = False
         self._result = None
 
     def prefill(self, context: list[int]) -> None:
-        for m in self.members:
-            m.prefill(context)
+        self.crew.prefill(context)
 
     def observe(self, context: list[int]) -> None:
         self.book.observe(context)
-        for m in self.members:
-            m.observe(context)
+        self.crew.observe(context)
 
     def reset(self) -> None:
-        for m in self.members:
-            m.reset()
+        self.crew.reset()
         self.active = False
         self._result = None
 
@@ -231,30 +203,20 @@ class VoteProposer(ProposerBase):
         if self.instant:
             self._result = self._close()
         else:
-            for i in self.leads:
-                self.members[i].begin(context, cutoff, max_nodes, first_cutoff, look_cutoff)
+            self.crew.begin(context, cutoff, max_nodes, first_cutoff, look_cutoff)
 
     def _start_tree(self, ctx: list[int], cutoff: float, first_cutoff: float, max_nodes: int) -> None:
         self._ctx = ctx
         self._cutoff, self._first_cutoff, self._max_nodes = cutoff, first_cutoff, max_nodes
-        self._chains = [([], []) if not m.instant else _chain(m.propose(ctx, max_nodes)) for m in self.members]
-        self._done = set()
+        self.crew.new_chains(ctx, max_nodes)
         self._result = None
 
-    def _seqs(self) -> list[list[int]]:
-        return [toks for toks, _ in self._chains]
-
     def _probs(self) -> list[list[float]]:
-        """Per member, the confidence of each of its tokens: a lead's draft
-        model's own probability; for an instant member (whose own confidence
-        is a rule of thumb, e.g. the n-gram's n / (n + 1)) its measured
-        accuracy (``WeightedMajority.accuracy``)."""
-        return [ps if not m.instant else [self.book.accuracy(i)] * len(toks)
-                for i, (m, (toks, ps)) in enumerate(zip(self.members, self._chains))]
+        """Per member, the confidence of each of its tokens (:meth:`VoteMembers.probs`)."""
+        return self.crew.probs(self.book.accuracy)
 
     def ready(self) -> bool:
-        return self.active and (self._result is not None or any(
-            self.members[i].ready() for i in self.leads if i not in self._done))
+        return self.active and (self._result is not None or self.crew.ready())
 
     def poll(self) -> SpecTree | None:
         if not self.active:
@@ -269,11 +231,11 @@ class VoteProposer(ProposerBase):
         done = self.lead.poll()
         if done is not None:
             self.active = False
-            self._chains[li] = _chain(done)
+            self.crew.chains[li] = chain_of(done)
             return self._close()
-        self._chains[li] = _chain(self.lead.partial())
-        toks = self._chains[li][0]
-        path, _ = majority_path(self._seqs(), self.book.weights)
+        self.crew.chains[li] = chain_of(self.lead.partial())
+        toks = self.crew.chains[li][0]
+        path, _ = majority_path(self.crew.seqs(), self.book.weights)
         if path[:len(toks)] != toks:   # outvoted at a level the lead's later tokens cannot change
             self._counts["vote_overruled"] += 1
             self.lead.abandon()
@@ -283,14 +245,7 @@ class VoteProposer(ProposerBase):
 
     def _poll_leads(self) -> SpecTree | None:
         """Several leads: take what each has; the vote once all have finished."""
-        for i in self.leads:
-            m = self.members[i]
-            if i not in self._done and m.ready():
-                done = m.poll()
-                if done is not None:
-                    self._chains[i] = _chain(done)
-                    self._done.add(i)
-        if len(self._done) < len(self.leads):
+        if not self.crew.take_finished():
             return None
         self.active = False
         return self._close()
@@ -298,7 +253,7 @@ class VoteProposer(ProposerBase):
     def _close(self) -> SpecTree:
         """Vote over the chains, record the vote, return the voted chain cut
         at the cutoff."""
-        seqs = self._seqs()
+        seqs = self.crew.seqs()
         path, voted = majority_path(seqs, self.book.weights)
         self.book.record(self._ctx, seqs, voted)
         if self.lead is not None:
@@ -332,13 +287,11 @@ class VoteProposer(ProposerBase):
         the leads whose chain is exactly it), or None."""
         if not (self.active and self._result is None):
             return None
-        live = [i for i in self.leads if i not in self._done and self.members[i].can_cut()]
+        live = self.crew.cuttable()
         if not live:
             return None
-        for i in self.leads:
-            if i not in self._done:
-                self._chains[i] = _chain(self.members[i].partial())
-        seqs = self._seqs()
+        self.crew.grow_chains()
+        seqs = self.crew.seqs()
         path, _ = majority_path(seqs, self.book.weights)
         aligned = [i for i in live if seqs[i] and path[:len(seqs[i])] == seqs[i]]
         if not aligned:
@@ -363,14 +316,13 @@ class VoteProposer(ProposerBase):
                 self.members[i].abandon()   # its chain left the vote's path: it sits out the micro-batch
         ctx = self._ctx + toks
         self._start_tree(ctx, cutoff, cutoff, room(len(ctx) - 1))
-        self._done = set()
         for i in self.leads:
             m = self.members[i]
             if i in cutters:
                 continue
             m.drain_ready()
             if m.busy():
-                self._done.add(i)   # sits out until a cut finds it idle
+                self.crew.done.add(i)   # sits out until a cut finds it idle
             else:
                 m.begin(ctx, cutoff, self._max_nodes)
         return tree, len(tree) - 1
@@ -388,14 +340,12 @@ class VoteProposer(ProposerBase):
         return sub, mp[tip]
 
     def abandon(self) -> None:
-        for i in self.leads:
-            if self.members[i].active:
-                self.members[i].abandon()
+        self.crew.abandon()
         self.active = False
         self._result = None
 
     def busy(self) -> bool:
-        return any(self.members[i].busy() for i in self.leads)
+        return self.crew.busy()
 
     def due_in(self) -> float | None:
         """None: the vote hands over what the majority path has at once
@@ -407,19 +357,13 @@ class VoteProposer(ProposerBase):
         return None
 
     def drain_ready(self) -> None:
-        for i in self.leads:
-            self.members[i].drain_ready()
+        self.crew.drain_ready()
 
     def drain_one(self, timeout_s: float) -> None:
         """Consume one in-flight result of an abandoned (or finished) lead."""
-        for i in self.leads:
-            if self.members[i].busy():
-                self.members[i].drain_one(timeout_s)
-                return
-        raise RuntimeError("nothing in flight")
+        self.crew.drain_one(timeout_s)
 
     def settle(self, timeout_s: float) -> None:
-        for i in self.leads:
-            self.members[i].settle(timeout_s)
+        self.crew.settle(timeout_s)
         self.active = False
         self._result = None
