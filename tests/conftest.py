@@ -90,15 +90,45 @@ if MPI_FLAVOR == "openmpi":
     os.environ.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
 
 
+FULL_TIER = "python -m pytest -q -rs --full"   # README "Development and tests"; what .ci/run runs
+_LEFT_TO_FULL = pytest.StashKey[int]()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", default=False,
+                     help="the full tier: also the tests marked `full` (real MPI ranks on real weights; "
+                          "20-25 minutes on 2 cores). Without it they are deselected, but for those marked `smoke`.")
+
+
+@pytest.hookimpl(trylast=True)  # after -k/-m: the count below is of what they left
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``hydra`` use MPICH's launcher (its flags, PMI_RANK, its
-    signals): skipped under another MPI, with the reason."""
+    """Two tiers (README "Development and tests"): without ``--full``, tests
+    marked ``full`` are deselected unless also marked ``smoke`` (the few
+    real-rank tests of the fast tier). Tests marked ``hydra`` use MPICH's
+    launcher (its flags, PMI_RANK, its signals): skipped under another MPI,
+    with the reason."""
+    if not config.getoption("full"):
+        keep, left = [], []
+        for item in items:
+            (left if item.get_closest_marker("full") and not item.get_closest_marker("smoke") else keep).append(item)
+        if left:
+            config.hook.pytest_deselected(items=left)
+            items[:] = keep
+        config.stash[_LEFT_TO_FULL] = len(left)
     if MPI_FLAVOR == "mpich":
         return
     skip = pytest.mark.skip(reason=f"needs MPICH's hydra launcher; this mpiexec is {MPI_FLAVOR}")
     for item in items:
         if "hydra" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line: how many tests the fast tier left to the full tier, and how to run them."""
+    left = config.stash.get(_LEFT_TO_FULL, 0)
+    if left:
+        terminalreporter.write_line(f"fast tier: {left} tests marked `full` (real ranks on real weights) were "
+                                    f"deselected; the full tier runs them: {FULL_TIER}")
 
 
 def stderr_lines(stderr: str) -> list[str]:
