@@ -16,6 +16,8 @@ import pytest
 
 from tests.conftest import ROOT, mpiexec
 
+pytestmark = pytest.mark.full  # every row as a real ggpipe job, most under mpiexec: 43 s in all
+
 DOC = ROOT / "docs" / "ERRORS.md"
 
 

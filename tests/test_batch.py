@@ -139,6 +139,7 @@ def head_pid(mpiexec_pid: int) -> int | None:
 
 @pytest.mark.hydra
 @pytest.mark.mpi
+@pytest.mark.full
 def test_kill_and_resume_loses_nothing(tmp_path, smollm2, reference):
     rows = [{"id": f"p{i}", "prompt": p} for i, p in enumerate(PROMPTS)]
     rows.append({"id": 99, "prompt": "Tell me a story", "temperature": 0.8, "seed": 5})
@@ -198,6 +199,7 @@ def test_kill_and_resume_loses_nothing(tmp_path, smollm2, reference):
 
 
 @pytest.mark.mpi
+@pytest.mark.full
 def test_bad_input_is_one_line_before_generating(tmp_path, smollm2):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text('{"id": 1, "prompt": "fine"}\n{"id": 2, "prompt": "x", "n": 3000}\n', encoding="utf-8")
@@ -209,6 +211,7 @@ def test_bad_input_is_one_line_before_generating(tmp_path, smollm2):
 
 
 @pytest.mark.mpi
+@pytest.mark.full
 def test_never_destroys_or_skips_data_it_did_not_write(tmp_path, smollm2):
     """The issue's cases, for real: each is one line, exit 1, and every file
     is exactly as it was (the refusal comes before any generation)."""

@@ -70,6 +70,7 @@ def run_ggpipe_module(args: list[str], link: str):
 
 
 @pytest.mark.mpi
+@pytest.mark.full
 def test_pingpong_round_trip_grows_by_twice_the_latency():
     base = _pingpong("shm")
     lat = 2e-3
@@ -157,6 +158,7 @@ def _rows(out):
 
 
 @pytest.mark.mpi
+@pytest.mark.full
 def test_bench_writes_csv_json_plots_and_timelines(bench_dir):
     _, out, p = bench_dir
     rows = _rows(out)
@@ -187,6 +189,7 @@ def test_bench_writes_csv_json_plots_and_timelines(bench_dir):
 
 
 @pytest.mark.mpi
+@pytest.mark.full
 def test_timeline_command(bench_dir, tmp_path):
     _, out, _ = bench_dir
     p = run_ggpipe(["timeline", str(out / "traces" / "pipeinfer_r2_shm_story_0"), "-o", str(tmp_path / "t.png"),
@@ -197,6 +200,7 @@ def test_timeline_command(bench_dir, tmp_path):
 
 
 @pytest.mark.mpi
+@pytest.mark.full
 def test_bench_resumes_and_flags_a_corrupted_output(bench_dir):
     d, out, _ = bench_dir
     path = out / "runs" / "pipeinfer_r2_shm_story_0.json"
@@ -265,6 +269,7 @@ def test_trace_is_off_by_default_and_round_trips(tmp_path, monkeypatch):
 
 
 @pytest.mark.mpi
+@pytest.mark.full
 @pytest.mark.parametrize("mode", ["speculative", "pipeinfer"])
 def test_speculative_modes_under_an_emulated_link_stay_exact(mode, smollm2):
     from ggpipe.bench import baseline

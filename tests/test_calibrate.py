@@ -10,6 +10,8 @@ from conftest import generate_json, run_ggpipe
 
 from ggpipe.sim.profile import Profile
 
+pytestmark = pytest.mark.full
+
 
 @pytest.fixture(scope="module")
 def profile(tmp_path_factory, smollm2):
@@ -24,6 +26,7 @@ def profile(tmp_path_factory, smollm2):
     return out
 
 
+@pytest.mark.mpi
 def test_calibrate_measures_every_rank_and_link(profile):
     prof = Profile.load(profile)
     assert [h.rank for h in prof.hosts] == [0, 1]
@@ -48,6 +51,7 @@ def test_calibrate_refuses_to_overwrite_a_file_it_did_not_write(tmp_path, smollm
     assert victim.read_text() == "my notes\n"
 
 
+@pytest.mark.mpi
 def test_plan_balance_and_split_auto_use_the_profile(profile, smollm2):
     p = run_ggpipe(["plan", "-n", "2", "--balance", str(profile), "--json", "--", "generate", "-m", str(smollm2),
                     "-p", "x"])
@@ -67,6 +71,7 @@ def test_plan_balance_and_split_auto_use_the_profile(profile, smollm2):
     assert layers == [[0, counts[0]], [counts[0], 30]]
 
 
+@pytest.mark.mpi  # the profile is measured on 2 ranks
 def test_simulate_reads_the_profile(profile, smollm2):
     p = run_ggpipe(["simulate", "--profile", str(profile), "-m", str(smollm2), "-md", str(smollm2),
                     "--ranks", "2", "-n", "32", "--prompts", "1"])
@@ -74,6 +79,7 @@ def test_simulate_reads_the_profile(profile, smollm2):
     assert p.stdout.count("| shm | 2 |") == 3
 
 
+@pytest.mark.mpi
 def test_split_auto_without_a_profile_is_one_clear_error(smollm2):
     p = run_ggpipe(["generate", "-m", str(smollm2), "--split", "auto", "-p", "x", "-n", "2"], ranks=2, timeout=120)
     assert p.returncode != 0

@@ -21,6 +21,8 @@ from llama_cpp import Llama
 from ggpipe.bench import baseline
 from tests.conftest import ROOT, ggpipe_cmd, run_ggpipe
 
+pytestmark = pytest.mark.full  # the fast tier runs the one case marked smoke
+
 Q1 = "What is the capital of France?"
 Q2 = "And the capital of Germany?"
 N = 16
@@ -48,7 +50,9 @@ def chat_lines(stdout: str) -> list[str]:
     return [ln for ln in stdout.splitlines() if ln.strip()]
 
 
-@pytest.mark.parametrize("mode,ranks", [("iterative", 2), ("pipeinfer", 2), ("speculative", 2), ("iterative", None)])
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode,ranks", [  # iterative-2: the fast tier's smoke test of chat on real ranks
+    pytest.param("iterative", 2, marks=pytest.mark.smoke), ("pipeinfer", 2), ("speculative", 2), ("iterative", None)])
 def test_piped_conversation_equals_single_node(smollm2, reference, vocab_only, mode, ranks):
     script = f"{Q1}\n/stats\n{Q2}\n/stats\n/reset\n{Q1}\n/stats\n/quit\n"
     extra = ["-md", str(smollm2), "--mode", mode] if mode != "iterative" else []
@@ -75,6 +79,7 @@ def test_piped_conversation_equals_single_node(smollm2, reference, vocab_only, m
     assert "tokens/s" in s2 and "TTFT" in s2
 
 
+@pytest.mark.mpi
 def test_conversation_outgrows_context(smollm2):
     script = f"{Q1}\n{Q2}\n{Q1} {Q2} {Q1}\n/quit\n"
     p = run_ggpipe(["chat", "-m", str(smollm2), "-n", "8", "-c", "64"], 2, input=script)
@@ -107,6 +112,7 @@ def _read_until(fd: int, pattern: str, timeout: float, buf: list[str]) -> bool:
 
 
 @pytest.mark.hydra
+@pytest.mark.mpi
 def test_ctrl_c_stops_the_reply_not_the_ranks(smollm2):
     """Under a pseudo-terminal, ^C (the terminal's SIGINT to mpiexec, which
     forwards it to every rank) stops the current reply; the chat goes on."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-pytestmark = pytest.mark.hydra  # finds ranks by PMI_RANK
+pytestmark = [pytest.mark.hydra, pytest.mark.full]  # hydra: finds ranks by PMI_RANK
 
 
 

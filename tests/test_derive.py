@@ -129,6 +129,7 @@ def sha256_of(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+@pytest.mark.full  # slices the real GGUF: 14 s
 def test_stage_slices(smollm2: Path, smol_reader: gguf.GGUFReader, slice_cache: Path) -> None:
     cache = slice_cache
     assert stage_slice(smollm2, 0, 30, cache) == smollm2
@@ -252,6 +253,7 @@ def _slice_worker(args: tuple[str, str]) -> str:
     return str(stage_slice(src, 5, 17, cache))
 
 
+@pytest.mark.full  # 9 s
 def test_concurrent_stage_slices(smollm2: Path, slice_cache: Path, tmp_path: Path) -> None:
     ctx = multiprocessing.get_context("fork")
     with ctx.Pool(3) as pool:
@@ -278,6 +280,7 @@ def test_slice_refused_for_gemma(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- derive: types and llama.cpp
 
 
+@pytest.mark.full  # 6 s
 def test_derive_f16_types_and_values(smollm2: Path, smol_reader: gguf.GGUFReader, tmp_path: Path) -> None:
     layers = [0, 29, 29]
     out = derive_gguf(smollm2, layers, tmp_path / "f16.gguf", "f16")

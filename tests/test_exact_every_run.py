@@ -24,6 +24,8 @@ from ggpipe.bench.prompts import load_prompts, render_prompts
 from ggpipe.runtime.llama import llamafile_sgemm
 from tests.conftest import ROOT, run_ggpipe
 
+pytestmark = [pytest.mark.mpi, pytest.mark.full]
+
 # (prompt id, tokens): the F16 goliath's reference has near-ties at generated tokens
 # 83 (margin 0.0048) and 90 of "goliath", and 54 (0.0056) and 56 of "long-doc"
 CASES = [("goliath", 92), ("long-doc", 60)]

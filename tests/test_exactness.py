@@ -9,6 +9,8 @@ import pytest
 
 from conftest import PROMPTS, generate_json
 
+pytestmark = pytest.mark.full  # the fast tier runs the one case marked smoke
+
 N_TOKENS = 64
 
 SPLITS = [
@@ -24,7 +26,9 @@ SPLITS = [
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("ranks,split", SPLITS, ids=[f"R{r}-{s or 'even'}" for r, s in SPLITS])
+@pytest.mark.parametrize("ranks,split", [  # R2-even: the fast tier's smoke test of the pipeline on real ranks
+    pytest.param(r, s, id=f"R{r}-{s or 'even'}", marks=[pytest.mark.smoke] if (r, s) == (2, None) else [])
+    for r, s in SPLITS])
 def test_smollm2_pipeline_matches_single_node(smollm2, reference, ranks, split):
     extra = ["--split", split] if split else []
     for prompt in PROMPTS:
@@ -38,7 +42,6 @@ def test_smollm2_pipeline_matches_single_node(smollm2, reference, ranks, split):
 
 
 @pytest.mark.mpi
-@pytest.mark.slow
 @pytest.mark.parametrize("ranks,split", [(2, None), (3, "0.3,0.3,0.4"), (4, None)])
 def test_goliath_pipeline_matches_single_node(goliath, reference, ranks, split):
     extra = ["--split", split] if split else []
@@ -47,6 +50,7 @@ def test_goliath_pipeline_matches_single_node(goliath, reference, ranks, split):
         assert got["tokens"] == reference(goliath, prompt, N_TOKENS), f"prompt {prompt!r}"
 
 
+@pytest.mark.mpi
 def test_long_prompt_in_pipelined_chunks_matches(smollm2, reference):
     """A prompt longer than the ubatch travels as several back-to-back chunks;
     the reference processes it in chunks of the same size."""

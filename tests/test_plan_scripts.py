@@ -41,6 +41,7 @@ def plan_json(args: list[str]) -> dict:
 # -- ggpipe plan ---------------------------------------------------------------------------
 
 
+@pytest.mark.full  # reads every tensor of the GGUF: 4 s
 def test_plan_bytes_match_the_gguf(smollm2):
     info = read_model_info(smollm2)
     tensors = {t.name: int(t.n_bytes) for t in GGUFReader(smollm2).tensors}
@@ -254,6 +255,7 @@ def expected_text(smollm2, reference):
 
 
 @pytest.mark.mpi
+@pytest.mark.full
 @pytest.mark.parametrize("numactl", ["system", "none"])
 def test_numa_script_real_run(smollm2, expected_text, numactl):
     if numactl == "system" and shutil.which("numactl") is None:
@@ -265,6 +267,7 @@ def test_numa_script_real_run(smollm2, expected_text, numactl):
 
 
 @pytest.mark.mpi
+@pytest.mark.full
 def test_numa_script_two_ranks_per_node(smollm2, expected_text, fake_numactl):
     numactl = shutil.which("numactl") or str(fake_numactl)
     p = script("numa.sh", ["--ranks-per-node", "2", "--", "generate", "-m", str(smollm2), "-n", "4", "-p", PROMPT],
@@ -274,6 +277,7 @@ def test_numa_script_two_ranks_per_node(smollm2, expected_text, fake_numactl):
 
 
 @pytest.mark.mpi
+@pytest.mark.full
 def test_hostfile_launcher_real_run(smollm2, expected_text, tmp_path):
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost slots=2\n")  # Open MPI format, converted for MPICH

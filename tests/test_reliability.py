@@ -22,7 +22,7 @@ import pytest
 
 from tests.conftest import ROOT, guard_line, mpiexec, wait_for_ranks
 
-pytestmark = [pytest.mark.mpi, pytest.mark.hydra]  # hydra: its flags, PMI_RANK, its SIGUSR1
+pytestmark = [pytest.mark.mpi, pytest.mark.hydra, pytest.mark.full]  # hydra: its flags, PMI_RANK, its SIGUSR1
 
 BOUND_S = 10.0
 

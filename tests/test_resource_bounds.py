@@ -12,10 +12,11 @@ import pytest
 
 from tests.conftest import generate_json
 
+pytestmark = [pytest.mark.mpi, pytest.mark.full]
+
 MiB = 1 << 20
 
 
-@pytest.mark.mpi
 # stochastic only (each draft node carries a 393 KB distribution: the larger footprint); greedy dropped to keep CI
 # under its 40 minutes
 @pytest.mark.parametrize("temp", ["0.8"])
@@ -33,7 +34,6 @@ def test_pipeinfer_2000_tokens_rss_does_not_grow(smollm2, temp):
         assert growth <= min(16 * MiB, kv_per_token * 1800), (a["rank"], growth / MiB)
 
 
-@pytest.mark.mpi
 @pytest.mark.parametrize("extra", [[], ["--branches", "3", "--draft", "8"]])
 def test_speculation_fills_the_context_to_its_last_cell(smollm2, goliath, extra):
     """Prompt + -n = -c exactly: the speculative modes draft no further than

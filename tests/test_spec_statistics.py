@@ -376,7 +376,7 @@ def _next_logits(path, n_layer, prompt):
         s.close()
 
 
-@pytest.mark.slow
+@pytest.mark.full  # real weights: 13 s
 def test_mss_real_draft_target_pair(goliath, smollm2):
     """Target smollm2-goliath-40l, draft smollm2-135m, same prompt: MSS with
     children drawn from the draft's sampling distribution yields the target's
