@@ -219,6 +219,18 @@ def test_sampled_output_is_reproducible_with_a_seed(spec_type):
     assert outs[0] == outs[1]
 
 
+@pytest.mark.parametrize("mode", ["speculative", "pipeinfer"])
+def test_sampled_drafts_are_accepted(mode):
+    """Stochastic verification takes drafts, counted on the virtual clock
+    (deterministic): tests/test_speculation_modes.py's sampled pipeinfer run
+    on real ranks does not count them, since there how many follows timing.
+    (Latency 6: at the default 3, pipeinfer drafts nothing here, greedy or
+    sampled.)"""
+    dec, _, _ = _decoder(SpecSettings(mode=mode, spec_type="draft"), "draft", latency=6)
+    dec.generate(np.array(PROMPT, np.int32), 30, Sampler(SamplingParams(temperature=0.9, seed=7)))
+    assert dec.stats["drafted"] > 0 and dec.stats["draft_accepted"] > 0, dec.stats
+
+
 def test_ngram_stochastic_verification_preserves_the_target_distribution():
     """A deterministic (n-gram) proposal with one-hot q, verified by SpecInfer
     MSS, yields tokens distributed exactly as the target's p (chi-square)."""

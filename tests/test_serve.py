@@ -24,7 +24,7 @@ import pytest
 
 from tests.conftest import MPI_FLAVOR, ROOT, generate_json, ggpipe_cmd, run_ggpipe, stderr_lines
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.full]  # the fast tier runs the one test marked smoke
 
 N = 12
 KEY = "sekret-key"
@@ -123,6 +123,7 @@ def test_chat_greedy_equals_generate(server, client, smollm2):
     assert chunks[-1].usage.completion_tokens == len(gen["tokens"])
 
 
+@pytest.mark.smoke  # the fast tier's smoke test of serve on real ranks
 def test_completions_greedy_equal_reference(server, client, smollm2, reference):
     want = reference(smollm2, PROMPT, N)
     r = client.completions.create(model="any", prompt=PROMPT, max_tokens=N, temperature=0)
@@ -274,11 +275,13 @@ def test_sigterm_finishes_the_running_request_and_exits_0(smollm2):
 def test_a_reply_cut_by_shutdown_says_so_and_health_answers_503(smollm2):
     """--shutdown-grace cut a long reply and still answered 200 / "length";
     and /health refused connections during the grace period."""
-    s = ServerProc(["-m", str(smollm2), "--ignore-eos", "--shutdown-grace", "3"])
+    # 8000 tokens (one slot of 8192 cells): the reply must still run when the grace ends, 6 s in; 1500, as
+    # before, would end by then at 250 tokens/s, within reach of a fast machine
+    s = ServerProc(["-m", str(smollm2), "--ignore-eos", "--shutdown-grace", "3", "-c", "8192", "--parallel", "1"])
     try:
         with ThreadPoolExecutor(1) as ex:
             fut = ex.submit(http, s, "POST", "/v1/completions",
-                            json.dumps({"prompt": "Count: 1, 2, 3,", "max_tokens": 1500}), None)
+                            json.dumps({"prompt": "Count: 1, 2, 3,", "max_tokens": 8000}), None)
             time.sleep(3)  # the reply is running
             s.proc.send_signal(signal.SIGTERM)
             time.sleep(0.5)

@@ -9,6 +9,8 @@ import pytest
 
 from conftest import PROMPTS, generate_json, run_ggpipe, stderr_lines
 
+pytestmark = [pytest.mark.mpi, pytest.mark.full]  # the fast tier runs the one case marked smoke
+
 N_TOKENS = 128
 
 # (ranks, --split): target stages / draft stages
@@ -27,16 +29,16 @@ VARIANTS = [
 
 # the ablations at 3 ranks only, speculative at 2-3 (a 2-stage draft: pipeinfer-R4, staged, the two-draft vote);
 # every layout ran every variant until CI neared its 40 minutes
-SPEC_CASES = [pytest.param(r, s, m, e, id=f"{i}-R{r}") for (m, e), i in zip(VARIANTS, ["speculative", "pipeinfer",
-              "no-cancel", "no-continuous"]) for r, s in LAYOUTS
-              if (not e and (m, r) != ("speculative", 4)) or (e and r == 3)]
+# pipeinfer-R2 is also the fast tier's smoke test of speculation on real ranks
+SPEC_CASES = [pytest.param(r, s, m, e, id=f"{i}-R{r}", marks=[pytest.mark.smoke] if (i, r) == ("pipeinfer", 2) else [])
+              for (m, e), i in zip(VARIANTS, ["speculative", "pipeinfer", "no-cancel", "no-continuous"])
+              for r, s in LAYOUTS if (not e and (m, r) != ("speculative", 4)) or (e and r == 3)]
 
 
-@pytest.mark.mpi
-@pytest.mark.slow
 @pytest.mark.parametrize("ranks,split,mode,extra", SPEC_CASES)
 def test_greedy_speculation_equals_single_node_target(goliath, smollm2, reference, ranks, split, mode, extra):
     args = ["-md", str(smollm2), "--mode", mode, *extra] + (["--split", split] if split else [])
+    accepted = 0
     for prompt in PROMPTS:
         got = generate_json(goliath, prompt, N_TOKENS, ranks, args)
         want = reference(goliath, prompt, N_TOKENS)
@@ -45,13 +47,16 @@ def test_greedy_speculation_equals_single_node_target(goliath, smollm2, referenc
         if "--no-continuous" not in extra:
             # (asynchronous speculation alone rarely finishes a tree before this fast
             # target decides the next token, so it may draft nothing)
-            assert dec["drafted"] > 0 and dec["draft_accepted"] > 0, dec
+            assert dec["drafted"] > 0, dec
+            accepted += dec["draft_accepted"]
         models = [r["model"] for r in got["ranks"]]
         assert models.count("draft") == (ranks - 1 if split is None else len(split.split("/")[1].split(",")))
+    # how many follows timing (pipeinfer) and the draft gate's measured costs (speculative): at R2 a prompt
+    # had 8-46 accepted idle, 14-48 beside a busy process; per prompt it could reach 0, the three together
+    # were 36 or more in every run measured
+    assert accepted > 0 or "--no-continuous" in extra
 
 
-@pytest.mark.mpi
-@pytest.mark.slow
 def test_cancellation_aborts_a_run_mid_compute_on_a_middle_stage(goliath, smollm2, reference):
     """The middle target stage holds most layers, so speculative runs queue
     and compute there; invalidated ones must be aborted mid-compute (native
@@ -69,18 +74,19 @@ def test_cancellation_aborts_a_run_mid_compute_on_a_middle_stage(goliath, smollm
     assert aborted >= middle["cancelled_mid_compute"]
 
 
-@pytest.mark.mpi
 def test_sampled_pipeinfer_generates(goliath, smollm2):
     """Stochastic verification end to end (the distribution itself is tested
     in test_spec_statistics.py). The draft is ~3x faster than this target, so
-    asynchronous speculation always gets drafts in; how many is timing."""
+    asynchronous speculation always gets drafts in; how many is timing, and
+    so is how many are accepted (7 idle, 6 beside a busy process): not
+    checked here; test_decoding_loop.py::test_sampled_drafts_are_accepted
+    checks it on the toy pipeline's virtual clock."""
     got = generate_json(goliath, PROMPTS[1], 48, 2,
                         ["-md", str(smollm2), "--mode", "pipeinfer", "--temp", "0.8", "--seed", "7", "--ignore-eos"])
     assert len(got["tokens"]) == 48
-    assert got["decoder"]["drafted"] > 0 and got["decoder"]["draft_accepted"] > 0, got["decoder"]
+    assert got["decoder"]["drafted"] > 0, got["decoder"]
 
 
-@pytest.mark.mpi
 def test_sampled_self_drafting_is_mostly_accepted(smollm2):
     """A model drafting for itself under sampling: the synchronous mode (no
     timing in what is drafted) accepts nearly every draft token. Not all:
@@ -96,7 +102,6 @@ def test_sampled_self_drafting_is_mostly_accepted(smollm2):
     assert got["decoder"]["drafted"] >= 24 and got["decoder"]["acceptance_rate"] > 0.6, got["decoder"]
 
 
-@pytest.mark.mpi
 @pytest.mark.parametrize("extra,fragment", [
     (["--mode", "pipeinfer"], "needs a draft model"),
     (["--mode", "speculative", "--spec-type", "vote"], "--spec-vote with a draft-model proposer needs a draft model"),
@@ -122,8 +127,6 @@ def test_bad_speculation_settings(smollm2, extra, fragment):
 NGRAM_LAYOUTS = [(None, "pipeinfer"), (2, "pipeinfer"), (3, "pipeinfer"), (2, "speculative")]
 
 
-@pytest.mark.mpi
-@pytest.mark.slow
 @pytest.mark.parametrize("ranks,mode", NGRAM_LAYOUTS, ids=[f"R{r or 1}-{m}" for r, m in NGRAM_LAYOUTS])
 def test_greedy_ngram_speculation_equals_single_node_target(goliath, reference, ranks, mode):
     """--spec-type ngram: every target rank holds target layers (no draft
@@ -139,7 +142,6 @@ def test_greedy_ngram_speculation_equals_single_node_target(goliath, reference, 
     assert drafted > 0
 
 
-@pytest.mark.mpi
 def test_sampled_ngram_pipeinfer_generates(goliath):
     """Stochastic verification of n-gram drafts (one-hot q; the distribution
     itself is tested in test_decoding_loop.py)."""
@@ -155,8 +157,6 @@ VOTE_LAYOUTS = [(2, "speculative", None), (2, "pipeinfer", None), (3, "pipeinfer
 # (R4 with a 2-stage draft: the two-draft vote's R4 row)
 
 
-@pytest.mark.mpi
-@pytest.mark.slow
 @pytest.mark.parametrize("ranks,mode,split", VOTE_LAYOUTS, ids=[f"R{r}-{m}" for r, m, _ in VOTE_LAYOUTS])
 def test_greedy_vote_equals_single_node_target(goliath, smollm2, reference, ranks, mode, split):
     """--spec-type vote (draft model + n-gram, weighted majority): output
@@ -176,8 +176,6 @@ def test_greedy_vote_equals_single_node_target(goliath, smollm2, reference, rank
 TWO_DRAFT_LAYOUTS = [(3, "pipeinfer", None), (4, "speculative", "1/1/1,1")]
 
 
-@pytest.mark.mpi
-@pytest.mark.slow
 @pytest.mark.parametrize("ranks,mode,split", TWO_DRAFT_LAYOUTS, ids=["R3-pipeinfer", "R4-speculative"])
 def test_greedy_vote_over_two_draft_models_equals_single_node_target(goliath, smollm2, smollm2_skip26, reference,
                                                                     ranks, mode, split):
@@ -200,7 +198,6 @@ def test_greedy_vote_over_two_draft_models_equals_single_node_target(goliath, sm
     assert models == (["target", "draft", "draft2"] if ranks == 3 else ["target", "draft", "draft2", "draft2"])
 
 
-@pytest.mark.mpi
 def test_sampled_vote_generates(goliath, smollm2):
     """Stochastic verification of voted drafts (one-hot q; the distribution
     itself is tested in test_vote.py)."""
@@ -210,7 +207,6 @@ def test_sampled_vote_generates(goliath, smollm2):
     assert len(got["tokens"]) == 48 and got["decoder"]["spec_type"] == "vote"
 
 
-@pytest.mark.mpi
 def test_sampled_vote_over_two_draft_ranks_is_reproducible(goliath, smollm2, smollm2_skip26):
     """Stochastic verification of chains voted by two draft models on ranks
     of their own (3 ranks, synchronous speculation, so what is drafted does
@@ -229,35 +225,30 @@ def test_sampled_vote_over_two_draft_ranks_is_reproducible(goliath, smollm2, smo
 
 # -- Staged SD's draft-of-draft: the draft model checking n-gram guesses ---------------------
 
-# the guess count: 4 (--spec-guesses, sent whatever they cost) where the test must see guesses checked;
-# auto (the budget, which holds guesses back as pass timing says) on one layout, for exactness alone
+# the guess count: 4 (--spec-guesses, sent whatever they cost) on two layouts, auto (the budget, which holds
+# guesses back as pass timing says) on one: exactness with either
 STAGED_LAYOUTS = [(2, "pipeinfer", None, "auto"), (3, "speculative", "0.5,0.5/1.0", "4"),
                   (4, "pipeinfer", "0.4,0.6/0.5,0.5", "4")]
 
 
-@pytest.mark.mpi
-@pytest.mark.slow
 @pytest.mark.parametrize("ranks,mode,split,guesses", STAGED_LAYOUTS,
                          ids=[f"R{r}-{m}-{g}" for r, m, _, g in STAGED_LAYOUTS])
 def test_greedy_staged_equals_single_node_target(goliath, smollm2, reference, ranks, mode, split, guesses):
-    """--spec-type staged: output equals single-node greedy decoding; the
-    lookup found guesses, and with a fixed --spec-guesses the draft runs
-    carried them and some were taken. (With auto, how many are sent follows
-    measured pass times: a whole prompt may send none.)"""
+    """--spec-type staged: output equals single-node greedy decoding, and
+    the draft drafted. Not checked here: whether guesses were found, sent
+    and taken. The lookup runs at the anchors the draft happens to draft
+    from, and whether the draft then takes a guess follows pass timing: a
+    full run here once found none on one prompt (R3-speculative-4) and once
+    took none over three prompts (R4-pipeinfer-4). tests/test_staged.py
+    checks them deterministically on the toy pipeline (guesses sent and
+    taken in both loops, --spec-guesses N sending N per run)."""
     args = ["-md", str(smollm2), "--mode", mode, "--spec-type", "staged", "--spec-guesses", guesses] + (
         ["--split", split] if split else [])
-    taken = 0
     for prompt in PROMPTS:
         got = generate_json(goliath, prompt, N_TOKENS, ranks, args)
         assert got["tokens"] == reference(goliath, prompt, N_TOKENS), f"staged {mode} ranks={ranks} {prompt!r}"
         dec = got["decoder"]
         assert dec["spec_type"] == "staged" and dec["drafted"] > 0, dec
-        assert dec["guesses_made"] + dec["guesses_held"] > 0, dec
-        if guesses != "auto":
-            assert dec["guesses_made"] > 0, dec
-            taken += dec["guesses_accepted"]
-    if guesses != "auto":
-        assert taken > 0
 
 
 # -- PipeDec: a dynamic prediction tree, one layer per pipeline step --------------------------
@@ -266,8 +257,6 @@ PIPEDEC_LAYOUTS = [(2, None, []), (3, "0.5,0.5/1.0", []), (3, "0.5,0.5/1.0", ["-
                    (4, "0.3,0.4,0.3/1.0", ["--tree-width", "8", "--max-children", "4"])]
 
 
-@pytest.mark.mpi
-@pytest.mark.slow
 @pytest.mark.parametrize("ranks,split,extra", PIPEDEC_LAYOUTS,
                          ids=["R2", "R3", "R3-tree", "R4-wide-tree"])
 def test_greedy_pipedec_equals_single_node_target(goliath, smollm2, reference, ranks, split, extra):
@@ -276,21 +265,19 @@ def test_greedy_pipedec_equals_single_node_target(goliath, smollm2, reference, r
     (the default chain, and trees of several nodes per layer below several
     parents)."""
     args = ["-md", str(smollm2), "--mode", "pipedec", *extra] + (["--split", split] if split else [])
-    accepted = masked = 0
+    accepted = 0
     for prompt in PROMPTS[:1] if ranks == 4 else PROMPTS:   # the wide tree: one prompt (CI time)
         got = generate_json(goliath, prompt, N_TOKENS, ranks, args)
         assert got["tokens"] == reference(goliath, prompt, N_TOKENS), f"pipedec ranks={ranks} {extra} {prompt!r}"
         dec = got["decoder"]
         assert dec["spec_type"] == "pipedec" and dec["tree_layers"] > 0, dec
         accepted += dec["draft_accepted"]
-        masked += sum(r.get("rows_masked", 0) for r in got["ranks"]) + dec["head_rows_masked"]
+    # (R4-wide-tree: 81 accepted idle, 20 beside two busy processes.) Rows of layers in flight are masked
+    # only on stages that have not started the run when the hit's news arrives, a race (R4: 281 rows idle,
+    # 66 loaded): not checked here; tests/test_pipedec.py checks the masking on the toy pipeline
     assert accepted > 0
-    if ranks == 4:   # 8 nodes per layer, 3 target stages: rows of layers in flight die at every hit and are masked
-        assert masked > 0
 
 
-@pytest.mark.mpi
-@pytest.mark.slow
 @pytest.mark.parametrize("ranks,split,extra", [(2, None, []), (3, "0.5,0.5/1.0", ["--tree-width", "4"])],
                          ids=["R2", "R3-tree"])
 def test_sampled_pipedec_gives_iterative_tokens_for_the_seed(goliath, smollm2, ranks, split, extra):
@@ -298,11 +285,13 @@ def test_sampled_pipedec_gives_iterative_tokens_for_the_seed(goliath, smollm2, r
     target's distribution, matched against the draft's chosen children
     (ggpipe.speculation.verify), so a seeded run gives the tokens of
     single-node iterative sampling with that seed (the chain: logits agree
-    bit for bit), and drafts are accepted. Trees: same draws, same tokens on
-    this prompt (the near-tie caveat of trees applies)."""
+    bit for bit). Trees: same draws, same tokens on this prompt (the
+    near-tie caveat of trees applies)."""
     sampling = ["--temp", "0.8", "--seed", "11", "--ignore-eos"]
     want = generate_json(goliath, PROMPTS[1], 64, None, sampling)["tokens"]
     args = ["-md", str(smollm2), "--mode", "pipedec", *sampling, *extra] + (["--split", split] if split else [])
     got = generate_json(goliath, PROMPTS[1], 64, ranks, args)
     assert got["tokens"] == want
-    assert got["decoder"]["draft_accepted"] > 0, got["decoder"]
+    # how many drafts are accepted follows timing: R2 had 35 idle, 4 beside a busy process, and 0 in a full
+    # run beside a benchmark (the draft never got a layer in: spec_runs 0); not checked here,
+    # tests/test_pipedec.py checks acceptance under sampling on the toy pipeline
