@@ -180,15 +180,17 @@ def test_default_hydra_ends_the_job_at_once(smollm2):
 
 def test_server_answers_in_flight_requests_with_503_when_a_rank_stops(smollm2):
     """A stuck worker under ``ggpipe serve``: the streaming request in flight
-    and a queued one get a 5xx error (not a hang), /health reports the
-    failure, and the job ends non-zero with the rank named."""
+    and a second one beside it get a 5xx error (not a hang), /health reports
+    the failure, and the job ends non-zero with the rank named."""
     import json
     import re
     import threading
     import urllib.error
     import urllib.request
 
-    job = Job(2, ["serve", "--port", "0", "-m", str(smollm2), "-c", "4096", "--ignore-eos", "--liveness-timeout", "2"])
+    # two slots (--parallel 2, 4096 KV cells each): the second request runs beside the first
+    job = Job(2, ["serve", "--port", "0", "-m", str(smollm2), "--parallel", "2", "-c", "8192", "--ignore-eos",
+                  "--liveness-timeout", "2"])
     line = ""
     while "listening on" not in line:
         line = job.p.stdout.readline()
@@ -213,7 +215,7 @@ def test_server_answers_in_flight_requests_with_503_when_a_rank_stops(smollm2):
                                              streaming))
     t1.start()
     time.sleep(2)  # generating
-    t2 = threading.Thread(target=post, args=({"prompt": "Hello", "max_tokens": 8}, queued))
+    t2 = threading.Thread(target=post, args=({"prompt": "Hello", "max_tokens": 3000}, queued))   # in flight too
     t2.start()
     time.sleep(0.5)
     t0 = time.monotonic()

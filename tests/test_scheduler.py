@@ -105,7 +105,7 @@ def test_a_cancelled_queued_job_is_dropped_and_reported():
 
 def test_a_request_must_fit_one_slot():
     sched = Scheduler(FakePipeline(ToyLM(V), streams=True), 4, n_ctx_slot=16, n_ubatch=8, is_eog=lambda t: False)
-    with pytest.raises(ConfigError, match="do not fit one slot's 16 KV cells"):
+    with pytest.raises(ConfigError, match="do not fit one slot's context of 16 KV cells"):
         sched.submit(Job([1] * 10, 7, Sampler(SamplingParams())))
     with pytest.raises(ConfigError, match="empty"):
         sched.submit(Job([], 1, Sampler(SamplingParams())))

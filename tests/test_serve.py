@@ -99,7 +99,9 @@ def test_models_and_health(server, client, smollm2):
     models = client.models.list().data
     assert len(models) == 1 and models[0].id == smollm2.stem
     meta = models[0].model_extra["meta"]
-    assert "one request at a time" in meta["scheduling"] and meta["ranks"] == 2 and meta["n_ctx"] == 2048
+    # --parallel auto: 8 slots of 2048 cells at 2 ranks
+    assert meta["scheduling"].startswith("continuous batching: up to 8 requests") and meta["parallel"] == 8
+    assert meta["ranks"] == 2 and meta["n_ctx"] == 2048
     status, text = http(server, "GET", "/health", key=None)  # no key needed
     assert status == 200 and json.loads(text)["status"] == "ok"
 

@@ -116,7 +116,7 @@ class Scheduler:
         if n_prompt < 1:
             raise ConfigError("the prompt is empty")
         if n_prompt + n_predict > self.n_ctx_slot:
-            raise ConfigError(f"the prompt ({n_prompt} tokens) plus -n {n_predict} do not fit one slot's "
+            raise ConfigError(f"the prompt ({n_prompt} tokens) plus -n {n_predict} do not fit one slot's context of "
                               f"{self.n_ctx_slot} KV cells (-c is shared among the --parallel slots: raise -c or "
                               "lower --parallel, -n or the prompt)")
 

@@ -294,6 +294,9 @@ class Speculative(Drafting):
             c1 = cost.cost(1) if len(cost.mean) > 1 else cost.mean.get(1)   # one size seen: its mean
             if not self.gate.pays(self.proposer.step_s, c1, cost.cost(2)):
                 r.counts["draft_skipped"] += 1
+                # the draft follows the context meanwhile (its pipeline works beside the target's), so
+                # the next attempt decodes only its root, not every token skipped since the last one
+                self.proposer.prefill(r.context[:-1])
                 core.submit_tree(None, SpecTree(anchor_pos=len(r.context) - 1))
                 return
             self._accepted_at_attempt = g.n_draft_accepted
