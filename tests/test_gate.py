@@ -30,6 +30,7 @@ def test_the_rule():
     assert not g.pays(0.006, 0.020, 0.024)
     assert g.pays(0.006, 0.020, 0.024) and g.explored == 1  # the third root in a row: explore
     assert g.skipped == 2
+    assert [g.pays(0.006, 0.020, 0.024) for _ in range(6)] == [False] * 5 + [True]   # the wait doubled: 6
     for _ in range(8):
         g.observe(2)                                        # the draft became right: 2 tokens per attempt
     assert g.pays(0.006, 0.020, 0.024)                      # 2 x 20 ms >= 6 + 4 ms

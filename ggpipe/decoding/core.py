@@ -120,6 +120,13 @@ class SpecCore:
         if not self.r.done:
             self.on_root(first)
 
+    @property
+    def last_decision(self) -> float:
+        """When the request's last tokens were decided: its last result's
+        ``finished_at`` (the pipelines' clock: ``time.perf_counter`` on real
+        ranks, virtual seconds in the simulator)."""
+        return self._last_decision
+
     # -- decisions ---------------------------------------------------------------
 
     def accept(self, toks: list[int]) -> None:

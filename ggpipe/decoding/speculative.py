@@ -268,31 +268,38 @@ class Speculative(Drafting):
     """``--mode speculative``: draft a tree below the pending root, verify
     it, repeat (one run in flight; the target waits while the draft works).
     A root is drafted below only while drafting pays
-    (:class:`~ggpipe.speculation.gate.DraftGate`: the accepted tokens per
-    attempt against the draft's step and the bigger verification pass);
-    otherwise it goes to the target alone, as in iterative mode."""
+    (:class:`~ggpipe.speculation.gate.DraftGate`: the tokens per second of
+    drafted and of plain roots as measured, and before both are, the accepted
+    tokens per attempt against the draft's step and the bigger verification
+    pass); otherwise it goes to the target alone, as in iterative mode."""
 
     name = "speculative"
 
     def __init__(self, core: SpecCore, proposer: Proposer):
         super().__init__(core, proposer)
         self.gate = DraftGate()
+        self._root: tuple[float, int, bool] | None = None   # the last root: when, tokens out, drafted
         self._accepted_at_attempt: int | None = None
 
     def open(self, *args) -> SpecRequest:
-        self._accepted_at_attempt = None
+        self._root = self._accepted_at_attempt = None
         return super().open(*args)
 
     def _begin_speculation(self) -> None:
         r, core = self.r, self.core
         if r.pending_root is not None:
-            g = r.graph
+            g, now = r.graph, core.last_decision    # the pipelines' clock (virtual in the simulator)
+            if self._root is not None:     # the last root's tokens per second, drafted or plain
+                t0, n0, drafted = self._root
+                self.gate.timed(drafted, len(r.out) - n0, now - t0)
             if self._accepted_at_attempt is not None:
                 self.gate.observe(g.n_draft_accepted - self._accepted_at_attempt)
                 self._accepted_at_attempt = None
             cost = core.pass_cost
             c1 = cost.cost(1) if len(cost.mean) > 1 else cost.mean.get(1)   # one size seen: its mean
-            if not self.gate.pays(self.proposer.step_s, c1, cost.cost(2)):
+            drafting = self.gate.pays(self.proposer.step_s, c1, cost.cost(2))
+            self._root = (now, len(r.out), drafting)
+            if not drafting:
                 r.counts["draft_skipped"] += 1
                 # the draft follows the context meanwhile (its pipeline works beside the target's), so
                 # the next attempt decodes only its root, not every token skipped since the last one

@@ -16,14 +16,15 @@ goes once the anchor is decoded; this gate decides before that step:
 
 with ``y`` the accepted draft tokens per attempt, an exponentially
 weighted mean over the attempts so far, ``c`` the target's pass cost curve
-and ``d`` the draft's measured step. Until ``y`` and ``c(1)`` are
-known every root is drafted (the behaviour before the gate; an unknown
-``c(2)`` counts as ``c(1)``), except that when every pass carried a chain
-for ``explore_every`` attempts, one root goes alone so ``c(1)`` is measured. An attempt is
-also made after ``explore_every`` roots in a row went without one, so ``y``
-follows text where the draft becomes right again. The same rule, with the
-target's cost at the current load, is what a scheduler asks per slot
-(ggpipe's issue "Many requests at once", part 4).
+and ``d`` the draft's measured step. An attempt is made anyway after
+``explore_every`` roots in a row without one (the wait doubles after each
+such exploration, up to ``explore_max``, and resets once drafting pays), so
+``y`` follows text where the draft becomes right again. Until ``y`` and
+``c(1)`` are known every root is drafted (the behaviour before the gate; an
+unknown ``c(2)`` counts as ``c(1)``), except that when every pass carried a
+chain for ``explore_every`` attempts, one root goes alone so ``c(1)`` is
+measured. The continuous-batching scheduler asks the same rule of a request
+that generates alone (ggpipe.decoding.scheduler).
 """
 
 from __future__ import annotations
@@ -35,7 +36,12 @@ from dataclasses import dataclass
 class DraftGate:
     """Attributes:
         alpha: weight of a new attempt in the yield's mean.
-        explore_every: after this many roots in a row without an attempt, make one.
+        explore_every: after this many roots in a row without an attempt, make
+            one; each such attempt that does not bring the yield above the
+            cost doubles the wait, up to ``explore_max`` (an exploration costs
+            a draft step and a bigger pass; where the draft stays wrong,
+            they become rare), and an attempt that pays resets it.
+        explore_max: the longest wait between explorations (roots).
         yield_: accepted draft tokens per attempt (None before the first).
         skipped: roots sent without drafting (``draft_skipped`` in ``--json``).
         explored: attempts made only to keep measuring.
@@ -43,11 +49,34 @@ class DraftGate:
 
     alpha: float = 0.25
     explore_every: int = 8
+    explore_max: int = 64
     yield_: float | None = None
     skipped: int = 0
     explored: int = 0
     _run: int = 0    # roots in a row without an attempt
     _blind: int = 0  # attempts in a row made without knowing c(1)
+    _wait: int = 0   # roots between explorations now (0: explore_every)
+    rates: dict = None  # "draft" / "plain" -> [tokens, seconds], exponentially decayed sums
+
+    def timed(self, drafted: bool, tokens: int, seconds: float, decay: float = 0.9) -> None:
+        """A root's outcome in wall time: ``tokens`` decided in ``seconds``
+        from the root being handed to the target (``drafted``: with an
+        attempt below it) to the next root. Decayed sums per arm."""
+        if seconds <= 0:
+            return
+        if self.rates is None:
+            self.rates = {}
+        t, sec = self.rates.get("draft" if drafted else "plain", (0.0, 0.0))
+        self.rates["draft" if drafted else "plain"] = (decay * t + tokens, decay * sec + seconds)
+
+    def measured(self) -> bool | None:
+        """Whether drafting gave more tokens per second than plain roots so
+        far (both measured over at least 3 roots' worth), or None."""
+        r = self.rates or {}
+        if any(k not in r or r[k][0] < 3 for k in ("draft", "plain")):
+            return None
+        (td, sd), (tp, sp) = r["draft"], r["plain"]
+        return td / sd >= tp / sp
 
     def observe(self, accepted: int) -> None:
         """An attempt's outcome: ``accepted`` of its draft tokens were accepted."""
@@ -67,10 +96,14 @@ class DraftGate:
             self._blind += c1 is None
             return self._attempt()
         extra = 0.0 if c2 is None else max(0.0, c2 - c1)
-        if self.yield_ * c1 >= step_s + extra:
+        measured = self.measured()
+        if measured if measured is not None else self.yield_ * c1 >= step_s + extra:
+            self._wait = 0
             return self._attempt()
-        if self._run + 1 >= self.explore_every:
+        wait = self._wait or self.explore_every
+        if self._run + 1 >= wait:
             self.explored += 1
+            self._wait = min(2 * wait, self.explore_max)
             return self._attempt()
         self._run += 1
         self.skipped += 1
