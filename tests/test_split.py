@@ -194,3 +194,16 @@ def test_roles_refuse_impossible_draft_layouts(size, split, k, needle):
     with pytest.raises(GGPipeError) as e:
         Roles.plan(size, parse_split(split), True, n_draft_models=k)
     assert needle in str(e.value)
+
+
+def test_concurrent_stages_counts_cpus_per_host():
+    """How many micro-batches the scheduler keeps in flight: stages that can
+    compute at once (3 ranks of 1 thread sharing a 2-CPU host: 2)."""
+    from ggpipe.cluster.plan import concurrent_stages
+
+    two_cpus = [0, 1]
+    assert concurrent_stages(["a", "a", "a"], [two_cpus] * 3, [1, 1, 1]) == 2
+    assert concurrent_stages(["a", "b", "c"], [two_cpus] * 3, [1, 1, 1]) == 3
+    assert concurrent_stages(["a", "a"], [None, None], [1, 1]) == 2          # affinity unknown: every stage
+    assert concurrent_stages(["a", "a"], [[0, 1, 2, 3]] * 2, [4, 4]) == 1    # each stage takes the whole host
+    assert concurrent_stages(["a", "a", "b"], [[0, 1], [2, 3], [0]], [1, 1, 1]) == 3

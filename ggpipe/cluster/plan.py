@@ -281,3 +281,27 @@ def launcher_command(flavor: str, n_ranks: int, hostfile: str | None, map_by: st
 
 def shell_join(args: list[str]) -> str:
     return shlex.join(args)
+
+
+def concurrent_stages(hosts: list[str], cpus: list, threads: list[int]) -> int:
+    """How many of a pipeline's stages can compute at the same time: per
+    host, its stages, but no more than its CPUs (the union of the ranks' CPU
+    affinity there) hold of their threads; summed over the hosts. A rank of
+    unknown affinity counts as a stage of its own. One entry per stage in
+    each list: its host, its CPU ids (or None), its threads.
+
+    Example: three stages of one thread on a host of 2 CPUs -> 2; on three
+    hosts -> 3."""
+    by_host: dict[str, list[int]] = {}
+    for i, h in enumerate(hosts):
+        by_host.setdefault(h, []).append(i)
+    total = 0
+    for stages in by_host.values():
+        known = [set(cpus[i]) for i in stages if cpus[i]]
+        if len(known) < len(stages):
+            total += len(stages)
+            continue
+        n_cpus = len(set().union(*known))
+        total += min(len(stages), max(1, n_cpus // max(1, max(threads[i] for i in stages))))
+    return max(1, total)
+

@@ -29,8 +29,9 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass, field
 
-from ggpipe.cluster.config import ClusterConfig
+from ggpipe.cluster.config import ClusterConfig, parse_threads
 from ggpipe.cluster.loading import Loaded, close_loaded, describe_role, load_rank
+from ggpipe.cluster.plan import concurrent_stages
 from ggpipe.cluster.roles import Roles
 from ggpipe.cluster.startup import meet, ready
 from ggpipe.errors import GGPipeError
@@ -82,6 +83,16 @@ class Session:
     draft_stage: Stage | None = None        # head only, when no rank runs the draft
     liveness: object = None                 # ggpipe.transport.liveness.Liveness (MPI jobs)
     activity: Activity | None = None
+    cpus: list = field(default_factory=list)  # head only: each rank's CPU affinity (CPU ids, or None)
+
+    def concurrent_target_stages(self) -> int:
+        """How many target stages can compute at the same time: the target
+        ranks, at most as many per host as its CPUs hold their threads
+        (:func:`ggpipe.cluster.plan.concurrent_stages`)."""
+        ranks = list(range(self.roles.n_target))      # the head holds the first stage
+        return concurrent_stages([self.hosts[r] for r in ranks], [self.cpus[r] if r < len(self.cpus) else None
+                                                                 for r in ranks],
+                                 [parse_threads(self.config.threads, self.size)[r] for r in ranks])
 
     @property
     def is_head(self) -> bool:
@@ -158,9 +169,9 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
     world = mpi_world()
     described: dict[int, str] = {}  # rank -> its model and layers, once loaded
     if world is None:
-        rank, size, transport, hosts = 0, 1, None, [socket.gethostname()]
+        rank, size, transport, hosts, cpus = 0, 1, None, [socket.gethostname()], [rank_info(0)["cpu_affinity"]]
     else:
-        rank, size, transport, hosts, pids = meet(world, config, argv)
+        rank, size, transport, hosts, pids, cpus = meet(world, config, argv)
 
     activity = Activity("loading the model")
     liveness = None
@@ -172,7 +183,8 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
     loaded = _load_when_all_can(config, rank, size, transport, liveness, described)
     activity.set("idle")
     s = Session(config, rank, size, transport, loaded.stage, loaded.layers, loaded.path, hosts,
-                memory, loaded.roles, draft_stage=loaded.draft_stage, liveness=liveness, activity=activity)
+                memory, loaded.roles, draft_stage=loaded.draft_stage, liveness=liveness, activity=activity,
+                cpus=cpus)
     if rank == 0:
         _add_pipelines(s, loaded, async_head)
     return s

@@ -104,10 +104,11 @@ def _first_error(got: list[dict]) -> str | None:
 
 
 def meet(world: tuple, config: ClusterConfig,
-         argv: list[str] | None) -> tuple[int, int, Transport, list[str], list[int]]:
+         argv: list[str] | None) -> tuple[int, int, Transport, list[str], list[int], list]:
     """Steps 1 and 2 (HELLO, GO) in the MPI ``world`` (comm, rank, size):
-    returns this rank, the job's size, the transport, and every rank's host
-    and pid. ``argv`` (default ``sys.argv[1:]``) must be the same on every
+    returns this rank, the job's size, the transport, every rank's host and
+    pid, and (on the head; [] elsewhere) every rank's CPU affinity (a list of
+    CPU ids, or None where unknown). ``argv`` (default ``sys.argv[1:]``) must be the same on every
     rank: its digest, with the config's, is compared.
 
     Raises:
@@ -152,7 +153,8 @@ def meet(world: tuple, config: ClusterConfig,
         hosts = got["hosts"]
     transport.hosts = hosts
     pids = [h["pid"] for h in got] if rank == 0 else got["pids"]
-    return rank, size, transport, hosts, pids
+    cpus = [h.get("cpus") for h in got] if rank == 0 else []
+    return rank, size, transport, hosts, pids, cpus
 
 
 def ready(transport: Transport, rank: int, size: int, err: str | None, role: str | None, timeout_s: float,

@@ -107,8 +107,11 @@ class Engine:
         self.decoder = self.scheduler = None
         if parallel > 1:
             self.n_ctx = session.stage.n_ctx_seq    # the cells of one slot
+            # micro-batches in flight: as many as stages can compute at once (3 ranks on 2 cores: 2; a third
+            # group would only make every group smaller and each rank's weights streamed more often)
             self.scheduler = Scheduler(session.pipeline, parallel, self.n_ctx, cfg.ubatch, self.is_eog,
-                                       timeout_s=cfg.timeout_s, idle=self.waiter,
+                                       depth=session.concurrent_target_stages(), timeout_s=cfg.timeout_s,
+                                       idle=self.waiter,
                                        draft=_ngram_drafter(spec) if mode != "iterative" else None,
                                        draft_max=spec.draft_max)
         else:
