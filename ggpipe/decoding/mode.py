@@ -22,7 +22,6 @@ module plus :func:`register_mode` (``tests/test_toy_mode.py`` adds one).
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -34,6 +33,7 @@ from ggpipe.decoding.settings import SpecSettings
 from ggpipe.errors import ConfigError
 from ggpipe.metrics import GenerationClock
 from ggpipe.pipeline.waiting import Wait
+from ggpipe.plugins import registered
 from ggpipe.sampling import Sampler
 
 
@@ -158,13 +158,9 @@ def mode_class(name: str) -> type[Mode]:
     Raises:
         ConfigError: no mode of that name."""
     try:
-        entry = MODES[name]
+        return registered(MODES, name)
     except KeyError:
         raise ConfigError(f"unknown mode {name!r}: choose one of {', '.join(MODES)}") from None
-    if isinstance(entry, str):
-        mod, cls = entry.split(":")
-        entry = getattr(importlib.import_module(mod), cls)
-    return entry
 
 
 def seq_ids_needed(mode: str, spec: SpecSettings) -> int:

@@ -69,7 +69,6 @@ factory read those declarations.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, runtime_checkable
 
@@ -77,6 +76,7 @@ import numpy as np
 
 from ggpipe.backend import DecodeBackend
 from ggpipe.kv_reuse import reusable_prefix
+from ggpipe.plugins import registered
 from ggpipe.sampling import SamplingParams
 from ggpipe.speculation.proposers.defaults import EVERY_MODE, InstantProposer, ProposerBase
 from ggpipe.speculation.proposers.options import StrategyOptions
@@ -259,13 +259,9 @@ def proposer_class(name: str) -> type:
     Raises:
         ValueError: no proposer of that name."""
     try:
-        entry = REGISTRY[name]
+        return registered(REGISTRY, name)
     except KeyError:
         raise ValueError(f"unknown speculation type {name!r}: choose one of {', '.join(REGISTRY)}") from None
-    if isinstance(entry, type):
-        return entry
-    mod, cls = entry.split(":")
-    return getattr(importlib.import_module(mod), cls)
 
 
 def proposer_classes() -> dict[str, type]:
