@@ -52,7 +52,7 @@ from ggpipe.service.engine import Engine
 from ggpipe.service.job import JobSpec, head_signals, ignore_signals, run_job
 from ggpipe.frontends.http_guard import Access
 from ggpipe.frontends.serve_app import create_app
-from ggpipe.frontends.serve_bodies import APIError
+from ggpipe.frontends.serve_bodies import APIError, answer
 from ggpipe.frontends.serve_state import ServerState
 from ggpipe.frontends.serve_slots import SlotLoop
 from ggpipe.sampling import SamplingParams
@@ -241,13 +241,7 @@ class Server:
         if job.finished:  # already answered (the pipeline failed meanwhile)
             return
         job.finished = True
-        if done.finish_reason == "interrupted" and not job.cancelled.is_set():  # cut by a shutdown: say so
-            job.push("error", APIError(503, f"the server is shutting down: the reply was cut after "
-                                       f"{len(done.tokens)} tokens (--shutdown-grace {self.shutdown_grace_s:g} s)",
-                                       "server_error", code="shutdown"))
-            return
-        state.metrics.finished(done, waited)
-        job.push("done", done)
+        answer(state, job, done, waited, self.shutdown_grace_s)
 
     def serve(self) -> int:
         """Run requests until a shutdown signal; returns 0."""
@@ -260,7 +254,7 @@ class Server:
         sys.stdout.flush()
         try:
             if engine.scheduler is not None:
-                self.slots = SlotLoop(engine, self.state, lambda: self.deadline,
+                self.slots = SlotLoop(engine, self.state, lambda: self.deadline, self.shutdown_grace_s,
                                       lambda: self.thread.is_alive())
                 self.slots.run()
             while not self.state.stopping.is_set():

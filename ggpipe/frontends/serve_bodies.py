@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from ggpipe.frontends.request_limits import ROLES, STOP_MAX, TEMPERATURE_MAX, template_role
-from ggpipe.frontends.serve_state import ServerState, state_of
+from ggpipe.frontends.serve_state import Job, ServerState, state_of
 
 # -- errors ------------------------------------------------------------------------------
 
@@ -156,3 +156,18 @@ def too_large(state: ServerState) -> APIError:
     """The 413 answer to a body over ``--max-body-bytes``."""
     return APIError(413, f"the request body is larger than {state.access.max_body_bytes} bytes (--max-body-bytes)",
                     code="request_too_large")
+
+
+def answer(state: ServerState, job: Job, done, waited_s: float, grace_s: float) -> None:
+    """Answer a finished request (``done``: a Completion; ``waited_s``:
+    seconds it waited for the pipeline): its completion, recorded in the
+    metrics, or, when a shutdown cut it and its client is still there, 503
+    saying so (code ``shutdown``; ``grace_s``: ``--shutdown-grace``). A reply
+    cut that way is never passed off as complete."""
+    if done.finish_reason == "interrupted" and not job.cancelled.is_set():
+        job.push("error", APIError(503, f"the server is shutting down: the reply was cut after "
+                                   f"{len(done.tokens)} tokens (--shutdown-grace {grace_s:g} s)",
+                                   "server_error", code="shutdown"))
+        return
+    state.metrics.finished(done, waited_s)
+    job.push("done", done)

@@ -19,7 +19,7 @@ import time
 from typing import Callable
 
 from ggpipe.errors import GGPipeError
-from ggpipe.frontends.serve_bodies import APIError
+from ggpipe.frontends.serve_bodies import APIError, answer
 from ggpipe.frontends.serve_state import Job, ServerState
 from ggpipe.service.engine import Completion, Engine
 
@@ -30,14 +30,16 @@ class SlotLoop:
         state: the app's shared state.
         deadline: when running requests must stop (monotonic seconds), or
             None; read at every token.
+        grace_s: ``--shutdown-grace`` (named in the answer of a reply it cut).
         http_alive: the HTTP thread still serves.
     """
 
-    def __init__(self, engine: Engine, state: ServerState, deadline: Callable[[], float | None],
+    def __init__(self, engine: Engine, state: ServerState, deadline: Callable[[], float | None], grace_s: float,
                  http_alive: Callable[[], bool]):
         self.engine = engine
         self.state = state
         self.deadline = deadline
+        self.grace_s = grace_s
         self.http_alive = http_alive
         self.jobs: list[tuple[Job, object]] = []   # (HTTP job, scheduler job) not answered yet
 
@@ -55,14 +57,8 @@ class SlotLoop:
             if not job.cancelled.is_set():
                 job.push("error", APIError(503, "the server is shutting down", "server_error"))
             return
-        if done.finish_reason == "interrupted" and not job.cancelled.is_set():   # cut by the shutdown
-            job.push("error", APIError(503, f"the server is shutting down: the reply was cut after "
-                                       f"{len(done.tokens)} tokens (--shutdown-grace)", "server_error",
-                                       code="shutdown"))
-            return
         waited = (sched_job.t_queued - job.t_queued) + sched_job.queue_s
-        self.state.metrics.finished(done, waited)
-        job.push("done", done)
+        answer(self.state, job, done, waited, self.grace_s)
 
     def _submit(self, job: Job) -> None:
         if job.cancelled.is_set():
