@@ -343,11 +343,11 @@ class Scheduler:
         if not progressed and t.inflight:
             self.idle(lambda: t.ready() or wake(), self.timeout_s)
 
-    def run(self, should_stop: Callable[[], bool] = lambda: False) -> None:
-        """Step until every queued and running request has ended (or
-        ``should_stop()``: the running requests are then ended by their own
-        ``emit``), then drain the pipeline."""
-        while self.busy and not should_stop():
+    def run(self) -> None:
+        """Step until every queued and running request has ended (a front
+        end that must stop early ends its requests through their ``emit``
+        and ``cancelled``), then drain the pipeline."""
+        while self.busy:
             self.step()
         self.drain()
 
