@@ -109,8 +109,11 @@ def test_done_ids_drops_a_torn_last_line(tmp_path):
     out.write_text(good + '{"id": "c", "te', encoding="utf-8")
     assert done_ids(out) == {'"a"', "2"}
     assert out.read_text(encoding="utf-8") == good
-    out.write_text(good + _rec("c").strip(), encoding="utf-8")  # complete JSON but no newline: torn too
-    assert done_ids(out) == {'"a"', "2"} and out.read_text(encoding="utf-8") == good
+    whole = good + _rec("c").strip()  # complete JSON but no newline: ggpipe did not cut it short, not touched
+    out.write_text(whole, encoding="utf-8")
+    with pytest.raises(ConfigError, match="out.jsonl:3 does not end in a newline"):
+        done_ids(out)
+    assert out.read_text(encoding="utf-8") == whole
     assert done_ids(tmp_path / "missing.jsonl") == set()
 
 
@@ -222,6 +225,8 @@ def test_never_destroys_or_skips_data_it_did_not_write(tmp_path, smollm2):
         (notes, "precious data", "is not a ggpipe batch record"),
         (notes, "precious data\n", "is not a ggpipe batch record"),
         (notes, '{"id": "a", "mine": true}\n', "is not a ggpipe batch record"),   # unrelated JSON with an id
+        (notes, '{"id": "q1", "prompt": "hi"}', "is not a ggpipe batch record"),  # json.dump's one line: was cut to 0 B
+        (notes, '{"id": "q1", "te', "no ggpipe batch record comes before it"),  # a fragment alone: no evidence
         (inp, None, "is the input file"),
         (Path("/dev/full"), None, "is not a regular file"),
         (Path("/dev/stdout"), None, "is not a regular file"),  # a pipe here, as in `-o /dev/stdout | cat`

@@ -33,8 +33,6 @@ def test_own_records_are_read_and_a_torn_one_is_found(tmp_path):
     assert out.read_text(encoding="utf-8").startswith(good + '{"id": "c"')  # scanning changes nothing
     repair(out, len(good.encode()))
     assert out.read_text(encoding="utf-8") == good
-    out.write_text(good + json.dumps(rec("c")), encoding="utf-8")  # whole JSON, no newline: cut before it
-    assert scan_output(out)[1] == len(good.encode())
     assert scan_output(tmp_path / "missing.jsonl") == (set(), None)
     (tmp_path / "empty.jsonl").write_bytes(b"")
     assert scan_output(tmp_path / "empty.jsonl") == (set(), None)
@@ -48,13 +46,50 @@ def test_own_records_are_read_and_a_torn_one_is_found(tmp_path):
     '{"id": "b", "note": "mine"}\n' + lines(rec("a")),
     lines(rec("a")) + '{"x": 1, "id": "b"',            # cut short, but not how ggpipe's records start
     lines(rec("a")) + '{"id": true, "text": "", "tokens": [], "finish_reason": "stop"}\n',
+    '{"id": "q1", "prompt": "The capital of France is"}',  # the README's input, one line by json.dump: no newline
+    '{"id": 1, "prompt": "hi"}',                        # ... or by printf
+    lines(rec("a")) + '{"id": "b", "prompt": "hi"}',    # a whole JSON line that is not a record: never torn
+    lines(rec("a")) + '{"id": "b", "x\rprecious\n',  # a CR is no line end: this is not a last line cut short
 ])
 def test_anything_not_ggpipes_is_refused_untouched(tmp_path, content):
     out = tmp_path / "notes.txt"
-    out.write_text(content, encoding="utf-8")
+    out.write_bytes(content.encode())
     with pytest.raises(ConfigError, match="is not a ggpipe batch record"):
         scan_output(out)
+    assert out.read_bytes() == content.encode()
+
+
+@pytest.mark.parametrize("content", [
+    '{"id": "c", "te',                                  # a fragment alone: nothing shows the file is ggpipe's
+    '\n\n{"id": "c", "te',
+    json.dumps(rec("c")),                               # a whole record with no newline: not how ggpipe ends one
+    lines(rec("a")) + json.dumps(rec("c")),
+])
+def test_no_evidence_of_a_torn_record_is_refused_untouched(tmp_path, content):
+    """A last line is treated as a record cut short only if it does not parse
+    and every other line of the file is a ggpipe record (at least one)."""
+    out = tmp_path / "out.jsonl"
+    out.write_text(content, encoding="utf-8")
+    with pytest.raises(ConfigError, match="ggpipe only appends to its own output"):
+        scan_output(out)
     assert out.read_text(encoding="utf-8") == content
+
+
+def test_one_line_json_input_given_as_output_is_not_cut(tmp_path):
+    """Issue 29 item 2: a one-line file written by json.dump (no newline) was
+    taken for a torn record and cut to 0 bytes by the resume path."""
+    from ggpipe.frontends.batch import done_ids
+
+    out = tmp_path / "prompts.json"
+    with open(out, "w") as f:
+        json.dump({"id": "q1", "prompt": "The capital of France is"}, f)
+    before = out.read_bytes()
+    with pytest.raises(ConfigError, match="is not a ggpipe batch record"):
+        done_ids(out)
+    assert out.read_bytes() == before
+    good = lines(rec("a"))
+    out.write_text(good + '{"id": "b", "text": "cut', encoding="utf-8")  # ggpipe's records + a torn one: repaired
+    assert done_ids(out) == {'"a"'} and out.read_text(encoding="utf-8") == good
 
 
 def test_output_must_be_a_regular_file_other_than_the_input(tmp_path):

@@ -11,9 +11,14 @@ Rules (never destroy or skip data ggpipe did not write):
   ``finish_reason``, ``n_prompt``, ``n_reused``, ``metrics``; records of
   older versions lack the last three), ending in a newline. Anything else, anywhere,
   and the file is refused untouched.
-* The one repair: a last line with **no** newline that begins the way every
-  ggpipe record begins (``{"id": ``) is a record a kill cut short (the newline
-  is the last byte of each write). It is removed and its request runs again.
+* The one repair: a last line with **no** newline that does **not** parse as
+  JSON, that begins the way every ggpipe record begins (``{"id": ``), in a
+  file whose every other non-blank line is a ggpipe record (one at least), is
+  a record a kill cut short (the newline is the last byte of each write). It
+  is removed and its request runs again. A last line without a newline that
+  parses (a one-line file written by ``json.dump`` or ``printf``, even a whole
+  record) was not cut short by ggpipe, and a fragment with no record before
+  it is no evidence that the file is ggpipe's: both are refused untouched.
 * A record is appended with one ``write`` of the whole line and fsync'd; if
   the write fails (disk full, quota, I/O error), the file is cut back to its
   size before the write, so no half record stays.
@@ -111,20 +116,36 @@ def scan_output(path: str | os.PathLike) -> tuple[set[str], int | None]:
     except OSError as e:
         raise ConfigError(f"cannot read the output file {p}: {e.strerror or e}") from None
     done: set[str] = set()
+    records = 0
     offset = 0
-    chunks = data.splitlines(keepends=True)
+    parts = data.split(b"\n")  # lines end at "\n" only (bytes.splitlines would also end one at a "\r")
+    chunks = [part + b"\n" for part in parts[:-1]] + ([parts[-1]] if parts[-1] else [])
     for i, raw in enumerate(chunks, start=1):
         if raw.strip():
-            if not raw.endswith(b"\n") and i == len(chunks) and raw.startswith(RECORD_PREFIX):
-                return done, offset  # torn by a kill: the newline is the last byte ggpipe writes
+            cut = False  # does not parse: the only shape a record cut short can have
             try:
                 rec = json.loads(raw)
             except ValueError:  # JSONDecodeError, UnicodeDecodeError
+                rec, cut = None, True
+            except RecursionError:  # nested too deeply: no record either way
                 rec = None
+            if not raw.endswith(b"\n"):  # the last line: every other one ends in its newline
+                if cut and raw.startswith(RECORD_PREFIX):
+                    if records:
+                        return done, offset  # torn by a kill: the newline is the last byte ggpipe writes
+                    raise ConfigError(f"the output file {p}:{i} is cut short and no ggpipe batch record comes "
+                                      f"before it, so nothing shows the file is ggpipe's; ggpipe only appends to "
+                                      f"its own output: give another -o, or delete the file if an earlier run "
+                                      f"was killed while writing its first record (the file is left as it is)")
+                if is_record(rec):
+                    raise ConfigError(f"the output file {p}:{i} does not end in a newline, which every record "
+                                      f"ggpipe writes does; ggpipe only appends to its own output: give another "
+                                      f"-o (the file is left as it is)")
             if not (raw.endswith(b"\n") and is_record(rec)):
                 raise ConfigError(f"the output file {p}:{i} is not a ggpipe batch record; ggpipe only appends to "
                                   f"its own output: give another -o (the file is left as it is)")
             done.add(id_key(rec["id"]))
+            records += 1
         offset += len(raw)
     return done, None
 
