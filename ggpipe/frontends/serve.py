@@ -82,7 +82,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def read_api_key(api_key: str | None, api_key_file: Path | None, env: dict | None = None) -> str | None:
-    """The API key from ``--api-key``, ``--api-key-file`` or ``GGPIPE_API_KEY``.
+    """The API key from ``--api-key``, ``--api-key-file`` (its first line,
+    spaces around it dropped) or ``GGPIPE_API_KEY``.
 
     Raises:
         ConfigError: an empty key (it would turn authentication off without
@@ -93,12 +94,13 @@ def read_api_key(api_key: str | None, api_key_file: Path | None, env: dict | Non
         raise ConfigError("give --api-key or --api-key-file, not both")
     if api_key_file is not None:
         try:
-            api_key = Path(api_key_file).read_text(encoding="utf-8").strip()
+            text = Path(api_key_file).read_text(encoding="utf-8")
+            api_key = (text.splitlines() or [""])[0].strip()   # the first line (the help says so)
         except (OSError, UnicodeDecodeError) as e:
             raise ConfigError(f"cannot read --api-key-file {api_key_file}: {getattr(e, 'strerror', None) or e}") \
                 from None
         if not api_key:
-            raise ConfigError(f"--api-key-file {api_key_file} is empty: an empty key would turn authentication off")
+            raise ConfigError(f"--api-key-file {api_key_file}: its first line is empty: an empty key would turn authentication off")
         return api_key
     if api_key is None and "GGPIPE_API_KEY" in env:
         api_key = env["GGPIPE_API_KEY"]

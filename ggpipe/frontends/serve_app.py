@@ -79,13 +79,15 @@ def create_app(state: ServerState) -> FastAPI:
     """The FastAPI application serving ``state`` (see the module docstring)."""
     app = FastAPI(title="ggpipe", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ggpipe = state
-    # outermost: answers browsers' preflight requests, for the configured origins only
-    app.add_middleware(CORSMiddleware, allow_origins=list(state.access.allowed_origins), allow_methods=["GET", "POST"],
-                       allow_headers=["Authorization", "Content-Type"])
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _bug)
     app.middleware("http")(_guard_and_count)
+    # added last, so outermost (Starlette wraps later middleware around earlier): it answers browsers'
+    # preflight requests (no API key needed: a browser never sends one there) for the configured origins
+    # only, and puts its headers on every answer to those origins, a 401 or 403 of the guard included
+    app.add_middleware(CORSMiddleware, allow_origins=list(state.access.allowed_origins), allow_methods=["GET", "POST"],
+                       allow_headers=["Authorization", "Content-Type"])
     app.get("/health")(health)
     app.get("/metrics")(metrics)
     app.get("/slots")(slots)
