@@ -34,6 +34,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ggpipe.cli.child import ggpipe_command
+
 CG_ROOT = Path("/sys/fs/cgroup/cpu")
 PROMPT = "Once upon a time, a warrior named Goliath"
 
@@ -65,7 +67,7 @@ def main() -> int:
         wrap = tmp / "slow.sh"
         wrap.write_text(f'#!/bin/sh\necho $$ > {cg}/tasks\nexec "$@"\n')
         wrap.chmod(0o755)
-        py = [sys.executable, "-m", "ggpipe"]
+        py = ggpipe_command()
 
         def job(args: list[str], ranks: int) -> list[str]:  # rank 1 in the slow cgroup (MPMD)
             cmd = ["mpiexec", "-n", "1", *py, *args, ":", "-n", "1", str(wrap), *py, *args]

@@ -41,6 +41,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import netns_cluster as nc  # noqa: E402 (this folder's cluster script)
 
+from ggpipe.cli.child import ggpipe_command
+
 ROOT = Path(__file__).resolve().parents[1]
 MESSAGES = ["1 token hidden state", "4 tokens hidden state", "32 tokens hidden state", "1 token logits"]
 
@@ -107,7 +109,7 @@ def main() -> int:
                         res[label]["pingpong"][row["message"]].append(row["ggpipe_us"])
                 for mode in modes:
                     draft = ["-md", a.draft_model] if mode != "iterative" else []
-                    g = subprocess.run([*launch, "-n", "2", sys.executable, "-m", "ggpipe", "generate", "-m", a.model,
+                    g = subprocess.run([*launch, "-n", "2", *ggpipe_command(), "generate", "-m", a.model,
                                         *draft, "--mode", mode, "-p", a.prompt, "-n", str(a.n_predict),
                                         "--ignore-eos", "--json"], capture_output=True, text=True, env=env,
                                        cwd="/", timeout=900)

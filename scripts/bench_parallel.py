@@ -50,6 +50,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peer_llamacpp import bin_path  # noqa: E402
 
+from ggpipe.cli.child import ggpipe_command
+
 PROMPTS = [
     "What is MPI?", "Write a haiku about pipelines.", "Explain what a KV cache is.",
     "List three uses of speculative decoding.", "Why do CPUs have caches?", "What is a Beowulf cluster?",
@@ -153,7 +155,7 @@ def drive(port: int, c: int, n: int) -> dict:
 
 
 def ggpipe_server(model: str, ranks: int, parallel: int, n: int, port: int) -> Server:
-    cmd = ["mpiexec", "-n", str(ranks), sys.executable, "-m", "ggpipe", "serve", "-m", model, "--port", str(port),
+    cmd = ["mpiexec", "-n", str(ranks), *ggpipe_command(), "serve", "-m", model, "--port", str(port),
            "--parallel", str(parallel), "-n", str(n), "--ignore-eos", "--max-queue", "256"]
     return Server(cmd, port, env=dict(os.environ, PYTHONUNBUFFERED="1"))
 

@@ -62,6 +62,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peer_llamacpp as peer  # noqa: E402
 
+from ggpipe.cli.child import ggpipe_command
 from ggpipe.transport.launcher_path import find_launcher  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -181,7 +182,7 @@ class Rows:
         if name.endswith(" fa-on"):
             args += ["-fa", "on"]
         launcher = find_launcher("mpiexec") if python == sys.executable else str(Path(python).parent / "mpiexec")
-        cmd = [launcher, "-n", "2", python, "-m", "ggpipe", *args, *self.a.ggpipe_args]
+        cmd = [launcher, "-n", "2", *ggpipe_command(python), *args, *self.a.ggpipe_args]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False, env=env, cwd="/")
         if p.returncode != 0:
             return {"error": f"exit {p.returncode}: {p.stderr[-300:]}"}

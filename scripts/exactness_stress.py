@@ -48,6 +48,7 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 def main() -> int:
     from ggpipe.bench import baseline
     from ggpipe.bench.prompts import load_prompts, render_prompts
+    from ggpipe.cli.child import ggpipe_command
     from ggpipe.models.registry import resolve
     from ggpipe.runtime.llama import llamafile_sgemm
     from ggpipe.transport.launcher_path import find_launcher
@@ -95,7 +96,7 @@ def main() -> int:
         for ranks in [int(r) for r in a.ranks.split(",")]:
             res = out / f"{mode}-{ranks}.jsonl"
             res.unlink(missing_ok=True)
-            cmd = [find_launcher("mpiexec"), "-n", str(ranks), sys.executable, "-m", "ggpipe", "batch", str(requests),
+            cmd = [find_launcher("mpiexec"), "-n", str(ranks), *ggpipe_command(), "batch", str(requests),
                    "-m", str(target), "--mode", mode, "--spec-type", a.spec_type, "-n", str(a.n_predict),
                    "--temp", "0", "--ignore-eos", "-c", "4096", "-o", str(res), *a.extra]
             if draft is not None:
@@ -103,8 +104,8 @@ def main() -> int:
             load = _busy_loops(a.load)
             t0 = time.perf_counter()
             try:
-                # cwd "/": "python -m" puts the working directory first on sys.path, which would
-                # shadow a PYTHONPATH pointing at another checkout
+                # cwd "/" and -P (ggpipe_command): nothing in the working directory shadows a
+                # PYTHONPATH pointing at another checkout
                 p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, cwd="/")
             finally:
                 _stop(load)

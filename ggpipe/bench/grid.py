@@ -9,10 +9,10 @@ import hashlib
 import json
 import re
 import shlex
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ggpipe.cli.child import ggpipe_command
 from ggpipe.errors import ConfigError
 from ggpipe.transport.launcher_path import find_launcher
 from ggpipe.transport.link import format_link, parse_link
@@ -140,4 +140,4 @@ def launch_command(spec: BenchSpec, cfg: Config, prompt_file: Path) -> list[str]
     prefix = shlex.split(spec.launcher.format(ranks=cfg.ranks))
     if prefix and prefix[0] in ("mpiexec", "mpirun"):
         prefix[0] = find_launcher(prefix[0])
-    return [*prefix, sys.executable, "-m", "ggpipe", *generate_args(spec, cfg, prompt_file)]
+    return [*prefix, *ggpipe_command(), *generate_args(spec, cfg, prompt_file)]

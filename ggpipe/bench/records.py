@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from ggpipe.bench.grid import BenchSpec, Config, launch_command
+from ggpipe.cli.child import child_env
 from ggpipe.errors import ConfigError
 from ggpipe.transport.launcher_path import find_launcher
 
@@ -78,7 +79,7 @@ def run_one(spec: BenchSpec, cfg: Config, prompt_file: Path, out: Path, env_info
     """Launch one configuration and return its record (also on failure: then
     ``status`` is "failed" and ``error`` holds the end of its stderr)."""
     cmd = launch_command(spec, cfg, prompt_file)
-    env = dict(os.environ)
+    env = child_env()
     env["GGPIPE_LINK"] = cfg.link
     env.setdefault("PYTHONUNBUFFERED", "1")
     trace_dir = None

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import statistics
 import subprocess
-import sys
 from pathlib import Path
 
+from ggpipe.cli.child import child_env, ggpipe_command
 from ggpipe.transport.launcher_path import find_launcher
 
 # One prompt per category of PipeInfer's evaluation (V.A): code generation
@@ -23,19 +23,20 @@ PROMPTS = [
 def ggpipe_run(model: str, prompt: str, n: int, ranks: int | None, args: list[str] = (),
                timeout_s: float = 1800, cwd: str | None = None, env: dict | None = None) -> dict:
     """Run one greedy generation of exactly ``n`` tokens (--ignore-eos) and
-    return its --json summary. ``cwd``: the runs' working directory (``/``
-    keeps ``python -m`` from importing a ggpipe checkout in the caller's
-    directory ahead of ``PYTHONPATH``); ``env``: the runs' environment
-    (default: this process's).
+    return its --json summary. ``cwd``: the runs' working directory (the
+    run imports the ggpipe this process runs, whatever ``cwd`` holds:
+    ggpipe/cli/child.py); ``env``: the runs' environment (default: this
+    process's).
 
     Raises:
         SystemExit: the run failed (its stderr is shown).
     """
-    cmd = [sys.executable, "-m", "ggpipe", "generate", "-m", model, "-p", prompt, "-n", str(n), "--ignore-eos",
+    cmd = [*ggpipe_command(), "generate", "-m", model, "-p", prompt, "-n", str(n), "--ignore-eos",
            "--json", *args]
     if ranks is not None:
         cmd = [find_launcher("mpiexec"), "-n", str(ranks), *cmd]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False, cwd=cwd, env=env)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False, cwd=cwd,
+                       env=child_env(env))
     if p.returncode != 0:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{p.stderr[-2000:]}")
     return json.loads(p.stdout)

@@ -18,7 +18,7 @@
 #   --bind-to none|core|socket|numa  (default none; core gives each rank -t cores)
 #   --dry-run         print the command and `ggpipe plan`'s rank/memory table; run nothing
 #   --mem-per-node SIZE  memory of each host for the plan's fit warning (e.g. 64G)
-# environment: MPIEXEC (default mpiexec), GGPIPE (default ggpipe; e.g. "python -m ggpipe"),
+# environment: MPIEXEC (default mpiexec), GGPIPE (default ggpipe; e.g. "python -P -m ggpipe"),
 #              MPI_FLAVOR=openmpi|mpich to skip detection.
 #
 # example:

@@ -19,7 +19,7 @@
 #                       node's CPUs (numactl --physcpubind); default 1
 #   --nodes LIST        use only these NUMA nodes (e.g. 0,1); default all with CPUs
 #   --dry-run           print the topology, the command and `ggpipe plan`'s table; run nothing
-# environment: MPIEXEC (default mpiexec), GGPIPE (default ggpipe; e.g. "python -m ggpipe"),
+# environment: MPIEXEC (default mpiexec), GGPIPE (default ggpipe; e.g. "python -P -m ggpipe"),
 #              NUMACTL (default numactl; "none" to not use it), MPI_FLAVOR=openmpi|mpich,
 #              NUMA_SYSFS (default /sys/devices/system/node; a fake tree for tests).
 #
