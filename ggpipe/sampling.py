@@ -23,7 +23,11 @@ top_k -> top_p -> temperature -> dist:
 Differences from llama.cpp: float64 arithmetic (llama.cpp uses float32, which can
 move the top-p cut when a cumulative sum lands within ~1e-7 of ``top_p``), and
 min_p / typical / penalties are not implemented. ``temperature == 0`` is greedy:
-``argmax`` (first index among ties, like ``llama_sampler_greedy_apply``).
+``argmax`` (first index among ties, like ``llama_sampler_greedy_apply``), and so
+is every temperature below :data:`GREEDY_BELOW` (1e-6): there, dividing the
+logits overflows or leaves the softmax one-hot in all but exact ties anyway
+(``1e-320`` made them inf/NaN, and the draw raised), so such a temperature
+is taken as 0.
 """
 
 from __future__ import annotations
@@ -38,14 +42,19 @@ from ggpipe.errors import ConfigError
 from ggpipe.logits import TopRow, argmax, dense, reply_k_for
 from ggpipe.logits import top_k_sorted as _top_k_sorted
 
-__all__ = ["SamplingParams", "target_probs", "Sampler"]
+__all__ = ["SamplingParams", "target_probs", "Sampler", "GREEDY_BELOW"]
+
+#: Temperatures below this are greedy. Above it, logits / temperature stays
+#: finite for every float32 logit (|x| < 3.5e38, so < 3.5e44 in float64), and
+#: logits 1e-5 apart already differ by a factor e^-10 in probability.
+GREEDY_BELOW = 1e-6
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling settings.
 
-    ``temperature``: >= 0; 0 means greedy (argmax). ``top_k``: keep the k most
+    ``temperature``: >= 0; 0 (or anything below :data:`GREEDY_BELOW`) means greedy (argmax). ``top_k``: keep the k most
     likely tokens, <= 0 disables. ``top_p``: nucleus mass in (0, 1], 1 disables.
     ``seed``: non-negative int for a reproducible generator, None for fresh
     OS entropy. Construction does not validate; call :meth:`validate`
@@ -66,7 +75,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0
+        """Argmax sampling: a temperature below :data:`GREEDY_BELOW` (0 included)."""
+        return self.temperature < GREEDY_BELOW
 
     def validate(self) -> "SamplingParams":
         """Raise ConfigError (one line) for impossible settings; return self."""

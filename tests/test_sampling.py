@@ -200,3 +200,23 @@ def test_chi_square_matches_target_probs():
         # chi-square 0.999 quantiles for dof 1..7
         crit = [10.828, 13.816, 16.266, 18.467, 20.515, 22.458, 24.322][dof - 1]
     assert stat < crit, (stat, crit, dof)
+
+
+@pytest.mark.parametrize("t", [1e-320, 5e-324, 1e-300, 1e-12, 0.999e-6])
+def test_tiny_temperature_is_greedy(t):
+    """Issue 29: "temperature": 1e-320 divided the logits into inf/NaN and
+    sample_from raised ValueError, which ended the server's MPI job. Below
+    GREEDY_BELOW a temperature is greedy (first index among ties)."""
+    from ggpipe.sampling import GREEDY_BELOW
+
+    x = np.array([30.0, -2.0, 30.0, 12.5, -np.inf], dtype=np.float32)
+    for kw in ({}, {"top_k": 0, "top_p": 1.0}, {"top_k": 2, "top_p": 0.5}):
+        p = SamplingParams(temperature=t, seed=1, **kw)
+        assert p.greedy and t < GREEDY_BELOW
+        assert Sampler(p).sample(x) == 0
+        probs = target_probs(x, p)
+        assert np.isfinite(probs).all() and probs[0] == 1.0
+    # at the threshold and above: sampled, finite probabilities (no overflow for any float32 logit)
+    big = np.array([3e38, -3e38, 1.0], dtype=np.float32)
+    probs = target_probs(big, SamplingParams(temperature=GREEDY_BELOW, top_k=0, top_p=1.0))
+    assert np.isfinite(probs).all() and probs[0] == 1.0

@@ -6,6 +6,8 @@ marked ``full`` start real ranks or load real weights."""
 from __future__ import annotations
 
 import json
+import queue
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -56,3 +58,188 @@ def test_cors_preflight_with_an_api_key():
     assert r.status_code >= 400 and "access-control-allow-origin" not in r.headers
     r = c.get("/v1/models", headers={"Origin": "http://evil.example", "Authorization": "Bearer K"})
     assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
+
+
+# -- 1: one request must not end the whole job ----------------------------------------------------
+
+
+class _Loop:
+    """Stands for the HTTP thread's event loop: Job.push delivers at once."""
+
+    def call_soon_threadsafe(self, fn, *args):
+        fn(*args)
+
+
+def _job(**kw):
+    from ggpipe.frontends.serve_state import Job
+
+    return Job(np.array([1, 2, 3], np.int32), kw.pop("n_predict", 4), SamplingParams(), [], _Loop(), queue.Queue(),
+               **kw)
+
+
+def _events(job) -> list:
+    out = []
+    while not job.events.empty():
+        out.append(job.events.get_nowait())
+    return out
+
+
+class FakeEngine:
+    """What ggpipe.frontends.serve.Server needs of an engine, one request at a
+    time; ``fail``: the exception generate() raises."""
+
+    def __init__(self, fail: BaseException | None = None):
+        pipe = SimpleNamespace(drain=lambda timeout_s=None: self.calls.append("drain") or [])
+        self.session = SimpleNamespace(model_path="m.gguf", stage=SimpleNamespace(n_vocab=100), size=1,
+                                       hosts=["h"], liveness=None, pipeline=pipe, draft_pipelines=[], activity=None)
+        self.n_ctx, self.mode, self.parallel, self.scheduler = 64, "iterative", 1, None
+        self.vocab = SimpleNamespace(chat_template=lambda: None)
+        self.fail = fail
+        self.calls: list[str] = []
+
+    def tokenize(self, prompt, messages):
+        return np.array([1, 2, 3], np.int32)
+
+    def generate(self, tokens, n_predict, sampling, on_text=None, stop=(), should_stop=None):
+        self.calls.append("generate")
+        if self.fail is not None:
+            raise self.fail
+        from ggpipe.service.engine import Completion
+
+        on_text("hi")
+        return Completion([5], "hi", "length", 3, 0, {})
+
+    def reset(self):
+        self.calls.append("reset")
+
+
+def test_run_one_answers_an_unexpected_error_with_500_and_the_job_goes_on(capfd):
+    from ggpipe.frontends.serve import Server
+
+    engine = FakeEngine(ValueError("probs must be finite (secret detail)"))
+    server = Server(engine, "127.0.0.1", 0, None, 4, SamplingParams())
+    try:
+        job = _job()
+        server.run_one(job)            # was: the ValueError escaped and ended the MPI job
+        (kind, err), = _events(job)
+        assert kind == "error" and err.status == 500 and job.rid in err.message
+        assert "secret" not in err.message and "ValueError" not in err.message
+        log = capfd.readouterr().err
+        assert job.rid in log and "secret detail" in log        # the operator can match them
+        assert engine.calls == ["generate", "drain", "reset"]   # the pipeline checked, the decoder reset
+        engine.fail = None
+        job = _job()
+        server.run_one(job)
+        assert [k for k, _ in _events(job)] == ["text", "done"]
+    finally:
+        server.sock.close()
+
+
+def test_run_one_still_ends_the_job_when_the_pipeline_failed():
+    from ggpipe.errors import RankTimeoutError
+    from ggpipe.frontends.serve import Server
+
+    engine = FakeEngine(RankTimeoutError("rank 0 (node7, pid 4242) waited 3 s for logits from rank 1 (node8)"))
+    server = Server(engine, "127.0.0.1", 0, None, 4, SamplingParams())
+    try:
+        job = _job()
+        with pytest.raises(RankTimeoutError):
+            server.run_one(job)
+        (_, err), = _events(job)
+        assert err.status == 500 and "node7" not in err.message and "4242" not in err.message
+        assert job.rid in err.message
+        # an unexpected error whose check of the pipeline fails ends the job too
+        engine.fail = ValueError("x")
+        engine.session.pipeline.drain = lambda timeout_s=None: (_ for _ in ()).throw(
+            RankTimeoutError("rank 1 stopped answering"))
+        with pytest.raises(RankTimeoutError):
+            server.run_one(_job())
+    finally:
+        server.sock.close()
+
+
+def test_scheduler_ends_only_the_request_whose_sampling_failed():
+    from ggpipe.decoding.scheduler import Scheduler
+    from ggpipe.decoding.slots import Job as SchedJob
+    from ggpipe.sampling import Sampler
+    from ggpipe.sim.toy import FakePipeline, ToyLM
+
+    class Broken(Sampler):
+        def sample(self, logits):
+            raise ValueError("probs must be finite and non-negative")
+
+    target = FakePipeline(ToyLM(48), latency=2, cell_order=True, streams=True)
+    target.n_stages = 2
+    sched = Scheduler(target, 3, n_ctx_slot=64, n_ubatch=8, is_eog=lambda t: False)
+    prompts = [[3, 9, 4], [7, 1], [5, 5, 2, 8]]
+    jobs = [SchedJob(list(p), 6, Sampler(SamplingParams())) for p in prompts]
+    jobs[1].sampler = Broken(SamplingParams())
+    done = []
+    for j in jobs:
+        j.on_done = done.append
+        sched.submit(j)
+    sched.run()
+    assert len(done) == 3 and isinstance(jobs[1].error, ValueError)
+    for i in (0, 2):
+        assert jobs[i].error is None and jobs[i].request.out == ToyLM(48).greedy(prompts[i], 6)
+
+
+class FakeSlotEngine:
+    """What SlotLoop needs of an engine (--parallel): submit() keeps the
+    request, step() ends it through ``on_error`` (a sampling failure) or
+    with a Completion."""
+
+    def __init__(self, submit_fails: BaseException | None = None):
+        self.scheduler = SimpleNamespace(slots=[0, 1], n_busy=0, queue=[])
+        self.submit_fails = submit_fails
+        self.pending: list = []
+
+    @property
+    def busy(self):
+        return bool(self.pending)
+
+    def submit(self, tokens, n_predict, sampling, on_text=None, stop=(), should_stop=None, on_done=None,
+               on_error=None):
+        if self.submit_fails is not None:
+            raise self.submit_fails
+        sj = SimpleNamespace(request=object(), cancelled=False, t_queued=0.0, queue_s=0.0)
+        self.pending.append((on_text, on_done, on_error))
+        return sj
+
+    def step(self, wake=None):
+        from ggpipe.service.engine import Completion
+
+        for i, (on_text, on_done, on_error) in enumerate(self.pending):
+            if i == 0:
+                on_error(ValueError("probs must be finite (secret detail)"))
+            else:
+                on_text("hi")
+                on_done(Completion([5], "hi", "length", 3, 0, {}))
+        self.pending = []
+
+    def drain(self):
+        pass
+
+
+def test_slot_loop_answers_an_unexpected_error_with_500_and_goes_on(capfd):
+    from ggpipe.frontends.serve_slots import SlotLoop
+
+    state = ServerState(tokenize=None, model_id="m", n_ctx=64, n_vocab=100, n_predict=4, sampling=SamplingParams())
+    engine = FakeSlotEngine()
+    loop = SlotLoop(engine, state, lambda: None, 30.0, lambda: True)
+    a, b = _job(), _job()
+    state.jobs.put(a)
+    state.jobs.put(b)
+    loop._take()
+    engine.step()
+    (kind, err), = _events(a)
+    assert kind == "error" and err.status == 500 and a.rid in err.message and "secret" not in err.message
+    assert [k for k, _ in _events(b)] == ["text", "done"]
+    assert a.rid in capfd.readouterr().err
+    # a request the engine refuses unexpectedly: 500 for it, nothing raised
+    engine.submit_fails = TypeError("boom")
+    c = _job()
+    state.jobs.put(c)
+    loop._take()
+    (_, err), = _events(c)
+    assert err.status == 500 and c.rid in err.message

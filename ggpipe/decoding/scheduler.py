@@ -50,7 +50,7 @@ import numpy as np
 from ggpipe.backend import TargetBackend
 from ggpipe.decoding.request import Request
 from ggpipe.decoding.slots import Job, Slot, _Row, plan_microbatch
-from ggpipe.errors import ConfigError
+from ggpipe.errors import ConfigError, GGPipeError
 from ggpipe.kv_reuse import reusable_prefix
 from ggpipe.pipeline.waiting import Wait, poll_wait
 from ggpipe.runs import Run, RunResult, next_run_id
@@ -232,7 +232,14 @@ class Scheduler:
             r = row.job.request
             if not r.out:
                 r.clock.prompt_done()
-            decided = self._verify(row, logits)
+            try:
+                decided = self._verify(row, logits)
+            except Exception as e:   # this request's sampling failed (a bug): it ends alone, the others go on
+                if isinstance(e, GGPipeError) and e.abort_job:
+                    raise
+                row.job.error = e
+                self._end(slot)
+                continue
             n_out = len(r.out)
             r.accept(decided)
             self.stats["generated"] += len(r.out) - n_out

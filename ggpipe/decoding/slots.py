@@ -34,6 +34,7 @@ class Job:
         queue_s: seconds spent waiting for a slot.
         drafted, draft_accepted: tokens drafted below this request's tokens,
             and how many of them the target took.
+        error: what ended this request alone (its sampling raised), or None.
     """
 
     tokens: list[int]
@@ -50,6 +51,7 @@ class Job:
     drafted: int = 0
     draft_accepted: int = 0
     t_queued: float = field(default_factory=time.monotonic)
+    error: Exception | None = None
 
 
 @dataclass(eq=False)

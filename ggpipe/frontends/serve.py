@@ -52,7 +52,7 @@ from ggpipe.service.engine import Engine
 from ggpipe.service.job import JobSpec, head_signals, ignore_signals, run_job
 from ggpipe.frontends.http_guard import Access
 from ggpipe.frontends.serve_app import create_app
-from ggpipe.frontends.serve_bodies import APIError, answer
+from ggpipe.frontends.serve_bodies import APIError, answer, internal_error, log_error, pipeline_failed
 from ggpipe.frontends.serve_state import ServerState
 from ggpipe.frontends.serve_slots import SlotLoop
 from ggpipe.sampling import SamplingParams
@@ -157,15 +157,20 @@ class Server:
         """A rank died or hangs and the job is about to be aborted (called
         from the liveness thread): report unhealthy, answer the running and
         queued requests with 503 instead of leaving them hanging."""
-        self.state.failed = message
+        self.state.failed = "the pipeline failed: a rank stopped answering or ended (see the server's log)"
         self.state.stopping.set()
+        rids = []
         if self.slots is not None:
-            self.slots.fail_all(f"the pipeline failed: {message}")
+            rids += self.slots.fail_all()
         job = self.current
         if job is not None and not job.finished:
             job.finished = True
-            job.push("error", APIError(503, f"the pipeline failed: {message}", "server_error"))
-        self.fail_queued(f"the pipeline failed: {message}")
+            job.push("error", pipeline_failed(job.rid))
+            rids.append(job.rid)
+        rids += self.fail_queued(None)
+        sys.stderr.write(f"ggpipe serve: the pipeline failed: {message}" +
+                         (f"; requests answered 503: {', '.join(rids)}\n" if rids else "\n"))
+        sys.stderr.flush()
 
     # -- signals -------------------------------------------------------------------------
 
@@ -206,14 +211,32 @@ class Server:
 
     # -- the request loop (main thread) --------------------------------------------------------
 
-    def fail_queued(self, why: str = "the server is shutting down") -> None:
+    def fail_queued(self, why: str | None = "the server is shutting down") -> list[str]:
+        """Answer every queued request with 503 ``why`` (None: the pipeline
+        failed); returns their ids."""
+        rids = []
         while True:
             try:
                 job = self.state.jobs.get_nowait()
             except queue.Empty:
-                return
+                return rids
             job.finished = True
-            job.push("error", APIError(503, why, "server_error"))
+            job.push("error", pipeline_failed(job.rid) if why is None else APIError(503, why, "server_error"))
+            rids.append(job.rid)
+
+    def recover(self) -> None:
+        """After a request failed unexpectedly: wait for its runs still in
+        flight and clear every stage's KV cache and the decoder's state, so
+        the next request starts clean.
+
+        Raises:
+            GGPipeError (RankTimeoutError, ProtocolError, ...) or what the
+            head's stage raised: the pipeline is out of step; the job must end.
+        """
+        session = self.engine.session
+        for pipe in (session.pipeline, *session.draft_pipelines):
+            pipe.drain()
+        self.engine.reset()
 
     def run_one(self, job) -> None:
         """Generate one request, reporting pieces, the result or an error to its handler."""
@@ -231,11 +254,24 @@ class Server:
             done = self.engine.generate(job.tokens, job.n_predict, job.sampling,
                                         on_text=lambda t: job.push("text", t), stop=job.stop, should_stop=should_stop)
         except GGPipeError as e:
-            job.finished = True
-            job.push("error", APIError(500 if e.abort_job else 400, str(e),
-                                       "server_error" if e.abort_job else "invalid_request_error"))
             if e.abort_job:  # the pipeline is out of step: the job must end
+                if not job.finished:
+                    job.finished = True
+                    job.push("error", pipeline_failed(job.rid, 500))
+                log_error(job.rid, f"the pipeline failed: {e}")
                 raise
+            job.finished = True
+            job.push("error", APIError(400, str(e)))   # the request's own settings (it does not fit, ...)
+            return
+        except Exception as e:
+            # a dead pipeline (the liveness thread answered already) or MPI itself: end the job as before
+            if state.failed or type(e).__module__.startswith("mpi4py"):
+                raise
+            # this request's own failure (a bug): 500 for it; the job goes on if the pipeline is in step
+            if not job.finished:
+                job.finished = True
+                job.push("error", internal_error(job.rid, e))
+            self.recover()
             return
         finally:
             state.running = 0

@@ -11,6 +11,8 @@ into one line.
 from __future__ import annotations
 
 import json
+import sys
+import traceback
 from typing import Annotated, Any, Literal
 
 from fastapi import Request
@@ -39,6 +41,33 @@ class APIError(Exception):
         if self.code == "queue_full":
             headers = {"Retry-After": "1"}   # a slot frees as soon as any request ends
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def log_error(rid: str, what: str, exc: BaseException | None = None) -> None:
+    """Write a failed request's details to the server's log (stderr):
+    ``ggpipe serve: request RID: WHAT``, and ``exc``'s traceback when given
+    (an unexpected error: a bug). Clients only get a short reason and RID."""
+    text = f"ggpipe serve: request {rid}: {what}\n"
+    if exc is not None:
+        text += "".join(traceback.format_exception(exc))
+    sys.stderr.write(text)
+    sys.stderr.flush()
+
+
+def internal_error(rid: str, exc: BaseException) -> APIError:
+    """Log an unexpected error of request ``rid`` (with its traceback) and
+    return the 500 its client gets: no details, the request id."""
+    log_error(rid, f"internal error: {type(exc).__name__}: {exc}", exc)
+    return APIError(500, f"internal error (request {rid}; the server's log has the details)", "server_error",
+                    code="internal_error")
+
+
+def pipeline_failed(rid: str, status: int = 503) -> APIError:
+    """What request ``rid``'s client gets when the pipeline failed: a short
+    reason and the id; the details (ranks, hosts, pids, layers) go to the
+    server's log only (the caller writes them once, naming the ids)."""
+    return APIError(status, f"the pipeline failed: the server is stopping (request {rid}; the server's log has "
+                    "the details)", "server_error", code="pipeline_failed")
 
 
 # -- request bodies ------------------------------------------------------------------------

@@ -15,11 +15,12 @@ so).
 from __future__ import annotations
 
 import queue
+import sys
 import time
 from typing import Callable
 
 from ggpipe.errors import GGPipeError
-from ggpipe.frontends.serve_bodies import APIError, answer
+from ggpipe.frontends.serve_bodies import APIError, answer, internal_error, pipeline_failed
 from ggpipe.frontends.serve_state import Job, ServerState
 from ggpipe.service.engine import Completion, Engine
 
@@ -60,6 +61,26 @@ class SlotLoop:
         waited = (sched_job.t_queued - job.t_queued) + sched_job.queue_s
         answer(self.state, job, done, waited, self.grace_s)
 
+    def _failed(self, job: Job, exc: BaseException) -> None:
+        """The request failed unexpectedly (its sampling, a bug in its
+        callbacks): 500 for it, its details in the log; it stops at its next
+        token (``cancelled``), the others run on."""
+        job.cancelled.set()
+        if not job.finished:
+            job.finished = True
+            job.push("error", internal_error(job.rid, exc))
+
+    def _guarded(self, job: Job, fn: Callable, default=None) -> Callable:
+        """``fn`` for the scheduler's callbacks: an unexpected exception in it
+        fails this request only (:meth:`_failed`) instead of the loop."""
+        def call(*args):
+            try:
+                return fn(*args)
+            except Exception as e:  # noqa: BLE001 - one request's failure must not end the job
+                self._failed(job, e)
+                return default
+        return call
+
     def _submit(self, job: Job) -> None:
         if job.cancelled.is_set():
             job.finished = True
@@ -67,12 +88,16 @@ class SlotLoop:
         holder: list = []
         try:
             sched_job = self.engine.submit(job.tokens, job.n_predict, job.sampling,
-                                           on_text=lambda t: job.push("text", t), stop=job.stop,
-                                           should_stop=lambda: self._stop(job),
-                                           on_done=lambda done: self._done(job, done, holder[0]))
+                                           on_text=self._guarded(job, lambda t: job.push("text", t)), stop=job.stop,
+                                           should_stop=self._guarded(job, lambda: self._stop(job), True),
+                                           on_done=self._guarded(job, lambda done: self._done(job, done, holder[0])),
+                                           on_error=lambda e: self._failed(job, e))
         except GGPipeError as e:
             job.finished = True
             job.push("error", APIError(400, str(e)))
+            return
+        except Exception as e:  # noqa: BLE001 - nothing was sent for it: only this request fails
+            self._failed(job, e)
             return
         holder.append(sched_job)
         self.jobs.append((job, sched_job))
@@ -116,7 +141,16 @@ class SlotLoop:
                 raise GGPipeError("the HTTP server stopped unexpectedly")
             self._take()
             if engine.busy:
-                engine.step(wake=lambda: not state.jobs.empty() and self._free_slots() > 0)
+                try:
+                    engine.step(wake=lambda: not state.jobs.empty() and self._free_slots() > 0)
+                except BaseException as e:
+                    # the pipeline failed, or the scheduler itself (no one request's fault): its state is
+                    # unknown, so the job ends; answer the requests first instead of leaving them hanging
+                    rids = self.fail_all()
+                    if rids:
+                        sys.stderr.write(f"ggpipe serve: the request loop failed ({type(e).__name__}: {e}); "
+                                         f"requests answered 503: {', '.join(rids)}\n")
+                    raise
             self._drop_left()
             state.running = engine.scheduler.n_busy
         for _, sj in self.jobs:
@@ -127,9 +161,13 @@ class SlotLoop:
         engine.drain()
         state.running = 0
 
-    def fail_all(self, why: str) -> None:
-        """The pipeline failed: answer every running and waiting request (any thread)."""
+    def fail_all(self) -> list[str]:
+        """The pipeline failed: answer every running and waiting request
+        with 503 (any thread); returns their ids (the caller logs why)."""
+        rids = []
         for job, _ in list(self.jobs):
             if not job.finished:
                 job.finished = True
-                job.push("error", APIError(503, why, "server_error"))
+                job.push("error", pipeline_failed(job.rid))
+                rids.append(job.rid)
+        return rids

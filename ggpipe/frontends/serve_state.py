@@ -12,6 +12,7 @@ import asyncio
 import queue
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -27,7 +28,9 @@ from ggpipe.sampling import SamplingParams
 class Job:
     """One request on its way through the queue. The main thread reports
     through :meth:`push`: ("text", str), ("done", Completion) or ("error",
-    APIError); ``cancelled`` is set when the client went away."""
+    APIError); ``cancelled`` is set when the client went away. ``rid``: the
+    request's id (its completion's id, and the one the server's log names
+    when it fails)."""
 
     tokens: np.ndarray
     n_predict: int
@@ -38,6 +41,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     t_queued: float = field(default_factory=time.monotonic)
     finished: bool = False
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
 
     def push(self, kind: str, value) -> None:
         try:

@@ -211,12 +211,15 @@ class Engine:
     def submit(self, tokens: np.ndarray, n_predict: int, sampling: SamplingParams = SamplingParams(),
                on_text: Callable[[str], None] | None = None, stop: list[str] | tuple = (),
                should_stop: Callable[[], bool] | None = None,
-               on_done: Callable[[Completion | None], None] = lambda c: None) -> Job:
+               on_done: Callable[[Completion | None], None] = lambda c: None,
+               on_error: Callable[[Exception], None] | None = None) -> Job:
         """Queue a request for the scheduler (``--parallel`` > 1); it runs
         as :meth:`step` is called. ``on_text``, ``stop`` and ``should_stop``
         as :meth:`generate`; ``on_done`` gets the :class:`Completion` when
         the request ends, or None for a job cancelled while queued
-        (``job.cancelled``).
+        (``job.cancelled``); ``on_error`` gets the exception that ended the
+        request alone (its sampling failed: ``job.error``), instead of
+        :meth:`step` raising it (without ``on_error``).
 
         Raises:
             ConfigError: the prompt is empty or does not fit one slot."""
@@ -224,6 +227,11 @@ class Engine:
         stream = TextStream(self.vocab, on_text, stop, should_stop)
 
         def done(job: Job) -> None:
+            if job.error is not None:
+                if on_error is None:
+                    raise job.error
+                on_error(job.error)
+                return
             if job.request is None:
                 on_done(None)
                 return
