@@ -64,3 +64,19 @@ class RankLostError(GGPipeError):
     name it (the launcher reported it during start-up)."""
 
     abort_job = True
+
+
+class StageFailedError(GGPipeError):
+    """The head's own stage of a pipeline (its executor thread, or the call
+    that computed it) failed: the run it was computing never went on to the
+    next rank, so the pipeline is out of step and the job must end. The
+    message is the stage's own error (e.g. "the KV cache is full", non-finite
+    values), prefixed with which stage it was."""
+
+    abort_job = True
+
+
+class NonFiniteError(ModelError):
+    """A stage's output (hidden states or logits) holds NaN or infinity: the
+    weights of its layers are damaged (a bad copy, a disk error) or the model
+    overflows. The message names the rank, its host and the layers."""

@@ -5,6 +5,7 @@ draft model when no rank runs it; with the checks done before anything loads
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 
 from ggpipe.cluster.config import ClusterConfig, parse_threads
@@ -61,18 +62,21 @@ def load_rank(config: ClusterConfig, rank: int, size: int) -> Loaded:
     index, n_stages = roles.stage_of(rank)
     plan = plan_layers(m_info.n_layer, n_stages, weights, model=model)
     start, stop = plan[index]
+    where = f"rank {rank} ({socket.gethostname()})"
     stage = Stage(StageSpec(
         model_path=stage_slice(m_path, start, stop, cache_dir()), n_layer=stop - start,
         first=index == 0, last=index == n_stages - 1, n_ctx=config.ctx_size, n_threads=threads[rank],
         n_seq_max=config.n_seq_max, n_ubatch=config.ubatch,
         flash_attn=config.flash_attn, kv_unified=config.kv_unified,
+        rank=rank, label=f"{where}, {describe_role(roles, rank, (start, stop))} of {m_path.name}",
     ))
     draft_stage = None
     if rank == 0 and roles.has_draft and roles.n_draft == 0:
         try:
             draft_stage = Stage(StageSpec(model_path=draft_path, n_layer=draft_info.n_layer, first=True, last=True,
                                           n_ctx=config.ctx_size, n_threads=threads[0], n_seq_max=config.n_seq_max,
-                                          n_ubatch=config.ubatch, flash_attn=config.flash_attn))
+                                          n_ubatch=config.ubatch, flash_attn=config.flash_attn,
+                                          label=f"{where}, the draft model {draft_path.name}"))
         except BaseException:
             stage.close()
             raise

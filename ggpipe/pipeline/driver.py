@@ -41,6 +41,21 @@ _TR = tracer()  # per-rank event trace (GGPIPE_TRACE_DIR), None when off
 SERVICE_MAX_TOKENS = 16  # runs up to this size time a pipeline's service (result_due); prompt chunks do not
 
 
+def _check_during_waits(transport, head: HeadStage) -> None:
+    """Make every bounded wait of ``transport`` (a transaction's receive, a
+    result from the last stage) end at once with the head stage's error when
+    its executor thread fails: the run it was computing never reaches the
+    next rank, so waiting for its result could only time out."""
+    before = transport.interrupt
+
+    def interrupt() -> None:
+        if before is not None:
+            before()
+        head.check()
+
+    transport.interrupt = interrupt
+
+
 class Pipeline:
     """Args:
         stage: the head's own stage of this model (its first layers), or None.
@@ -87,6 +102,8 @@ class Pipeline:
         if stage is not None:
             self._head = HeadStage(stage, transport, self.ranks, name, self._cancelled, self.stats, self._notify,
                                    async_local=async_local)
+            if async_local and transport is not None:
+                _check_during_waits(transport, self._head)
 
     def _notify(self) -> None:
         if self.on_event is not None:
@@ -231,7 +248,13 @@ class Pipeline:
         return self._receive()
 
     def ready(self) -> bool:
-        """True when :meth:`poll` would return a result."""
+        """True when :meth:`poll` would return a result.
+
+        Raises:
+            StageFailedError: the head's own stage failed (at once, not after
+                the wait's time-out).
+        """
+        self._check()
         if not self.inflight:
             return False
         if not self.ranks:

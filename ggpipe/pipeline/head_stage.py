@@ -20,7 +20,7 @@ from typing import Callable
 
 import numpy as np
 
-from ggpipe.errors import GGPipeError
+from ggpipe.errors import GGPipeError, NonFiniteError, StageFailedError
 from ggpipe.pipeline.masking import PruneBook, live_batch, returned_rows
 from ggpipe.runtime.stage import Cancelled, InvalidBatch, Stage
 from ggpipe.runs import Run, RunResult
@@ -90,8 +90,11 @@ class HeadStage:
         if self._jobs is not None:
             self._busy = True
             self._jobs.put(("decode", run))
-        else:
+            return
+        try:
             self._decode_local(run)
+        except GGPipeError as exc:  # the run never reached the next rank: out of step, as on the executor
+            raise self.failure(exc) from exc
 
     def kv(self, header: m.KvHeader) -> None:
         """Apply a KV cache operation here, then send it on (or queue it)."""
@@ -111,12 +114,27 @@ class HeadStage:
             self._pruned.add(pairs)
 
     def check(self) -> None:
-        """Raise what stopped the executor, if anything did."""
+        """Raise what stopped the executor, if anything did.
+
+        Raises:
+            StageFailedError: the executor thread ended on an error (the
+                run it was computing never reached the next rank, so the
+                pipeline is out of step: the job must end).
+        """
         if self.error is not None:
-            err = self.error
-            if isinstance(err, GGPipeError):
-                raise err
-            raise RuntimeError(f"the head's {self.name} stage failed: {err!r}") from err
+            raise self.failure(self.error)
+
+    def failure(self, err: BaseException) -> StageFailedError:
+        """``err``, raised by this stage, as the error that ends the job."""
+        if isinstance(err, StageFailedError):
+            return err
+        if isinstance(err, NonFiniteError):  # names the stage already
+            exc = StageFailedError(str(err))
+        else:
+            what = str(err) if isinstance(err, GGPipeError) else f"{type(err).__name__}: {err}"
+            exc = StageFailedError(f"{self.stage.spec.label or f'the head own {self.name} stage'}: {what}")
+        exc.__cause__ = err
+        return exc
 
     def close(self) -> None:
         """Stop the executor thread (after the jobs already queued)."""

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ggpipe.errors import ConfigError, GGPipeError, ModelError
+from ggpipe.errors import ConfigError, GGPipeError, ModelError, NonFiniteError
+from ggpipe.runtime import faults
 from ggpipe.runtime import llama as _llama
 
 
@@ -58,6 +59,9 @@ class StageSpec:
             ``n_ctx / n_seq_max`` cells (rounded up to 256) per sequence,
             so a sequence's cells never sit among another's (continuous
             batching, ``--parallel``).
+        rank: the MPI rank that holds the stage (0 without MPI).
+        label: which stage this is, for messages: rank, host, model and
+            layers, e.g. "rank 1 (node2), target layers 15-29 of m.gguf".
     """
 
     model_path: Path
@@ -70,6 +74,8 @@ class StageSpec:
     n_ubatch: int = 512
     flash_attn: str = "off"
     kv_unified: bool = True
+    rank: int = 0
+    label: str = ""
 
 
 # KV cache operations (the transaction layer carries these codes).
@@ -140,6 +146,7 @@ class Stage:
         self._batch_addr = ctypes.addressof(self._batch)
         self._capture_node = f"l_out-{spec.n_layer - 1}"
         self._closed = False
+        self._fault = faults.planned(spec.rank, "target" in spec.label)
 
     # -- evaluation -----------------------------------------------------------
 
@@ -194,10 +201,13 @@ class Stage:
                 self.hooks.disarm()
         if rc == 2:
             raise Cancelled()
+        if self._fault is not None and self._fault.due():
+            rc = self._inject(hidden)
         if rc == 1:
+            injected = " [injected: GGPIPE_FAULT]" if self._fault is not None and self._fault.calls == self._fault.at else ""
             raise GGPipeError(
                 f"the KV cache is full (n_ctx={self.spec.n_ctx}): raise --ctx-size or shorten the prompt/-n"
-            )
+                f"{injected}")
         if rc == -1:
             raise InvalidBatch(f"llama_decode rejected a batch of {n} tokens (positions {int(pos[0])}..)")
         if rc != 0:
@@ -207,10 +217,37 @@ class Stage:
                 raise GGPipeError(
                     f"captured {captured} bytes of {self._capture_node}, expected {hidden.nbytes}"
                 )
-            return hidden
+            return self._finite(hidden, "hidden states")
         n_out = int(np.count_nonzero(flags))
         ptr = self._L.llama_get_logits(self.ctx)
-        return np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab)).copy()
+        out = np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab)).copy()
+        if self._fault is not None and self._fault.calls == self._fault.at and self._fault.kind == "nan":
+            out[:, 0] = np.nan
+        return self._finite(out, "logits")
+
+    def _finite(self, out: np.ndarray, what: str) -> np.ndarray:
+        """``out`` if every value is finite.
+
+        Raises:
+            NonFiniteError: a NaN or infinity (damaged weights: every later
+                stage and the sampler would only pass it on), naming this
+                stage (rank, host, layers).
+        """
+        if np.isfinite(out).all():
+            return out
+        where = self.spec.label or f"the stage of {self.spec.model_path}"
+        raise NonFiniteError(
+            f"non-finite values (NaN or inf) in the {what} of {where}: its weights are probably damaged "
+            f"(compare the GGUF's sha256 with its source, or fetch it again)")
+
+    def _inject(self, hidden: np.ndarray | None) -> int:
+        """The planned fault (``GGPIPE_FAULT``, ggpipe.runtime.faults): a
+        return code as llama_decode's, or NaN in the captured hidden states."""
+        if self._fault.kind == "kvfull":
+            return 1
+        if hidden is not None:
+            hidden[:, 0] = np.nan
+        return 0
 
     # -- KV cache --------------------------------------------------------------
 
