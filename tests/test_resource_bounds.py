@@ -44,3 +44,50 @@ def test_speculation_fills_the_context_to_its_last_cell(smollm2, goliath, extra)
 
     out = generate_json(goliath, prompt, 242, 2, args)
     assert out["n_prompt"] + len(out["tokens"]) == 256
+
+
+# -- requests beyond the machine (issue 29 item 13) ---------------------------------------------------------------
+
+def test_kv_bytes_and_caps_pure():
+    from types import SimpleNamespace
+
+    from ggpipe.cluster.resources import cap_threads, check_kv_memory, context_warning, kv_bytes_per_cell
+    from ggpipe.errors import ConfigError
+
+    info = SimpleNamespace(n_embd=576, n_head=9, n_head_kv=3)  # smollm2-135m: K and V rows of 192 float16
+    assert kv_bytes_per_cell(info, 30) == 30 * 2 * 192 * 2
+    check_kv_memory(1000, [("target layers 0-29", 23040)], "rank 0 (h)", available=23040 * 1000)
+    with pytest.raises(ConfigError, match=r"-c 1001 needs .* on rank 0 \(h\) .* lower -c"):
+        check_kv_memory(1001, [("target layers 0-29", 23040)], "rank 0 (h)", available=23040 * 1000)
+    assert cap_threads(2, "rank 1 (h)", cpus=2) == (2, None)
+    n, w = cap_threads(1000, "rank 1 (h)", cpus=2)
+    assert n == 2 and "rank 1 (h): -t 1000 is more than the 2 CPUs" in w
+    assert context_warning(8192, 8192, "m") is None and "8192" in context_warning(8193, 8192, "m")
+
+
+@pytest.mark.parametrize("ranks", [None, 2])
+def test_context_beyond_memory_is_one_line_at_once(smollm2, ranks):
+    import time
+
+    from tests.conftest import run_ggpipe, stderr_lines
+
+    t0 = time.monotonic()
+    p = run_ggpipe(["generate", "-m", str(smollm2), "-c", "100000000000", "-p", "hi", "-n", "4"], ranks, timeout=120)
+    assert p.returncode != 0
+    lines = stderr_lines(p.stderr)
+    assert len(lines) == 1 and "-c 100000000000 needs" in lines[0] and "lower -c" in lines[0], p.stderr[-2000:]
+    assert time.monotonic() - t0 < 60
+
+
+def test_threads_above_cpus_are_capped(smollm2, reference):
+    import json
+    import os
+
+    from tests.conftest import run_ggpipe
+
+    cpus = len(os.sched_getaffinity(0))
+    p = run_ggpipe(["generate", "-m", str(smollm2), "-t", "1000", "-p", "Hello", "-n", "8", "--json"], 2,
+                   timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stderr.count(f"-t 1000 is more than the {cpus} CPUs") == 2  # one line per rank
+    assert json.loads(p.stdout)["tokens"] == reference(smollm2, "Hello", 8)

@@ -9,6 +9,7 @@ import socket
 from dataclasses import dataclass
 
 from ggpipe.cluster.config import ClusterConfig, parse_threads
+from ggpipe.cluster.resources import cap_threads, check_kv_memory, context_warning, kv_bytes_per_cell, warn
 from ggpipe.cluster.roles import Roles
 from ggpipe.cluster.split import parse_split, plan_layers
 from ggpipe.errors import ConfigError
@@ -63,9 +64,12 @@ def load_rank(config: ClusterConfig, rank: int, size: int) -> Loaded:
     plan = plan_layers(m_info.n_layer, n_stages, weights, model=model)
     start, stop = plan[index]
     where = f"rank {rank} ({socket.gethostname()})"
+    n_threads = _check_resources(config, rank, where, describe_role(roles, rank, (start, stop)), m_info,
+                                 stop - start, draft_info if rank == 0 and roles.has_draft and roles.n_draft == 0
+                                 else None, threads[rank], info)
     stage = Stage(StageSpec(
         model_path=stage_slice(m_path, start, stop, cache_dir()), n_layer=stop - start,
-        first=index == 0, last=index == n_stages - 1, n_ctx=config.ctx_size, n_threads=threads[rank],
+        first=index == 0, last=index == n_stages - 1, n_ctx=config.ctx_size, n_threads=n_threads,
         n_seq_max=config.n_seq_max, n_ubatch=config.ubatch,
         flash_attn=config.flash_attn, kv_unified=config.kv_unified,
         rank=rank, label=f"{where}, {describe_role(roles, rank, (start, stop))} of {m_path.name}",
@@ -74,13 +78,38 @@ def load_rank(config: ClusterConfig, rank: int, size: int) -> Loaded:
     if rank == 0 and roles.has_draft and roles.n_draft == 0:
         try:
             draft_stage = Stage(StageSpec(model_path=draft_path, n_layer=draft_info.n_layer, first=True, last=True,
-                                          n_ctx=config.ctx_size, n_threads=threads[0], n_seq_max=config.n_seq_max,
+                                          n_ctx=config.ctx_size, n_threads=n_threads, n_seq_max=config.n_seq_max,
                                           n_ubatch=config.ubatch, flash_attn=config.flash_attn,
                                           label=f"{where}, the draft model {draft_path.name}"))
         except BaseException:
             stage.close()
             raise
     return Loaded(stage, (start, stop), str(m_path), roles, draft_stage)
+
+
+def _check_resources(config: ClusterConfig, rank: int, where: str, role: str, m_info, n_layers: int, draft_info,
+                     n_threads: int, target_info) -> int:
+    """Before anything is allocated (ggpipe.cluster.resources): the KV cache
+    against this rank's memory, the context per sequence against the
+    target's training (a warning, on the head), ``-t`` against the rank's
+    CPUs (capped, with a warning). Returns the threads to use.
+
+    Raises:
+        ConfigError: the KV cache cannot fit this rank's memory.
+    """
+    parts = [(role, kv_bytes_per_cell(m_info, n_layers))]
+    if draft_info is not None:
+        parts.append(("the draft model", kv_bytes_per_cell(draft_info, draft_info.n_layer)))
+    check_kv_memory(config.ctx_size, parts, where)
+    if rank == 0:
+        per_seq = config.ctx_size if config.kv_unified else -(-config.ctx_size // config.n_seq_max)
+        w = context_warning(per_seq, target_info.n_ctx_train, target_info.path.name)
+        if w:
+            warn(w)
+    n_threads, w = cap_threads(n_threads, where)
+    if w:
+        warn(w)
+    return n_threads
 
 
 def close_loaded(loaded: Loaded | None) -> None:
