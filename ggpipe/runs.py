@@ -8,19 +8,60 @@ order runs were started, because every stage handles transactions in order.
 
 from __future__ import annotations
 
-import itertools
+import os
+import threading
 from dataclasses import dataclass
 
 import numpy as np
 
 from ggpipe.logits import TopLogits
 
-_ids = itertools.count(1)
+RUN_ID_MODULUS = 2**31   # run ids travel in int32 message fields (ggpipe.transport.messages): 0..2^31-1
+_HALF = RUN_ID_MODULUS // 2
+
+
+def _first_run_id() -> int:
+    """The first run id: 1, or ``GGPIPE_FIRST_RUN_ID`` (tests start near the wrap-around)."""
+    v = os.environ.get("GGPIPE_FIRST_RUN_ID", "").strip()
+    return int(v) % RUN_ID_MODULUS if v else 1
+
+
+_next_id = _first_run_id()
+_id_lock = threading.Lock()
 
 
 def next_run_id() -> int:
-    """Unique, increasing run id (int32 range: wraps far beyond any session)."""
-    return next(_ids) % (2**31 - 1)
+    """The next run id, in 0..2^31-1. Ids wrap around after 2^31 runs (at
+    one run a millisecond, after 25 days); every rank compares them with
+    :func:`run_id_after` (serial-number arithmetic, RFC 1982), which stays
+    right across the wrap as long as the runs compared were issued fewer
+    than 2^30 runs apart (runs in flight number a few dozen)."""
+    global _next_id
+    with _id_lock:
+        rid = _next_id
+        _next_id = (_next_id + 1) % RUN_ID_MODULUS
+    return rid
+
+
+def set_next_run_id(rid: int) -> None:
+    """Make ``rid`` the next run id (tests: a session that starts near the wrap-around)."""
+    global _next_id
+    with _id_lock:
+        _next_id = int(rid) % RUN_ID_MODULUS
+
+
+def run_id_after(a: int, b: int | None) -> bool:
+    """Run ``a`` was issued after run ``b`` (None: no run; everything is
+    after it): serial-number arithmetic modulo 2^31 (RFC 1982), so that
+    run 3 comes after run 2^31-2 once the ids wrapped around."""
+    if b is None:
+        return True
+    return 0 < (int(a) - int(b)) % RUN_ID_MODULUS < _HALF
+
+
+def latest_run_id(a: int, b: int | None) -> int:
+    """The later of runs ``a`` and ``b`` (:func:`run_id_after`; None: ``a``)."""
+    return a if run_id_after(a, b) else b
 
 
 @dataclass
@@ -65,7 +106,7 @@ class Run:
 
     @classmethod
     def linear(cls, tokens, start_pos: int, seq: int = 0, output_last: bool = True,
-               run_id: int | None = None, output_all: bool = False, **kw) -> "Run":
+               run_id: int | None = None, output_all: bool = False, **kw) -> Run:
         """A run of consecutive tokens of one sequence starting at ``start_pos``,
         with logits for its last token only (or none, or with ``output_all``
         for every token)."""
@@ -85,7 +126,7 @@ class Run:
         )
 
     @classmethod
-    def layer(cls, tokens, pos: int, seqs, run_id: int | None = None, **kw) -> "Run":
+    def layer(cls, tokens, pos: int, seqs, run_id: int | None = None, **kw) -> Run:
         """A layer of a prediction tree (PipeDec): token i at position
         ``pos`` in sequence ``seqs[i]`` alone, with logits for every token."""
         tokens = np.ascontiguousarray(tokens, dtype=np.int32)

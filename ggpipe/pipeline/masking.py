@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ggpipe.runs import run_id_after
 from ggpipe.transport.messages import OUT_DROPPED, OUT_LOGITS, DecodeHeader
 
 
@@ -38,11 +39,15 @@ class PruneBook:
         self._by_run: dict[int, set[int]] = {}
         self.rows_masked = 0
 
-    def add(self, pairs, done_below: int = -1) -> None:
-        """Record (run id, sequence id) pairs; runs at or below
-        ``done_below`` were evaluated here already and are ignored."""
+    def add(self, pairs, done_below: int | None = None) -> None:
+        """Record (run id, sequence id) pairs; runs issued no later than
+        ``done_below`` (None or negative: no run was) were evaluated here
+        already and are ignored. Run ids are compared as serial numbers
+        (ggpipe.runs.run_id_after): right across their wrap-around."""
+        if done_below is not None and done_below < 0:
+            done_below = None
         for run_id, seq in pairs:
-            if run_id > done_below:
+            if run_id_after(run_id, done_below):
                 self._by_run.setdefault(int(run_id), set()).add(int(seq))
 
     def take(self, run_id: int) -> set[int]:
@@ -52,7 +57,7 @@ class PruneBook:
 
     def forget_through(self, run_id: int) -> None:
         """Drop the entries of runs up to ``run_id`` (evaluated or skipped)."""
-        for r in [r for r in self._by_run if r <= run_id]:
+        for r in [r for r in self._by_run if not run_id_after(r, run_id)]:
             del self._by_run[r]
 
     def __len__(self) -> int:

@@ -33,6 +33,7 @@ import numpy as np
 from ggpipe.errors import ProtocolError
 from ggpipe.logits import pack, top_k
 from ggpipe.pipeline.masking import PruneBook, live_batch, returned_rows
+from ggpipe.runs import latest_run_id, run_id_after
 from ggpipe.runtime.stage import Cancelled, InvalidBatch, Stage
 from ggpipe.trace import tracer
 from ggpipe.transport import messages as m
@@ -69,7 +70,7 @@ class Worker:
         self.pruned = PruneBook()
         self.current: int | None = None
         self.idle_doing = f"waiting for the next transaction from rank {prev}"
-        self.last_run = -1
+        self.last_run: int | None = None   # the latest run done here (run ids wrap: ggpipe.runs.run_id_after)
         self.stats = {"runs": 0, "tokens": 0, "busy_s": 0.0, "kv_ops": 0,
                       "cancelled_before_start": 0, "cancelled_mid_compute": 0, "dropped_after_cancel": 0,
                       "rows_masked": 0}
@@ -102,7 +103,7 @@ class Worker:
             _TR.instant("cancel", "stage", run=run_id)
         if self.cancel_fwd is not None:
             self.t.send(self.cancel_fwd, m.T_CANCEL, msg)
-        if run_id <= self.last_run and run_id != self.current:
+        if not run_id_after(run_id, self.last_run) and run_id != self.current:
             return  # already done here
         self.cancelled.add(run_id)
         if run_id == self.current:
@@ -199,8 +200,8 @@ class Worker:
             if _TR:
                 _TR.span("run", t0, time.perf_counter(), "stage", run=h.run_id, n=n_live,
                          spec=_speculative(h.seq_ids), cancelled=aborted)
-        self.last_run = max(self.last_run, h.run_id)
-        self.cancelled = {r for r in self.cancelled if r > self.last_run}
+        self.last_run = latest_run_id(h.run_id, self.last_run)
+        self.cancelled = {r for r in self.cancelled if run_id_after(r, self.last_run)}
         self.pruned.forget_through(self.last_run)
         self.stats["runs"] += 1
         self.stats["tokens"] += n_live
@@ -235,7 +236,7 @@ class Worker:
         return {"embd": flat}
 
     def _finish_cancelled(self, h: m.DecodeHeader) -> None:
-        self.last_run = max(self.last_run, h.run_id)
+        self.last_run = latest_run_id(h.run_id, self.last_run)
         self.cancelled.discard(h.run_id)
         self.pruned.forget_through(self.last_run)
         if self.next is not None:
