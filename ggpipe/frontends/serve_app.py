@@ -35,7 +35,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from ggpipe.frontends.http_guard import host_allowed, is_json_content_type, origin_allowed
-from ggpipe.frontends.serve_bodies import APIError, ChatBody, CompletionBody, _Body, parse_body, too_large
+from ggpipe.frontends.serve_bodies import (APIError, ChatBody, CompletionBody, _Body, internal_error, parse_body,
+                                           too_large)
 from ggpipe.frontends.serve_state import Job, ServerState, state_of
 from ggpipe.sampling import SamplingParams
 
@@ -111,7 +112,12 @@ async def _http_error(request: Request, exc: StarletteHTTPException):
 
 
 async def _bug(request: Request, exc: Exception):  # noqa: ARG001
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").response()
+    """A bug: the client gets a short reason and a request id (also in the
+    ``X-Request-Id`` header); the server's log the details under that id."""
+    rid = uuid.uuid4().hex[:24]
+    response = internal_error(rid, exc).response()
+    response.headers["X-Request-Id"] = rid
+    return response
 
 
 async def _guard_and_count(request: Request, call_next):
@@ -124,7 +130,10 @@ async def _guard_and_count(request: Request, call_next):
         response = APIError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
                             code="invalid_api_key").response()
     else:
-        response = await call_next(request)
+        try:
+            response = await call_next(request)
+        except Exception as e:  # noqa: BLE001 - a bug: answered here (counted, CORS headers), logged once
+            response = await _bug(request, e)
     state.metrics.requests.labels(path if path in _ENDPOINTS else "other", str(response.status_code)).inc()
     return response
 
@@ -264,7 +273,7 @@ async def _next(job: Job, request: Request | None):
 
 
 async def _complete(state: ServerState, job: Job, request: Request, kind: str) -> JSONResponse:
-    rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+    rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + job.rid
     while True:
         ev, value = await _next(job, request)
         if ev == "error":
@@ -289,7 +298,7 @@ def _sse(obj) -> str:
 
 
 def _stream(state: ServerState, job: Job, request: Request, kind: str, include_usage: bool) -> StreamingResponse:
-    rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+    rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + job.rid
     created = int(time.time())
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 

@@ -31,6 +31,7 @@ from ggpipe.decoding.scheduler import Scheduler
 from ggpipe.decoding.slots import Job
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.pipeline.waiting import EventWait
+from ggpipe.service.chat_prompt import chat_tokens
 from ggpipe.service.text import TextStream
 
 
@@ -122,15 +123,21 @@ class Engine:
 
     # -- tokens ------------------------------------------------------------------
 
-    def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None) -> np.ndarray:
-        """Token ids (int32 (n,)) of a plain prompt, or of chat ``messages``
-        rendered with the GGUF's chat template (generation prompt added).
+    def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None,
+                 special_in_messages: bool = False) -> np.ndarray:
+        """Token ids (int32 (n,)) of a plain prompt (special-token text
+        parsed), or of chat ``messages`` rendered with the GGUF's chat
+        template (generation prompt added), in time linear in their length:
+        special-token text in a message's content stays text unless
+        ``special_in_messages`` (ggpipe.service.chat_prompt).
 
         Raises:
             ModelError: messages given, but the model has no chat template.
+            ConfigError: a content holds special-token text that the
+                template does not copy unchanged.
         """
         if messages is not None:
-            return self.vocab.tokenize(self.vocab.apply_chat_template(messages))
+            return chat_tokens(self.vocab, messages, special_in_messages)
         return self.vocab.tokenize(prompt or "")
 
     def check_fits(self, n_prompt: int, n_predict: int) -> None:
