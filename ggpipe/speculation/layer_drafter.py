@@ -128,6 +128,7 @@ class LayerDrafter:
         layers by draft probability alone): the draft's last stage returns
         the ``max_children`` best tokens of each row (ggpipe.logits)."""
         self.pipe.reply_k = self.max_children
+        self.stats = dict.fromkeys(self.stats, 0)   # counters count this request's work
 
     def reset(self) -> None:
         """The draft's KV cache was cleared."""

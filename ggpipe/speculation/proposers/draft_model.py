@@ -42,6 +42,9 @@ from ggpipe.speculation.proposers.base import ProposerBase, ProposerConfig, sync
 from ggpipe.speculation.tree import SpecTree
 
 
+PER_REQUEST = ("draft_decodes", "guesses_made", "guesses_accepted", "guesses_held", "looks_skipped")
+
+
 class DraftModelProposer(ProposerBase):
     """Args:
         cfg: ``backend`` (the draft model's pipeline, head-driven), ``p_split``
@@ -102,6 +105,9 @@ class DraftModelProposer(ProposerBase):
         self.acceptance = acceptance
         self.active = False
         self.tree = None
+        for k in PER_REQUEST:   # counters count this request's work (--json, serve's per-request stats)
+            if k in self.stats:
+                self.stats[k] = 0
         # greedy drafting reads the best width+1 tokens of a row, top-k sampling the
         # top k: the draft's last stage sends those instead of the whole row (ggpipe.logits)
         reply_k = params.reply_k(self.width)

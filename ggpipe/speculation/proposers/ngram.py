@@ -126,6 +126,7 @@ class NgramProposer(InstantProposer):
               acceptance: Callable[[float], float] | None = None) -> None:
         super().start(params, rng, acceptance)
         self.params = params
+        self.stats.update(ngram_lookups=0, ngram_hits=0)   # this request's lookups
 
     def propose(self, context: list[int], max_nodes: int) -> SpecTree:
         """A chain below ``context[-1]`` (see :func:`ngram_lookup`)."""

@@ -177,6 +177,7 @@ class VoteProposer(ProposerBase):
         self.acceptance = acceptance
         self.crew.start(params, rng, acceptance)
         self.book.start()
+        self._counts = dict.fromkeys(self._counts, 0)   # this request's (the members reset their own)
         self.active = False
         self._result = None
 

@@ -1,0 +1,76 @@
+"""Per-request statistics (issue 29, item 8): the proposers' counters
+(``draft_decodes``, ``ngram_lookups``, ``tree_layers``, ...) count one
+request's work, not every request's since the job started, so that
+``serve``/``chat``/``batch`` report each request on its own."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ggpipe.decoding.factory import build_decoder
+from ggpipe.decoding.mode import mode_class
+from ggpipe.decoding.settings import SpecSettings
+from ggpipe.sampling import Sampler, SamplingParams
+from ggpipe.sim.toy import FakePipeline, ToyLM
+from ggpipe.speculation.proposers.base import ProposerConfig, make_proposer
+
+V = 48
+PROMPTS = [[3, 9, 4, 3, 9, 4, 3, 9, 11, 5, 3, 9], [7, 1, 7, 2, 7, 1, 7, 2, 5]]
+
+
+def _two_requests(dec, target, draft):
+    """Stats of two requests in a row (the caches cleared between them) and
+    the draft runs each submitted."""
+    out = []
+    for prompt in PROMPTS:
+        target.clear()
+        draft.clear()
+        dec.reset()
+        runs0 = draft.n_runs
+        dec.generate(np.array(prompt, np.int32), 30, Sampler(SamplingParams()))
+        out.append((dict(dec.stats), draft.n_runs - runs0))
+    return out
+
+
+@pytest.mark.parametrize("mode,spec_type", [("speculative", "draft"), ("pipeinfer", "draft"),
+                                            ("pipeinfer", "ngram"), ("pipeinfer", "staged"),
+                                            ("pipeinfer", "vote")])
+def test_proposer_counters_are_per_request(mode, spec_type):
+    spec = SpecSettings(mode=mode, spec_type=spec_type, p_split=0.05)
+    target = FakePipeline(ToyLM(V), latency=3)
+    draft = FakePipeline(ToyLM(V, flip=0.3), latency=1, name="draft")
+    prop = make_proposer(spec_type, ProposerConfig(backend=draft, n_vocab=V, n_ubatch=8, p_split=spec.p_split,
+                                                   width=spec.branches))
+    lookups = []
+    ngram = getattr(prop, "propose", None)
+    if spec_type == "ngram":
+        def counting(context, max_nodes):
+            lookups.append(1)
+            return ngram(context, max_nodes)
+        prop.propose = counting
+    dec = mode_class(mode).over(target, prop, spec, n_seq_max=64, n_ubatch=8, is_eog=lambda t: False, timeout_s=5)
+    (first, runs1), (second, runs2) = _two_requests(dec, target, draft)
+    if spec_type == "ngram":
+        assert second["ngram_lookups"] == len(lookups) - first["ngram_lookups"]
+        assert second["ngram_hits"] <= second["ngram_lookups"]
+    else:
+        assert first["draft_decodes"] == runs1
+        assert second["draft_decodes"] == runs2, (first, second)
+    if spec_type == "staged":
+        assert second["guesses_made"] <= 30 * 8
+    if spec_type == "vote":
+        assert second["vote_overruled"] + second["vote_extended"] <= second["verified_runs"] + 1
+
+
+def test_pipedec_counters_are_per_request():
+    target = FakePipeline(ToyLM(V), latency=4)
+    target.n_stages = 3
+    draft = FakePipeline(ToyLM(V, flip=0.3), latency=1, name="draft")
+    dec = build_decoder("pipedec", SpecSettings(mode="pipedec", tree_width=3), target, draft, n_ubatch=8,
+                        n_seq_max=64, is_eog=lambda t: False, timeout_s=5)
+    (first, runs1), (second, runs2) = _two_requests(dec, target, draft)
+    for stats, runs in ((first, runs1), (second, runs2)):
+        assert stats["draft_decodes"] == runs, (first, second)
+        assert stats["tree_layers"] <= runs
+        assert stats["new_trees"] <= stats["target_runs"]
