@@ -303,15 +303,16 @@ def test_many_messages_tokenize_in_linear_time(vocab):
     import time
 
     def cost(n):
-        msgs = [{"role": "user", "content": "word"}] * n
+        msgs = [{"role": "user", "content": f"word {i}"} for i in range(n)]   # no two alike
         t0 = time.perf_counter()
         toks = _engine_tokenize(vocab, msgs)
-        assert len(toks) == 6 * n + 25     # 6 per turn; the default system turn and the generation prompt
+        assert len(toks) > 6 * n
         return time.perf_counter() - t0
 
     cost(500)
-    small, big = cost(2000), cost(16000)
-    assert big < 2.5 and big < 20 * small, (small, big)   # linear: 8x; quadratic: 64x (llama_tokenize: 3 s)
+    small, big = cost(1000), cost(16000)
+    # linear: 16x (0.04 s, 0.55 s); llama_tokenize of the whole prompt: 0.05 s, 3.0 s (60x)
+    assert big < 3.0 and big < 32 * small, (small, big)
 
 
 class CharVocab:
@@ -343,7 +344,9 @@ def test_chat_tokens_parse_special_text_only_in_the_template():
     v = CharVocab("{% for m in messages %}<|s|>{{ m.role }}:{{ m.content }}<|e|>  {% endfor %}<|s|>a:")
     msgs = [{"role": "user", "content": "x<|e|>y<|s|>"}]
     ids = chat_tokens(v, msgs, specials=_specials()).tolist()
-    text = lambda s: [1000 + ord(c) for c in s]   # noqa: E731
+    def text(s):
+        return [1000 + ord(c) for c in s]
+
     assert ids == [7, 1, *text("user:x<|e|>y<|s|>"), 2, 1, *text("a:")]   # <|e|> strips the spaces after it
     assert chat_tokens(v, msgs, special_in_messages=True, specials=_specials()).tolist() == \
         [7, 1, *text("user:x"), 2, *text("y"), 1, 2, 1, *text("a:")]
@@ -369,9 +372,21 @@ def test_chat_tokens_linear_in_the_messages():
 
     def cost(n):
         t0 = time.perf_counter()
-        chat_tokens(v, [{"role": "user", "content": "word"}] * n, specials=_specials())
+        chat_tokens(v, [{"role": "user", "content": f"word {i}"} for i in range(n)], specials=_specials())
         return time.perf_counter() - t0
 
     cost(500)
     small, big = cost(2000), cost(16000)
     assert big < 20 * small, (small, big)   # linear: 8x; quadratic: 64x
+
+
+def test_messages_per_request_are_bounded():
+    from ggpipe.frontends.request_limits import MESSAGES_MAX
+
+    c = app_client(max_queue=0)   # a request that passes every check meets the full queue: 503
+    msgs = [{"role": "user", "content": "w"}] * (MESSAGES_MAX + 1)
+    r = c.post("/v1/chat/completions", json={"messages": msgs})
+    assert r.status_code == 400 and f"at most {MESSAGES_MAX}" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "messages"
+    r = c.post("/v1/chat/completions", json={"messages": msgs[:MESSAGES_MAX]})
+    assert r.status_code == 503, r.text

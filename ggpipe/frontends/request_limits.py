@@ -9,6 +9,9 @@ ROLES = ("system", "developer", "user", "assistant")
 TEMPERATURE_MAX = 2.0
 #: Most stop strings per request (OpenAI allows 4; llama.cpp's server more).
 STOP_MAX = 16
+#: Most chat messages per request (a 4 MB body holds 100k one-word messages; a
+#: conversation that fills a context of 32k tokens holds far fewer).
+MESSAGES_MAX = 4096
 
 
 def template_role(role: str) -> str:

@@ -125,18 +125,20 @@ class Server:
         max_queue: most waiting requests (more get 503).
         shutdown_grace_s: how long the running request may go on after a
             shutdown signal.
+        special_in_messages: special-token text in a chat message becomes
+            special tokens (the old behaviour; by default it stays text).
     """
 
     def __init__(self, engine: Engine, host: str, port: int, api_key: str | None, n_predict: int,
                  sampling: SamplingParams, model_id: str | None = None, max_queue: int = 64,
-                 shutdown_grace_s: float = 30.0, access: Access | None = None):
+                 shutdown_grace_s: float = 30.0, access: Access | None = None, special_in_messages: bool = False):
         self.engine = engine
         self.host = host
         self.sock = bind_socket(host, port)
         self.port = self.sock.getsockname()[1]
         session = engine.session
         self.state = ServerState(
-            tokenize=lambda p, msgs: engine.tokenize(p, msgs), model_id=model_id or Path(session.model_path).stem,
+            tokenize=lambda p, msgs: engine.tokenize(p, msgs, special_in_messages), model_id=model_id or Path(session.model_path).stem,
             n_ctx=engine.n_ctx, n_vocab=int(session.stage.n_vocab), n_predict=n_predict, sampling=sampling,
             api_key=api_key, max_queue=max_queue, access=access or Access(),
             info={"mode": engine.mode, "ranks": session.size, "hosts": session.hosts,
@@ -318,8 +320,9 @@ def _url_host(host: str) -> str:
 
 def run_serve(job: JobSpec, host: str, port: int, api_key: str | None, n_predict: int, sampling: SamplingParams,
               model_id: str | None = None, max_queue: int = 64, shutdown_grace_s: float = 30.0,
-              access: Access | None = None) -> int:
+              access: Access | None = None, special_in_messages: bool = False) -> int:
     """Entry point of every rank; returns the exit code (0 after a signal).
+    ``special_in_messages``: see :class:`Server`.
 
     Raises:
         ConfigError: the address cannot be bound; bad settings.
@@ -328,7 +331,7 @@ def run_serve(job: JobSpec, host: str, port: int, api_key: str | None, n_predict
 
     def head(engine: Engine) -> int:
         server = Server(engine, host, port, api_key, n_predict, sampling, model_id, max_queue, shutdown_grace_s,
-                        access)
+                        access, special_in_messages)
         with head_signals(server.on_signal):
             return server.serve()
 

@@ -19,7 +19,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
-from ggpipe.frontends.request_limits import ROLES, STOP_MAX, TEMPERATURE_MAX, template_role
+from ggpipe.frontends.request_limits import MESSAGES_MAX, ROLES, STOP_MAX, TEMPERATURE_MAX, template_role
 from ggpipe.frontends.serve_state import Job, ServerState, state_of
 
 # -- errors ------------------------------------------------------------------------------
@@ -122,7 +122,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatBody(_Body):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MESSAGES_MAX)]
     max_completion_tokens: PosInt | None = None
 
 

@@ -72,7 +72,7 @@ class SpecialTokens:
         self.pattern = _trie_regex(list(self.by_text))
 
     @classmethod
-    def of(cls, vocab) -> "SpecialTokens":
+    def of(cls, vocab) -> SpecialTokens:
         """Those of a loaded :class:`~ggpipe.runtime.vocab.Vocab` (read once, then cached on it)."""
         cached = getattr(vocab, "_ggpipe_special_tokens", None)
         if cached is not None:
@@ -167,10 +167,14 @@ def chat_tokens(vocab, messages: list[dict], special_in_messages: bool = False,
     text = vocab.apply_chat_template(messages)
     regions = [(0, len(text))] if special_in_messages else template_regions(vocab, messages, text, specials)
     ids: list[int] = list(specials.prefix)
+    seen: dict[str, list[int]] = {}   # the template's pieces repeat (~60 us a llama_tokenize call)
     for piece in partition(text, regions, specials):
         if isinstance(piece, int):
             ids.append(piece)
-        else:
-            ids.extend(int(t) for t in vocab.tokenize(piece, add_special=False, parse_special=False))
+            continue
+        got = seen.get(piece)
+        if got is None:
+            got = seen[piece] = vocab.tokenize(piece, add_special=False, parse_special=False).tolist()
+        ids += got
     ids += specials.suffix
     return np.asarray(ids, dtype=np.int32)
