@@ -97,7 +97,7 @@ class FakeEngine:
         self.fail = fail
         self.calls: list[str] = []
 
-    def tokenize(self, prompt, messages):
+    def tokenize(self, prompt, messages, special_in_messages=False):
         return np.array([1, 2, 3], np.int32)
 
     def generate(self, tokens, n_predict, sampling, on_text=None, stop=(), should_stop=None):
@@ -390,3 +390,93 @@ def test_messages_per_request_are_bounded():
     assert r.json()["error"]["param"] == "messages"
     r = c.post("/v1/chat/completions", json={"messages": msgs[:MESSAGES_MAX]})
     assert r.status_code == 503, r.text
+
+
+# -- 10: a client that leaves is not served -----------------------------------------------------
+
+
+class SlowEngine(FakeEngine):
+    """Generates one piece every ``step_s`` seconds, stopping when asked."""
+
+    def __init__(self, step_s: float = 0.02):
+        super().__init__()
+        self.step_s = step_s
+        self.generated: list[int] = []   # tokens generated, per request
+
+    def generate(self, tokens, n_predict, sampling, on_text=None, stop=(), should_stop=None):
+        import time
+
+        from ggpipe.service.engine import Completion
+
+        self.generated.append(0)
+        for _ in range(n_predict):
+            time.sleep(self.step_s)
+            self.generated[-1] += 1
+            on_text("x")
+            if should_stop():
+                return Completion([5] * self.generated[-1], "x", "interrupted", 3, 0, {})
+        return Completion([5] * n_predict, "x" * n_predict, "length", 3, 0, {})
+
+
+@pytest.fixture()
+def slow_server():
+    import threading
+
+    from ggpipe.frontends.serve import Server
+
+    engine = SlowEngine()
+    engine.n_ctx = 4096
+    server = Server(engine, "127.0.0.1", 0, None, 4, SamplingParams())
+    t = threading.Thread(target=server.serve, daemon=True)
+    t.start()
+    while server.http is None or not server.http.started:
+        import time
+
+        time.sleep(0.02)
+    yield server, engine
+    server.state.stopping.set()
+    t.join(30)
+
+
+def _raw_post(port: int, body: dict, partial: int = 0):
+    """A raw HTTP POST left open (the caller closes it); ``partial``: announce
+    that many more body bytes than are sent."""
+    import socket
+
+    data = json.dumps(body).encode()
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % (len(data) + partial) + data)
+    return s
+
+
+def test_a_client_that_leaves_is_not_served(slow_server):
+    import time
+
+    server, engine = slow_server
+    running = _raw_post(server.port, {"prompt": "x", "max_tokens": 300})   # 6 s of tokens
+    time.sleep(0.3)
+    queued = [_raw_post(server.port, {"prompt": "x", "max_tokens": 300}) for _ in range(3)]
+    time.sleep(0.7)
+    for s in [running, *queued]:
+        s.close()
+    time.sleep(6.5)     # past the 6 s the first one would take
+    assert len(engine.generated) == 1 and engine.generated[0] < 150, engine.generated
+    assert server.state.jobs.qsize() == 0
+
+
+# -- 14: a client that leaves in the middle of its body is no traceback in the log ---------------------
+
+
+def test_a_client_that_leaves_mid_body_writes_no_traceback(slow_server, capfd):
+    import time
+
+    server, engine = slow_server
+    for _ in range(3):
+        s = _raw_post(server.port, {"prompt": "x", "max_tokens": 3}, partial=1000)
+        time.sleep(0.2)
+        s.close()
+    time.sleep(1.0)
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and len(err.splitlines()) <= 3, err
+    assert engine.generated == []

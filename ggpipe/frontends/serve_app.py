@@ -28,15 +28,15 @@ import uuid
 
 import numpy as np
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from ggpipe.frontends.http_guard import host_allowed, is_json_content_type, origin_allowed
-from ggpipe.frontends.serve_bodies import (APIError, ChatBody, CompletionBody, _Body, internal_error, parse_body,
-                                           too_large)
+from ggpipe.frontends.serve_bodies import (CLIENT_GONE, APIError, ChatBody, CompletionBody, _Body, internal_error,
+                                           parse_body, too_large)
 from ggpipe.frontends.serve_state import Job, ServerState, state_of
 from ggpipe.sampling import SamplingParams
 
@@ -261,25 +261,40 @@ def _usage(done) -> dict:
             "total_tokens": done.n_prompt + len(done.tokens)}
 
 
-async def _next(job: Job, request: Request | None):
-    """The job's next event; cancels the job when the client disconnects."""
-    while True:
-        try:
-            return await asyncio.wait_for(job.events.get(), timeout=1.0)
-        except asyncio.TimeoutError:
-            if request is not None and await request.is_disconnected():
-                job.cancelled.set()
-                raise asyncio.CancelledError from None
+async def _watch(request: Request, job: Job) -> None:
+    """Wait for the client to disconnect (the body has been read: the next
+    message is ``http.disconnect``), then cancel the job, queued or running
+    (the request loops stop it at its next token or never start it), and
+    tell its handler ("gone"). ``request.is_disconnected()`` never saw it
+    behind the counting middleware, so a request whose client had left was
+    served to its end."""
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:  # noqa: BLE001, S110 - any failure to read means the client is gone
+        pass
+    job.cancelled.set()
+    job.events.put_nowait(("gone", None))
 
 
-async def _complete(state: ServerState, job: Job, request: Request, kind: str) -> JSONResponse:
+def _watching(request: Request, job: Job) -> asyncio.Task:
+    return asyncio.get_running_loop().create_task(_watch(request, job))
+
+
+async def _complete(state: ServerState, job: Job, request: Request, kind: str) -> Response:
     rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + job.rid
-    while True:
-        ev, value = await _next(job, request)
-        if ev == "error":
-            raise value
-        if ev == "done":
-            break
+    watcher = _watching(request, job)
+    try:
+        while True:
+            ev, value = await job.events.get()
+            if ev == "gone":     # nobody will read an answer; counted in /metrics
+                return Response(status_code=CLIENT_GONE)
+            if ev == "error":
+                raise value
+            if ev == "done":
+                break
+    finally:
+        watcher.cancel()
     done = value
     base = {"id": rid, "created": int(time.time()), "model": state.model_id, "usage": _usage(done),
             "ggpipe": {"tokens": done.tokens, "n_reused": done.n_reused, "metrics": done.metrics,
@@ -311,11 +326,14 @@ def _stream(state: ServerState, job: Job, request: Request, kind: str, include_u
         return {"id": rid, "object": obj, "created": created, "model": state.model_id, "choices": [choice]}
 
     async def events():
+        watcher = _watching(request, job)   # also while it waits in the queue, before any text is sent
         try:
             if kind == "chat":
                 yield _sse(chunk("", None, first=True))
             while True:
-                ev, value = await _next(job, request)
+                ev, value = await job.events.get()
+                if ev == "gone":
+                    return
                 if ev == "text":
                     yield _sse(chunk(value, None))
                 elif ev == "error":
@@ -329,6 +347,7 @@ def _stream(state: ServerState, job: Job, request: Request, kind: str, include_u
                     break
             yield "data: [DONE]\n\n"
         finally:
+            watcher.cancel()
             if not job.finished:
                 job.cancelled.set()  # the client went away: stop generating for it
 

@@ -16,6 +16,7 @@ import traceback
 from typing import Annotated, Any, Literal
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
@@ -23,6 +24,10 @@ from ggpipe.frontends.request_limits import MESSAGES_MAX, ROLES, STOP_MAX, TEMPE
 from ggpipe.frontends.serve_state import Job, ServerState, state_of
 
 # -- errors ------------------------------------------------------------------------------
+
+#: The status recorded (``/metrics``) for a request whose client left before
+#: its answer (nginx's "client closed request"); no one receives it.
+CLIENT_GONE = 499
 
 
 class APIError(Exception):
@@ -159,13 +164,18 @@ async def parse_body(request: Request, model: type[BaseModel]):
     """The request's JSON body validated as ``model`` (any content type).
 
     Raises:
-        APIError: 400 for a body that is not JSON, not an object, or not valid.
+        APIError: 400 for a body that is not JSON, not an object, or not
+            valid; 413 for one too large; CLIENT_GONE (499) when the client
+            disconnected before sending all of it.
     """
     raw = bytearray()
-    async for chunk in request.stream():  # bounded, also when no Content-Length was sent (chunked)
-        raw += chunk
-        if len(raw) > state_of(request).access.max_body_bytes:
-            raise too_large(state_of(request))
+    try:
+        async for chunk in request.stream():  # bounded, also when no Content-Length was sent (chunked)
+            raw += chunk
+            if len(raw) > state_of(request).access.max_body_bytes:
+                raise too_large(state_of(request))
+    except ClientDisconnect:   # the client left in the middle of its body: nobody to answer, nothing to log
+        raise APIError(CLIENT_GONE, "the client disconnected before sending its whole body") from None
     try:
         obj = json.loads(bytes(raw))
     except ValueError as e:
