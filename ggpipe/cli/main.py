@@ -8,14 +8,21 @@ Errors a user can cause print one line, ``ggpipe: error: ...``, and exit 1
 (usage errors: 2; a traceback only with ``-v``). Under MPI only the head
 prints it; a worker that fails on its own prints its line (naming its rank)
 and aborts the job so nothing hangs. An error before the ranks have met is
-carried to the head by the start-up exchange (``cluster/startup.py``).
+carried to the head by the start-up exchange (``cluster/startup.py``), and
+every rank exits with its code. Ctrl-C (``mpiexec`` forwards SIGINT to every
+rank): the head prints ``ggpipe: interrupted`` and ends the job (exit 130);
+a worker says nothing unless the head did not end the job within
+:data:`WORKER_INTERRUPT_GRACE_S` (only that worker was interrupted).
 """
 
 
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import sys
+import time
 import traceback
 
 import click
@@ -29,6 +36,10 @@ from ggpipe.errors import GGPipeError, RankFailedError
 from ggpipe.transport.launcher_signal import launched_rank
 
 _state = {"verbose": 0}
+
+#: Seconds a worker that got SIGINT waits for the head (which got it too, from mpiexec) to end the job
+#: before it says so itself: the head's abort comes 0.5 s after its line (transport/mpi.py, abort_world).
+WORKER_INTERRUPT_GRACE_S = 3.0
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -58,11 +69,29 @@ cli.add_command(simulate_command)
 
 
 def _abort_mpi(code: int) -> None:
+    """End the whole job (``MPI_Abort``) once this rank's line is out; no-op
+    outside a job of several ranks."""
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.COMM_WORLD.Get_size() > 1:
         from ggpipe.transport.mpi import abort_world
 
+        _quiet_stderr()
         abort_world(mpi.COMM_WORLD, code)
+
+
+def _quiet_stderr() -> None:
+    """Send what this process writes to fd 2 from now on to /dev/null: MPICH
+    prints its own "Abort(130) on node 0 (rank 0 in comm 0): application
+    called MPI_Abort(...)" inside ``MPI_Abort``, a second line after
+    ggpipe's (``MPIR_CVAR_SUPPRESS_ABORT_MESSAGE`` drops only its second
+    half). What was written before is already in the pipe."""
+    try:
+        sys.stderr.flush()
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, 2)
+        os.close(fd)
+    except (OSError, ValueError):
+        pass
 
 
 def _usage_line(exc: click.ClickException) -> str:
@@ -82,7 +111,7 @@ def _fail(message: str, code: int, abort_job: bool = False) -> None:
         from ggpipe.cluster.startup import report_startup_error, startup_entered  # noqa: PLC0415
 
         if not startup_entered():  # before the ranks have met: meet them with it, so no rank waits for this one
-            line = report_startup_error(message)
+            line, code = report_startup_error(message, exit_code=code)
             if line is not None:
                 sys.stderr.write(f"ggpipe: error: {line}\n")
                 if rank != 0:
@@ -98,6 +127,24 @@ def _fail(message: str, code: int, abort_job: bool = False) -> None:
     sys.exit(code)
 
 
+def _interrupted() -> None:
+    """Ctrl-C (KeyboardInterrupt, click's Abort): one line from the head,
+    exit 130, the job ended (``MPI_Abort``)."""
+    rank = launched_rank()
+    if rank:  # a worker: mpiexec forwarded SIGINT to every rank, and the head says it once
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        from ggpipe.transport import rank_guard  # noqa: PLC0415
+
+        rank_guard.mark_reported()  # the head's line says why this rank ends: its guard stays quiet
+        time.sleep(WORKER_INTERRUPT_GRACE_S)  # the head's MPI_Abort (or the launcher) ends this process first
+        sys.stderr.write(f"ggpipe: error: rank {rank} ({socket.gethostname()}) was interrupted (SIGINT) and the "
+                         f"head was not; stopping every rank\n")
+    else:
+        sys.stderr.write("ggpipe: interrupted\n")
+    _abort_mpi(130)
+    sys.exit(130)
+
+
 def main(argv=None) -> None:
     """Runs the click CLI and turns errors into one line (the console entry
     point is :func:`ggpipe.__main__.main`, which calls this).
@@ -110,23 +157,20 @@ def main(argv=None) -> None:
     try:
         cli.main(args=argv, prog_name="ggpipe", standalone_mode=False)
     except click.exceptions.Abort:
-        sys.stderr.write("ggpipe: interrupted\n")
-        sys.exit(130)
+        _interrupted()
     except click.ClickException as exc:
         _fail(_usage_line(exc), exc.exit_code)
-    except RankFailedError:
-        # The head reports the error that stopped the job; workers exit quietly.
+    except RankFailedError as exc:
+        # The head reports the error that stopped the job; workers exit quietly, with its code.
         if _state["verbose"]:
             traceback.print_exc()
-        sys.exit(1)
+        sys.exit(exc.exit_code)
     except GGPipeError as exc:
         if _state["verbose"]:
             traceback.print_exc()
         _fail(str(exc), exc.exit_code, exc.abort_job)
     except KeyboardInterrupt:
-        sys.stderr.write("ggpipe: interrupted\n")
-        _abort_mpi(130)
-        sys.exit(130)
+        _interrupted()
     except SystemExit:
         raise
     except BaseException:  # a bug: show it, and never leave the other ranks hanging

@@ -7,9 +7,12 @@ rank's host and pid shared); :func:`ready` is READY and the head's last GO
 
 A rank that fails before it reaches HELLO (a usage error, a bad option value:
 :func:`report_startup_error`) still initialises MPI and sends a HELLO
-carrying its error instead of a digest, so the job meets, the head prints one
-line naming that rank, and every rank exits within seconds. Without it the
-other ranks would wait inside ``MPI_Init`` for a process that never comes.
+carrying its error (and its exit code) instead of a digest, so the job meets,
+the head prints one line naming that rank, and every rank exits within
+seconds with that error's code (2 for a usage error, as when every rank has
+it; a launcher such as hydra ORs the ranks' codes, so one rank's 2 beside
+the others' 1 gave 3). Without it the other ranks would wait inside
+``MPI_Init`` for a process that never comes.
 """
 
 from __future__ import annotations
@@ -59,47 +62,60 @@ def enter_startup() -> None:
     _startup["entered"] = True
 
 
-def report_startup_error(message: str, timeout_s: float | None = None) -> str | None:
+def report_startup_error(message: str, timeout_s: float | None = None,
+                         exit_code: int = 1) -> tuple[str | None, int]:
     """Meet the other ranks with an error instead of a HELLO (see the module
-    docstring) and return the line this rank should print: on the head, the
-    first error of any rank, named (its own first); on a worker, None when
-    the head answered (the head prints it), else its own error naming its
-    rank. Without an MPI launcher, or in a job of one rank: ``message``.
+    docstring) and return the line this rank should print and the code to
+    exit with. The line: on the head, its own error (it is the first); on a
+    worker, None when the head answered (the head prints it), else its own
+    error naming its rank. The code: ``exit_code`` (this error's), or on a
+    worker the head's verdict's (the code of the error the head prints), so
+    every rank exits with the same code. Without an MPI launcher, or in a job
+    of one rank: ``(message, exit_code)``.
 
     Every wait is bounded by ``timeout_s`` seconds (default
     ``GGPIPE_INIT_TIMEOUT``, 30 s; it ends early when the launcher signals
     that another rank has ended).
     """
     if _startup["entered"]:
-        return message
+        return message, exit_code
     _startup["entered"] = True
     timeout_s = init_timeout_s() if timeout_s is None else timeout_s
     try:
         world = mpi_world()
     except Exception:  # noqa: BLE001 - no MPI library: report locally
-        return message
+        return message, exit_code
     if world is None or world[2] == 1:
-        return message
+        return message, exit_code
     comm, rank, size = world
     transport = Transport(comm, timeout_s=timeout_s)
     transport.interrupt = check_launcher_signal
     me = rank_info(rank)
-    hello = {"digest": None, "error": message, "host": me["host"], "pid": me["pid"], "cpus": None}
+    hello = {"digest": None, "error": message, "code": exit_code, "host": me["host"], "pid": me["pid"],
+             "cpus": None}
     try:
         got = _exchange(transport, rank, size, hello, "hello", timeout_s)
     except GGPipeError as exc:
-        return message if rank == 0 else f"rank {rank} ({me['host']}): {message} (and then: {exc})"
+        return (message if rank == 0 else f"rank {rank} ({me['host']}): {message} (and then: {exc})"), exit_code
     if rank == 0:
-        _verdict(transport, size, message, {"hosts": [g["host"] for g in got], "pids": [g["pid"] for g in got]})
-        return message
-    return None
+        _verdict(transport, size, message, {"hosts": [g["host"] for g in got], "pids": [g["pid"] for g in got],
+                                            "code": exit_code})
+        return message, exit_code
+    return None, _code(got)
 
 
-def _first_error(got: list[dict]) -> str | None:
-    """The first error a HELLO carries (rank order), named by rank and host."""
+def _code(h: dict) -> int:
+    """The exit code a HELLO or verdict carries (1 where it carries none)."""
+    code = h.get("code")
+    return code if isinstance(code, int) and not isinstance(code, bool) and 0 < code < 256 else 1
+
+
+def _first_error(got: list[dict]) -> tuple[str, int] | None:
+    """The first error a HELLO carries (rank order), named by rank and host,
+    with its exit code."""
     for r, h in enumerate(got):
         if h.get("error"):
-            return h["error"] if r == 0 else f"rank {r} ({h['host']}): {h['error']}"
+            return (h["error"] if r == 0 else f"rank {r} ({h['host']}): {h['error']}"), _code(h)
     return None
 
 
@@ -140,16 +156,20 @@ def meet(world: tuple, config: ClusterConfig,
                 sys.stderr.write(f"ggpipe: rank {r}: host {h['host']}, pid {h['pid']}, "
                                  f"CPU affinity {_cpu_list(h['cpus'])}\n")
         bad = [r for r, h in enumerate(got) if h["digest"] != hello["digest"]]
-        err = _first_error(got)
+        err, code = _first_error(got) or (None, 1)
         if bad and err is None:
             err = (f"rank {bad[0]} ({hosts[bad[0]]}) was started with different arguments than rank 0: "
                    f"start every rank with the same ggpipe command")
-        _verdict(transport, size, err, {"hosts": hosts, "pids": [h["pid"] for h in got]})
+        _verdict(transport, size, err, {"hosts": hosts, "pids": [h["pid"] for h in got], "code": code})
         if err:
-            raise ConfigError(err)
+            exc = ConfigError(err)
+            exc.exit_code = code  # a usage error on another rank exits 2 here too
+            raise exc
     else:
         if not got["ok"]:
-            raise RankFailedError(got["error"])
+            exc = RankFailedError(got["error"])
+            exc.exit_code = _code(got)
+            raise exc
         hosts = got["hosts"]
     transport.hosts = hosts
     pids = [h["pid"] for h in got] if rank == 0 else got["pids"]
