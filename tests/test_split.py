@@ -33,8 +33,12 @@ def test_parse_several_draft_models():
 
 @pytest.mark.parametrize("text, needle", [
     ("0.3,abc", '"abc" is not a number'),
-    ("0.3,,0.7", "weight 2 is empty"),
-    ("0.3,0.7,", "weight 3 is empty"),
+    ("0.3,,0.7", "the weight of target stage 1 is empty"),  # stages count from 0, as everywhere else
+    ("1,,1", "the weight of target stage 1 is empty"),      # issue 29: said "weight 2"
+    ("0.3,0.7,", "the weight of target stage 2 is empty"),
+    ("1,1/1,", "the weight of draft stage 1 is empty"),
+    ("0.3,abc", 'target stage 1: "abc" is not a number'),
+    ("0.5,0", 'target stage 1: weight "0"'),
     ("/1.0", "target weights are empty"),
     ("0.5,0.5/", "draft weights are empty"),
     ("0.5,0.5/1/", "draft 2 weights are empty"),
@@ -207,3 +211,9 @@ def test_concurrent_stages_counts_cpus_per_host():
     assert concurrent_stages(["a", "a"], [None, None], [1, 1]) == 2          # affinity unknown: every stage
     assert concurrent_stages(["a", "a"], [[0, 1, 2, 3]] * 2, [4, 4]) == 1    # each stage takes the whole host
     assert concurrent_stages(["a", "a", "b"], [[0, 1], [2, 3], [0]], [1, 1, 1]) == 3
+
+
+def test_plan_layers_names_a_bad_weight_by_its_stage():
+    """Stages count from 0 in every --split message (issue 29: 'weight 2')."""
+    with pytest.raises(SplitError, match=r"draft stage 1's weight \(0.0\) must be a positive finite number"):
+        plan_layers(30, 2, [1.0, 0.0], model="draft")

@@ -62,17 +62,17 @@ def _parse_weights(part: str, what: str, text: str) -> tuple[float, ...]:
     if not part.strip():
         raise SplitError(f'{OPTION} "{text}": the {what} weights are empty')
     weights = []
-    for i, item in enumerate(part.split(",")):
+    for i, item in enumerate(part.split(",")):  # i: the stage, counted from 0 as in every message
         item = item.strip()
         if not item:
-            raise SplitError(f'{OPTION} "{text}": {what} weight {i + 1} is empty')
+            raise SplitError(f'{OPTION} "{text}": the weight of {what} stage {i} is empty')
         try:
             w = float(item)
         except ValueError:
-            raise SplitError(f'{OPTION} "{text}": "{item}" is not a number') from None
+            raise SplitError(f'{OPTION} "{text}": {what} stage {i}: "{item}" is not a number') from None
         if not math.isfinite(w) or w <= 0:
             raise SplitError(
-                f'{OPTION} "{text}": weight "{item}" must be a positive finite number'
+                f'{OPTION} "{text}": {what} stage {i}: weight "{item}" must be a positive finite number'
             )
         weights.append(w)
     return tuple(weights)
@@ -156,7 +156,7 @@ def plan_layers(
     for i, w in enumerate(weights):
         if not math.isfinite(w) or w <= 0:
             raise SplitError(
-                f"{OPTION}: {model} weight {i + 1} ({w}) must be a positive finite number"
+                f"{OPTION}: {model} stage {i}'s weight ({w}) must be a positive finite number"
             )
     top = max(weights)  # only ratios matter: scaled, 1e308,1e308 cannot overflow the sum
     scaled = [w / top for w in weights]
