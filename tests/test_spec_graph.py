@@ -427,3 +427,37 @@ def test_draft_distributions_are_freed_once_verified_or_dead():
     g.set_result(2, rows(X, Z, Z, Z))             # b rejected: b and c die
     g.advance()
     assert all(g.nodes[i].q is None for i in ids)
+
+
+
+def test_graph_is_trimmed_behind_the_committed_prefix():
+    """Issue 29, item 8: a long request keeps a bounded graph. Nodes far
+    behind the committed node that no run still holds are dropped
+    (:meth:`SpecGraph.trim`, called by the core after each result); node
+    ids stay unique and the recent nodes stay readable."""
+    from ggpipe.speculation.graph import TRIM_LAG
+
+    g = greedy_graph()
+    pool = PartitionPool(n_seq_max=9, width=2)
+    committed = g.add_root(R, 0, run_id=1)
+    g.set_result(1, rows(A))
+    peak, seen = 0, set()
+    for rid in range(2, 3002):
+        t = SpecTree(g.nodes[committed].pos)
+        t.add(A, -1, p=0.6)
+        t.add(B, -1, p=0.3)
+        ids, _, _ = attach(g, pool, committed, t, run_id=rid)
+        assert not seen & set(ids)
+        seen |= set(ids)
+        assert g.advance() == [Decision(A, ids[0])]
+        g.set_result(rid, rows(A, B))      # A's logits: A again below it
+        for info in g.retirable():
+            if info.partition is not None:
+                pool.release(info.partition)
+        g.trim()
+        committed = g.committed
+        peak = max(peak, len(g.nodes))
+    assert g.nodes[committed].pos == 3000
+    assert peak <= 2 * (TRIM_LAG + TRIM_LAG // 4) + 8, peak   # two nodes a position
+    assert g.frontier() == committed and g.chain(committed) == []
+    assert g.nodes.get(0) is None           # the first root is long gone

@@ -173,6 +173,7 @@ class SpecCore:
         self.cancel_dead()
         for info in g.retirable():
             self.release(info)
+        g.trim()    # nodes far behind the committed one: a long request's graph stays bounded
 
     def wait_result(self) -> None:
         """Wait (bounded) for the oldest run in flight and handle it."""

@@ -119,7 +119,7 @@ class PipeInfer(Drafting):
         a = r.spec_anchor
         if not p.active:
             return None, -1
-        if a is not None and a != ORPHAN and r.graph.nodes[a].state == ACCEPTED:
+        if a is not None and a != ORPHAN and a in r.graph.nodes and r.graph.nodes[a].state == ACCEPTED:
             found = p.salvage(r.context[r.graph.nodes[a].pos + 1:])
             if found is not None:
                 sub, new_tip = found

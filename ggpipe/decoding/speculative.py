@@ -238,7 +238,10 @@ class Drafting(Mode):
             r.counts["stale_drafts"] += 1
             return None
         if anchor is not None and len(tree):
-            node = g.nodes[anchor]
+            node = g.nodes.get(anchor)
+            if node is None:    # trimmed: decided long ago (SpecGraph.trim)
+                r.counts["stale_drafts"] += 1
+                return None
             if node.state == DEAD or (node.state == ACCEPTED and anchor != g.committed and g.committed is None):
                 r.counts["stale_drafts"] += 1
                 return None

@@ -32,6 +32,12 @@ from ggpipe.speculation.verify import verify_step
 
 PENDING, ACCEPTED, DEAD = 0, 1, 2
 
+# Nodes more than this many positions behind the committed node, held by no
+# run the graph still tracks, are dropped (SpecGraph.trim): a request's graph
+# stays bounded however long it runs. Far above any tree's depth
+# (--draft-max <= 64), so a proposer's anchor is never dropped while it drafts.
+TRIM_LAG = 128
+
 
 @dataclass
 class Node:
@@ -77,7 +83,10 @@ class SpecGraph:
 
     def __init__(self, sampler: Sampler):
         self.sampler = sampler
-        self.nodes: list[Node] = []
+        self.nodes: dict[int, Node] = {}   # by node id (ids are never reused; old ones are trimmed)
+        self._next_id = 0
+        self._decided_pos = 0              # position of the latest committed node
+        self._trimmed_at = 0               # _decided_pos at the last trim
         self.runs: dict[int, RunInfo] = {}
         self.committed: int | None = None
         self.swap_ops: list[tuple[int, int, int]] = []   # (seq, p0, p1) to copy into seq 0
@@ -89,8 +98,8 @@ class SpecGraph:
 
     def add_root(self, token: int, pos: int, run_id: int, seq: int = 0) -> int:
         """A decided token that no node carried; it becomes the committed node."""
-        nid = len(self.nodes)
-        self.nodes.append(Node(token, pos, -1, run_id, seq, state=ACCEPTED))
+        nid = self._new_id()
+        self.nodes[nid] = Node(token, pos, -1, run_id, seq, state=ACCEPTED)
         self.runs.setdefault(run_id, RunInfo(run_id, [], speculative=False)).nodes.append(nid)
         self._commit(nid)
         return nid
@@ -113,9 +122,9 @@ class SpecGraph:
         ids = []
         for i in range(len(tree)):
             parent = anchor if tree.parent[i] == -1 else ids[tree.parent[i]]
-            nid = len(self.nodes)
-            self.nodes.append(Node(tree.tokens[i], tree.pos(i), parent, run_id, seq_of[i], q=tree.draft_probs[i],
-                                   dp=tree.draft_p[i]))
+            nid = self._new_id()
+            self.nodes[nid] = Node(tree.tokens[i], tree.pos(i), parent, run_id, seq_of[i], q=tree.draft_probs[i],
+                                   dp=tree.draft_p[i])
             self.nodes[parent].children.append(nid)
             info.nodes.append(nid)
             ids.append(nid)
@@ -152,11 +161,11 @@ class SpecGraph:
         ids = []
         for parent, tok, dp, s in zip(parents, tokens, dps, seqs):
             pn = self.nodes[parent]
-            nid = len(self.nodes)
+            nid = self._new_id()
             node = Node(int(tok), pn.pos + 1, parent, run_id, int(s), dp=float(dp), chosen=True)
             if self._closed(parent):
                 node.state = DEAD
-            self.nodes.append(node)
+            self.nodes[nid] = node
             pn.children.append(nid)
             info.nodes.append(nid)
             ids.append(nid)
@@ -227,15 +236,39 @@ class SpecGraph:
             self._commit(chosen)
         return out
 
+    def _new_id(self) -> int:
+        nid = self._next_id
+        self._next_id += 1
+        return nid
+
     def _commit(self, nid: int) -> None:
         self.committed = nid
+        self._decided_pos = max(self._decided_pos, self.nodes[nid].pos)
+
+    def trim(self, lag: int = TRIM_LAG) -> int:
+        """Drop the nodes more than ``lag`` positions behind the latest
+        committed node that no run the graph still tracks holds (decided, or
+        dead and retired), other than the committed one: nothing reads them
+        again. Runs every ``lag // 4`` positions the committed node advances
+        (a pass over the nodes, few: those within ``lag`` positions and the
+        runs in flight). Returns the nodes dropped."""
+        top = self._decided_pos
+        if top - self._trimmed_at < max(1, lag // 4):
+            return 0
+        self._trimmed_at = top
+        cut = top - lag
+        held = {j for info in self.runs.values() for j in info.nodes}
+        old = [j for j, n in self.nodes.items() if n.pos < cut and j not in held and j != self.committed]
+        for j in old:
+            del self.nodes[j]
+        return len(old)
 
     def _kill(self, nid: int) -> None:
         stack = [nid]
         while stack:
             j = stack.pop()
-            n = self.nodes[j]
-            if n.state == DEAD:
+            n = self.nodes.get(j)
+            if n is None or n.state == DEAD:
                 continue
             n.state = DEAD
             n.logits = None
@@ -245,7 +278,7 @@ class SpecGraph:
     def kill_all_pending(self) -> None:
         """Every pending node dies (e.g. the committed chain was replaced by a
         new root)."""
-        for j, n in enumerate(self.nodes):
+        for j, n in list(self.nodes.items()):
             if n.state == PENDING:
                 self._kill(j)
 
