@@ -34,7 +34,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ggpipe.cli.child import ggpipe_command
+from ggpipe.child_process import ggpipe_command
 
 CG_ROOT = Path("/sys/fs/cgroup/cpu")
 PROMPT = "Once upon a time, a warrior named Goliath"

@@ -41,7 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import netns_cluster as nc  # noqa: E402 (this folder's cluster script)
 
-from ggpipe.cli.child import ggpipe_command
+from ggpipe.child_process import ggpipe_command
 
 ROOT = Path(__file__).resolve().parents[1]
 MESSAGES = ["1 token hidden state", "4 tokens hidden state", "32 tokens hidden state", "1 token logits"]

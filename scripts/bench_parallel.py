@@ -50,7 +50,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peer_llamacpp import bin_path  # noqa: E402
 
-from ggpipe.cli.child import ggpipe_command
+from ggpipe.child_process import ggpipe_command
 
 PROMPTS = [
     "What is MPI?", "Write a haiku about pipelines.", "Explain what a KV cache is.",

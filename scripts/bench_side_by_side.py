@@ -62,7 +62,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peer_llamacpp as peer  # noqa: E402
 
-from ggpipe.cli.child import ggpipe_command
+from ggpipe.child_process import ggpipe_command
 from ggpipe.transport.launcher_path import find_launcher  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -48,7 +48,7 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 def main() -> int:
     from ggpipe.bench import baseline
     from ggpipe.bench.prompts import load_prompts, render_prompts
-    from ggpipe.cli.child import ggpipe_command
+    from ggpipe.child_process import ggpipe_command
     from ggpipe.models.registry import resolve
     from ggpipe.runtime.llama import llamafile_sgemm
     from ggpipe.transport.launcher_path import find_launcher

@@ -12,7 +12,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ggpipe.cli.child import ggpipe_command
+from ggpipe.child_process import ggpipe_command
 from ggpipe.errors import ConfigError
 from ggpipe.transport.launcher_path import find_launcher
 from ggpipe.transport.link import format_link, parse_link

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from ggpipe.bench.grid import BenchSpec, Config, launch_command
-from ggpipe.cli.child import child_env
+from ggpipe.child_process import child_env
 from ggpipe.errors import ConfigError
 from ggpipe.transport.launcher_path import find_launcher
 

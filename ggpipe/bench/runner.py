@@ -8,7 +8,7 @@ import statistics
 import subprocess
 from pathlib import Path
 
-from ggpipe.cli.child import child_env, ggpipe_command
+from ggpipe.child_process import child_env, ggpipe_command
 from ggpipe.transport.launcher_path import find_launcher
 
 # One prompt per category of PipeInfer's evaluation (V.A): code generation
@@ -25,7 +25,7 @@ def ggpipe_run(model: str, prompt: str, n: int, ranks: int | None, args: list[st
     """Run one greedy generation of exactly ``n`` tokens (--ignore-eos) and
     return its --json summary. ``cwd``: the runs' working directory (the
     run imports the ggpipe this process runs, whatever ``cwd`` holds:
-    ggpipe/cli/child.py); ``env``: the runs' environment (default: this
+    ggpipe/child_process.py); ``env``: the runs' environment (default: this
     process's).
 
     Raises:

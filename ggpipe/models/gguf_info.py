@@ -28,6 +28,7 @@ from gguf import GGUFReader
 from gguf.constants import GGUFValueType, Keys
 from gguf.gguf_reader import READER_SUPPORTED_VERSIONS, ReaderField
 
+from ggpipe.child_process import child_env, python_command
 from ggpipe.errors import ModelError
 from ggpipe.models.cache import remembered
 
@@ -252,6 +253,7 @@ PARSE_TIMEOUT_S = 120.0
 _CHILD = """
 import json, sys
 from pathlib import Path
+from ggpipe.child_process import child_env, python_command
 from ggpipe.errors import ModelError
 from ggpipe.models.gguf_info import _info_record, info_from_reader, load_gguf
 p = Path(sys.argv[1])
@@ -267,11 +269,10 @@ def _parse_in_child(p: Path) -> dict[str, Any]:
     PARSE_TIMEOUT_S. Raises ModelError for a file it cannot read in time."""
     import json  # noqa: PLC0415
     import subprocess  # noqa: PLC0415
-    import sys  # noqa: PLC0415
 
     try:
-        r = subprocess.run([sys.executable, "-c", _CHILD, str(p)], capture_output=True, text=True,
-                           timeout=PARSE_TIMEOUT_S, check=False)
+        r = subprocess.run([*python_command(), "-c", _CHILD, str(p)], capture_output=True, text=True,
+                           timeout=PARSE_TIMEOUT_S, check=False, env=child_env())
     except subprocess.TimeoutExpired:
         raise ModelError(f"GGUF file {p} could not be read in {PARSE_TIMEOUT_S:.0f} s: its header is corrupt; "
                          f"download it again") from None
