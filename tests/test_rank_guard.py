@@ -16,6 +16,14 @@ import pytest
 
 from ggpipe.transport import rank_guard
 
+@pytest.fixture(autouse=True)
+def _own_job_key(monkeypatch, request):
+    """Each test's guards form a job of their own: their parent is this
+    pytest process, which rank_guard would otherwise take for one launcher
+    (the host-wide claim of the job's one report, rank_guard._claim)."""
+    monkeypatch.setenv("GGPIPE_JOB_KEY", f"pytest-{os.getpid()}-{request.node.name}")
+
+
 GUARDED = """
 import os, signal, sys, time
 from ggpipe.transport import rank_guard
@@ -150,3 +158,68 @@ def test_switch_and_line():
     assert rank_guard.enabled() == (os.environ.get("GGPIPE_GUARD", "1") != "0")
     line = rank_guard.death_line(0, "n1", 42, int(signal.SIGKILL), "", "")
     assert line == "ggpipe: error: the head, rank 0 (n1, pid 42) died (killed by SIGKILL); the job stops"
+
+
+def test_a_killed_guard_is_named_by_its_rank():
+    """kill -9 of the guard (the process the launcher started): the rank,
+    which dies with it, says so in one line (issue 29 item 9: was no line)."""
+    p, rank_pid = _start("")
+    p.kill()
+    _, err = p.communicate(timeout=10)
+    end = time.monotonic() + 5
+    while time.monotonic() < end and psutil.pid_exists(rank_pid):
+        time.sleep(0.05)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert re.fullmatch(rf"ggpipe: error: rank 3 \([^,]+, pid {rank_pid}, target layers 10-19\): its guard process "
+                        rf"\(pid {p.pid}, the one the launcher started for this rank\) was killed while the rank was "
+                        r"decoding run 7 \(4 tokens at positions 12\.\.\), by hand or by the launcher ending the job "
+                        r"after another of its processes ended; the rank ends with it", lines[0]), lines[0]
+
+
+def test_one_report_per_job_and_host():
+    """Once a process of the job has said why it ends (mark_reported, a
+    guard's death line), the ranks whose guards the launcher then kills stay
+    quiet."""
+    first = _run("rank_guard.mark_reported()\nos.kill(os.getpid(), signal.SIGKILL)")
+    assert first.stderr == ""
+    p, _ = _start("")
+    p.kill()
+    _, err = p.communicate(timeout=10)
+    time.sleep(0.5)
+    assert err == ""
+
+
+@pytest.mark.mpi
+@pytest.mark.full
+@pytest.mark.parametrize("flags", [[], ["-disable-auto-cleanup"]])
+def test_guard_killed_under_mpiexec_one_line(smollm2, flags):
+    """The guard of rank 1 killed under hydra, with and without its clean-up."""
+    from conftest import ggpipe_cmd, mpiexec
+
+    if "hydra" not in subprocess.run([mpiexec(), "--version"], capture_output=True, text=True).stdout.lower():
+        pytest.skip("-disable-auto-cleanup is hydra's (MPICH)")
+    cmd = ggpipe_cmd(["generate", "-m", str(smollm2), "-p", "Once upon a time", "-n", "400", "--ignore-eos"], 3)
+    cmd = [cmd[0], *flags, *cmd[1:]]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        guard = None
+        end = time.monotonic() + 60
+        while guard is None and time.monotonic() < end:
+            for c in psutil.Process(p.pid).children(recursive=True):
+                try:
+                    if c.name() == rank_guard.GUARD_NAME and c.environ().get("PMI_RANK") == "1" and c.children():
+                        guard = c
+                except psutil.Error:
+                    pass
+            time.sleep(0.1)
+        assert guard is not None
+        time.sleep(3)
+        guard.kill()
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    lines = [ln for ln in err.splitlines() if ln.startswith("ggpipe:")]
+    assert len(lines) == 1 and lines[0].startswith("ggpipe: error: rank 1 (") and "its guard process" in lines[0], err

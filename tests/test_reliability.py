@@ -254,6 +254,6 @@ def test_rank_that_dies_before_the_ranks_meet(smollm2):
                        env=dict(os.environ, PYTHONUNBUFFERED="1"))
     assert p.returncode != 0
     assert time.monotonic() - t0 < 1 + BOUND_S, p.stderr
-    if reported(p.stderr):
-        assert "ended during start-up" in p.stderr, p.stderr
+    if reported(p.stderr):  # the head's start-up wait names the loss, or (hydra killed its guard first) the head
+        assert "ended during start-up" in p.stderr or "by the launcher ending the job" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr

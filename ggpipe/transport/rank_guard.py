@@ -49,6 +49,8 @@ _PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
 GUARD_NAME = "ggpipe-guard"   # the guard's process name (/proc/PID/comm)
 
 _page: mmap.mmap | None = None
+_launcher_pid = 0
+GUARD_GONE = signal.SIGRTMIN + 2  # the rank's parent-death signal: its guard ended before it
 
 
 def enabled() -> bool:
@@ -65,6 +67,8 @@ def start(rank: int) -> None:
     # written before the fork: a rank killed the instant it exists is still named "while starting"
     _put(page, _DOING, "starting (before MPI start-up)")
     guard_pid = os.getpid()
+    global _launcher_pid
+    _launcher_pid = os.getppid()  # the launcher's process on this host (hydra's proxy, Open MPI's prted)
     name = _comm()
     # named before the fork, so that no one listing processes ever sees the guard under the rank's name
     _prctl(_PR_SET_NAME, ctypes.c_char_p(GUARD_NAME.encode()))
@@ -80,7 +84,8 @@ def start(rank: int) -> None:
         return  # no guard: the rank runs as one process
     if pid == 0:
         _prctl(_PR_SET_NAME, ctypes.c_char_p(name))
-        _die_with(guard_pid)
+        _page = page
+        _die_with(guard_pid, rank)
         try:
             # a process group of its own: a launcher that signals the guard's group (hydra does)
             # reaches the rank once, through the guard, not twice (a second SIGTERM would cut
@@ -88,7 +93,6 @@ def start(rank: int) -> None:
             os.setpgid(0, 0)
         except OSError:
             pass
-        _page = page
         signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
         return
     _guard(rank, pid, page)
@@ -112,6 +116,7 @@ def mark_reported() -> None:
     if the rank then dies of a signal."""
     if _page is not None:
         _page[_REPORTED] = 1
+        _claim()
 
 
 def _write(offset: int, text: str) -> None:
@@ -129,12 +134,71 @@ def _read(page: mmap.mmap, offset: int) -> str:
     return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
 
 
-def _die_with(guard_pid: int) -> None:
-    """In the child: get SIGKILL when the guard dies (Linux; elsewhere the
-    launcher's own clean-up has to do); exit at once if it already has."""
-    _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+def _claim(hold_s: float = 3.0) -> bool:
+    """Claim this host's one report of why the job ends: True for the first
+    process of the job on this host (network namespace) to ask within
+    ``hold_s`` seconds, False for the others.
+
+    The claim is an abstract Unix socket name (Linux: nothing on disk, gone
+    with its last descriptor) held ``hold_s`` seconds by a ``sleep`` of its
+    own session, so it outlives the process that claimed it: a launcher
+    takes the job's other processes down right after the first one ends,
+    and their ranks (see :func:`_die_with`) must then stay quiet. The name
+    is the launcher's pid on this host (one per job), or ``GGPIPE_JOB_KEY``
+    where one process starts several jobs' guards (the tests)."""
+    try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    except OSError:
+        return True
+    try:
+        sock.bind(f"\0ggpipe-job-report-{os.environ.get('GGPIPE_JOB_KEY') or _launcher_pid}")
+    except OSError:
+        sock.close()
+        return False
+    try:
+        import subprocess  # noqa: PLC0415 (only when a job ends: the guard stays light)
+
+        subprocess.Popen(["sleep", str(hold_s)], pass_fds=[sock.fileno()], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        sock.close()
+    except OSError:
+        _held.append(sock)  # no sleep: this process holds it for as long as it lives
+    return True
+
+
+_held: list = []
+
+
+def _die_with(guard_pid: int, rank: int) -> None:
+    """In the child: get :data:`GUARD_GONE` when the guard dies (Linux;
+    elsewhere the launcher's own clean-up has to do), then end, saying so in
+    one line if this is the first process of the job on this host to end (a
+    guard killed by hand: ``kill -9`` of the process the launcher started;
+    the launcher then ends the job); exit at once if the guard is gone already."""
+    def gone(signum, frame) -> None:  # noqa: ARG001 (signal handler signature)
+        if not _page[_REPORTED] and _claim():
+            os.write(2, (guard_gone_line(rank, socket.gethostname(), os.getpid(), guard_pid,
+                                         _read(_page, _ROLE), _read(_page, _DOING)) + "\n").encode("utf-8", "replace"))
+        os._exit(128 + int(signal.SIGKILL))
+
+    signal.signal(GUARD_GONE, gone)
+    _prctl(_PR_SET_PDEATHSIG, int(GUARD_GONE))
     if os.getppid() != guard_pid:
         os._exit(1)
+
+
+def guard_gone_line(rank: int, host: str, pid: int, guard_pid: int, role: str, doing: str) -> str:
+    """The rank's one line when its guard (the process the launcher started
+    for it) ended first, e.g. ``ggpipe: error: rank 1 (node2, pid 4243,
+    target layers 20-39): its guard process (pid 4242, the one the launcher
+    started for this rank) was killed while the rank was decoding run 57,
+    by hand or by the launcher ending the job after another of its
+    processes ended; the rank ends with it``."""
+    who = "the head, rank 0" if rank == 0 else f"rank {rank}"
+    return (f"ggpipe: error: {who} ({host}, pid {pid}{', ' + role if role else ''}): its guard process (pid "
+            f"{guard_pid}, the one the launcher started for this rank) was killed"
+            f"{' while the rank was ' + doing if doing else ''}, by hand or by the launcher ending the job after "
+            f"another of its processes ended; the rank ends with it")
 
 
 def _prctl(option: int, *args) -> None:
@@ -177,7 +241,7 @@ def _guard(rank: int, child: int, page: mmap.mmap) -> None:
     if os.WIFEXITED(status):
         os._exit(os.WEXITSTATUS(status))
     sig = os.WTERMSIG(status)
-    if sig not in passed_on and not page[_REPORTED]:
+    if sig not in passed_on and not page[_REPORTED] and _claim():
         os.write(2, (death_line(rank, socket.gethostname(), child, sig, _read(page, _ROLE), _read(page, _DOING))
                      + "\n").encode("utf-8", "replace"))
     try:
