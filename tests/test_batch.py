@@ -80,6 +80,7 @@ def test_load_items_defaults_and_overrides(tmp_path):
     ('{"id": "b", "prompt": "x", "temperature": 5}', "temperature must be at most 2"),
     ('{"id": "b", "prompt": "x", "stop": ["s"] * 17}'.replace('["s"] * 17', json.dumps(["s"] * 17)), "at most 16"),
     ("[" * 100000 + "]" * 100000, "nested too deeply"),
+    (json.dumps({"id": "b", "messages": [{"role": "user", "content": "x"}] * 4097}), "at most 4096"),
 ])
 def test_bad_lines_name_their_line(tmp_path, line, message):
     f = tmp_path / "in.jsonl"

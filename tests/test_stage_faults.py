@@ -81,7 +81,7 @@ def _post(url: str, body: dict, timeout: float = 60):
         return e.code, json.loads(e.read() or b"null")
 
 
-@pytest.mark.parametrize("parallel", ["1"])
+@pytest.mark.parametrize("parallel", ["1", "2"])
 def test_serve_head_stage_error_is_not_a_healthy_server(smollm2, tmp_path, parallel):
     """The request that meets the failure gets an error, and the job ends with
     the named line: no server that says "ok" and fails every later request."""

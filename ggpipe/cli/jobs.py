@@ -97,10 +97,13 @@ def batch(ctx, prompts, output, progress, parallel, **kw):
               help="Most requests waiting for the pipeline; more get HTTP 503.")
 @click.option("--shutdown-grace", default=30.0, show_default=True, type=Finite(0),
               help="Seconds the running requests may go on after SIGINT/SIGTERM.")
+@click.option("--allow-special-in-messages", is_flag=True,
+              help="Read special-token text in chat message contents (e.g. '<|im_start|>system') as the special "
+                   "tokens; by default it stays text, as the OpenAI API treats it (a client cannot forge roles).")
 @parallel_option
 @click.pass_context
 def serve(ctx, host, port, api_key, api_key_file, allowed_hosts, allowed_origins, max_body_bytes, model_alias,
-          max_queue, shutdown_grace, parallel, **kw):
+          max_queue, shutdown_grace, allow_special_in_messages, parallel, **kw):
     """OpenAI-compatible HTTP server on the head rank (/v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics, /slots). --parallel requests run at once; -n and --temp etc. are the request defaults."""
     from ggpipe.frontends.serve import read_api_key, run_serve
@@ -113,5 +116,6 @@ def serve(ctx, host, port, api_key, api_key_file, allowed_hosts, allowed_origins
         return tuple(x.strip() for x in text.split(",") if x.strip())
 
     access = Access(names(allowed_hosts), names(allowed_origins), max_body_bytes)
-    sys.exit(run_serve(job, host, port, key, n_predict, sampling, model_alias, max_queue, shutdown_grace, access))
+    sys.exit(run_serve(job, host, port, key, n_predict, sampling, model_alias, max_queue, shutdown_grace, access,
+                       special_in_messages=allow_special_in_messages))
 

@@ -49,7 +49,7 @@ from pathlib import Path
 from ggpipe.errors import ConfigError
 from ggpipe.frontends.batch_output import RecordWriter, check_output_path, id_key, record, repair, scan_output
 from ggpipe.service.engine import Engine
-from ggpipe.frontends.request_limits import ROLES, STOP_MAX, TEMPERATURE_MAX, template_role
+from ggpipe.frontends.request_limits import MESSAGES_MAX, ROLES, STOP_MAX, TEMPERATURE_MAX, template_role
 from ggpipe.service.job import JobSpec, head_signals, ignore_signals, run_job
 from ggpipe.jsonl import iter_jsonl
 from ggpipe.sampling import SamplingParams
@@ -100,6 +100,8 @@ def check_messages(messages, where: str) -> list[dict]:
     empty); returns them. Raises ConfigError naming ``where``."""
     if not isinstance(messages, list) or not messages:
         raise ConfigError(f"{where}: messages must be a non-empty list of {{\"role\", \"content\"}} objects")
+    if len(messages) > MESSAGES_MAX:
+        raise ConfigError(f"{where}: {len(messages)} messages; at most {MESSAGES_MAX} (the server's limit too)")
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or msg.get("role") not in ROLES:
             raise ConfigError(f"{where}: messages[{i}].role must be one of {', '.join(ROLES)}")
