@@ -61,14 +61,17 @@ _REF_CACHE: dict = {}
 
 @pytest.fixture(scope="session")
 def reference():
-    """reference(model_path, prompt, n, flash_attn="off") -> greedy token ids
-    of single-node llama.cpp (1 thread, as each rank), computed once per
-    (model, prompt, n, flash attention) in a subprocess-free, cached way."""
+    """reference(model_path, prompt, n, flash_attn="off", type_k="f16",
+    type_v="f16") -> greedy token ids of single-node llama.cpp (1 thread, as
+    each rank), computed once per (model, prompt, n, flash attention, KV
+    cache types) in a subprocess-free, cached way."""
 
-    def get(model_path: Path, prompt: str, n: int, flash_attn: str = "off") -> list[int]:
-        key = (str(model_path), prompt, n, flash_attn)
+    def get(model_path: Path, prompt: str, n: int, flash_attn: str = "off", type_k: str = "f16",
+            type_v: str = "f16") -> list[int]:
+        key = (str(model_path), prompt, n, flash_attn, type_k, type_v)
         if key not in _REF_CACHE:
-            _REF_CACHE[key] = baseline.greedy(model_path, prompt, n, flash_attn=flash_attn).tokens
+            _REF_CACHE[key] = baseline.greedy(model_path, prompt, n, flash_attn=flash_attn, type_k=type_k,
+                                              type_v=type_v).tokens
         return _REF_CACHE[key]
 
     return get

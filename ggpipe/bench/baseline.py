@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ggpipe.runtime.llama import flash_attn_type
+from ggpipe.runtime.llama import flash_attn_type, kv_cache_type
 
 
 @dataclass
@@ -39,7 +39,8 @@ class BaselineResult:
         return n / self.gen_s if n > 0 and self.gen_s > 0 else None
 
 
-def _open(L, model_path, n_ctx: int, n_threads: int, flash_attn: str = "off"):
+def _open(L, model_path, n_ctx: int, n_threads: int, flash_attn: str = "off", type_k: str = "f16",
+          type_v: str = "f16"):
     mp = L.llama_model_default_params()
     mp.use_extra_bufts = False
     model = L.llama_model_load_from_file(str(model_path).encode(), mp)
@@ -50,7 +51,13 @@ def _open(L, model_path, n_ctx: int, n_threads: int, flash_attn: str = "off"):
     cp.n_batch = cp.n_ubatch = 512
     cp.n_threads = cp.n_threads_batch = n_threads
     cp.flash_attn_type = flash_attn_type(flash_attn)
-    return model, L.llama_init_from_model(model, cp)
+    cp.type_k, cp.type_v = kv_cache_type(type_k), kv_cache_type(type_v)
+    ctx = L.llama_init_from_model(model, cp)
+    if not ctx:
+        L.llama_model_free(model)
+        raise RuntimeError(f"llama.cpp could not create a context (flash attention {flash_attn}, "
+                           f"KV types {type_k}/{type_v})")
+    return model, ctx
 
 
 def _tokenize(L, vocab, text: str) -> list[int]:
@@ -89,16 +96,19 @@ def _greedy_after(L, ctx, vocab, tokens: list[int], n_predict: int, ignore_eos: 
 
 
 def greedy(model_path: str | Path, prompt: str, n_predict: int, n_threads: int = 1, n_ctx: int = 2048,
-           ignore_eos: bool = False, flash_attn: str = "off", margins: list[float] | None = None) -> BaselineResult:
+           ignore_eos: bool = False, flash_attn: str = "off", margins: list[float] | None = None,
+           type_k: str = "f16", type_v: str = "f16") -> BaselineResult:
     """Greedy generation of up to ``n_predict`` tokens after ``prompt``
     (tokenized with BOS per the model and special tokens parsed, as ggpipe);
-    ``flash_attn``: "off" (the reference configuration), "on" or "auto".
+    ``flash_attn``: "off" (the reference configuration), "on" or "auto";
+    ``type_k``/``type_v``: the KV cache types (llama.cpp's ``-ctk``/``-ctv``
+    names; f16, its default, is the reference configuration).
     With ``margins``, appends each step's top-1 minus top-2 logit (how close
     the greedy choice was to a tie)."""
     from ggpipe.runtime.llama import lib
 
     L = lib()
-    model, ctx = _open(L, model_path, n_ctx, n_threads, flash_attn)
+    model, ctx = _open(L, model_path, n_ctx, n_threads, flash_attn, type_k, type_v)
     vocab = L.llama_model_get_vocab(model)
     try:
         toks = _tokenize(L, vocab, prompt)

@@ -11,6 +11,7 @@ import click
 
 from ggpipe.cli.types import SECONDS, Finite, NumberOrAuto
 from ggpipe.models.registry import DEFAULT_MODEL
+from ggpipe.runtime.llama import KV_CACHE_TYPES, NUMA
 from ggpipe.sampling import SamplingParams
 
 
@@ -45,6 +46,21 @@ def cluster_options(f):
                      show_default=True,
                      help="Flash attention, llama.cpp's meaning (its tools default to auto). off is "
                           "llama-cpp-python's default and the reference of ggpipe's exactness guarantee."),
+        click.option("-ctk", "--cache-type-k", type=click.Choice(list(KV_CACHE_TYPES)), default="f16",
+                     show_default=True, help="KV cache type for K, llama.cpp's names (q8_0 halves the KV cache)."),
+        click.option("-ctv", "--cache-type-v", type=click.Choice(list(KV_CACHE_TYPES)), default="f16",
+                     show_default=True, help="KV cache type for V; a quantized one (q8_0, q4_0, ...) needs -fa on."),
+        click.option("-ctkd", "--cache-type-k-draft", type=click.Choice(list(KV_CACHE_TYPES)), default=None,
+                     help="KV cache type for K of the draft models (default: -ctk's)."),
+        click.option("-ctvd", "--cache-type-v-draft", type=click.Choice(list(KV_CACHE_TYPES)), default=None,
+                     help="KV cache type for V of the draft models (default: -ctv's)."),
+        click.option("--mlock", is_flag=True, help="Keep the weights in RAM (llama.cpp's --mlock; needs "
+                                                   "RLIMIT_MEMLOCK room, llama.cpp warns if it fails)."),
+        click.option("--no-mmap", is_flag=True, help="Read the weights into memory instead of mapping them "
+                                                     "(llama.cpp's --no-mmap)."),
+        click.option("--numa", type=click.Choice(list(NUMA)), default=None,
+                     help="llama.cpp's NUMA optimisations (llama_numa_init), per rank: distribute, isolate "
+                          "(threads on the rank's starting node), numactl (numactl's CPU map)."),
         click.option("--timeout", default=60.0, show_default=True, type=SECONDS,
                      help="Seconds any wait for another rank may last inside a transaction."),
         click.option("--liveness-timeout", default=6.0, show_default=True, type=Finite(min=0.5),
@@ -173,6 +189,7 @@ def job_options(f):
 
 
 _JOB_KEYS = ("model", "draft_model", "split", "threads", "ctx_size", "ubatch", "n_seq_max", "timeout", "flash_attn",
+             "cache_type_k", "cache_type_v", "cache_type_k_draft", "cache_type_v_draft", "mlock", "no_mmap", "numa",
              "liveness_timeout", "mode", "spec_type",
              "n_draft", "p_accept", "p_split", "p_recovery", "p_decay", "branches", "max_inflight", "no_continuous",
              "no_cancel", "no_wait_draft", "tree_width", "max_children", "n_predict", "temp", "top_k", "top_p", "seed",
@@ -216,7 +233,8 @@ def split_job_options(kw: dict):
     returns (JobSpec, SamplingParams, n_predict).
 
     Raises:
-        ConfigError: impossible sampling settings.
+        ConfigError: impossible sampling settings; a quantized V cache
+            without flash attention.
     """
     from ggpipe.service.job import JobSpec
     from ggpipe.cluster.config import ClusterConfig
@@ -235,7 +253,11 @@ def split_job_options(kw: dict):
         o["split"] = auto_split(o["split"], dict(o), launched_size() or 1)
     cfg = ClusterConfig(model=o["model"], draft_model=o["draft_model"], split=o["split"], threads=o["threads"],
                         ctx_size=o["ctx_size"], n_seq_max=n_seq_max, ubatch=o["ubatch"], timeout_s=o["timeout"],
-                        liveness_timeout_s=o["liveness_timeout"], flash_attn=o["flash_attn"])
+                        liveness_timeout_s=o["liveness_timeout"], flash_attn=o["flash_attn"],
+                        cache_type_k=o["cache_type_k"], cache_type_v=o["cache_type_v"],
+                        cache_type_k_draft=o["cache_type_k_draft"], cache_type_v_draft=o["cache_type_v_draft"],
+                        mlock=o["mlock"], no_mmap=o["no_mmap"], numa=o["numa"])
+    cfg.check_cache_types()
     mode_class(o["mode"]).check(spec, len(cfg.draft_models))
     return JobSpec(cfg, o["mode"], spec, o["ignore_eos"]), sampling, o["n_predict"]
 

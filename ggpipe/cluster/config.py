@@ -36,6 +36,18 @@ class ClusterConfig:
             partitions need it); False: one KV stream per sequence, of
             ``ctx_size / n_seq_max`` cells (``--parallel`` slots: a slot's
             cells never sit among another's).
+        cache_type_k, cache_type_v: ``-ctk``/``-ctv``, KV cache types with
+            llama.cpp's names (f16 default, its own; q8_0 halves the KV
+            cache; a quantized V needs ``-fa on|auto``).
+        cache_type_k_draft, cache_type_v_draft: ``-ctkd``/``-ctvd``, the
+            draft models' KV types; None: the target's (-ctk/-ctv). llama.cpp's
+            speculative tools default theirs to f16 instead: ggpipe's draft
+            ranks take the same memory check as the target's, and the
+            draft's KV types never change the greedy tokens (the target
+            verifies), only how many drafts it accepts.
+        mlock: ``--mlock``, keep the weights in RAM.
+        no_mmap: ``--no-mmap``, read the weights instead of mapping them.
+        numa: ``--numa`` (distribute, isolate, numactl) or None.
     """
 
     model: str
@@ -50,6 +62,33 @@ class ClusterConfig:
     liveness_timeout_s: float = 6.0
     flash_attn: str = "off"
     kv_unified: bool = True
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    cache_type_k_draft: str | None = None
+    cache_type_v_draft: str | None = None
+    mlock: bool = False
+    no_mmap: bool = False
+    numa: str | None = None
+
+    @property
+    def draft_cache_types(self) -> tuple[str, str]:
+        """(K, V) cache types of the draft models' stages: -ctkd/-ctvd, else -ctk/-ctv."""
+        return (self.cache_type_k_draft or self.cache_type_k, self.cache_type_v_draft or self.cache_type_v)
+
+    def check_cache_types(self) -> None:
+        """Refuse KV cache types llama.cpp would refuse (a quantized V cache
+        with ``-fa off``), target's and draft's, in one line.
+
+        Raises:
+            ConfigError: naming the option and ``-fa on``.
+        """
+        from ggpipe.runtime.stage import check_cache_types  # noqa: PLC0415
+
+        check_cache_types(self.cache_type_k, self.cache_type_v, self.flash_attn)
+        if self.draft_model is not None:
+            check_cache_types(*self.draft_cache_types, self.flash_attn,
+                              opts=("-ctkd" if self.cache_type_k_draft else "-ctk",
+                                    "-ctvd" if self.cache_type_v_draft else "-ctv"))
 
     @property
     def draft_models(self) -> list[str]:

@@ -40,6 +40,7 @@ def load_rank(config: ClusterConfig, rank: int, size: int) -> Loaded:
         raise ConfigError(f"--n-seq-max must be 1..256 (llama.cpp's LLAMA_MAX_SEQ), got {config.n_seq_max}")
     if config.ubatch < 1 or config.ctx_size < 8:
         raise ConfigError("--ubatch must be >= 1 and --ctx-size >= 8")
+    config.check_cache_types()
     threads = parse_threads(config.threads, size)
     split = parse_split(config.split)
     names = config.draft_models
@@ -64,22 +65,25 @@ def load_rank(config: ClusterConfig, rank: int, size: int) -> Loaded:
     plan = plan_layers(m_info.n_layer, n_stages, weights, model=model)
     start, stop = plan[index]
     where = f"rank {rank} ({socket.gethostname()})"
+    types = (config.cache_type_k, config.cache_type_v) if model == "target" else config.draft_cache_types
     n_threads = _check_resources(config, rank, where, describe_role(roles, rank, (start, stop)), m_info,
                                  stop - start, draft_info if rank == 0 and roles.has_draft and roles.n_draft == 0
-                                 else None, threads[rank], info)
+                                 else None, threads[rank], info, types)
+    load = dict(flash_attn=config.flash_attn, mlock=config.mlock, no_mmap=config.no_mmap, numa=config.numa)
     stage = Stage(StageSpec(
         model_path=stage_slice(m_path, start, stop, cache_dir()), n_layer=stop - start,
         first=index == 0, last=index == n_stages - 1, n_ctx=config.ctx_size, n_threads=n_threads,
-        n_seq_max=config.n_seq_max, n_ubatch=config.ubatch,
-        flash_attn=config.flash_attn, kv_unified=config.kv_unified,
+        n_seq_max=config.n_seq_max, n_ubatch=config.ubatch, kv_unified=config.kv_unified,
+        cache_type_k=types[0], cache_type_v=types[1], **load,
         rank=rank, label=f"{where}, {describe_role(roles, rank, (start, stop))} of {m_path.name}",
     ))
     draft_stage = None
     if rank == 0 and roles.has_draft and roles.n_draft == 0:
+        d_k, d_v = config.draft_cache_types
         try:
             draft_stage = Stage(StageSpec(model_path=draft_path, n_layer=draft_info.n_layer, first=True, last=True,
                                           n_ctx=config.ctx_size, n_threads=n_threads, n_seq_max=config.n_seq_max,
-                                          n_ubatch=config.ubatch, flash_attn=config.flash_attn,
+                                          n_ubatch=config.ubatch, cache_type_k=d_k, cache_type_v=d_v, **load,
                                           label=f"{where}, the draft model {draft_path.name}"))
         except BaseException:
             stage.close()
@@ -88,18 +92,20 @@ def load_rank(config: ClusterConfig, rank: int, size: int) -> Loaded:
 
 
 def _check_resources(config: ClusterConfig, rank: int, where: str, role: str, m_info, n_layers: int, draft_info,
-                     n_threads: int, target_info) -> int:
+                     n_threads: int, target_info, types: tuple[str, str] = ("f16", "f16")) -> int:
     """Before anything is allocated (ggpipe.cluster.resources): the KV cache
     against this rank's memory, the context per sequence against the
     target's training (a warning, on the head), ``-t`` against the rank's
-    CPUs (capped, with a warning). Returns the threads to use.
+    CPUs (capped, with a warning). ``types``: this rank's model's KV cache
+    types (K, V). Returns the threads to use.
 
     Raises:
         ConfigError: the KV cache cannot fit this rank's memory.
     """
-    parts = [(role, kv_bytes_per_cell(m_info, n_layers))]
+    parts = [(role, kv_bytes_per_cell(m_info, n_layers, *types))]
     if draft_info is not None:
-        parts.append(("the draft model", kv_bytes_per_cell(draft_info, draft_info.n_layer)))
+        parts.append(("the draft model", kv_bytes_per_cell(draft_info, draft_info.n_layer,
+                                                           *config.draft_cache_types)))
     check_kv_memory(config.ctx_size, parts, where)
     if rank == 0:
         per_seq = config.ctx_size if config.kv_unified else -(-config.ctx_size // config.n_seq_max)

@@ -6,10 +6,12 @@ kernel's OOM killer ended it; ``-t 1000`` started 1,003 threads per rank on
 2 cores).
 
 The KV cache of a stage holds, per cell (token) and layer, one key and one
-value row of ``n_embd * n_head_kv / n_head`` float16 values (llama.cpp's
-default ``type_k``/``type_v``, ``llama_kv_cache``), so
+value row of ``row = n_embd * n_head_kv / n_head`` values, stored in the
+cache types ``-ctk``/``-ctv`` (llama.cpp's ``type_k``/``type_v``, f16 by
+default; ``ggml_row_size``: a block-quantized type stores ``row / block``
+blocks, q8_0 34 bytes per 32 values, q4_0 18), so
 
-    bytes = n_ctx * n_layers * 2 * 2 * n_embd * n_head_kv / n_head
+    bytes = n_ctx * n_layers * (row_size(type_k, row) + row_size(type_v, row))
 
 (a lower bound: llama.cpp adds compute buffers, and rounds a stream's cells
 up to 256).
@@ -23,17 +25,23 @@ import sys
 import psutil
 
 from ggpipe.errors import ConfigError
+from ggpipe.runtime.llama import KV_CACHE_TYPES
 
-KV_BYTES_PER_VALUE = 2  # float16 K and V (llama.cpp's default cache types)
+def kv_row_bytes(cache_type: str, n_values: int) -> int:
+    """Bytes of one KV row of ``n_values`` values in ``cache_type`` (ggml's
+    ``ggml_row_size``: whole blocks of the type)."""
+    _, block, size = KV_CACHE_TYPES[cache_type]
+    return -(-n_values // block) * size
 
 
-def kv_bytes_per_cell(info, n_layers: int) -> int:
+def kv_bytes_per_cell(info, n_layers: int, type_k: str = "f16", type_v: str = "f16") -> int:
     """KV cache bytes one cell (token) takes in ``n_layers`` layers of the
-    model ``info`` (a ggpipe.models.gguf_info.ModelInfo)."""
+    model ``info`` (a ggpipe.models.gguf_info.ModelInfo), with K and V
+    stored as ``type_k``/``type_v`` (``-ctk``/``-ctv``)."""
     n_head = info.n_head or 1
     n_head_kv = info.n_head_kv or n_head
     row = info.n_embd * n_head_kv // n_head
-    return n_layers * 2 * row * KV_BYTES_PER_VALUE
+    return n_layers * (kv_row_bytes(type_k, row) + kv_row_bytes(type_v, row))
 
 
 def _size(n: float) -> str:

@@ -51,6 +51,71 @@ def flash_attn_type(mode: str) -> int:
     return types[mode]
 
 
+#: KV cache types llama.cpp's tools accept for -ctk/-ctv (common/arg.cpp
+#: ``kv_cache_types``), by ggml name: (ggml_type id, values per block, bytes
+#: per block), as ggml's type traits (``ggml_type_size``/``ggml_blck_size``).
+KV_CACHE_TYPES = {
+    "f32": (0, 1, 4),
+    "f16": (1, 1, 2),
+    "bf16": (30, 1, 2),
+    "q8_0": (8, 32, 34),
+    "q4_0": (2, 32, 18),
+    "q4_1": (3, 32, 20),
+    "iq4_nl": (20, 32, 18),
+    "q5_0": (6, 32, 22),
+    "q5_1": (7, 32, 24),
+}
+
+
+def kv_cache_type(name: str) -> int:
+    """llama.cpp's ``ggml_type`` for a ``-ctk``/``-ctv`` name (``q8_0``).
+
+    Raises:
+        ValueError: not one of :data:`KV_CACHE_TYPES`.
+    """
+    if name not in KV_CACHE_TYPES:
+        raise ValueError(f"KV cache type must be one of {', '.join(KV_CACHE_TYPES)}, got {name!r}")
+    return KV_CACHE_TYPES[name][0]
+
+
+def kv_type_is_quantized(name: str) -> bool:
+    """A block-quantized cache type (llama.cpp's ``ggml_is_quantized``): a
+    V cache of one needs flash attention."""
+    return KV_CACHE_TYPES[name][1] > 1
+
+
+#: ``--numa``: llama.cpp's names (common/arg.cpp) -> ``ggml_numa_strategy``.
+NUMA = {"distribute": 1, "isolate": 2, "numactl": 3}
+
+
+def numa_init(strategy: str | None) -> None:
+    """``llama_numa_init`` with ``--numa``'s strategy, once per process,
+    before the first model loads (None: nothing, llama.cpp's default).
+    llama.cpp ignores a second call ("numa already initialized").
+
+    Raises:
+        ValueError: not one of :data:`NUMA`.
+    """
+    if strategy is None or _state.get("numa") is not None:
+        return
+    if strategy not in NUMA:
+        raise ValueError(f"--numa must be one of {', '.join(NUMA)}, got {strategy!r}")
+    lib().llama_numa_init(NUMA[strategy])
+    _state["numa"] = strategy
+
+
+def load_mode(mlock: bool, no_mmap: bool) -> int:
+    """llama.cpp's ``llama_load_mode`` for ``--mlock`` / ``--no-mmap`` (the
+    names its tools had before ``--load-mode``; this vendored llama.cpp
+    folds ``use_mmap``/``use_mlock`` into ``llama_model_params.load_mode``):
+    neither = auto (mmap), ``--no-mmap`` = none (read into memory),
+    ``--mlock`` = mmap+mlock, both = mlock."""
+    L = lib()
+    if mlock:
+        return L.LLAMA_LOAD_MODE_MLOCK if no_mmap else L.LLAMA_LOAD_MODE_MMAP_MLOCK
+    return L.LLAMA_LOAD_MODE_NONE if no_mmap else L.LLAMA_LOAD_MODE_AUTO
+
+
 def llamafile_sgemm() -> bool:
     """Whether the loaded llama.cpp was built with llamafile's sgemm
     (``GGML_LLAMAFILE``, on by default; ``ggml_cpu_has_llamafile``).

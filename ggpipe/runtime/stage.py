@@ -59,6 +59,13 @@ class StageSpec:
             ``n_ctx / n_seq_max`` cells (rounded up to 256) per sequence,
             so a sequence's cells never sit among another's (continuous
             batching, ``--parallel``).
+        cache_type_k, cache_type_v: KV cache types (``-ctk``/``-ctv``,
+            llama.cpp's names: f16 default, q8_0, q4_0, ...); a quantized V
+            cache needs flash attention ``on`` or ``auto``.
+        mlock: keep the weights in RAM (``--mlock``).
+        no_mmap: read the weights into memory instead of mapping them
+            (``--no-mmap``).
+        numa: ``--numa`` strategy (distribute, isolate, numactl) or None.
         rank: the MPI rank that holds the stage (0 without MPI).
         label: which stage this is, for messages: rank, host, model and
             layers, e.g. "rank 1 (node2), target layers 15-29 of m.gguf".
@@ -74,8 +81,30 @@ class StageSpec:
     n_ubatch: int = 512
     flash_attn: str = "off"
     kv_unified: bool = True
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    mlock: bool = False
+    no_mmap: bool = False
+    numa: str | None = None
     rank: int = 0
     label: str = ""
+
+
+def check_cache_types(type_k: str, type_v: str, flash_attn: str, opts: tuple[str, str] = ("-ctk", "-ctv")) -> None:
+    """Refuse KV cache types llama.cpp would refuse, in one line: an unknown
+    name, or a quantized V cache with flash attention off (llama.cpp's
+    ``llama_init_from_model`` returns NULL for it; ``auto`` turns flash
+    attention on for it, as llama.cpp does).
+
+    Raises:
+        ConfigError: naming the option and ``-fa on``.
+    """
+    for opt, name in zip(opts, (type_k, type_v)):
+        if name not in _llama.KV_CACHE_TYPES:
+            raise ConfigError(f"{opt}: unknown KV cache type {name!r} (one of {', '.join(_llama.KV_CACHE_TYPES)})")
+    if flash_attn == "off" and _llama.kv_type_is_quantized(type_v):
+        raise ConfigError(f"{opts[1]} {type_v}: a quantized V cache needs flash attention (llama.cpp refuses it "
+                          f"with -fa off): add -fa on (or -fa auto)")
 
 
 # KV cache operations (the transaction layer carries these codes).
@@ -98,9 +127,12 @@ class Stage:
         self._L = L
         if not 1 <= spec.n_seq_max <= 256:
             raise ConfigError(f"n_seq_max must be 1..256 (LLAMA_MAX_SEQ), got {spec.n_seq_max}")
+        check_cache_types(spec.cache_type_k, spec.cache_type_v, spec.flash_attn)
+        _llama.numa_init(spec.numa)
 
         mparams = L.llama_model_default_params()
         mparams.n_gpu_layers = 0
+        mparams.load_mode = _llama.load_mode(spec.mlock, spec.no_mmap)
         # NOTES-llamacpp "Known trouble": AMX extra buffer types crash on
         # multi-token batches of Q4_1 models on this CPU family.
         mparams.use_extra_bufts = False
@@ -124,6 +156,8 @@ class Stage:
         # off by default: llama-cpp-python's Llama() default (flash_attn=False),
         # the single-node reference of the exactness tests; -fa on|auto as llama.cpp
         cparams.flash_attn_type = _llama.flash_attn_type(spec.flash_attn)
+        cparams.type_k = _llama.kv_cache_type(spec.cache_type_k)
+        cparams.type_v = _llama.kv_cache_type(spec.cache_type_v)
         cparams.embeddings = False
         if not spec.last:
             cparams.cb_eval = L.ggml_backend_sched_eval_callback(native.eval_callback_address())
@@ -136,7 +170,7 @@ class Stage:
             L.llama_model_free(self.model)
             raise ConfigError(
                 f"llama.cpp could not create a context (n_ctx={spec.n_ctx}, n_seq_max={spec.n_seq_max}, "
-                f"n_ubatch={spec.n_ubatch}) for {spec.model_path}"
+                f"n_ubatch={spec.n_ubatch}, KV types {spec.cache_type_k}/{spec.cache_type_v}) for {spec.model_path}"
             )
         self.mem = L.llama_get_memory(self.ctx)
         # cells one sequence may fill: n_ctx, or with one KV stream per sequence
