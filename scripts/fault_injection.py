@@ -55,6 +55,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ggpipe.child_process import ggpipe_command
+
 ROOT = Path(__file__).resolve().parents[1]
 NETNS = ROOT / "scripts" / "netns_cluster.py"
 HOSTS = 3
@@ -310,7 +312,7 @@ class Runner:
                                         for k, p in enumerate(BATCH_PROMPTS)))
 
     def launch(self, args: list[str]) -> list[str]:
-        return [*self.cluster["launch"], "-n", str(HOSTS), sys.executable, "-m", "ggpipe", *args]
+        return [*self.cluster["launch"], "-n", str(HOSTS), *ggpipe_command(), *args]
 
     def gen_args(self) -> list[str]:
         return ["generate", "-m", self.a.model, "-p", self.a.prompt, "-n", str(self.a.n_gen), "--ignore-eos"]

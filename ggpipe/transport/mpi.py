@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import sys
 import threading
@@ -92,6 +93,9 @@ def abort_world(comm, code: int, grace_s: float = 0.5) -> None:
             pass
     time.sleep(grace_s)
     comm.Abort(code)
+    # MPI_Abort returns on a rank whose launcher proxy cannot reach mpiexec (a host cut off from the
+    # network): end this process anyway, so no rank outlives the job it reported ended
+    os._exit(code)
 
 
 def _tight_timer_slack() -> None:
