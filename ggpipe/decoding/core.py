@@ -31,17 +31,19 @@ import numpy as np
 from ggpipe.backend import TargetBackend
 from ggpipe.decoding.request import Emit, SpecRequest
 from ggpipe.decoding.settings import SpecSettings
-from ggpipe.errors import ProtocolError
+from ggpipe.errors import GGPipeError, ProtocolError
 from ggpipe.metrics import GenerationClock
 from ggpipe.pipeline.waiting import Wait, poll_wait
 from ggpipe.runs import Run, RunResult, next_run_id
 from ggpipe.sampling import Sampler
 from ggpipe.speculation.adaptive import AcceptanceModel, DecodeRate, PassCost
 from ggpipe.speculation.graph import SpecGraph
+from ggpipe.speculation.kv_room import CellBook
 from ggpipe.speculation.partitions import PartitionPool
 from ggpipe.speculation.tree import SpecTree
 
 ORPHAN = -2  # anchor of a tree cut from one that was never submitted
+ROOT_RESERVE = 1  # KV cells a speculative run leaves free: the next root's (issue 29, item 4)
 
 
 class SpecCore:
@@ -59,6 +61,10 @@ class SpecCore:
             :func:`~ggpipe.pipeline.waiting.poll_wait`.
         cancels: dead runs are cancelled and dead rows masked (the
             asynchronous modes, unless ``--no-cancel``).
+        n_cells: the target's KV cells (ggpipe.speculation.kv_room.kv_cells_of);
+            None: unbounded. Speculative cells are admitted only where they
+            fit (:meth:`spec_room`): a request whose prompt and ``-n`` fill
+            the context still finishes, its trees shrinking near the end.
 
     Attributes:
         r: the request being generated (:class:`SpecRequest`).
@@ -68,8 +74,10 @@ class SpecCore:
 
     def __init__(self, target: TargetBackend, settings: SpecSettings, pool: PartitionPool, n_ubatch: int,
                  is_eog: Callable[[int], bool], timeout_s: float = 60.0, idle: Wait | None = None,
-                 cancels: bool = False):
+                 cancels: bool = False, n_cells: int | None = None):
         self.target = target
+        self.n_cells = n_cells
+        self.cells: CellBook | None = None
         self.s = settings
         self.pool = pool
         self.n_ubatch = n_ubatch
@@ -97,6 +105,8 @@ class SpecCore:
                              graph=SpecGraph(sampler), cutoff=cutoff,
                              context=history + [int(t) for t in prompt])
         self.target.reply_k = sampler.params.reply_k()  # greedy verification reads the argmax, top-k sampling the top k
+        # the target's cells: sequence 0 holds the history (the engine removed the rest), nothing else does
+        self.cells = CellBook(self.n_cells, seq0=len(history)) if self.n_cells else None
         return self.r
 
     def submit_prompt(self, n_prompt: int, start_pos: int) -> None:
@@ -105,6 +115,8 @@ class SpecCore:
         r = self.r
         self.target.submit_prompt(r.context[len(r.context) - n_prompt:], start_pos, self.n_ubatch)
         r.kv_top = len(r.context)
+        if self.cells is not None:
+            self.cells.place(range(start_pos, len(r.context)), [[0]] * (len(r.context) - start_pos))
 
     def prompt_logits(self) -> np.ndarray:
         """Wait for the prompt's runs; the logits (n_vocab,) of its last token."""
@@ -161,7 +173,7 @@ class SpecCore:
         if any(d.node is not None for d in decisions):
             r.cutoff.accepted()
         for seq, p0, p1 in g.take_swap_ops():           # buffer swap into sequence 0
-            self.target.seq_cp(seq, 0, p0, p1)
+            self.seq_cp(seq, 0, p0, p1)
         if decisions:
             if self._last_decision and res.finished_at:
                 self.decode_rate.observe(len(decisions), res.finished_at - self._last_decision)
@@ -200,8 +212,61 @@ class SpecCore:
         return it to the FIFO."""
         if info.partition is not None:
             for seq in info.seqs:
-                self.target.seq_rm(seq)
+                self.seq_rm(seq)
             self.pool.release(info.partition)
+
+    # -- KV cells (issue 29, item 4) ------------------------------------------------
+
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        """``seq_cp`` on the target, counted."""
+        self.target.seq_cp(src, dst, p0, p1)
+        if self.cells is not None:
+            self.cells.cp(src, dst, p0, p1)
+
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
+        """``seq_rm`` on the target, counted."""
+        self.target.seq_rm(seq, p0, p1)
+        if self.cells is not None:
+            self.cells.rm(seq, p0, p1)
+
+    def spec_room(self) -> int:
+        """Speculative cells the target's KV cache takes now, leaving the
+        next root's free (a large number when its size is unknown)."""
+        if self.cells is None:
+            return 1 << 30
+        return max(0, self.cells.free() - ROOT_RESERVE)
+
+    def make_room(self, n: int) -> None:
+        """Before a root run is placed (every pending node is dead, so no
+        result can decide a token): retire what can be, and wait for results
+        of dead runs until ``n`` cells are free.
+
+        Raises:
+            GGPipeError: the cells are not free with nothing in flight (the
+                request does not fit the context)."""
+        if self.cells is None:
+            return
+        g = self.r.graph
+        while self.cells.free() < n:
+            for info in g.retirable():
+                self.release(info)
+            if self.cells.free() >= n:
+                break
+            if not self.target.inflight:
+                raise GGPipeError(f"the KV cache is full ({self.cells.n_cells} cells, {self.cells.used} in use): "
+                                  "raise --ctx-size or shorten the prompt/-n")
+            res = self.target.wait(self.timeout_s)
+            rid = res.run.run_id
+            if res.cancelled:
+                info = g.runs.get(rid)
+                if info is None or not info.cancelled:
+                    raise ProtocolError(f"run {rid} came back cancelled, but the head did not cancel it")
+                self.r.counts["returned_cancelled"] += 1
+            else:
+                self.r.counts["verified_runs"] += 1
+            g.set_result(rid, None if res.cancelled else res.logits, rows=res.rows)
+            self._last_finish = res.finished_at
+            self.r.counts["kv_room_waits"] += 1
 
     # -- submission --------------------------------------------------------------------
 
@@ -215,13 +280,21 @@ class SpecCore:
         g = r.graph
         if anchor is not None and g.committed is None:
             return None  # everything it could build on was decided meanwhile
+        self.trim_kv(tree.anchor_pos if anchor is None else tree.anchor_pos + 1)
+        if anchor is None:
+            self.make_room(1)       # a root is never dropped: it waits for cells if it must
+        room = self.spec_room() - (anchor is None)
+        if len(tree) > room:        # the context is nearly full: the tree shrinks (its first nodes stay)
+            tree = tree.prefix(max(0, room))
+            r.counts["kv_room_cuts"] += 1
+            if anchor is not None and not len(tree):
+                return None
         part = self.pool.acquire() if len(tree) else None
         if len(tree) and part is None:
             r.counts["no_partition"] += 1
             if anchor is not None:
                 return None
             tree = SpecTree(anchor_pos=tree.anchor_pos)  # a root is never dropped: send it alone
-        self.trim_kv(tree.anchor_pos if anchor is None else tree.anchor_pos + 1)
         run_id = next_run_id()
         seqs = self.pool.seqs(part)[: len(tree.leaves())] if part is not None else []
         tokens, pos, n_seq_id, seq_ids, leaf_seq = tree.batch(seqs) if len(tree) else (
@@ -231,7 +304,7 @@ class SpecCore:
             r.pending_root = None
             rpos = tree.anchor_pos
             for sq in seqs:
-                self.target.seq_cp(0, sq, 0, rpos)
+                self.seq_cp(0, sq, 0, rpos)
             tokens = np.concatenate([[root], tokens]).astype(np.int32)
             pos = np.concatenate([[rpos], pos]).astype(np.int32)
             n_seq_id = np.concatenate([[1 + len(seqs)], n_seq_id]).astype(np.int32)
@@ -242,7 +315,7 @@ class SpecCore:
         else:
             src = g.nodes[anchor].seq
             for sq in seqs:
-                self.target.seq_cp(src, sq, 0, tree.anchor_pos + 1)
+                self.seq_cp(src, sq, 0, tree.anchor_pos + 1)
             ids = g.add_tree(anchor, tree, run_id, leaf_seq, part, seqs)
             speculative = True
         run = Run(run_id=run_id, tokens=tokens, pos=pos, n_seq_id=n_seq_id, seq_ids=seq_ids,
@@ -266,7 +339,7 @@ class SpecCore:
         seqs = self.pool.seqs(part)[: len(tokens)]
         self.trim_kv(pos)
         for parent, s in zip(parents, seqs):
-            self.target.seq_cp(g.nodes[parent].seq, s, 0, pos)
+            self.seq_cp(g.nodes[parent].seq, s, 0, pos)
         rid = next_run_id()
         gids = g.add_layer(rid, parents, tokens, dps, seqs, part)
         self.submit(Run.layer(tokens, pos, seqs, run_id=rid, speculative=True))
@@ -277,6 +350,8 @@ class SpecCore:
         """Start ``run`` on the target (its cells raise ``kv_top``)."""
         r = self.r
         r.kv_top = max(r.kv_top, int(run.pos.max()) + 1)
+        if self.cells is not None:
+            self.cells.place_run(run)
         self.target.submit(run)
         r.counts["target_runs"] += 1
 
@@ -297,7 +372,7 @@ class SpecCore:
         tree), whose cells must stay."""
         r = self.r
         if r.kv_top > p0 and r.graph.pending_top() <= p0:
-            self.target.seq_rm(-1, p0, -1)
+            self.seq_rm(-1, p0, -1)
             r.counts["kv_trims"] += 1
             r.kv_top = p0
 

@@ -35,6 +35,7 @@ from ggpipe.metrics import GenerationClock
 from ggpipe.pipeline.waiting import Wait
 from ggpipe.plugins import registered
 from ggpipe.sampling import Sampler
+from ggpipe.speculation.kv_room import kv_cells_of
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,9 @@ class BuildContext:
         timeout_s: bound of every wait for a result (seconds).
         idle: the wait for "any result" (``ggpipe.pipeline.waiting``); None:
             back-off polling.
+        n_cells: the target's KV cells (llama.cpp's, ``-c`` rounded up to
+            256); None: what ``ggpipe.speculation.kv_room.kv_cells_of``
+            finds on the target, or unbounded.
     """
 
     target: TargetBackend
@@ -63,6 +67,11 @@ class BuildContext:
     timeout_s: float = 60.0
     idle: Wait | None = None
     more_drafts: Sequence[DecodeBackend] = field(default_factory=tuple)
+    n_cells: int | None = None
+
+    def __post_init__(self):
+        if self.n_cells is None:
+            object.__setattr__(self, "n_cells", kv_cells_of(self.target))
 
 
 class Mode:

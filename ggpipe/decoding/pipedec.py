@@ -46,6 +46,7 @@ from ggpipe.errors import ConfigError, ProtocolError
 from ggpipe.metrics import GenerationClock
 from ggpipe.sampling import Sampler
 from ggpipe.speculation.cutoff import CutoffController
+from ggpipe.speculation.kv_room import kv_cells_of
 from ggpipe.speculation.layer_drafter import LayerDrafter
 from ggpipe.speculation.partitions import PartitionPool
 from ggpipe.speculation.tree import SpecTree
@@ -89,7 +90,9 @@ class PipeDec(Mode):
             raise ConfigError(f"{exc} (--n-seq-max)") from None
         pool = PartitionPool(ctx.n_seq_max, max(1, min(spec.tree_width, ctx.n_seq_max - 1)))
         core = SpecCore(ctx.target, spec, pool, ctx.n_ubatch, ctx.is_eog, timeout_s=ctx.timeout_s, idle=ctx.idle,
-                        cancels=spec.cancel)
+                        cancels=spec.cancel, n_cells=ctx.n_cells)
+        # the draft's context has the target's -c (ggpipe.cluster.loading) unless its pipeline says
+        drafter.n_cells = kv_cells_of(ctx.draft) or ctx.n_cells
         return cls(core, drafter)
 
     @property
@@ -120,7 +123,8 @@ class PipeDec(Mode):
             if not r.done:
                 d.follow(r.graph)
                 self._set_depth()
-        elif len(t.inflight) < self.max_runs and self.core.pool.n_free and d.layer_for_target():
+        elif (len(t.inflight) < self.max_runs and self.core.pool.n_free and self.core.spec_room()
+              and d.layer_for_target()):
             self._submit_layer()
         elif d.ready():
             d.poll()
@@ -154,9 +158,10 @@ class PipeDec(Mode):
     def _submit_layer(self) -> None:
         """Send the next formed layer as one speculative run in a free KV
         partition (the loop checked there is one); nodes beyond the
-        partition's width are dropped."""
+        partition's width, or beyond the cells the target's KV cache has
+        left, are dropped."""
         d = self.drafter
-        ids = d.layer_for_target()[: self.core.pool.width]
+        ids = d.layer_for_target()[: min(self.core.pool.width, self.core.spec_room())]
         nodes = [d.nodes[i] for i in ids]
         gids = self.core.submit_layer([n.token for n in nodes], nodes[0].pos, [d.nodes[n.parent].gid for n in nodes],
                                       [n.p for n in nodes])

@@ -108,7 +108,8 @@ class PipeInfer(Drafting):
         run_nodes = self.core.submit_tree(None, sub if sub is not None else SpecTree(anchor_pos=len(r.context) - 1))
         if sub is not None:
             # the proposer goes on below its tip: a node of this run, or the root itself
-            r.spec_anchor = r.graph.committed if tip == -1 else (run_nodes[tip] if run_nodes else ORPHAN)
+            r.spec_anchor = r.graph.committed if tip == -1 else (
+                run_nodes[tip] if run_nodes and tip < len(run_nodes) else ORPHAN)
             r.counts["salvaged_drafts"] += 1
 
     def _salvage(self) -> tuple[SpecTree | None, int]:

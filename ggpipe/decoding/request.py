@@ -16,7 +16,7 @@ from ggpipe.speculation.graph import SpecGraph
 
 COUNTERS = ("target_runs", "spec_runs", "root_runs", "cancel_sent", "returned_cancelled", "failed_drafts",
             "verified_runs", "stale_drafts", "reanchored_drafts", "no_partition", "salvaged_drafts", "deferred_roots",
-            "kv_trims", "waited_for_draft", "rows_mask_sent", "draft_skipped")
+            "kv_trims", "waited_for_draft", "rows_mask_sent", "draft_skipped", "kv_room_cuts", "kv_room_waits")
 
 Emit = Callable[[list[int]], "bool | None"]
 

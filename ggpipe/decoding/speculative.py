@@ -26,6 +26,7 @@ from ggpipe.speculation.adaptive import AdaptiveCutoff
 from ggpipe.speculation.cutoff import CutoffController
 from ggpipe.speculation.gate import DraftGate
 from ggpipe.speculation.graph import ACCEPTED, DEAD
+from ggpipe.speculation.kv_room import kv_cells_of
 from ggpipe.speculation.partitions import PartitionPool
 from ggpipe.speculation.proposers.base import Proposer
 from ggpipe.speculation.tree import SpecTree
@@ -78,16 +79,19 @@ class Drafting(Mode):
             ConfigError: a draft-model proposer without a draft model; a
                 proposer that cannot be built from these settings."""
         return cls.over(ctx.target, build_proposer(ctx, cls.name), ctx.spec, n_seq_max=ctx.n_seq_max,
-                        n_ubatch=ctx.n_ubatch, is_eog=ctx.is_eog, timeout_s=ctx.timeout_s, idle=ctx.idle)
+                        n_ubatch=ctx.n_ubatch, is_eog=ctx.is_eog, timeout_s=ctx.timeout_s, idle=ctx.idle,
+                        n_cells=ctx.n_cells)
 
     @classmethod
     def over(cls, target, proposer: Proposer, spec: SpecSettings, *, n_seq_max: int, n_ubatch: int, is_eog,
-             timeout_s: float = 60.0, idle=None) -> "Drafting":
+             timeout_s: float = 60.0, idle=None, n_cells: int | None = None) -> "Drafting":
         """The mode over ``target`` drafting with ``proposer`` (its own
         core; the KV partitions of ``--branches`` ids each out of
-        ``n_seq_max``)."""
+        ``n_seq_max``; ``n_cells``: the target's KV cells, by default
+        what ggpipe.speculation.kv_room.kv_cells_of finds)."""
         core = SpecCore(target, spec, PartitionPool(n_seq_max, spec.branches), n_ubatch, is_eog,
-                        timeout_s=timeout_s, idle=idle, cancels=cls.asynchronous and spec.cancel)
+                        timeout_s=timeout_s, idle=idle, cancels=cls.asynchronous and spec.cancel,
+                        n_cells=kv_cells_of(target) if n_cells is None else n_cells)
         return cls(core, proposer)
 
     # -- the core's measurements, for tests and --json ---------------------------------
@@ -206,8 +210,10 @@ class Drafting(Mode):
 
     def _room(self, anchor_pos: int) -> int:
         """Most nodes a tree anchored at ``anchor_pos`` may have: --draft-max,
-        and no deeper than the tokens still to generate."""
-        return self.r.room(anchor_pos, self.s.draft_max)
+        no deeper than the tokens still to generate, and no more than the
+        target's KV cache has cells for (beside a pending root's)."""
+        r = self.r
+        return min(r.room(anchor_pos, self.s.draft_max), self.core.spec_room() - (r.pending_root is not None))
 
     def _begin_speculation(self) -> None:
         r = self.r
@@ -264,7 +270,8 @@ class Drafting(Mode):
         if r.pending_root is None and anchor != g.committed:
             r.cutoff.continued()
         ids = self.core.submit_tree(anchor, tree)
-        return {old: ids[new] for old, new in mp.items()} if ids else None
+        # (the core may have sent only the tree's first nodes: the KV cache was nearly full)
+        return {old: ids[new] for old, new in mp.items() if new < len(ids)} if ids else None
 
 
 class Speculative(Drafting):

@@ -91,6 +91,9 @@ class LayerDrafter:
     Attributes:
         max_pos: deepest position worth a node (the decoder sets it from the
             tokens still to generate).
+        n_cells: the draft's KV cells (the decoder sets it); a layer is
+            evaluated only as far as they go, one cell left free for a
+            merge (None: unbounded).
         stats: counters for ``--json``.
     """
 
@@ -115,11 +118,12 @@ class LayerDrafter:
         self.root: int | None = None
         self.sent_pos = -1                   # deepest position sent to the target
         self.max_pos = 1 << 30
+        self.n_cells: int | None = None      # the draft's KV cells (None: unbounded; issue 29, item 4)
         self._ids = itertools.count()
         self._free: deque[int] = deque(range(1, n_seq_max))
         self._runs: deque[list[int]] = deque()   # per in-flight draft run: the nodes its rows belong to
         self.stats = {"draft_decodes": 0, "tree_layers": 0, "tree_nodes": 0, "new_trees": 0, "unsent_hits": 0,
-                      "draft_seq_waits": 0, "draft_seqs_peak": 0}
+                      "draft_seq_waits": 0, "draft_seqs_peak": 0, "draft_cell_waits": 0}
 
     # -- the proposer-like surface the decoding loop reads -----------------------
 
@@ -191,14 +195,18 @@ class LayerDrafter:
         last one (PipeDec 3.3.4, a hit)."""
         if self.root is None:
             return
-        cur = self.root
+        cur, path = self.root, []
         while True:
             nxt = [c for c in self.nodes[cur].children
                    if self.nodes[c].gid is not None and graph.nodes[self.nodes[c].gid].state == ACCEPTED]
             if not nxt:
                 break
             cur = nxt[0]
-            self._merge(cur)
+            path.append(cur)
+        if path:
+            self._free_outside(path)
+        for c in path:
+            self._merge(c)
         if cur != self.root:
             self._keep_subtree(cur)
             self._grow()
@@ -216,6 +224,7 @@ class LayerDrafter:
                      if self.nodes[c].token == tok and self.nodes[c].pos == pos]
             if match:
                 c = match[0]
+                self._free_outside([c])
                 self._merge(c)
                 self._keep_subtree(c)
                 self.nodes[c].gid = gid
@@ -301,6 +310,12 @@ class LayerDrafter:
         if len(held) > len(self._free):
             self.stats["draft_seq_waits"] += 1   # the rest waits for sequences to come free
             held = held[:len(self._free)]
+        if self.n_cells is not None:
+            # the draft's cells: sequence 0's (the cursor) and one per node holding a sequence
+            room = self.n_cells - 1 - len(self.cursor) - sum(1 for n in self.nodes.values() if n.seq != 0)
+            if len(held) > room:
+                self.stats["draft_cell_waits"] += 1   # the rest waits for cells to come free
+                held = held[:max(0, room)]
         if not held:
             return
         seqs = []
@@ -344,6 +359,20 @@ class LayerDrafter:
         self.root = i
         # the deepest layer sent may have had no node below ``i``
         self.sent_pos = max((n.pos for n in self.nodes.values() if n.gid is not None), default=self.nodes[i].pos)
+
+    def _free_outside(self, path: list[int]) -> None:
+        """Before the nodes of ``path`` (accepted, root first) are merged:
+        free the draft cells of every node outside it and the subtree of
+        its last node (they die with the merge), so a merge that decodes
+        finds a free cell."""
+        keep, stack = set(path), [path[-1]]
+        while stack:
+            j = stack.pop()
+            keep.add(j)
+            stack.extend(c for c in self.nodes[j].children if c in self.nodes)
+        for j, n in self.nodes.items():
+            if j not in keep and j != self.root:
+                self._release(n)
 
     def _drop(self, i: int) -> None:
         """Node ``i`` and its subtree go."""
