@@ -50,6 +50,7 @@ GUARD_NAME = "ggpipe-guard"   # the guard's process name (/proc/PID/comm)
 
 _page: mmap.mmap | None = None
 _launcher_pid = 0
+CLAIM_NAME = "ggpipe-report-claim"  # argv[0] of the short sleep that holds a job's report claim (_claim)
 GUARD_GONE = signal.SIGRTMIN + 2  # the rank's parent-death signal: its guard ended before it
 
 
@@ -134,14 +135,14 @@ def _read(page: mmap.mmap, offset: int) -> str:
     return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
 
 
-def _claim(hold_s: float = 3.0) -> bool:
+def _claim(hold_s: float = 1.5) -> bool:
     """Claim this host's one report of why the job ends: True for the first
     process of the job on this host (network namespace) to ask within
     ``hold_s`` seconds, False for the others.
 
     The claim is an abstract Unix socket name (Linux: nothing on disk, gone
     with its last descriptor) held ``hold_s`` seconds by a ``sleep`` of its
-    own session, so it outlives the process that claimed it: a launcher
+    own session, shown as :data:`CLAIM_NAME` by ``ps``, so it outlives the process that claimed it: a launcher
     takes the job's other processes down right after the first one ends,
     and their ranks (see :func:`_die_with`) must then stay quiet. The name
     is the launcher's pid on this host (one per job), or ``GGPIPE_JOB_KEY``
@@ -156,9 +157,11 @@ def _claim(hold_s: float = 3.0) -> bool:
         sock.close()
         return False
     try:
-        import subprocess  # noqa: PLC0415 (only when a job ends: the guard stays light)
+        import shutil  # noqa: PLC0415 (only when a job ends: the guard stays light)
+        import subprocess  # noqa: PLC0415
 
-        subprocess.Popen(["sleep", str(hold_s)], pass_fds=[sock.fileno()], stdin=subprocess.DEVNULL,
+        subprocess.Popen([CLAIM_NAME, str(hold_s)], executable=shutil.which("sleep") or "/bin/sleep",
+                         pass_fds=[sock.fileno()], stdin=subprocess.DEVNULL,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         sock.close()
     except OSError:
