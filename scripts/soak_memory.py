@@ -1,0 +1,130 @@
+#!/usr/bin/env python
+"""Memory of a long generation on real ranks (issue 29, item 8): one
+request of N tokens (default 20,000) per mode, greedy and sampled, with the
+head's and every rank's resident set size (RSS) sampled as it runs. After
+warm-up the RSS must stay flat: the head's speculation graph is trimmed
+behind the committed prefix (ggpipe.speculation.graph.SpecGraph.trim), the
+KV cache is allocated up front (``-c``), and nothing else grows per token
+but the token lists themselves (a few bytes a token).
+
+    python scripts/soak_memory.py                       # 20,000 tokens, every mode, greedy and --temp 0.8
+    python scripts/soak_memory.py -n 3000 --modes pipeinfer,pipedec --temps 0
+
+Prints one line per run: the RSS of rank 0 (the head) and of the largest
+other rank at 10 % of the run (after warm-up) and their peak after it, the
+head's growth between them, the tokens generated; exits 1 if a run's head grew more than
+``--max-growth-mb`` (default 16 MiB) after warm-up. Attention over a
+long context makes each token slower: on 2 ranks sharing 2 cores, 3,000
+tokens took about 4 minutes a run (20,000: hours). Needs psutil and the
+models of tests/conftest.py (smollm2-135m as target, smollm2-135m-skip26
+as the weak draft that makes wide trees).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+
+RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+MODES = {
+    "iterative": ["--mode", "iterative"],
+    "speculative": ["--mode", "speculative", "--branches", "2"],
+    "pipeinfer": ["--mode", "pipeinfer", "--branches", "2"],
+    "pipedec": ["--mode", "pipedec", "--tree-width", "3"],
+}
+
+
+def rank_rss(root: psutil.Process) -> dict[int, int]:
+    """RSS (bytes) of each rank's stage process under the launcher ``root``
+    (the guard's child: the process whose parent is named ggpipe-guard)."""
+    out = {}
+    for c in root.children(recursive=True):
+        try:
+            env = c.environ()
+            r = next((env[k] for k in RANK_VARS if k in env), None)
+            parent = c.parent()
+            if r is None or parent is None or parent.name() != "ggpipe-guard":
+                continue
+            out[int(r)] = max(out.get(int(r), 0), c.memory_info().rss)
+        except psutil.Error:
+            continue
+    return out
+
+
+def soak(target: str, draft: str, mode: str, temp: float, n: int, ranks: int, interval: float) -> dict:
+    cmd = ["mpiexec", "-n", str(ranks), sys.executable, "-m", "ggpipe", "generate", "-m", target, "-md", draft,
+           "-p", "Once upon a time", "-n", str(n), "-c", str(n + 64), "--ignore-eos", "--json",
+           "--temp", str(temp), "--seed", "1", *MODES[mode]]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    samples: list[tuple[float, dict]] = []
+    stop = threading.Event()
+
+    def sample():
+        root = psutil.Process(p.pid)
+        t0 = time.monotonic()
+        while not stop.is_set():
+            rss = rank_rss(root)
+            if rss:
+                samples.append((time.monotonic() - t0, rss))
+            stop.wait(interval)
+
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
+    out, err = p.communicate()
+    stop.set()
+    th.join()
+    if p.returncode != 0:
+        raise SystemExit(f"{mode} temp={temp}: ggpipe failed ({p.returncode}):\n{err[-2000:]}")
+    got = json.loads(out)
+    full = [(t, s) for t, s in samples if len(s) == ranks]
+    t_end = full[-1][0]
+    warm = next(s for t, s in full if t >= 0.1 * t_end)
+    after = [s for t, s in full if t >= 0.1 * t_end]
+    end = {r: max(s[r] for s in after) for r in warm}     # the peak after warm-up (the ranks free memory at exit)
+    others = [r for r in end if r != 0]
+
+    def mb(x):
+        return round(x / 2**20, 1)
+
+    return {"mode": mode, "temp": temp, "tokens": len(got["tokens"]), "seconds": round(t_end, 1),
+            "head_rss_warm_mb": mb(warm[0]), "head_rss_peak_mb": mb(end[0]),
+            "head_growth_mb": mb(end[0] - warm[0]),
+            "rank_rss_warm_mb": mb(max(warm[r] for r in others)) if others else None,
+            "rank_rss_peak_mb": mb(max(end[r] for r in others)) if others else None,
+            "samples": len(full)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-n", type=int, default=20000, help="tokens per run")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--temps", default="0,0.8", help="temperatures (0: greedy)")
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--interval", type=float, default=1.0, help="seconds between RSS samples")
+    ap.add_argument("--max-growth-mb", type=float, default=16.0)
+    ap.add_argument("--target", default=None, help="target GGUF (default: smollm2-135m from the cache)")
+    ap.add_argument("--draft", default=None, help="draft GGUF (default: smollm2-135m-skip26)")
+    a = ap.parse_args()
+    from ggpipe.models.registry import fetch
+
+    target = a.target or str(fetch("smollm2-135m", progress=False))
+    draft = a.draft or str(fetch("smollm2-135m-skip26", progress=False))
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    bad = 0
+    for mode in a.modes.split(","):
+        for temp in (float(t) for t in a.temps.split(",")):
+            res = soak(target, draft, mode, temp, a.n, a.ranks, a.interval)
+            print(json.dumps(res), flush=True)
+            bad += res["head_growth_mb"] > a.max_growth_mb
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
