@@ -157,6 +157,16 @@ def test_q4_0_k_without_flash_attention_equals_reference(smollm2, reference):
         assert got["tokens"] == reference(smollm2, prompt, N_TOKENS, "off", "q4_0"), prompt
 
 
+@pytest.mark.full
+@pytest.mark.parametrize("args, mode", [([], "mmap"), (["--no-mmap"], "none"), (["--mlock"], "mmap+mlock"),
+                                        (["--mlock", "--no-mmap", "--numa", "distribute"], "mlock")])
+def test_load_options_reach_llama_cpp(smollm2, args, mode):
+    """--mlock / --no-mmap as llama.cpp's load mode (its -vv log names it); --numa runs."""
+    p = run_ggpipe(["-vv", "generate", "-m", str(smollm2), "-p", "Hi", "-n", "2", *args])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"(load_mode = {mode})" in p.stderr
+
+
 def _kv_run(model, types: str, ctx: int) -> tuple[list[float], dict]:
     """(llama.cpp's logged KV sizes in MiB, one per rank, --json summary) of a 2-rank run at -c ctx."""
     p = run_ggpipe(["-vv", "generate", "-m", str(model), "-p", PROMPTS[0], "-n", "4", "--json", "-c", str(ctx),
