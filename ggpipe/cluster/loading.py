@@ -66,7 +66,7 @@ def load_rank(config: ClusterConfig, rank: int, size: int) -> Loaded:
     start, stop = plan[index]
     where = f"rank {rank} ({socket.gethostname()})"
     types = (config.cache_type_k, config.cache_type_v) if model == "target" else config.draft_cache_types
-    n_threads = _check_resources(config, rank, where, describe_role(roles, rank, (start, stop)), m_info,
+    n_threads, warnings = _check_resources(config, rank, where, describe_role(roles, rank, (start, stop)), m_info,
                                  stop - start, draft_info if rank == 0 and roles.has_draft and roles.n_draft == 0
                                  else None, threads[rank], info, types)
     load = dict(flash_attn=config.flash_attn, mlock=config.mlock, no_mmap=config.no_mmap, numa=config.numa)
@@ -88,16 +88,19 @@ def load_rank(config: ClusterConfig, rank: int, size: int) -> Loaded:
         except BaseException:
             stage.close()
             raise
+    for w in warnings:
+        warn(w)
     return Loaded(stage, (start, stop), str(m_path), roles, draft_stage)
 
 
 def _check_resources(config: ClusterConfig, rank: int, where: str, role: str, m_info, n_layers: int, draft_info,
-                     n_threads: int, target_info, types: tuple[str, str] = ("f16", "f16")) -> int:
+                     n_threads: int, target_info, types: tuple[str, str] = ("f16", "f16")) -> tuple[int, list[str]]:
     """Before anything is allocated (ggpipe.cluster.resources): the KV cache
     against this rank's memory, the context per sequence against the
     target's training (a warning, on the head), ``-t`` against the rank's
     CPUs (capped, with a warning). ``types``: this rank's model's KV cache
-    types (K, V). Returns the threads to use.
+    types (K, V). Returns the threads to use and the warnings, printed once
+    the stage has loaded (an error while loading is then the one line).
 
     Raises:
         ConfigError: the KV cache cannot fit this rank's memory.
@@ -107,15 +110,13 @@ def _check_resources(config: ClusterConfig, rank: int, where: str, role: str, m_
         parts.append(("the draft model", kv_bytes_per_cell(draft_info, draft_info.n_layer,
                                                            *config.draft_cache_types)))
     check_kv_memory(config.ctx_size, parts, where)
+    warnings = []
     if rank == 0:
         per_seq = config.ctx_size if config.kv_unified else -(-config.ctx_size // config.n_seq_max)
-        w = context_warning(per_seq, target_info.n_ctx_train, target_info.path.name)
-        if w:
-            warn(w)
+        warnings.append(context_warning(per_seq, target_info.n_ctx_train, target_info.path.name))
     n_threads, w = cap_threads(n_threads, where)
-    if w:
-        warn(w)
-    return n_threads
+    warnings.append(w)
+    return n_threads, [w for w in warnings if w]
 
 
 def close_loaded(loaded: Loaded | None) -> None:
