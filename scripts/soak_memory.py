@@ -122,9 +122,13 @@ def soak_toy(mode: str, temp: float, n: int) -> dict:
 
     extra = {"speculative": {"branches": 2}, "pipeinfer": {"branches": 2}, "pipedec": {"tree_width": 3},
              "iterative": {}}[mode]
+    from ggpipe.sim.kv_model import KvCells
+
     target = FakePipeline(ToyLM(48), latency=4)
     target.n_stages = 3
     draft = FakePipeline(ToyLM(48, flip=0.3), latency=1, name="draft")
+    for pipe in (target, draft):  # a context that holds the request (-c n + 64 on real ranks)
+        pipe.kv_cells = KvCells(n + 256)
     spec = SpecSettings(mode=mode, spec_type="draft", p_split=0.05, **extra)
     dec = build_decoder(mode, spec, target, draft, n_ubatch=8, n_seq_max=64, is_eog=lambda t: False, timeout_s=5)
     seen = {"steps": 0, "warm": None, "peak_heap": 0, "peak_nodes": 0}
