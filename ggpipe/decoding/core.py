@@ -29,6 +29,7 @@ from typing import Callable
 import numpy as np
 
 from ggpipe.backend import TargetBackend
+from ggpipe.decoding.core_stats import request_stats
 from ggpipe.decoding.request import Emit, SpecRequest
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.errors import GGPipeError, ProtocolError
@@ -399,33 +400,4 @@ class SpecCore:
         for info in list(g.runs.values()):
             self.release(info)
         g.runs.clear()
-        return self._stats(drafter, adaptive)
-
-    def _stats(self, drafter, adaptive: bool) -> dict:
-        r, g = self.r, self.r.graph
-        drafted = g.n_drafted
-        passes = max(1, r.counts["verified_runs"])
-        stats = dict(r.counts)
-        stats.update(drafter.stats)
-        stats.update(
-            spec_type=drafter.name,
-            drafted=drafted, draft_accepted=g.n_draft_accepted,
-            acceptance_rate=(g.n_draft_accepted / drafted) if drafted else None,
-            accepted_per_pass=(len(r.out) - 1) / passes if len(r.out) > 1 else None,
-            draft_threshold=r.cutoff.threshold if adaptive else None,
-            look_threshold=_finite_or(r.cutoff.look_threshold, "never") if adaptive else None,
-            decode_rate=None if self.decode_rate.rate() is None else round(self.decode_rate.rate(), 2),
-            acceptance_exponent=self.acceptance.k if adaptive else None,
-            pass_cost_ms={n: round(1e3 * t, 2) for n, t in sorted(self.pass_cost.mean.items())},
-            draft_step_ms=None if drafter.step_s is None else round(1e3 * drafter.step_s, 3),
-            head_cancelled_before_start=self.target.stats["cancelled_before_start"],
-            head_cancelled_mid_compute=self.target.stats["cancelled_mid_compute"],
-            head_dropped_after_cancel=self.target.stats.get("dropped_after_cancel", 0),
-            head_rows_masked=self.target.stats.get("rows_masked", 0),
-        )
-        return stats
-
-
-def _finite_or(x: float, word: str) -> float | str:
-    """``x`` rounded for ``--json`` (strict JSON has no infinity), else ``word``."""
-    return round(x, 4) if np.isfinite(x) else word
+        return request_stats(self, drafter, adaptive)
