@@ -50,6 +50,7 @@ GUARD_NAME = "ggpipe-guard"   # the guard's process name (/proc/PID/comm)
 
 _page: mmap.mmap | None = None
 _launcher_pid = 0
+_held: list = []  # a claim's socket, when no sleep could be started to hold it (_claim)
 CLAIM_NAME = "ggpipe-report-claim"  # argv[0] of the short sleep that holds a job's report claim (_claim)
 GUARD_GONE = signal.SIGRTMIN + 2  # the rank's parent-death signal: its guard ended before it
 
@@ -63,12 +64,11 @@ def start(rank: int) -> None:
     """Fork the rank off its guard. Returns in the child (the rank); the
     parent becomes the guard and never returns (it exits as its child did).
     Call before any thread is started and before MPI is initialised."""
-    global _page
+    global _page, _launcher_pid
     page = mmap.mmap(-1, 3 * _FIELD)  # anonymous and shared: written by the rank, read by its guard
     # written before the fork: a rank killed the instant it exists is still named "while starting"
     _put(page, _DOING, "starting (before MPI start-up)")
     guard_pid = os.getpid()
-    global _launcher_pid
     _launcher_pid = os.getppid()  # the launcher's process on this host (hydra's proxy, Open MPI's prted)
     name = _comm()
     # named before the fork, so that no one listing processes ever sees the guard under the rank's name
@@ -142,8 +142,9 @@ def _claim(hold_s: float = 1.5) -> bool:
 
     The claim is an abstract Unix socket name (Linux: nothing on disk, gone
     with its last descriptor) held ``hold_s`` seconds by a ``sleep`` of its
-    own session, shown as :data:`CLAIM_NAME` by ``ps``, so it outlives the process that claimed it: a launcher
-    takes the job's other processes down right after the first one ends,
+    own session, shown as :data:`CLAIM_NAME` by ``ps``, so it outlives the
+    process that claimed it: a launcher takes the job's other processes down
+    right after the first one ends,
     and their ranks (see :func:`_die_with`) must then stay quiet. The name
     is the launcher's pid on this host (one per job), or ``GGPIPE_JOB_KEY``
     where one process starts several jobs' guards (the tests)."""
@@ -169,15 +170,14 @@ def _claim(hold_s: float = 1.5) -> bool:
     return True
 
 
-_held: list = []
-
-
 def _die_with(guard_pid: int, rank: int) -> None:
     """In the child: get :data:`GUARD_GONE` when the guard dies (Linux;
     elsewhere the launcher's own clean-up has to do), then end, saying so in
     one line if this is the first process of the job on this host to end (a
     guard killed by hand: ``kill -9`` of the process the launcher started;
-    the launcher then ends the job); exit at once if the guard is gone already."""
+    the launcher then ends the job); exit at once if the guard is gone already.
+    The line is written by a Python signal handler, so a rank inside a long
+    C call (a prompt chunk's ``llama_decode``) ends when that call returns."""
     def gone(signum, frame) -> None:  # noqa: ARG001 (signal handler signature)
         if not _page[_REPORTED] and _claim():
             os.write(2, (guard_gone_line(rank, socket.gethostname(), os.getpid(), guard_pid,
