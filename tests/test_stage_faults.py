@@ -25,6 +25,7 @@ import urllib.request
 import pytest
 
 from conftest import ggpipe_cmd, run_ggpipe, stderr_lines
+from ggpipe.errors import ConfigError
 from ggpipe.runtime import faults
 
 pytestmark = [pytest.mark.mpi, pytest.mark.full]
@@ -36,7 +37,7 @@ def test_fault_spec_parsing():
     assert faults.planned(1, False, {"GGPIPE_FAULT": "1:kvfull:3"}) is None  # draft stages: never
     assert faults.planned(1, True, {}) is None
     for bad in ("x", "1:oops:3", "1:nan:0", "1:nan"):
-        with pytest.raises(Exception, match="GGPIPE_FAULT"):
+        with pytest.raises(ConfigError, match="GGPIPE_FAULT"):
             faults.planned(1, True, {"GGPIPE_FAULT": bad})
 
 
