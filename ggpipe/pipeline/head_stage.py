@@ -132,7 +132,8 @@ class HeadStage:
             exc = StageFailedError(str(err))
         else:
             what = str(err) if isinstance(err, GGPipeError) else f"{type(err).__name__}: {err}"
-            exc = StageFailedError(f"{self.stage.spec.label or f'the head own {self.name} stage'}: {what}")
+            where = self.stage.spec.label or f"the head's own {self.name} stage"
+            exc = StageFailedError(f"{where}: {what}")
         exc.__cause__ = err
         return exc
 

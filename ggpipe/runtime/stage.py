@@ -235,10 +235,12 @@ class Stage:
                 self.hooks.disarm()
         if rc == 2:
             raise Cancelled()
-        if self._fault is not None and self._fault.due():
-            rc = self._inject(hidden)
+        # the planned fault of this call (GGPIPE_FAULT, ggpipe.runtime.faults): a full KV cache, or NaN output
+        fault = self._fault.kind if self._fault is not None and self._fault.due() else None
+        if fault == "kvfull":
+            rc = 1
         if rc == 1:
-            injected = " [injected: GGPIPE_FAULT]" if self._fault is not None and self._fault.calls == self._fault.at else ""
+            injected = " [injected: GGPIPE_FAULT]" if fault else ""
             raise GGPipeError(
                 f"the KV cache is full (n_ctx={self.spec.n_ctx}): raise --ctx-size or shorten the prompt/-n"
                 f"{injected}")
@@ -251,11 +253,13 @@ class Stage:
                 raise GGPipeError(
                     f"captured {captured} bytes of {self._capture_node}, expected {hidden.nbytes}"
                 )
+            if fault == "nan":
+                hidden[:, 0] = np.nan
             return self._finite(hidden, "hidden states")
         n_out = int(np.count_nonzero(flags))
         ptr = self._L.llama_get_logits(self.ctx)
         out = np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab)).copy()
-        if self._fault is not None and self._fault.calls == self._fault.at and self._fault.kind == "nan":
+        if fault == "nan":
             out[:, 0] = np.nan
         return self._finite(out, "logits")
 
@@ -273,15 +277,6 @@ class Stage:
         raise NonFiniteError(
             f"non-finite values (NaN or inf) in the {what} of {where}: its weights are probably damaged "
             f"(compare the GGUF's sha256 with its source, or fetch it again)")
-
-    def _inject(self, hidden: np.ndarray | None) -> int:
-        """The planned fault (``GGPIPE_FAULT``, ggpipe.runtime.faults): a
-        return code as llama_decode's, or NaN in the captured hidden states."""
-        if self._fault.kind == "kvfull":
-            return 1
-        if hidden is not None:
-            hidden[:, 0] = np.nan
-        return 0
 
     # -- KV cache --------------------------------------------------------------
 
