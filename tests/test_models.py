@@ -15,7 +15,8 @@ from click.testing import CliRunner
 
 from ggpipe.errors import GGPipeError, ModelError
 from ggpipe.models import registry as reg
-from ggpipe.models.gguf_info import check_sliceable, read_model_info
+from ggpipe.models.gguf_info import read_model_info
+from ggpipe.models.slicing import check_sliceable
 
 SMOL_SHA = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 SMOL_SIZE = 98362432
@@ -367,12 +368,12 @@ def test_tensor_past_end_of_file(tmp_path: Path) -> None:
 def test_check_sliceable(smollm2: Path) -> None:
     info = read_model_info(smollm2)
     check_sliceable(info)
-    for arch in ("qwen2", "qwen3"):
+    for arch in ("qwen2", "qwen3", "gemma3", "phi3", "qwen3moe", "gpt-oss", "lfm2"):
         check_sliceable(dataclasses.replace(info, arch=arch))
-    with pytest.raises(ModelError, match="gemma3.*embedding.*layer index.*single stage"):
-        check_sliceable(dataclasses.replace(info, arch="gemma3"))
-    with pytest.raises(ModelError, match="'phi3'.*not verified"):
-        check_sliceable(dataclasses.replace(info, arch="phi3"))
+    with pytest.raises(ModelError, match="gemma2.*sqrt\\(n_embd\\).*single stage"):
+        check_sliceable(dataclasses.replace(info, arch="gemma2"))
+    with pytest.raises(ModelError, match="'falcon'.*not verified"):
+        check_sliceable(dataclasses.replace(info, arch="falcon"))
 
 
 # ---------------------------------------------------------------- CLI

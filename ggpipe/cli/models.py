@@ -12,10 +12,11 @@ from pathlib import Path
 
 import click
 
-from ggpipe.errors import GGPipeError, ModelError
+from ggpipe.errors import GGPipeError
 from ggpipe.models import derive as _derive_mod
 from ggpipe.models import registry as _reg
-from ggpipe.models.gguf_info import check_sliceable, read_model_info
+from ggpipe.models.gguf_info import read_model_info
+from ggpipe.models.slicing import check_sliceable, describe_slicing
 
 __all__ = ["models_group", "split_command"]
 
@@ -86,11 +87,7 @@ def models_verify(name: str) -> None:
 def models_info(model: str) -> None:
     """Show the GGUF facts of MODEL (registry name or .gguf path)."""
     info = read_model_info(_reg.resolve(model))
-    try:
-        check_sliceable(info)
-        sliceable = "yes"
-    except ModelError:
-        sliceable = f"no ({info.arch} is not in the allow-list)"
+    sliceable = describe_slicing(info)
     rows = [
         ("path", str(info.path)),
         ("arch", info.arch),

@@ -16,6 +16,7 @@ from ggpipe.errors import ConfigError
 from ggpipe.models.derive import stage_slice
 from ggpipe.models.gguf_info import read_model_info
 from ggpipe.models.registry import cache_dir, resolve
+from ggpipe.models.slicing import layer_output_name
 from ggpipe.runtime.stage import Stage, StageSpec
 
 
@@ -76,6 +77,7 @@ def load_rank(config: ClusterConfig, rank: int, size: int) -> Loaded:
         n_seq_max=config.n_seq_max, n_ubatch=config.ubatch, kv_unified=config.kv_unified,
         cache_type_k=types[0], cache_type_v=types[1], **load,
         rank=rank, label=f"{where}, {describe_role(roles, rank, (start, stop))} of {m_path.name}",
+        layer_output=layer_output_name(m_info.arch),
     ))
     draft_stage = None
     if rank == 0 and roles.has_draft and roles.n_draft == 0:

@@ -3,7 +3,7 @@
 Public API::
 
     read_model_info(path) -> ModelInfo          # validate a GGUF, read its facts (remembered)
-    check_sliceable(info)                        # ModelError unless layer slices stay exact
+    check_sliceable(info)                        # ModelError unless layer slices stay exact (models.slicing)
     derive_gguf(src, layers, out_path, out_type="keep", progress=False) -> Path
     parse_layer_list("0-19,10-29") -> list[int]
     stage_slice(src, start, stop, cache_dir=None) -> Path
@@ -15,7 +15,8 @@ Public API::
 
 from ggpipe.models.cache import cache_dir, cached_sha256
 from ggpipe.models.derive import derive_gguf, format_layer_list, parse_layer_list, stage_slice
-from ggpipe.models.gguf_info import SLICEABLE_ARCHS, ModelInfo, check_sliceable, read_model_info
+from ggpipe.models.gguf_info import ModelInfo, read_model_info
+from ggpipe.models.slicing import check_sliceable, sliceable_archs
 from ggpipe.models.registry import (
     DEFAULT_MODEL,
     ModelEntry,
@@ -31,7 +32,6 @@ from ggpipe.models.registry import (
 
 __all__ = [
     "DEFAULT_MODEL",
-    "SLICEABLE_ARCHS",
     "ModelEntry",
     "ModelInfo",
     "cache_dir",
@@ -48,6 +48,7 @@ __all__ = [
     "read_model_info",
     "registry_path",
     "resolve",
+    "sliceable_archs",
     "stage_slice",
     "verify",
 ]

@@ -47,14 +47,18 @@ from ggpipe.models.cache import (
 from ggpipe.models.gguf_info import (
     release_kept,
     ModelInfo,
-    check_sliceable,
     field_value,
     info_from_reader,
     load_gguf,
     read_model_info,
 )
+from ggpipe.models.slicing import check_sliceable, slice_metadata
 
 OUT_TYPES = ("keep", "f16", "f32")
+# Version of what a stage slice holds (ggpipe.models.slicing), in its cached
+# name: a slice cut by older rules is never reused. Bump it with every change
+# of a slicing rule (a refusal included: a cached slice skips the checks).
+SLICE_RULES = 3
 _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 _FLOAT_TARGET = {"f16": GGMLQuantizationType.F16, "f32": GGMLQuantizationType.F32}
 _NP_OF = {GGMLQuantizationType.F16: np.dtype("<f2"), GGMLQuantizationType.F32: np.dtype("<f4")}
@@ -158,10 +162,12 @@ def _copy_metadata(
     reader: GGUFReader, writer: GGUFWriter, src: Path, info: ModelInfo, layers: Sequence[int], out_type: str
 ) -> None:
     """Every metadata entry of ``reader``, in its order, into ``writer``:
-    block_count and per-layer arrays re-indexed by ``layers``, file_type set
-    for f16/f32. The reader's virtual ``GGUF.*`` fields and
+    block_count and per-layer arrays re-indexed by ``layers``, the entries a
+    slice needs (:func:`ggpipe.models.slicing.slice_metadata`) written or
+    added, file_type set for f16/f32. The reader's virtual ``GGUF.*`` fields and
     general.architecture (the writer adds it itself) are skipped."""
     per_layer = set(info.per_layer_keys)
+    extra = slice_metadata(reader, info.arch, info.n_layer, layers) if layers != list(range(info.n_layer)) else {}
     file_type = None
     if out_type != "keep":
         file_type = int(LlamaFileType.MOSTLY_F16 if out_type == "f16" else LlamaFileType.ALL_F32)
@@ -175,7 +181,9 @@ def _copy_metadata(
         if key == Keys.General.ALIGNMENT:
             writer.add_custom_alignment(int(field_value(reader, key, src)))
             continue
-        if key == f"{info.arch}.block_count":
+        if key in extra:
+            value, vtype, sub_type = extra.pop(key)
+        elif key == f"{info.arch}.block_count":
             value: Any = len(layers)
         elif key == Keys.General.FILE_TYPE and file_type is not None:
             value, vtype = file_type, GGUFValueType.UINT32
@@ -188,6 +196,8 @@ def _copy_metadata(
             raise ModelError(
                 f"GGUF file {src} has metadata {key} that is an empty array, which the gguf package cannot write"
             )
+        writer.add_key_value(key, value, vtype, sub_type=sub_type)
+    for key, (value, vtype, sub_type) in extra.items():  # what the slice needs beyond the source's entries
         writer.add_key_value(key, value, vtype, sub_type=sub_type)
     if file_type is not None and Keys.General.FILE_TYPE not in reader.fields:
         writer.add_file_type(file_type)
@@ -311,7 +321,7 @@ def stage_slice(
     """The GGUF a stage owning layers ``[start, stop)`` of ``src`` loads.
 
     The whole model -> ``src`` itself. Otherwise a slice (tensor data copied
-    raw) cached as ``<cache_dir>/slices/<sha256[:16] of src>-<start>-<stop>.gguf``,
+    raw) cached as ``<cache_dir>/slices/<sha256[:16] of src>-<start>-<stop>-r<SLICE_RULES>.gguf``,
     built once; safe when several processes ask at the same time."""
     src = Path(src).expanduser()
     root = default_cache_dir() if cache_dir is None else Path(cache_dir).expanduser()
@@ -324,7 +334,7 @@ def stage_slice(
     check_sliceable(info)
     sha = cached_sha256(src, root)
     slices = ensure_dir(root / "slices")
-    target = slices / f"{sha[:16]}-{start}-{stop}.gguf"
+    target = slices / f"{sha[:16]}-{start}-{stop}-r{SLICE_RULES}.gguf"
     if _usable(target, root):
         return target
     with file_lock(target.with_name(target.name + ".lock")):

@@ -10,8 +10,8 @@ corrupt) into a one-line :class:`~ggpipe.errors.ModelError`.
 string and takes about 2 s on the 49152-token SmolLM2 file, and every MPI rank
 asks at every start, so the result is remembered in the cache directory
 (``<cache>/hashes/<key>.info.json``, keyed by the file's realpath, size and
-mtime, like the remembered sha256 hashes). :func:`check_sliceable` refuses
-architectures that a layer slice cannot keep exact.
+mtime, like the remembered sha256 hashes). Whether a model can be cut into
+layer ranges is :mod:`ggpipe.models.slicing`'s question.
 """
 
 from __future__ import annotations
@@ -33,11 +33,6 @@ from ggpipe.errors import ModelError
 from ggpipe.models.cache import remembered
 
 GGUF_MAGIC_BYTES = b"GGUF"
-
-# Architectures whose layer slices compute exactly what the whole model does
-# (see NOTES-llamacpp.md): no embedding scale, no layer-index-dependent
-# attention. Mistral GGUFs use the "llama" architecture.
-SLICEABLE_ARCHS = ("llama", "qwen2", "qwen3")
 
 # What GGUFReader raises on a damaged file: short reads (IndexError, numpy
 # view/reshape ValueErrors), unknown enum values (ValueError), duplicate keys
@@ -310,27 +305,3 @@ def read_model_info(path: str | os.PathLike[str], cache_root: str | os.PathLike[
     fields = {k: v for k, v in rec.items() if k != "format"}
     fields["per_layer_keys"] = tuple(fields["per_layer_keys"])
     return ModelInfo(path=p, **fields)
-
-
-_SLICE_REFUSALS = {
-    "gemma": "it scales the input embedding (f_embedding_scale), which a stage fed hidden states would apply again",
-    "gemma2": "it scales the input embedding and alternates sliding-window and global attention by layer index",
-    "gemma3": "it scales the input embedding and picks sliding-window or global attention by layer index",
-    "gemma3n": "it scales the input embedding and picks attention type by layer index",
-}
-
-
-def check_sliceable(info: ModelInfo) -> None:
-    """Raise ModelError unless cutting ``info``'s model into layer ranges keeps
-    its output exact. Whole-model (single-stage) runs never need this."""
-    if info.arch in SLICEABLE_ARCHS:
-        return
-    why = _SLICE_REFUSALS.get(info.arch)
-    if why is None and info.arch.startswith("gemma"):
-        why = _SLICE_REFUSALS["gemma3"]
-    if why is None:
-        why = "ggpipe has not verified that a layer slice of it computes the same as the whole model"
-    raise ModelError(
-        f"cannot split {info.path.name} (architecture {info.arch!r}) into layer ranges: {why}; "
-        f"run it as a single stage, or use a {'/'.join(SLICEABLE_ARCHS)} model"
-    )

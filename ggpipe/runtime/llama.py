@@ -116,6 +116,34 @@ def load_mode(mlock: bool, no_mmap: bool) -> int:
     return L.LLAMA_LOAD_MODE_NONE if no_mmap else L.LLAMA_LOAD_MODE_AUTO
 
 
+def is_recurrent(model) -> bool:
+    """Whether a loaded ``llama_model *`` keeps a recurrent state per
+    sequence (``llama_model_is_recurrent`` or ``llama_model_is_hybrid``:
+    Mamba, RWKV, LFM2, Qwen 3.5, Nemotron-H, ...)."""
+    L = lib()
+    return bool(L.llama_model_is_recurrent(model)) or bool(L.llama_model_is_hybrid(model))
+
+
+def file_is_recurrent(path) -> bool:
+    """:func:`is_recurrent` of a GGUF file, asked of llama.cpp with a
+    vocabulary-only load (metadata and tokenizer, no weights).
+
+    Raises:
+        ModelError: llama.cpp cannot read the file."""
+    from ggpipe.errors import ModelError  # noqa: PLC0415
+
+    L = lib()
+    params = L.llama_model_default_params()
+    params.vocab_only = True
+    model = L.llama_model_load_from_file(str(path).encode(), params)
+    if not model:
+        raise ModelError(f"llama.cpp could not read {path}")
+    try:
+        return is_recurrent(model)
+    finally:
+        L.llama_model_free(model)
+
+
 def llamafile_sgemm() -> bool:
     """Whether the loaded llama.cpp was built with llamafile's sgemm
     (``GGML_LLAMAFILE``, on by default; ``ggml_cpu_has_llamafile``).

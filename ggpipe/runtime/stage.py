@@ -69,6 +69,10 @@ class StageSpec:
         rank: the MPI rank that holds the stage (0 without MPI).
         label: which stage this is, for messages: rank, host, model and
             layers, e.g. "rank 1 (node2), target layers 15-29 of m.gguf".
+        layer_output: the graph's name of a block's output (after its
+            residual add): ``l_out`` in most of llama.cpp's models
+            (:func:`ggpipe.models.slicing.layer_output_name`); the node
+            ``{layer_output}-{n_layer - 1}`` is what a non-last stage returns.
     """
 
     model_path: Path
@@ -88,6 +92,7 @@ class StageSpec:
     numa: str | None = None
     rank: int = 0
     label: str = ""
+    layer_output: str = "l_out"
 
 
 def check_cache_types(type_k: str, type_v: str, flash_attn: str, opts: tuple[str, str] = ("-ctk", "-ctv")) -> None:
@@ -178,9 +183,28 @@ class Stage:
         self.n_ctx_seq = int(L.llama_n_ctx_seq(self.ctx))
         self._batch = L.llama_batch_init(spec.n_ubatch, 0 if spec.first else self.n_embd, spec.n_seq_max)
         self._batch_addr = ctypes.addressof(self._batch)
-        self._capture_node = f"l_out-{spec.n_layer - 1}"
+        self._mrope_pos = self._mrope_positions(L)
+        self._capture_node = f"{spec.layer_output}-{spec.n_layer - 1}"
         self._closed = False
         self._fault = faults.planned(spec.rank, "target" in spec.label)
+
+    def _mrope_positions(self, L):
+        """M-RoPE models (Qwen 2/2.5/3-VL, Qwen 3.5: ``llama_model_rope_type``
+        MROPE or IMROPE) read 4 positions per token from a batch of hidden
+        states (``llama_batch_allocr``: section-major ``pos[j*n + i]``), where
+        a token batch gives one and llama.cpp repeats it over the 4 sections.
+        A later stage therefore gets a position buffer 4 times as long, which
+        :meth:`decode` fills with each text position repeated, as the whole
+        model computes it; ``llama_batch_init`` allocated only one per token,
+        so the buffer replaces the batch's (given back in :meth:`close`).
+        Returns (buffer, original pointer), or None."""
+        if self.spec.first or L.llama_model_rope_type(self.model) not in (L.LLAMA_ROPE_TYPE_MROPE,
+                                                                           L.LLAMA_ROPE_TYPE_IMROPE):
+            return None
+        buf = (ctypes.c_int32 * (4 * self.spec.n_ubatch))()
+        original = ctypes.cast(self._batch.pos, ctypes.c_void_p).value  # an address: a field's pointer object shares
+        self._batch.pos = ctypes.cast(buf, type(self._batch.pos))         # the field's memory
+        return buf, original
 
     # -- evaluation -----------------------------------------------------------
 
@@ -222,6 +246,9 @@ class Stage:
             None if self.spec.first else embd,
             pos, n_seq_id, seq_ids, flags,
         )
+        if self._mrope_pos is not None:
+            sections = np.tile(np.ascontiguousarray(pos, dtype=np.int32), 4)  # pos[j*n + i] = pos[i]
+            ctypes.memmove(self._mrope_pos[0], sections.ctypes.data, sections.nbytes)
         hidden = None
         if not self.spec.last:
             hidden = np.empty((n, self.n_embd), dtype=np.float32)
@@ -311,6 +338,9 @@ class Stage:
             return
         self._closed = True
         L = self._L
+        if self._mrope_pos is not None:
+            # llama_batch_free frees the buffer it allocated
+            self._batch.pos = ctypes.cast(ctypes.c_void_p(self._mrope_pos[1]), type(self._batch.pos))
         L.llama_batch_free(self._batch)
         L.llama_free(self.ctx)
         L.llama_model_free(self.model)

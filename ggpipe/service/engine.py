@@ -16,6 +16,7 @@ context (the proposer decodes only what it lacks).
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -30,7 +31,10 @@ from ggpipe.decoding.factory import build_decoder
 from ggpipe.decoding.scheduler import Scheduler
 from ggpipe.decoding.slots import Job
 from ggpipe.decoding.settings import SpecSettings
+from ggpipe.models.registry import resolve
+from ggpipe.models.slicing import check_speculation
 from ggpipe.pipeline.waiting import EventWait
+from ggpipe.runtime import llama as _llama
 from ggpipe.service.chat_prompt import chat_tokens
 from ggpipe.service.text import TextStream
 
@@ -65,6 +69,16 @@ class Completion:
                     n_reused=self.n_reused, metrics=self.metrics, decoder=self.decoder)
 
 
+def _recurrent_models(session: Session) -> dict[str, bool]:
+    """Model file name -> recurrent or hybrid (llama.cpp's answer) for the
+    target (the head's own stage) and each draft model."""
+    out = {Path(session.model_path).name: _llama.is_recurrent(session.stage.model)}
+    for name in session.config.draft_models:
+        path = resolve(name)
+        out[path.name] = _llama.file_is_recurrent(path)
+    return out
+
+
 def _ngram_drafter(spec: SpecSettings) -> Callable[[list[int], int], list[int]]:
     """The scheduler's drafting with ``--spec-type ngram`` (the only strategy
     it runs per slot): prompt lookup with the strategy's n-gram sizes."""
@@ -89,7 +103,8 @@ class Engine:
             keep one KV stream per slot (``ClusterConfig.kv_unified`` False).
 
     Raises:
-        ConfigError: a speculative mode without a draft model.
+        ConfigError: a speculative mode without a draft model, or over a
+            recurrent or hybrid model (its state cannot be rolled back).
     """
 
     def __init__(self, session: Session, mode: str = "iterative", spec: SpecSettings = SpecSettings(),
@@ -106,6 +121,8 @@ class Engine:
         self.waiter = EventWait([session.pipeline, *drafts])
         self.parallel = parallel
         self.decoder = self.scheduler = None
+        if mode != "iterative":
+            check_speculation(mode, _recurrent_models(session))
         if parallel > 1:
             self.n_ctx = session.stage.n_ctx_seq    # the cells of one slot
             # micro-batches in flight: as many as stages can compute at once (3 ranks on 2 cores: 2; a third
