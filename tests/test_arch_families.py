@@ -11,6 +11,7 @@ architecture table is checked against the same facts
 from __future__ import annotations
 
 import functools
+import json
 import re
 import zlib
 from pathlib import Path
@@ -21,6 +22,7 @@ from tiny_models import load_recipe, recipe_names, write_tiny_model
 
 from ggpipe.bench import baseline
 from ggpipe.cluster.split import parse_split, plan_layers
+from ggpipe.models.sizes import model_sizes
 from ggpipe.models.slicing import FAMILIES
 from ggpipe.runtime.llama import file_is_recurrent
 
@@ -94,13 +96,13 @@ def whole_model(model: Path) -> list[int]:
 HYBRID_BLOCKS = {"lfm2": "AR", "granitehybrid": "AR", "qwen35": "RA", "qwen3next": "RA", "nemotron_h": "ARM"}
 
 
-def expected_refusal(name: str, ranks: int, split: str | None) -> str | None:
+def expected_refusal(name: str, ranks: int, split: str | None, model: Path) -> str | None:
     """What a split that llama.cpp cannot run is refused with, or None: a
     hybrid stage without an attention or a recurrent block; a stage of
     global-attention blocks only where the family cannot turn its window
     off (blocks g with g % period == period - 1 are global)."""
     fam = FAMILIES[_arch(name)]
-    ranges = plan_layers(N_LAYER, ranks, parse_split(split).target)
+    ranges = plan_layers(N_LAYER, ranks, parse_split(split).target, layer_bytes=model_sizes(model).layer_bytes)
     kinds = HYBRID_BLOCKS.get(_arch(name))
     for a, b in ranges:
         if kinds and not {"A", "R"} <= {kinds[i % len(kinds)] for i in range(a, b)}:
@@ -142,7 +144,7 @@ def test_every_split_equals_the_whole_model(name, tiny_models):
         splits.append((3, f"{g},1,{N_LAYER - g - 1}"))
     for ranks, split in splits:
         extra = ["--ignore-eos", "-c", "256", *(["--split", split] if split else [])]
-        refusal = expected_refusal(name, ranks, split)
+        refusal = expected_refusal(name, ranks, split, model)
         if refusal:
             p = run_ggpipe(["generate", "-m", str(model), "-p", PROMPT, "-n", "4", *extra], ranks)
             lines = stderr_lines(p.stderr)
@@ -152,24 +154,37 @@ def test_every_split_equals_the_whole_model(name, tiny_models):
         assert got["tokens"] == want, (name, ranks, split)
 
 
+# The speculative modes: pipeinfer with the model drafting for itself on a rank
+# of its own; the speculative mode with n-gram drafting over a 2-stage target;
+# PipeDec, whose draft grows a tree through 3 target stages.
+SPEC_RUNS = {
+    "pipeinfer": (3, lambda m: ["--mode", "pipeinfer", "-md", str(m)]),
+    "speculative-ngram": (2, lambda m: ["--mode", "speculative", "--spec-type", "ngram"]),
+    "pipedec": (4, lambda m: ["--mode", "pipedec", "-md", str(m), "--split", "1,1,1/1"]),
+}
+
+
 @pytest.mark.full
 @pytest.mark.mpi
+@pytest.mark.parametrize("mode", list(SPEC_RUNS))
 @pytest.mark.parametrize("name", CUT)
-def test_pipeinfer_self_drafting(name, tiny_models):
-    """pipeinfer, the model drafting for itself on a rank of its own: exact;
-    a recurrent or hybrid model is refused in one line instead."""
+def test_speculative_modes(name, mode, tiny_models):
+    """Exact in every speculative mode; a recurrent or hybrid model is
+    refused in one line instead."""
     model = tiny_models[name]
-    args = ["generate", "-m", str(model), "-p", PROMPT, "-n", str(N_TOKENS), "--json", "--ignore-eos",
-            "--mode", "pipeinfer", "-md", str(model), "-c", "256"]
-    p = run_ggpipe(args, 3)
+    ranks, extra = SPEC_RUNS[mode]
+    args = ["generate", "-m", str(model), "-p", PROMPT, "-n", str(N_TOKENS), "--json", "--ignore-eos", "-c", "256",
+            *extra(model)]
+    if mode == "pipedec" and (expected_refusal(name, 3, None, model) or file_is_recurrent(model)):
+        args[args.index("1,1,1/1")] = "1,1/1"  # 2 target stages where 3 cannot hold both kinds of block
+        ranks = 3
+    p = run_ggpipe(args, ranks)
     if file_is_recurrent(model):
         lines = stderr_lines(p.stderr)
         assert p.returncode != 0 and len(lines) == 1, p.stderr[-2000:]
         assert "cannot run" in lines[0] and "recurrent state" in lines[0] and "--mode iterative" in lines[0]
         return
     assert p.returncode == 0, p.stderr[-3000:]
-    import json  # noqa: PLC0415
-
     assert json.loads(p.stdout)["tokens"] == whole_model(model)
 
 

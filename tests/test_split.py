@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 
 from ggpipe.errors import GGPipeError, SplitError
@@ -217,3 +218,44 @@ def test_plan_layers_names_a_bad_weight_by_its_stage():
     """Stages count from 0 in every --split message (issue 29: 'weight 2')."""
     with pytest.raises(SplitError, match=r"draft stage 1's weight \(0.0\) must be a positive finite number"):
         plan_layers(30, 2, [1.0, 0.0], model="draft")
+
+
+# -- the default split of models whose blocks differ in size --------------------
+
+
+def _max_stage(layer_bytes, ranges):
+    return max(sum(layer_bytes[a:b]) for a, b in ranges)
+
+
+def test_uniform_blocks_keep_the_even_split():
+    assert plan_layers(30, 4, None, layer_bytes=[100] * 30) == plan_layers(30, 4, None)
+    assert plan_layers(30, 4, None, layer_bytes=[100, 101] * 15) == plan_layers(30, 4, None)  # within 2%
+
+
+def test_moe_with_a_leading_dense_block_balances_bytes():
+    """DeepSeek/GLM: a small dense block before the expert blocks; the even
+    split would leave the first rank lighter by most of a block."""
+    sizes = [10] + [80] * 7
+    ranges = plan_layers(8, 2, None, layer_bytes=sizes)
+    assert ranges == [(0, 4), (4, 8)] and _max_stage(sizes, ranges) == 320
+    sizes = [10, 10, 10] + [90] * 9
+    ranges = plan_layers(12, 3, None, layer_bytes=sizes)
+    assert _max_stage(sizes, ranges) < _max_stage(sizes, plan_layers(12, 3, None))
+
+
+def test_balance_bytes_is_optimal_and_covers_every_block():
+    """Against every contiguous partition (brute force, small cases)."""
+    from itertools import combinations
+
+    from ggpipe.cluster.split import balance_bytes
+
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        n = int(rng.integers(1, 9))
+        k = int(rng.integers(1, n + 1))
+        sizes = [int(x) for x in rng.integers(1, 50, n)]
+        ranges = balance_bytes(sizes, k)
+        assert len(ranges) == k and ranges[0][0] == 0 and ranges[-1][1] == n
+        assert all(a < b for a, b in ranges) and all(ranges[i][1] == ranges[i + 1][0] for i in range(k - 1))
+        best = min(_max_stage(sizes, list(zip((0, *cut), (*cut, n)))) for cut in combinations(range(1, n), k - 1))
+        assert _max_stage(sizes, ranges) == best

@@ -131,7 +131,10 @@ def split_command(model: str, split_text: str | None, stages: int | None, out_di
 
     src = _reg.resolve(model, progress=not quiet)
     info = read_model_info(src)
-    ranges = plan_layers(info.n_layer, n_stages, weights)
+    from ggpipe.models.sizes import model_sizes
+
+    ranges = plan_layers(info.n_layer, n_stages, weights,
+                         layer_bytes=model_sizes(src).layer_bytes if weights is None and n_stages > 1 else None)
     if n_stages > 1:
         check_sliceable(info)
     try:

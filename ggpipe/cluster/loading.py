@@ -16,6 +16,7 @@ from ggpipe.errors import ConfigError
 from ggpipe.models.derive import stage_slice
 from ggpipe.models.gguf_info import read_model_info
 from ggpipe.models.registry import cache_dir, resolve
+from ggpipe.models.sizes import model_sizes
 from ggpipe.models.slicing import layer_output_name
 from ggpipe.runtime.stage import Stage, StageSpec
 
@@ -63,7 +64,8 @@ def load_rank(config: ClusterConfig, rank: int, size: int) -> Loaded:
         k = roles.draft_of(rank)
         (m_path, m_info), weights = drafts[k], (split.drafts[k] if split.drafts else None)
     index, n_stages = roles.stage_of(rank)
-    plan = plan_layers(m_info.n_layer, n_stages, weights, model=model)
+    plan = plan_layers(m_info.n_layer, n_stages, weights, model=model, layer_bytes=_layer_bytes(m_path, weights,
+                                                                                               n_stages))
     start, stop = plan[index]
     where = f"rank {rank} ({socket.gethostname()})"
     types = (config.cache_type_k, config.cache_type_v) if model == "target" else config.draft_cache_types
@@ -93,6 +95,14 @@ def load_rank(config: ClusterConfig, rank: int, size: int) -> Loaded:
     for w in warnings:
         warn(w)
     return Loaded(stage, (start, stop), str(m_path), roles, draft_stage)
+
+
+def _layer_bytes(path, weights, n_stages: int) -> list[int] | None:
+    """Weight bytes per block, for the default split (no weights) of a model
+    cut into several stages (:func:`ggpipe.cluster.split.plan_layers`)."""
+    if weights is not None or n_stages < 2:
+        return None
+    return model_sizes(path).layer_bytes
 
 
 def _check_resources(config: ClusterConfig, rank: int, where: str, role: str, m_info, n_layers: int, draft_info,

@@ -167,7 +167,7 @@ def plan_job(config: ClusterConfig, n_ranks: int, hosts: list[str], mem_per_node
             k = roles.draft_of(r)
             sizes, weights = drafts[k], (split.drafts[k] if split.drafts else None)
         index, n_stages = roles.stage_of(r)
-        start, stop = plan_layers(sizes.n_layer, n_stages, weights, model=kind)[index]
+        start, stop = plan_layers(sizes.n_layer, n_stages, weights, model=kind, layer_bytes=sizes.layer_bytes)[index]
         first, last = index == 0, index == n_stages - 1
         w = sizes.slice_bytes(start, stop, first, last)
         kv = sizes.kv_bytes(stop - start, config.ctx_size)

@@ -107,6 +107,7 @@ def plan_layers(
     weights: Sequence[float] | None,
     *,
     model: str = "target",
+    layer_bytes: Sequence[int] | None = None,
 ) -> list[tuple[int, int]]:
     """Assign contiguous layer ranges to pipeline stages.
 
@@ -115,7 +116,12 @@ def plan_layers(
     ``n_layer``, and every stage has at least one layer.
 
     ``weights`` None: as even as possible, the first ``n_layer % n_stages`` stages
-    get one extra layer (30 layers / 4 stages -> 8, 8, 7, 7).
+    get one extra layer (30 layers / 4 stages -> 8, 8, 7, 7). With
+    ``layer_bytes`` (weight bytes of each block, ``ggpipe.models.sizes``)
+    whose largest block is more than 2% above the smallest (MoE models with
+    leading dense blocks, hybrids, mixed quantizations): the contiguous ranges
+    whose largest stage holds the fewest bytes (:func:`balance_bytes`), so
+    no rank holds much more of the model than another.
 
     ``weights`` given: normalised by their sum; the boundary after stage i is
     ``floor(cumsum(w)[i] / sum(w) * n_layer + 0.5)`` (round half up, with a 1e-9
@@ -136,6 +142,9 @@ def plan_layers(
             f"{n_stages} stages but the {model} model has only {n_layer} layers; "
             f"use at most {n_layer} ranks for it"
         )
+    if weights is None and layer_bytes is not None and len(layer_bytes) == n_layer and n_layer and \
+            max(layer_bytes) > 1.02 * max(1, min(layer_bytes)):
+        return balance_bytes(layer_bytes, n_stages)
     if weights is None:
         base, extra = divmod(n_layer, n_stages)
         ranges, start = [], 0
@@ -175,6 +184,40 @@ def plan_layers(
                 f"{scaled[i] / total:.1%} of the total) gets no layers of {n_layer}; "
                 f"give it at least {need:.1%} of the total weight or use fewer ranks"
             )
+    return ranges
+
+
+def balance_bytes(layer_bytes: Sequence[int], n_stages: int) -> list[tuple[int, int]]:
+    """Contiguous ranges of ``layer_bytes`` (one entry per block) over
+    ``n_stages`` stages (each at least one block) minimizing the largest
+    stage's bytes: the smallest capacity that a greedy front-to-back fill
+    covers in at most ``n_stages`` stages (binary search), then stages split
+    from the back until there are ``n_stages``. Requires
+    ``1 <= n_stages <= len(layer_bytes)``."""
+    sizes = [int(b) for b in layer_bytes]
+
+    def fill(cap: int) -> list[tuple[int, int]]:
+        ranges, start, acc = [], 0, 0
+        for i, b in enumerate(sizes):
+            if acc and acc + b > cap:
+                ranges.append((start, i))
+                start, acc = i, 0
+            acc += b
+        ranges.append((start, len(sizes)))
+        return ranges
+
+    lo, hi = max(sizes), sum(sizes)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(fill(mid)) <= n_stages:
+            hi = mid
+        else:
+            lo = mid + 1
+    ranges = fill(lo)
+    while len(ranges) < n_stages:  # split the last range with more than one block: the maximum cannot grow
+        k = max(i for i, (a, b) in enumerate(ranges) if b - a > 1)
+        a, b = ranges[k]
+        ranges[k:k + 1] = [(a, b - 1), (b - 1, b)]
     return ranges
 
 
