@@ -16,7 +16,8 @@ import pytest
 from conftest import PROMPTS, generate_json, run_ggpipe, stderr_lines
 
 from ggpipe.cluster.config import ClusterConfig
-from ggpipe.cluster.resources import kv_bytes_per_cell, kv_row_bytes
+from ggpipe.cluster.resources import kv_bytes_per_cell
+from ggpipe.models.kv_size import KVLayout, kv_row_bytes
 from ggpipe.errors import ConfigError
 from ggpipe.runtime import llama as _llama
 from ggpipe.runtime.stage import check_cache_types
@@ -48,10 +49,12 @@ def test_type_table_matches_ggml():
 
 
 class _Info:  # SmolLM2-135M's shape: 576 wide, 9 heads, 3 KV heads -> KV rows of 192 values
-    n_embd, n_head, n_head_kv = 576, 9, 3
+    kv_layout = KVLayout(((192, 192),) * 30)
 
 
 def test_kv_bytes_follow_the_cache_types():
+    """The start-up check's bytes per cell (ggpipe.models.kv_size, tested
+    against llama.cpp in test_kv_size)."""
     assert kv_bytes_per_cell(_Info, 30) == 30 * 2 * 192 * 2  # f16, the default, as before
     assert kv_row_bytes("q8_0", 192) == 6 * 34 and kv_row_bytes("q4_0", 192) == 6 * 18
     assert kv_bytes_per_cell(_Info, 30, "q8_0", "q8_0") == 30 * 2 * 6 * 34
@@ -190,9 +193,8 @@ def test_q8_0_halves_the_kv_cache_of_every_rank(smollm2):
     q8, j8 = _kv_run(smollm2, "q8_0", ctx)
     assert len(f16) == len(q8) == 2
     for layers, a, b in zip([r["layers"] for r in j8["ranks"]], f16, q8):
-        n = layers[1] - layers[0]
-        assert b * 2**20 == ctx * kv_bytes_per_cell(info, n, "q8_0", "q8_0")
-        assert a * 2**20 == ctx * kv_bytes_per_cell(info, n)
+        assert b * 2**20 == ctx * kv_bytes_per_cell(info, tuple(layers), "q8_0", "q8_0")
+        assert a * 2**20 == ctx * kv_bytes_per_cell(info, tuple(layers))
         assert b / a == pytest.approx(34 / 64)
     for r16, r8, a, b in zip(j16["ranks"], j8["ranks"], f16, q8):
         assert r16["peak_rss_bytes"] - r8["peak_rss_bytes"] > 0.8 * (a - b) * 2**20, (r16, r8)

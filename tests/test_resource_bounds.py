@@ -27,8 +27,10 @@ def test_pipeinfer_2000_tokens_rss_does_not_grow(smollm2, temp):
     short = generate_json(smollm2, "Once upon a time", 200, 2, args)
     long = generate_json(smollm2, "Once upon a time", 2000, 2, args)
     assert len(long["tokens"]) == 2000
+    from ggpipe.models.kv_size import kv_bytes_per_cell
+
     info = read_model_info(smollm2)
-    kv_per_token = 2 * info.n_layer * (info.n_embd // info.n_head * info.n_head_kv) * 2  # K and V, f16
+    kv_per_token = kv_bytes_per_cell(info.kv_layout, 0, info.n_layer)  # K and V, f16
     for a, b in zip(short["ranks"], long["ranks"]):
         growth = b["peak_rss_bytes"] - a["peak_rss_bytes"]
         assert growth <= min(16 * MiB, kv_per_token * 1800), (a["rank"], growth / MiB)
@@ -54,11 +56,14 @@ def test_kv_bytes_and_caps_pure():
     from ggpipe.cluster.resources import cap_threads, check_kv_memory, context_warning, kv_bytes_per_cell
     from ggpipe.errors import ConfigError
 
-    info = SimpleNamespace(n_embd=576, n_head=9, n_head_kv=3)  # smollm2-135m: K and V rows of 192 float16
-    assert kv_bytes_per_cell(info, 30) == 30 * 2 * 192 * 2
-    check_kv_memory(1000, [("target layers 0-29", 23040)], "rank 0 (h)", available=23040 * 1000)
-    with pytest.raises(ConfigError, match=r"-c 1001 needs .* on rank 0 \(h\) .* lower -c"):
-        check_kv_memory(1001, [("target layers 0-29", 23040)], "rank 0 (h)", available=23040 * 1000)
+    from ggpipe.models.kv_size import KVLayout
+
+    info = SimpleNamespace(kv_layout=KVLayout(((192, 192),) * 30))  # smollm2-135m: K and V rows of 192 float16
+    assert kv_bytes_per_cell(info, 30) == kv_bytes_per_cell(info, (0, 30)) == 30 * 2 * 192 * 2
+    # llama.cpp allocates -c rounded up to 256 cells
+    check_kv_memory(1024, [("target layers 0-29", 23040)], "rank 0 (h)", available=23040 * 1024)
+    with pytest.raises(ConfigError, match=r"-c 1025 needs .* on rank 0 \(h\) .* lower -c"):
+        check_kv_memory(1025, [("target layers 0-29", 23040)], "rank 0 (h)", available=23040 * 1024)
     assert cap_threads(2, "rank 1 (h)", cpus=2) == (2, None)
     n, w = cap_threads(1000, "rank 1 (h)", cpus=2)
     assert n == 2 and "rank 1 (h): -t 1000 is more than the 2 CPUs" in w

@@ -10,6 +10,7 @@ import click
 
 from ggpipe.cli.types import Finite
 from ggpipe.models.registry import DEFAULT_MODEL
+from ggpipe.runtime.llama import KV_CACHE_TYPES
 
 
 @click.command(context_settings={"allow_interspersed_args": False})
@@ -19,6 +20,12 @@ from ggpipe.models.registry import DEFAULT_MODEL
 @click.option("--split", default=None, help="Layer split, as for generate.")
 @click.option("-c", "--ctx-size", default=None, type=int, help="KV cache size (tokens; default 2048).")
 @click.option("-t", "--threads", default=None, help="Threads per rank (default 1).")
+@click.option("-ctk", "--cache-type-k", type=click.Choice(list(KV_CACHE_TYPES)), default=None,
+              help="KV cache type for K, as for generate (default f16; q8_0 halves the KV cache).")
+@click.option("-ctv", "--cache-type-v", type=click.Choice(list(KV_CACHE_TYPES)), default=None,
+              help="KV cache type for V, as for generate (default f16; a quantized one needs -fa on).")
+@click.option("-fa", "--flash-attn", type=click.Choice(["on", "off", "auto"]), default=None,
+              help="Flash attention, as for generate (default off).")
 @click.option("--hostfile", default=None, type=click.Path(exists=True, dir_okay=False),
               help="Open MPI (host slots=N) or MPICH (host:N) hostfile.")
 @click.option("--map-by", type=click.Choice(["node", "slot"]), default="node", show_default=True,
@@ -37,8 +44,8 @@ from ggpipe.models.registry import DEFAULT_MODEL
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
-def plan(ctx, ranks, model, draft_model, split, ctx_size, threads, hostfile, map_by, bind_to, launcher,
-         mem_per_node, balance_profile, acceptance, no_command, as_json, command):
+def plan(ctx, ranks, model, draft_model, split, ctx_size, threads, cache_type_k, cache_type_v, flash_attn, hostfile,
+         map_by, bind_to, launcher, mem_per_node, balance_profile, acceptance, no_command, as_json, command):
     """Print the launcher command and the rank -> host -> layers -> memory table of a job.
 
     Either give the model options here (ggpipe plan -n 4 -m MODEL --hostfile hosts), or the
@@ -51,7 +58,8 @@ def plan(ctx, ranks, model, draft_model, split, ctx_size, threads, hostfile, map
     from ggpipe.cluster import plan as P
     from ggpipe.sim import placement
 
-    own = {"-m": model, "-md": draft_model, "--split": split, "-c": ctx_size, "-t": threads}
+    own = {"-m": model, "-md": draft_model, "--split": split, "-c": ctx_size, "-t": threads, "-ctk": cache_type_k,
+           "-ctv": cache_type_v, "-fa": flash_attn}
     if command:
         given = [k for k, v in own.items() if v is not None]
         if given:
@@ -64,7 +72,8 @@ def plan(ctx, ranks, model, draft_model, split, ctx_size, threads, hostfile, map
         argv = list(command)
     else:
         params = dict(model=model or DEFAULT_MODEL, draft_model=draft_model, split=split,
-                      ctx_size=ctx_size or 2048, threads=threads or "1")
+                      ctx_size=ctx_size or 2048, threads=threads or "1", cache_type_k=cache_type_k or "f16",
+                      cache_type_v=cache_type_v or "f16", flash_attn=flash_attn or "off")
         argv = ["generate"] + [x for k, v in own.items() if v is not None for x in (k, str(v))] + ["-p", "…"]
     from ggpipe.cluster.config import ClusterConfig
 
@@ -80,8 +89,10 @@ def plan(ctx, ranks, model, draft_model, split, ctx_size, threads, hostfile, map
         argv = argv[:1] + ["--split", balanced.split] + argv[1:]
     elif params["split"] is not None:  # --split auto:PROFILE: the split the job will compute for itself
         params["split"] = placement.auto_split(params["split"], params, ranks)
+    kv = {k: params[k] for k in ("cache_type_k", "cache_type_v", "cache_type_k_draft", "cache_type_v_draft",
+                                 "flash_attn") if params.get(k) is not None}
     cfg = ClusterConfig(model=params["model"], draft_model=params["draft_model"], split=params["split"],
-                        threads=str(params["threads"]), ctx_size=params["ctx_size"])
+                        threads=str(params["threads"]), ctx_size=params["ctx_size"], **kv)
     result = P.plan_job(cfg, ranks, placed, mem)
     if balanced is not None:
         result.balance = placement.balance_summary(balanced)

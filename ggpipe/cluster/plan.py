@@ -7,9 +7,11 @@ Prints the launcher command and a rank -> host -> model/layers -> memory table:
   ``output_norm`` and ``output``, or ``token_embd`` again when the model ties
   its output to it). Tensors a stage never touches stay unread pages of the
   mmapped slice and cost no memory.
-* KV cache: ``n_layer_slice x n_ctx x (n_embd_k + n_embd_v) x 2`` bytes (f16
-  K and V; n_embd_k = head_dim_k x n_head_kv). ggpipe's contexts use one
-  unified KV buffer of ``n_ctx`` cells shared by every sequence, so
+* KV cache: the cells llama.cpp allocates for ``-c`` (rounded up to 256)
+  x the bytes per cell of the slice's layers that have a KV cache, in the
+  cache types ``-ctk``/``-ctv`` (ggpipe.models.kv_size: head sizes, per-layer
+  KV heads, MLA, the recurrent layers of hybrid models). ggpipe's contexts
+  use one unified KV buffer of ``n_ctx`` cells shared by every sequence, so
   ``--n-seq-max`` does not multiply it.
 * not counted: llama.cpp's compute buffers and the last stage's logits
   buffer (n_ubatch x n_vocab x 4 bytes), typically tens of MB.
@@ -151,6 +153,7 @@ def plan_job(config: ClusterConfig, n_ranks: int, hosts: list[str], mem_per_node
     """
     if config.ctx_size < 8:
         raise ConfigError("--ctx-size must be >= 8")
+    config.check_cache_types()
     threads = parse_threads(config.threads, n_ranks)
     split = parse_split(config.split)
     names = config.draft_models
@@ -158,6 +161,7 @@ def plan_job(config: ClusterConfig, n_ranks: int, hosts: list[str], mem_per_node
     target = model_sizes(config.model)
     drafts = [model_sizes(n) for n in names]
     draft = drafts[0] if drafts else None
+    kv_opts = {"v_trans": config.flash_attn == "off", "n_seq_max": config.n_seq_max, "unified": config.kv_unified}
     out = []
     for r in range(n_ranks):
         kind = roles.model_of(r)
@@ -170,13 +174,14 @@ def plan_job(config: ClusterConfig, n_ranks: int, hosts: list[str], mem_per_node
         start, stop = plan_layers(sizes.n_layer, n_stages, weights, model=kind, layer_bytes=sizes.layer_bytes)[index]
         first, last = index == 0, index == n_stages - 1
         w = sizes.slice_bytes(start, stop, first, last)
-        kv = sizes.kv_bytes(stop - start, config.ctx_size)
+        types = (config.cache_type_k, config.cache_type_v) if kind == "target" else config.draft_cache_types
+        kv = sizes.kv_bytes(start, stop, config.ctx_size, *types, **kv_opts)
         rp = RankPlan(r, hosts[r], kind, (start, stop), stop - start, threads[r], w, kv)
         if r == 0 and draft is not None and roles.n_draft == 0:  # the whole draft lives on the head
             rp.model = "target+draft"
             rp.draft_layers = (0, draft.n_layer)
             rp.weights_bytes += draft.slice_bytes(0, draft.n_layer, True, True)
-            rp.kv_bytes += draft.kv_bytes(draft.n_layer, config.ctx_size)
+            rp.kv_bytes += draft.kv_bytes(0, draft.n_layer, config.ctx_size, *config.draft_cache_types, **kv_opts)
         out.append(rp)
     plan = Plan(out)
     for host, total in plan.host_totals().items():

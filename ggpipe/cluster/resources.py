@@ -5,16 +5,13 @@ against what the model was trained on, ``-t`` against the rank's CPUs
 kernel's OOM killer ended it; ``-t 1000`` started 1,003 threads per rank on
 2 cores).
 
-The KV cache of a stage holds, per cell (token) and layer, one key and one
-value row of ``row = n_embd * n_head_kv / n_head`` values, stored in the
-cache types ``-ctk``/``-ctv`` (llama.cpp's ``type_k``/``type_v``, f16 by
-default; ``ggml_row_size``: a block-quantized type stores ``row / block``
-blocks, q8_0 34 bytes per 32 values, q4_0 18), so
-
-    bytes = n_ctx * n_layers * (row_size(type_k, row) + row_size(type_v, row))
-
-(a lower bound: llama.cpp adds compute buffers, and rounds a stream's cells
-up to 256).
+The KV cache of a stage is sized by ggpipe.models.kv_size (the one sizing
+ggpipe plan and the simulator use too): per cell (token), the K and V rows of
+each of the stage's layers that has a KV cache, as llama.cpp lays them out
+for the model (head sizes, per-layer KV heads, MLA, recurrent layers), stored
+in the cache types ``-ctk``/``-ctv`` (``ggml_row_size``), times the cells
+llama.cpp allocates for ``-c`` (rounded up to 256). A lower bound: llama.cpp
+adds compute buffers, and recurrent models' per-sequence state.
 """
 
 from __future__ import annotations
@@ -25,23 +22,28 @@ import sys
 import psutil
 
 from ggpipe.errors import ConfigError
-from ggpipe.runtime.llama import KV_CACHE_TYPES
-
-def kv_row_bytes(cache_type: str, n_values: int) -> int:
-    """Bytes of one KV row of ``n_values`` values in ``cache_type`` (ggml's
-    ``ggml_row_size``: whole blocks of the type)."""
-    _, block, size = KV_CACHE_TYPES[cache_type]
-    return -(-n_values // block) * size
+from ggpipe.models import kv_size
 
 
-def kv_bytes_per_cell(info, n_layers: int, type_k: str = "f16", type_v: str = "f16") -> int:
-    """KV cache bytes one cell (token) takes in ``n_layers`` layers of the
-    model ``info`` (a ggpipe.models.gguf_info.ModelInfo), with K and V
-    stored as ``type_k``/``type_v`` (``-ctk``/``-ctv``)."""
-    n_head = info.n_head or 1
-    n_head_kv = info.n_head_kv or n_head
-    row = info.n_embd * n_head_kv // n_head
-    return n_layers * (kv_row_bytes(type_k, row) + kv_row_bytes(type_v, row))
+def kv_bytes_per_cell(info, layers: int | tuple[int, int], type_k: str = "f16", type_v: str = "f16",
+                      v_trans: bool = False) -> int:
+    """KV cache bytes one cell (token) takes in a stage of the model
+    ``info`` (a ggpipe.models.gguf_info.ModelInfo): its layers
+    ``(start, stop)``, with K and V stored as ``type_k``/``type_v``
+    (``-ctk``/``-ctv``; ``v_trans``: flash attention off), by
+    :func:`ggpipe.models.kv_size.kv_bytes_per_cell`.
+
+    ``layers`` may also be a count n without saying which layers: then the
+    most any n consecutive layers of the model take (the same for every n
+    layers of a model whose layers all have the same KV rows; an upper bound
+    for a hybrid one, whose stages differ in how many attention layers they
+    hold)."""
+    layout = info.kv_layout
+    if not isinstance(layers, int):
+        return kv_size.kv_bytes_per_cell(layout, *layers, type_k, type_v, v_trans)
+    n = min(layers, layout.n_layer)
+    return max((kv_size.kv_bytes_per_cell(layout, a, a + n, type_k, type_v, v_trans)
+                for a in range(layout.n_layer - n + 1)), default=0)
 
 
 def _size(n: float) -> str:
@@ -56,7 +58,7 @@ def check_kv_memory(n_ctx: int, parts: list[tuple[str, int]], where: str, availa
     """Refuse a context whose KV cache cannot fit this rank's memory.
 
     Args:
-        n_ctx: ``-c``, cells per stage.
+        n_ctx: ``-c`` (llama.cpp allocates it rounded up to 256 cells).
         parts: (what, bytes per cell) of each stage this rank holds, e.g.
             ``[("target layers 0-14", 11520)]``.
         where: the rank, e.g. "rank 1 (node2)".
@@ -67,7 +69,7 @@ def check_kv_memory(n_ctx: int, parts: list[tuple[str, int]], where: str, availa
         ConfigError: the KV cache alone needs more than ``available`` bytes.
     """
     per_cell = sum(b for _, b in parts)
-    need = n_ctx * per_cell
+    need = kv_size.kv_cells(n_ctx) * per_cell
     free = psutil.virtual_memory().available if available is None else available
     if need > free:
         what = " and ".join(f"{w}: {_size(b)}" for w, b in parts)

@@ -31,6 +31,7 @@ from gguf.gguf_reader import READER_SUPPORTED_VERSIONS, ReaderField
 from ggpipe.child_process import child_env, python_command
 from ggpipe.errors import ModelError
 from ggpipe.models.cache import remembered
+from ggpipe.models.kv_size import KVLayout, layout_from_reader, layout_from_record
 
 GGUF_MAGIC_BYTES = b"GGUF"
 
@@ -165,6 +166,14 @@ class ModelInfo:
     n_head: int | None = None
     n_head_kv: int | None = None
     n_tensors: int = 0
+    # KV cache geometry per layer (ggpipe.models.kv_size.KVLayout's fields)
+    kv_rows: tuple[tuple[int, int] | None, ...] = ()
+    kv_v_cache: bool = True
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """Per-layer KV rows, for ggpipe.models.kv_size.kv_bytes_per_cell."""
+        return KVLayout(self.kv_rows, self.kv_v_cache)
 
 
 def _int_key(reader: GGUFReader, path: Path, key: str, required: bool = True) -> int | None:
@@ -206,11 +215,17 @@ def info_from_reader(reader: GGUFReader, path: str | os.PathLike[str]) -> ModelI
         if n_vocab is None:
             raise ModelError(f"GGUF file {path} has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
     tmpl = field_value(reader, Keys.Tokenizer.CHAT_TEMPLATE, path)
+    n_embd = _int_key(reader, path, f"{arch}.embedding_length")
+    assert n_embd is not None
+    try:
+        kv = layout_from_reader(reader, arch, n_layer, n_embd)
+    except _READER_ERRORS as e:
+        raise ModelError(f"GGUF file {path} is corrupt: cannot read its attention metadata ({_one_line(e)})") from None
     return ModelInfo(
         path=path,
         arch=arch,
         n_layer=n_layer,
-        n_embd=_int_key(reader, path, f"{arch}.embedding_length"),  # type: ignore[arg-type]
+        n_embd=n_embd,
         n_vocab=n_vocab,
         n_ctx_train=_int_key(reader, path, f"{arch}.context_length", required=False) or 0,
         chat_template=tmpl if isinstance(tmpl, str) else None,
@@ -221,17 +236,20 @@ def info_from_reader(reader: GGUFReader, path: str | os.PathLike[str]) -> ModelI
         n_head=_int_key(reader, path, f"{arch}.attention.head_count", required=False),
         n_head_kv=_int_key(reader, path, f"{arch}.attention.head_count_kv", required=False),
         n_tensors=len(reader.tensors),
+        kv_rows=kv.rows,
+        kv_v_cache=kv.v_cache,
     )
 
 
 # Remembered ModelInfo records: bump when ModelInfo or its derivation changes.
-_INFO_FORMAT = 1
+_INFO_FORMAT = 2  # 2: kv_rows, kv_v_cache
 _INFO_FIELDS = tuple(f.name for f in dataclasses.fields(ModelInfo) if f.name != "path")
 
 
 def _info_record(info: ModelInfo) -> dict[str, Any]:
     rec = {k: getattr(info, k) for k in _INFO_FIELDS}
     rec["per_layer_keys"] = list(info.per_layer_keys)
+    rec["kv_rows"] = [None if r is None else list(r) for r in info.kv_rows]
     rec["format"] = _INFO_FORMAT
     return rec
 
@@ -304,4 +322,5 @@ def read_model_info(path: str | os.PathLike[str], cache_root: str | os.PathLike[
         raise ModelError(f"model file not found: {p}") from None
     fields = {k: v for k, v in rec.items() if k != "format"}
     fields["per_layer_keys"] = tuple(fields["per_layer_keys"])
+    fields["kv_rows"] = layout_from_record(fields["kv_rows"]).rows
     return ModelInfo(path=p, **fields)

@@ -1,6 +1,7 @@
 """Tensor sizes of a GGUF grouped by layer (bytes): what ``ggpipe plan``'s
 memory table and the simulator's model description (ggpipe.sim.model) read
-from a file's header. Remembered per file, as ModelInfo is."""
+from a file's header. Remembered per file, as ModelInfo is. The KV cache is
+sized by ggpipe.models.kv_size from the layout ModelInfo read."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import re
 from dataclasses import dataclass, field
 
 from ggpipe.models.cache import remembered
-from ggpipe.models.gguf_info import field_value, load_gguf, read_model_info
+from ggpipe.models.gguf_info import load_gguf, read_model_info
+from ggpipe.models.kv_size import KVLayout, kv_bytes_per_cell, kv_cells
 from ggpipe.models.registry import resolve
 
-KV_BYTES_PER_ELEMENT = 2  # f16 K and V cells (llama.cpp's default cache type)
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 
 
@@ -25,13 +26,13 @@ class ModelSizes:
     embd_bytes: int
     output_bytes: int  # output_norm + output
     other_bytes: int  # tensors outside blocks that every stage keeps (rope factors, ...)
-    kv_bytes_per_layer_cell: int
     tied: bool = False  # no output tensor: the last stage's LM head reads token_embd
     layer_params: list[int] = field(default_factory=list)  # weights (elements) per layer
     embd_params: int = 0
     output_params: int = 0
     n_embd: int = 0
     n_vocab: int = 0
+    kv: KVLayout = field(default_factory=KVLayout)  # per-layer KV rows (from ModelInfo)
 
     @property
     def head_bytes(self) -> int:
@@ -48,8 +49,13 @@ class ModelSizes:
         return (sum(self.layer_bytes[start:stop]) + self.other_bytes + (self.embd_bytes if uses_embd else 0)
                 + (self.output_bytes if last else 0))
 
-    def kv_bytes(self, n_layers: int, n_ctx: int) -> int:
-        return n_layers * n_ctx * self.kv_bytes_per_layer_cell
+    def kv_bytes(self, start: int, stop: int, n_ctx: int, type_k: str = "f16", type_v: str = "f16",
+                 v_trans: bool = False, n_seq_max: int = 1, unified: bool = True) -> int:
+        """KV cache bytes of layers [start, stop) at ``-c n_ctx`` with the
+        cache types ``-ctk``/``-ctv`` (``v_trans``: flash attention off),
+        as llama.cpp allocates it (:mod:`ggpipe.models.kv_size`)."""
+        per_cell = kv_bytes_per_cell(self.kv, start, stop, type_k, type_v, v_trans)
+        return kv_cells(n_ctx, n_seq_max, unified) * per_cell
 
 
 def model_sizes(name_or_path: str) -> ModelSizes:
@@ -82,22 +88,17 @@ def model_sizes(name_or_path: str) -> ModelSizes:
                 has_output = has_output or t.name.startswith("output.")
             else:
                 other += n
-        n_head = info.n_head or 1
-        n_head_kv = info.n_head_kv or n_head
-        head_k = field_value(reader, f"{info.arch}.attention.key_length") or info.n_embd // n_head
-        head_v = field_value(reader, f"{info.arch}.attention.value_length") or info.n_embd // n_head
-        per_cell = (int(head_k) + int(head_v)) * n_head_kv * KV_BYTES_PER_ELEMENT
         return {"format": _SIZES_FORMAT, "n_layer": info.n_layer, "layer_bytes": layer, "embd_bytes": embd,
-                "output_bytes": out, "other_bytes": other, "kv_bytes_per_layer_cell": per_cell,
-                "tied": not has_output, "layer_params": params, "embd_params": embd_n, "output_params": out_n,
+                "output_bytes": out, "other_bytes": other, "tied": not has_output, "layer_params": params,
+                "embd_params": embd_n, "output_params": out_n,
                 "n_embd": info.n_embd, "n_vocab": info.n_vocab}
 
     # GGUFReader takes seconds on a large vocabulary: remember the sizes per file (as ModelInfo)
     rec = remembered(path, "plan", compute, None, lambda v: isinstance(v, dict) and v.get("format") == _SIZES_FORMAT,
                      strict=False)
-    return ModelSizes(str(path), **{k: v for k, v in rec.items() if k != "format"})
+    return ModelSizes(str(path), **{k: v for k, v in rec.items() if k != "format"}, kv=info.kv_layout)
 
 
-_SIZES_FORMAT = 2
+_SIZES_FORMAT = 3  # 3: the KV cache from ModelInfo's layout (was kv_bytes_per_layer_cell)
 
 

@@ -126,13 +126,16 @@ def balanced_placement(profile_path, params: dict, n_ranks: int, hosts: list[str
     draft = from_gguf(params["draft_model"]) if params.get("draft_model") else None
     sizes = model_sizes(params["model"])
     ctx = int(params.get("ctx_size") or 2048)
+    kv_types = (params.get("cache_type_k") or "f16", params.get("cache_type_v") or "f16")
+    v_trans = (params.get("flash_attn") or "off") == "off"
     on_host = {h: hosts.count(h) for h in hosts}
 
     def fits(rank: int, start: int, stop: int, n_stages: int) -> bool:
         mem = prof.host(rank).mem_bytes or mem_per_node or 0
         if mem <= 0:
             return True
-        need = sizes.slice_bytes(start, stop, start == 0, stop == sizes.n_layer) + sizes.kv_bytes(stop - start, ctx)
+        need = (sizes.slice_bytes(start, stop, start == 0, stop == sizes.n_layer)
+                + sizes.kv_bytes(start, stop, ctx, *kv_types, v_trans=v_trans))
         return need <= mem / on_host.get(hosts[rank], 1)
 
     cfg = None
