@@ -189,35 +189,46 @@ def plan_layers(
 
 def balance_bytes(layer_bytes: Sequence[int], n_stages: int) -> list[tuple[int, int]]:
     """Contiguous ranges of ``layer_bytes`` (one entry per block) over
-    ``n_stages`` stages (each at least one block) minimizing the largest
-    stage's bytes: the smallest capacity that a greedy front-to-back fill
-    covers in at most ``n_stages`` stages (binary search), then stages split
-    from the back until there are ``n_stages``. Requires
-    ``1 <= n_stages <= len(layer_bytes)``."""
+    ``n_stages`` stages (each at least one block) whose largest stage holds
+    the fewest bytes possible; among those, each boundary as near its even
+    share of the bytes as that allows (so no stage is left light).
+
+    The least feasible maximum comes from a binary search over a greedy
+    front-to-back fill; boundaries are then placed front to back at the block
+    whose cumulative bytes are nearest ``i / n_stages`` of the total, among
+    those that keep every stage within that maximum and leave the rest
+    coverable. Requires ``1 <= n_stages <= len(layer_bytes)``."""
     sizes = [int(b) for b in layer_bytes]
+    n = len(sizes)
+    prefix = [0]
+    for b in sizes:
+        prefix.append(prefix[-1] + b)
 
-    def fill(cap: int) -> list[tuple[int, int]]:
-        ranges, start, acc = [], 0, 0
-        for i, b in enumerate(sizes):
+    def stages_needed(start: int, cap: int) -> int:
+        count, acc = 1, 0
+        for b in sizes[start:]:
             if acc and acc + b > cap:
-                ranges.append((start, i))
-                start, acc = i, 0
+                count, acc = count + 1, 0
             acc += b
-        ranges.append((start, len(sizes)))
-        return ranges
+        return count
 
-    lo, hi = max(sizes), sum(sizes)
+    lo, hi = max(sizes), prefix[-1]
     while lo < hi:
         mid = (lo + hi) // 2
-        if len(fill(mid)) <= n_stages:
+        if stages_needed(0, mid) <= n_stages:
             hi = mid
         else:
             lo = mid + 1
-    ranges = fill(lo)
-    while len(ranges) < n_stages:  # split the last range with more than one block: the maximum cannot grow
-        k = max(i for i, (a, b) in enumerate(ranges) if b - a > 1)
-        a, b = ranges[k]
-        ranges[k:k + 1] = [(a, b - 1), (b - 1, b)]
+    ranges, start = [], 0
+    for i in range(n_stages - 1):
+        left = n_stages - 1 - i  # stages after this one
+        target = prefix[-1] * (i + 1) / n_stages
+        ok = [j for j in range(start + 1, n - left + 1)
+              if prefix[j] - prefix[start] <= lo and stages_needed(j, lo) <= left]
+        stop = min(ok, key=lambda j: (abs(prefix[j] - target), j))
+        ranges.append((start, stop))
+        start = stop
+    ranges.append((start, n))
     return ranges
 
 

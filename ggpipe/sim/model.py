@@ -15,7 +15,8 @@ from ggpipe.sim.profile import LayerShape
 # average bits per weight of llama.cpp quantization mixes (file bytes x 8 / weights
 # of published GGUFs of these sizes; the K-quant mixes keep some tensors wider)
 BITS_PER_WEIGHT = {"F32": 32.0, "F16": 16.0, "Q8_0": 8.5, "Q6_K": 6.56, "Q5_K_M": 5.69, "Q4_K_M": 4.85,
-                   "Q4_0": 4.55, "Q3_K_M": 3.91, "Q2_K": 3.41}
+                   "Q4_0": 4.55, "Q3_K_M": 3.91, "Q2_K": 3.41,
+                   "MXFP4": 4.25}  # GPT-OSS's own release format (experts in MXFP4)
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,10 @@ def from_gguf(name_or_path: str) -> ModelDesc:
 @dataclass(frozen=True)
 class Architecture:
     """A transformer's shape (GGUF ``{arch}.*`` keys). ``ffn_mats``: 3 for a
-    gated MLP (Llama), 2 for a plain one (Falcon)."""
+    gated MLP (Llama), 2 for a plain one (Falcon). ``head_dim``: None for
+    n_embd / n_head. Mixture of experts: ``n_expert`` experts of
+    ``n_ff_exp`` per layer, ``n_expert_used`` per token, ``n_expert_shared``
+    always-on experts, the first ``n_layer_dense_lead`` layers dense (n_ff)."""
 
     n_layer: int
     n_embd: int
@@ -70,10 +74,24 @@ class Architecture:
     n_vocab: int
     ffn_mats: int = 3
     tied: bool = False
+    head_dim: int | None = None
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    n_expert_shared: int = 0
+    n_layer_dense_lead: int = 0
 
-    def layer_params(self) -> int:
-        kv = self.n_embd * self.n_head_kv // self.n_head
-        return self.n_embd * (2 * self.n_embd + 2 * kv) + self.ffn_mats * self.n_embd * self.n_ff + 2 * self.n_embd
+    def attn_params(self) -> int:
+        hd = self.head_dim or self.n_embd // self.n_head
+        return self.n_embd * hd * (2 * self.n_head + 2 * self.n_head_kv) + 2 * self.n_embd
+
+    def layer_params(self, il: int = 0) -> tuple[int, int]:
+        """(weights, of which in routed experts) of layer ``il``."""
+        if not self.n_expert or il < self.n_layer_dense_lead:
+            return self.attn_params() + self.ffn_mats * self.n_embd * self.n_ff, 0
+        experts = self.n_expert * self.ffn_mats * self.n_embd * self.n_ff_exp
+        shared = self.n_expert_shared * self.ffn_mats * self.n_embd * self.n_ff_exp
+        return self.attn_params() + self.n_embd * self.n_expert + shared + experts, experts
 
 
 def described(name: str, arch: Architecture, quant: str) -> ModelDesc:
@@ -85,10 +103,13 @@ def described(name: str, arch: Architecture, quant: str) -> ModelDesc:
         bpw = BITS_PER_WEIGHT[quant.upper()]
     except KeyError:
         raise ConfigError(f"unknown quantization {quant!r}: choose one of {', '.join(BITS_PER_WEIGHT)}") from None
-    p = arch.layer_params()
-    layer = LayerShape(int(p * bpw / 8), p)
+    layers = []
+    for il in range(arch.n_layer):
+        p, e = arch.layer_params(il)
+        layers.append(LayerShape(int(p * bpw / 8), p, int(e * bpw / 8), e, arch.n_expert if e else 0,
+                                 arch.n_expert_used if e else 0))
     hp = arch.n_vocab * arch.n_embd
-    return ModelDesc(f"{name} {quant.upper()}", (layer,) * arch.n_layer, LayerShape(int(hp * bpw / 8), hp),
+    return ModelDesc(f"{name} {quant.upper()}", tuple(layers), LayerShape(int(hp * bpw / 8), hp),
                      arch.n_embd, arch.n_vocab)
 
 
@@ -104,6 +125,18 @@ ARCHITECTURES = {
     # PipeDec's pair (its section 4.1)
     "llama3.1-70b": Architecture(80, 8192, 28672, 64, 8, 128256),
     "llama3.2-1b": Architecture(16, 2048, 8192, 32, 8, 128256, tied=True),
+    # what CPU clusters run now (issue 27; shapes from the published config.json)
+    "llama3.3-70b": Architecture(80, 8192, 28672, 64, 8, 128256),
+    "qwen3-30b-a3b": Architecture(48, 2048, 6144, 32, 4, 151936, head_dim=128, n_expert=128, n_expert_used=8,
+                                  n_ff_exp=768),
+    "qwen3-235b-a22b": Architecture(94, 4096, 12288, 64, 4, 151936, head_dim=128, n_expert=128, n_expert_used=8,
+                                    n_ff_exp=1536),
+    "gpt-oss-20b": Architecture(24, 2880, 2880, 64, 8, 201088, head_dim=64, n_expert=32, n_expert_used=4,
+                                n_ff_exp=2880),
+    "gpt-oss-120b": Architecture(36, 2880, 2880, 64, 8, 201088, head_dim=64, n_expert=128, n_expert_used=4,
+                                 n_ff_exp=2880),
+    "deepseek-v2-lite": Architecture(27, 2048, 10944, 16, 16, 102400, head_dim=128, n_expert=64, n_expert_used=6,
+                                     n_ff_exp=1408, n_expert_shared=2, n_layer_dense_lead=1),
 }
 
 

@@ -46,12 +46,35 @@ class LayerShape:
     """One layer (or the output head) of a model, for costs.
 
     Attributes:
-        bytes: weight bytes read per evaluation.
-        params: weights (count), for the roofline of a described host.
+        bytes: weight bytes of the layer (what it holds in memory).
+        params: weights (count).
+        expert_bytes, expert_params: the part of ``bytes``/``params`` in
+            mixture-of-experts tensors (``*_exps``), of which each token uses
+            ``n_expert_used`` of ``n_expert``.
     """
 
     bytes: int
     params: int
+    expert_bytes: int = 0
+    expert_params: int = 0
+    n_expert: int = 0
+    n_expert_used: int = 0
+
+    def bytes_read(self, n: int) -> float:
+        """Weight bytes a batch of ``n`` tokens reads: the dense part, and
+        the experts the batch touches, expected under uniform routing:
+        ``1 - (1 - used/experts)^n`` of them (one token reads
+        used/experts; a large batch reads them all)."""
+        if not self.n_expert or not self.expert_bytes:
+            return float(self.bytes)
+        touched = 1.0 - (1.0 - self.n_expert_used / self.n_expert) ** max(1, n)
+        return self.bytes - self.expert_bytes + self.expert_bytes * touched
+
+    def active_params(self) -> float:
+        """Weights one token multiplies (its experts only): FLOPs = 2 x this."""
+        if not self.n_expert:
+            return float(self.params)
+        return self.params - self.expert_params + self.expert_params * self.n_expert_used / self.n_expert
 
 
 @dataclass
@@ -116,15 +139,16 @@ class HostProfile:
         return self.mem_bw_Bps is not None
 
     def _roofline(self, shape: LayerShape, n: int) -> float:
-        return max(shape.bytes / self.mem_bw_Bps, 2.0 * shape.params * n / self.flops)
+        return max(shape.bytes_read(n) / self.mem_bw_Bps, 2.0 * shape.active_params() * n / self.flops)
 
     def layer_cost(self, shape: LayerShape, n: int, kv: int = 0) -> float:
         """Seconds to evaluate one layer of ``shape`` for ``n`` tokens whose
         attention spans ``kv`` cells."""
         if self.described:
             return self._roofline(shape, n)
-        base = _interp(self.batch_sizes, self.layer_s, n) * shape.bytes / self.layer_bytes
-        return base + self.kv_s_per_cell * n * max(0, kv - self.kv_ref) * shape.bytes / self.layer_bytes
+        # measured on a dense calibration layer: scaled by the bytes this batch reads
+        scale = shape.bytes_read(n) / self.layer_bytes
+        return (_interp(self.batch_sizes, self.layer_s, n) + self.kv_s_per_cell * n * max(0, kv - self.kv_ref)) * scale
 
     def head_cost(self, shape: LayerShape, n_out: int) -> float:
         """Seconds of the output norm + LM head for ``n_out`` logit rows."""
