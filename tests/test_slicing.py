@@ -85,10 +85,10 @@ def test_a_slice_of_global_layers_only(tmp_path):
 
 def test_recurrent_layers_of_qwen35(tmp_path):
     """Recurrent unless (il + 1) % full_attention_interval == 0 (default 4)."""
-    r = _model(tmp_path / "q.gguf", "qwen35", 8)
+    r = _model(tmp_path / "q.gguf", "qwen35", 8, attention__head_count=2)
     assert _flags(slice_metadata(r, "qwen35", 8, range(2, 8)), "qwen35.attention.recurrent_layers") == [
         True, False, True, True, True, False]
-    r = _model(tmp_path / "q2.gguf", "qwen35", 8, full_attention_interval=2)
+    r = _model(tmp_path / "q2.gguf", "qwen35", 8, full_attention_interval=2, attention__head_count=2)
     assert _flags(slice_metadata(r, "qwen35", 8, range(0, 3)), "qwen35.attention.recurrent_layers") == [
         True, False, True]
 
@@ -125,7 +125,7 @@ def test_a_hybrid_slice_needs_both_kinds_of_block(tmp_path):
     with pytest.raises(ModelError, match="hold no attention block"):
         slice_metadata(r, "nemotron_h", 3, range(1, 3))
     # Qwen 3.5: recurrent unless (il + 1) % 4 == 0
-    r = _model(tmp_path / "q.gguf", "qwen35", 8)
+    r = _model(tmp_path / "q.gguf", "qwen35", 8, attention__head_count=2)
     slice_metadata(r, "qwen35", 8, range(2, 4))
     with pytest.raises(ModelError, match="hold no attention block"):
         slice_metadata(r, "qwen35", 8, range(4, 7))
@@ -154,3 +154,15 @@ def test_speculation_refuses_recurrent_models():
     check_speculation("pipeinfer", {"a.gguf": False, "b.gguf": False})
     with pytest.raises(ConfigError, match=r"^--mode pipeinfer cannot run lfm2.gguf: .*recurrent.*--mode iterative$"):
         check_speculation("pipeinfer", {"t.gguf": False, "lfm2.gguf": True})
+
+
+def test_rope_sections_are_not_per_layer(tmp_path):
+    """M-RoPE's 4 sections stay whole in a slice of a 4-block model."""
+    from ggpipe.models.gguf_info import read_model_info
+
+    _model(tmp_path / "q.gguf", "qwen35", 4, rope__dimension_sections=[11, 11, 10, 0],
+           attention__head_count_kv=[0, 0, 0, 2])
+    info = read_model_info(tmp_path / "q.gguf", tmp_path / "cache")
+    assert info.per_layer_keys == ("qwen35.attention.head_count_kv",)
+    out = derive_gguf(tmp_path / "q.gguf", range(1, 4), tmp_path / "s.gguf")
+    assert list(gguf.GGUFReader(str(out)).fields["qwen35.rope.dimension_sections"].contents()) == [11, 11, 10, 0]

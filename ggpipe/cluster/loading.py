@@ -70,7 +70,7 @@ def load_rank(config: ClusterConfig, rank: int, size: int) -> Loaded:
     where = f"rank {rank} ({socket.gethostname()})"
     types = (config.cache_type_k, config.cache_type_v) if model == "target" else config.draft_cache_types
     n_threads, warnings = _check_resources(config, rank, where, describe_role(roles, rank, (start, stop)), m_info,
-                                 stop - start, draft_info if rank == 0 and roles.has_draft and roles.n_draft == 0
+                                 (start, stop), draft_info if rank == 0 and roles.has_draft and roles.n_draft == 0
                                  else None, threads[rank], info, types)
     load = dict(flash_attn=config.flash_attn, mlock=config.mlock, no_mmap=config.no_mmap, numa=config.numa)
     stage = Stage(StageSpec(
@@ -105,22 +105,26 @@ def _layer_bytes(path, weights, n_stages: int) -> list[int] | None:
     return model_sizes(path).layer_bytes
 
 
-def _check_resources(config: ClusterConfig, rank: int, where: str, role: str, m_info, n_layers: int, draft_info,
+def _check_resources(config: ClusterConfig, rank: int, where: str, role: str, m_info, layers: tuple[int, int],
+                     draft_info,
                      n_threads: int, target_info, types: tuple[str, str] = ("f16", "f16")) -> tuple[int, list[str]]:
     """Before anything is allocated (ggpipe.cluster.resources): the KV cache
     against this rank's memory, the context per sequence against the
     target's training (a warning, on the head), ``-t`` against the rank's
     CPUs (capped, with a warning). ``types``: this rank's model's KV cache
-    types (K, V). Returns the threads to use and the warnings, printed once
-    the stage has loaded (an error while loading is then the one line).
+    types (K, V); ``layers``: the stage's blocks [start, stop) (a hybrid
+    model's KV depends on which it holds). Returns the threads to use and
+    the warnings, printed once the stage has loaded (an error while loading
+    is then the one line).
 
     Raises:
         ConfigError: the KV cache cannot fit this rank's memory.
     """
-    parts = [(role, kv_bytes_per_cell(m_info, n_layers, *types))]
+    v_trans = config.flash_attn == "off"  # llama.cpp stores V transposed (padded) without flash attention
+    parts = [(role, kv_bytes_per_cell(m_info, layers, *types, v_trans=v_trans))]
     if draft_info is not None:
-        parts.append(("the draft model", kv_bytes_per_cell(draft_info, draft_info.n_layer,
-                                                           *config.draft_cache_types)))
+        parts.append(("the draft model", kv_bytes_per_cell(draft_info, (0, draft_info.n_layer),
+                                                           *config.draft_cache_types, v_trans=v_trans)))
     check_kv_memory(config.ctx_size, parts, where)
     warnings = []
     if rank == 0:

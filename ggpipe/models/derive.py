@@ -58,7 +58,7 @@ OUT_TYPES = ("keep", "f16", "f32")
 # Version of what a stage slice holds (ggpipe.models.slicing), in its cached
 # name: a slice cut by older rules is never reused. Bump it with every change
 # of a slicing rule (a refusal included: a cached slice skips the checks).
-SLICE_RULES = 3
+SLICE_RULES = 4
 _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 _FLOAT_TARGET = {"f16": GGMLQuantizationType.F16, "f32": GGMLQuantizationType.F32}
 _NP_OF = {GGMLQuantizationType.F16: np.dtype("<f2"), GGMLQuantizationType.F32: np.dtype("<f4")}

@@ -193,11 +193,18 @@ def _int_key(reader: GGUFReader, path: Path, key: str, required: bool = True) ->
     return int(v)
 
 
+# Fixed-length arrays that are not per layer, whatever the block count:
+# M-RoPE's 4 rotary sections.
+NOT_PER_LAYER = ("rope.dimension_sections",)
+
+
 def per_layer_keys(reader: GGUFReader, n_layer: int) -> tuple[str, ...]:
     """Architecture metadata keys (``{arch}.*``) whose value is an array of
-    exactly ``n_layer`` elements: one value per block, to re-index on slicing."""
+    exactly ``n_layer`` elements: one value per block, to re-index on slicing
+    (except the fixed-length arrays of NOT_PER_LAYER)."""
     prefix = f"{field_value(reader, Keys.General.ARCHITECTURE)}."
-    return tuple(k for k, f in reader.fields.items() if k.startswith(prefix) and array_length(f) == n_layer)
+    return tuple(k for k, f in reader.fields.items()
+                 if k.startswith(prefix) and array_length(f) == n_layer and k[len(prefix):] not in NOT_PER_LAYER)
 
 
 def info_from_reader(reader: GGUFReader, path: str | os.PathLike[str]) -> ModelInfo:
@@ -242,7 +249,7 @@ def info_from_reader(reader: GGUFReader, path: str | os.PathLike[str]) -> ModelI
 
 
 # Remembered ModelInfo records: bump when ModelInfo or its derivation changes.
-_INFO_FORMAT = 2  # 2: kv_rows, kv_v_cache
+_INFO_FORMAT = 3  # 2: kv_rows, kv_v_cache; 3: rope.dimension_sections is not per layer
 _INFO_FIELDS = tuple(f.name for f in dataclasses.fields(ModelInfo) if f.name != "path")
 
 

@@ -52,6 +52,7 @@ from gguf.constants import GGUFValueType
 
 from ggpipe.errors import ConfigError, ModelError
 from ggpipe.models.gguf_info import ModelInfo, field_value
+from ggpipe.models.kv_size import layout_from_reader
 
 
 @dataclass(frozen=True)
@@ -219,20 +220,21 @@ def _per_layer(reader: GGUFReader, key: str, n_all: int) -> list[int] | None:
 def _hybrid_kinds(reader: GGUFReader, arch: str, fam: Family, n_main: int,
                   n_all: int) -> tuple[list[bool], list[bool]] | None:
     """(recurrent, attention) flag per block of a hybrid model, as its
-    llama.cpp graph decides: the recurrent pattern or array, else a block
-    without KV heads is recurrent; with ``mlp_blocks`` (Nemotron-H) a block
-    without KV heads but with a feed-forward part is an MLP block, and one
-    with a feed-forward part is not an attention block."""
+    llama.cpp graph decides. Attention blocks: those with a KV cache
+    (:func:`ggpipe.models.kv_size.kv_layout`). Recurrent: the recurrent
+    pattern or array, else a block without KV heads (with ``mlp_blocks``,
+    Nemotron-H, one without a feed-forward part: the others are MLP blocks)."""
     if not fam.hybrid:
         return None
-    kv = _per_layer(reader, f"{arch}.attention.head_count_kv", n_all) or [1] * n_all
-    ff = _per_layer(reader, f"{arch}.feed_forward_length", n_all) or [0] * n_all
+    n_embd = _int(reader, f"{arch}.embedding_length") or 0
+    attention = [row is not None for row in layout_from_reader(reader, arch, n_all, n_embd).rows]
     recurrent = _recurrent_layers(reader, arch, fam, n_main, n_all)
     if recurrent is None and _is_array(reader, f"{arch}.attention.recurrent_layers"):
         recurrent = [bool(x) for x in field_value(reader, f"{arch}.attention.recurrent_layers")]
     if recurrent is None:
+        kv = _per_layer(reader, f"{arch}.attention.head_count_kv", n_all) or [1] * n_all
+        ff = _per_layer(reader, f"{arch}.feed_forward_length", n_all) or [0] * n_all
         recurrent = [kv[i] == 0 and not (fam.mlp_blocks and ff[i]) for i in range(n_all)]
-    attention = [not recurrent[i] and kv[i] > 0 and not (fam.mlp_blocks and ff[i]) for i in range(n_all)]
     return recurrent, attention
 
 
