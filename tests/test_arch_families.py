@@ -199,6 +199,17 @@ def test_gemma2_runs_whole_and_refuses_a_split(tiny_models):
         p.stderr[-2000:]
 
 
+@pytest.mark.mpi
+def test_mla_needs_one_cache_type(tiny_models):
+    """DeepSeek-2's MLA cache holds K only: llama.cpp refuses different K
+    and V types (llama_init_from_model), ggpipe says so in one line first."""
+    p = run_ggpipe(["generate", "-m", str(tiny_models["deepseek2-moe"]), "-p", PROMPT, "-n", "4", "-c", "256",
+                    "-ctk", "q8_0", "-ctv", "f16"], 2)
+    lines = stderr_lines(p.stderr)
+    assert p.returncode != 0 and len(lines) == 1, p.stderr[-2000:]
+    assert "-ctk q8_0 -ctv f16" in lines[0] and "MLA latent" in lines[0] and "the same type" in lines[0]
+
+
 def test_readme_table(tiny_models):
     """README "Architectures": one row per family, in FAMILIES order, its
     speculative column from llama.cpp's recurrent/hybrid flag."""

@@ -69,6 +69,11 @@ def load_rank(config: ClusterConfig, rank: int, size: int) -> Loaded:
     start, stop = plan[index]
     where = f"rank {rank} ({socket.gethostname()})"
     types = (config.cache_type_k, config.cache_type_v) if model == "target" else config.draft_cache_types
+    if not m_info.kv_layout.v_cache and types[0] != types[1]:  # llama_init_from_model returns NULL for it
+        opts = ("-ctk", "-ctv") if model == "target" else ("-ctkd", "-ctvd")
+        raise ConfigError(f"{opts[0]} {types[0]} {opts[1]} {types[1]}: {m_path.name} caches one MLA latent per layer "
+                          f"(no separate V), and llama.cpp refuses different K and V cache types for it: give both "
+                          f"the same type")
     n_threads, warnings = _check_resources(config, rank, where, describe_role(roles, rank, (start, stop)), m_info,
                                  (start, stop), draft_info if rank == 0 and roles.has_draft and roles.n_draft == 0
                                  else None, threads[rank], info, types)
