@@ -224,3 +224,11 @@ def test_readme_table(tiny_models):
         if fam.refuse is None and names:
             recurrent = file_is_recurrent(tiny_models[names[0]])
             assert spec.startswith("no") == recurrent, arch
+
+
+def test_models_info_on_moe_and_hybrid(tiny_models):
+    p = run_ggpipe(["models", "info", str(tiny_models["qwen3moe-moe"])])
+    assert re.search(r"experts\s+2, 2 per token", p.stdout) and re.search(r"speculative modes\s+yes", p.stdout)
+    p = run_ggpipe(["models", "info", str(tiny_models["lfm2-dense"])])
+    assert re.search(r"speculative modes\s+no: a recurrent state", p.stdout), p.stdout
+    assert "every stage needs an attention and a recurrent block" in p.stdout

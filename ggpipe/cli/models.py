@@ -15,7 +15,7 @@ import click
 from ggpipe.errors import GGPipeError
 from ggpipe.models import derive as _derive_mod
 from ggpipe.models import registry as _reg
-from ggpipe.models.gguf_info import read_model_info
+from ggpipe.models.gguf_info import field_value, load_gguf, read_model_info
 from ggpipe.models.slicing import check_sliceable, describe_slicing
 
 __all__ = ["models_group", "split_command"]
@@ -88,6 +88,13 @@ def models_info(model: str) -> None:
     """Show the GGUF facts of MODEL (registry name or .gguf path)."""
     info = read_model_info(_reg.resolve(model))
     sliceable = describe_slicing(info)
+    reader = load_gguf(info.path)
+    n_expert = field_value(reader, f"{info.arch}.expert_count") or 0
+    n_used = field_value(reader, f"{info.arch}.expert_used_count") or 0
+    experts = f"{n_expert}, {n_used} per token" if n_expert else "none (dense)"
+    from ggpipe.runtime.llama import file_is_recurrent  # noqa: PLC0415 (loads llama.cpp)
+
+    speculative = "no: a recurrent state per sequence (--mode iterative)" if file_is_recurrent(info.path) else "yes"
     rows = [
         ("path", str(info.path)),
         ("arch", info.arch),
@@ -99,7 +106,9 @@ def models_info(model: str) -> None:
         ("bos / eos", f"{info.bos_token_id} / {info.eos_token_id}"),
         ("chat template", "yes" if info.chat_template else "no"),
         ("size", human_size(info.file_size)),
+        ("experts", experts),
         ("can be split", sliceable),
+        ("speculative modes", speculative),
     ]
     w = max(len(k) for k, _ in rows)
     for k, v in rows:

@@ -158,8 +158,12 @@ def describe_slicing(info: ModelInfo) -> str:
     keeps = ["per-layer arrays re-indexed"] if info.per_layer_keys else []
     if fam.swa_period is not None:
         keeps.append("sliding-window pattern written per layer")
+    if fam.swa_period is not None and not fam.swa_optional:
+        keeps.append("a stage of global-attention blocks only is refused")
     if fam.recurrent_interval is not None:
         keeps.append("recurrent layers written per layer")
+    if fam.hybrid:
+        keeps.append("every stage needs an attention and a recurrent block")
     if info.arch in ("deepseek2", "glm4moe"):
         keeps.append("leading dense blocks shifted")
     how = "; ".join(keeps) or "blocks copied as they are"
