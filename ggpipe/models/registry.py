@@ -9,6 +9,16 @@ produces anything else fails and leaves nothing in the cache.
 Fetched models live in ``<cache>/models/NAME.gguf`` (``<cache>`` is
 ``$GGPIPE_CACHE`` or ``~/.cache/ggpipe``). A cached file with the registered
 size is used as is: the hash is checked once, when the file is fetched.
+
+A *described* entry (``shape = "ARCH:QUANT"`` + ``url``, no source) names a
+GGUF ggpipe cannot get by itself (too large for PyPI): its shape
+(ggpipe.models.shapes) is what ``ggpipe plan`` and ``ggpipe simulate`` size
+and cost while the file is absent. Anything that needs its weights
+(:func:`fetch`, :func:`resolve`) refuses in one line
+(:class:`DescribedModelError`) saying where to download it, until the user
+puts the file at ``<cache>/models/NAME.gguf`` (or passes its path): a file
+there is used as is (its size checked when the entry gives ``size``; its
+``sha256``, when given, by :func:`verify` only).
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ from pathlib import Path
 
 import tomllib
 
-from ggpipe.errors import ModelError
+from ggpipe.errors import GGPipeError, ModelError
 from ggpipe.models.cache import (
     cache_dir,
     ensure_dir,
@@ -35,15 +45,17 @@ from ggpipe.models.cache import (
     temp_path_for,
 )
 from ggpipe.models.derive import OUT_TYPES, _derive, parse_layer_list
+from ggpipe.models.shapes import parse_shape
 
 MODELS_ENV = "GGPIPE_MODELS"
 DEFAULT_MODEL = "smollm2-135m"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
-_FIELDS = {"description", "arch", "size", "sha256", "pypi", "member", "base", "layers", "type"}
+_FIELDS = {"description", "arch", "size", "sha256", "pypi", "member", "base", "layers", "type", "shape", "url"}
 
 __all__ = [
     "DEFAULT_MODEL",
+    "DescribedModelError",
     "ModelEntry",
     "cache_dir",
     "cached_path",
@@ -74,26 +86,51 @@ def registry_path() -> Path:
 
 @dataclass(frozen=True)
 class ModelEntry:
+    """One [models.NAME] entry. ``size``/``sha256``: None only for a
+    described entry (``shape`` + ``url``) that does not give them."""
+
     name: str
     description: str
     arch: str
-    size: int
-    sha256: str
+    size: int | None
+    sha256: str | None
     pypi: str | None = None
     member: str | None = None
     base: str | None = None
     layers: str | None = None
     type: str = "keep"
+    shape: str | None = None
+    url: str | None = None
 
     @property
     def is_derived(self) -> bool:
         return self.base is not None
 
     @property
+    def is_described(self) -> bool:
+        """A described model: a shape and a download URL, no source ggpipe can fetch from."""
+        return self.shape is not None
+
+    @property
     def source(self) -> str:
         if self.pypi is not None:
             return f"pypi:{self.pypi}"
+        if self.shape is not None:
+            return f"download: {self.url}"
         return f"{self.base}[{self.layers}] {self.type}"
+
+
+class DescribedModelError(ModelError):
+    """A described model (``entry``) whose GGUF is not in the cache: ggpipe
+    cannot download it. Sizing code (ggpipe.models.sizes) uses its shape
+    instead; everything else reports this one line."""
+
+    def __init__(self, entry: ModelEntry):
+        super().__init__(
+            f"{entry.name} is a described model: ggpipe cannot download it; get the GGUF from {entry.url} and pass "
+            f"its path, or put it at {model_path(entry.name)}; ggpipe plan and simulate use its shape ({entry.shape})"
+        )
+        self.entry = entry
 
 
 def _entry(path: Path, name: str, raw: object) -> ModelEntry:
@@ -116,20 +153,38 @@ def _entry(path: Path, name: str, raw: object) -> ModelEntry:
             raise ModelError(f"{where}: field '{field}' must be a non-empty string")
         return v
 
+    shape, url = text("shape", False), text("url", False)
+    described = shape is not None
     size = raw.get("size")
     if size is None:
-        raise ModelError(f"{where}: missing field 'size'")
-    if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+        if not described:
+            raise ModelError(f"{where}: missing field 'size'")
+    elif not isinstance(size, int) or isinstance(size, bool) or size <= 0:
         raise ModelError(f"{where}: field 'size' must be a positive integer (bytes), got {size!r}")
-    sha = text("sha256")
-    assert sha is not None
-    if not _SHA_RE.match(sha):
+    sha = text("sha256", not described)
+    if sha is not None and not _SHA_RE.match(sha):
         raise ModelError(f"{where}: field 'sha256' must be 64 lowercase hex digits, got {sha!r}")
     pypi, member, base, layers = text("pypi", False), text("member", False), text("base", False), text("layers", False)
     typ = text("type", False)
-    if (pypi is None) == (base is None):
-        raise ModelError(f"{where}: give either 'pypi' (with 'member') or 'base' (with 'layers'), not {'both' if pypi else 'neither'}")
-    if pypi is not None:
+    if described:
+        given = [f for f in ("pypi", "member", "base", "layers", "type") if raw.get(f) is not None]
+        if given:
+            raise ModelError(f"{where}: field '{given[0]}' does not go with 'shape': a described model has no "
+                             f"source ggpipe can fetch from (give a source or a shape, not both)")
+        try:
+            parse_shape(shape)
+        except GGPipeError as e:
+            raise ModelError(f"{where}: field 'shape': {e}") from None
+        if url is None:
+            raise ModelError(f"{where}: missing field 'url' (where a user downloads the GGUF of a described model)")
+        if not url.startswith(("https://", "http://")):
+            raise ModelError(f"{where}: field 'url' must be an http(s) URL, got {url!r}")
+    elif url is not None:
+        raise ModelError(f"{where}: field 'url' only applies to described models (with 'shape')")
+    elif (pypi is None) == (base is None):
+        raise ModelError(f"{where}: give either 'pypi' (with 'member') or 'base' (with 'layers'), not "
+                         + ("both" if pypi else "neither (or 'shape' and 'url' for a described model)"))
+    elif pypi is not None:
         if member is None:
             raise ModelError(f"{where}: missing field 'member' (the .gguf path inside the wheel of {pypi})")
         for field in ("layers", "type"):
@@ -157,6 +212,8 @@ def _entry(path: Path, name: str, raw: object) -> ModelEntry:
         base=base,
         layers=layers,
         type=typ or "keep",
+        shape=shape,
+        url=url,
     )
 
 
@@ -182,6 +239,9 @@ def load_registry(path: Path | None = None) -> dict[str, ModelEntry]:
         while cur.base is not None:
             if cur.base not in entries:
                 raise ModelError(f"{path}: model '{cur.name}': field 'base' names unknown model '{cur.base}'")
+            if entries[cur.base].is_described:
+                raise ModelError(f"{path}: model '{cur.name}': field 'base' names described model '{cur.base}', "
+                                 f"which ggpipe cannot fetch")
             if cur.base in seen:
                 raise ModelError(f"{path}: model '{e.name}': field 'base' makes a cycle ({' -> '.join(seen + [cur.base])})")
             seen.append(cur.base)
@@ -207,11 +267,28 @@ def model_path(name: str) -> Path:
 
 
 def _is_cached_entry(entry: ModelEntry) -> bool:
+    """Its file is in the cache with the registered size (a described entry
+    without ``size``: any file there)."""
     p = model_path(entry.name)
     try:
-        return p.is_file() and p.stat().st_size == entry.size
+        return p.is_file() and (entry.size is None or p.stat().st_size == entry.size)
     except OSError:
         return False
+
+
+def _described_file(entry: ModelEntry) -> Path:
+    """The user's file of described ``entry`` in the cache.
+
+    Raises:
+        DescribedModelError: none there.
+        ModelError: a file of another size than the entry's ``size``."""
+    final = model_path(entry.name)
+    if _is_cached_entry(entry):
+        return final
+    if final.is_file():
+        raise ModelError(f"model '{entry.name}': {final} is {final.stat().st_size} bytes but models.toml says "
+                         f"{entry.size}: not the GGUF from {entry.url}; replace it")
+    raise DescribedModelError(entry)
 
 
 def is_cached(name: str) -> bool:
@@ -312,6 +389,8 @@ def fetch(name: str, progress: bool = True) -> Path:
     on one machine) wait for each other on a per-model lock."""
     entry = get_entry(name)
     final = model_path(name)
+    if entry.is_described:  # the user's file, or a one-line refusal
+        return _described_file(entry)
     if _is_cached_entry(entry):
         return final
     base_path = fetch(entry.base, progress) if entry.base is not None else None
@@ -343,9 +422,23 @@ def fetch(name: str, progress: bool = True) -> Path:
 
 
 def verify(name: str, progress: bool = False) -> Path:
-    """Hash the cached file of ``name`` again; a mismatch removes it (ModelError)."""
+    """Hash the cached file of ``name`` again; a mismatch removes it (ModelError).
+
+    A described model: its user's file is compared with the registered
+    sha256 (there is none: ModelError) and never removed."""
     entry = get_entry(name)
     final = model_path(name)
+    if entry.is_described:
+        _described_file(entry)
+        if entry.sha256 is None:
+            raise ModelError(f"model '{name}': models.toml gives no sha256 of this described model: nothing to "
+                             f"verify {final} against (compare it with the one published at {entry.url})")
+        sha = sha256_file(final, progress=progress, desc=f"verifying {name}")
+        if sha != entry.sha256:
+            raise ModelError(f"model '{name}': {final} has sha256 {sha}, models.toml says {entry.sha256}: not the "
+                             f"GGUF from {entry.url}; replace it")
+        record_sha256(final, sha)
+        return final
     if not final.is_file():
         raise ModelError(f"model '{name}' is not in the cache ({final}); run `ggpipe models fetch {name}`")
     sha = sha256_file(final, progress=progress, desc=f"verifying {name}")
@@ -373,7 +466,8 @@ def resolve(name_or_path: str | os.PathLike[str], fetch_missing: bool = True, pr
 
     An existing file -> that path. Something path-like (has a separator or
     ends in .gguf) that does not exist -> ModelError. A registry name -> its
-    cached file, fetched first if needed (``fetch_missing``). Else ModelError
+    cached file, fetched first if needed (``fetch_missing``); a described
+    model's file in the cache, else DescribedModelError. Else ModelError
     listing the known names."""
     s = os.fspath(name_or_path)
     if not s.strip():
@@ -388,6 +482,8 @@ def resolve(name_or_path: str | os.PathLike[str], fetch_missing: bool = True, pr
     entries = load_registry()
     if s not in entries:
         raise ModelError(_unknown_msg(s, entries))
+    if entries[s].is_described:
+        return _described_file(entries[s])
     if _is_cached_entry(entries[s]):
         return model_path(s)
     if not fetch_missing:

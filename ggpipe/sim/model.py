@@ -9,14 +9,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ggpipe.errors import ConfigError
+from ggpipe.models.shapes import (
+    ARCHITECTURES,
+    BITS_PER_WEIGHT,
+    Architecture,
+    is_shape,
+    parse_shape,
+)
 from ggpipe.sim.profile import LayerShape
 
-# average bits per weight of llama.cpp quantization mixes (file bytes x 8 / weights
-# of published GGUFs of these sizes; the K-quant mixes keep some tensors wider)
-BITS_PER_WEIGHT = {"F32": 32.0, "F16": 16.0, "Q8_0": 8.5, "Q6_K": 6.56, "Q5_K_M": 5.69, "Q4_K_M": 4.85,
-                   "Q4_0": 4.55, "Q3_K_M": 3.91, "Q2_K": 3.41,
-                   "MXFP4": 4.25}  # GPT-OSS's own release format (experts in MXFP4)
+__all__ = ["ARCHITECTURES", "BITS_PER_WEIGHT", "Architecture", "ModelDesc", "described", "from_gguf", "from_sizes",
+           "resolve_desc"]
 
 
 @dataclass(frozen=True)
@@ -45,53 +48,26 @@ class ModelDesc:
         return sum(s.bytes for s in self.layers) + self.head.bytes
 
 
+def from_sizes(name: str, m) -> ModelDesc:
+    """The description of a model of sizes ``m`` (ggpipe.models.sizes.ModelSizes:
+    of a GGUF's header or of a shape); routed experts as such."""
+    n = m.n_layer
+    eb, ep = m.layer_expert_bytes or [0] * n, m.layer_expert_params or [0] * n
+    layers = tuple(LayerShape(b, p, e, q, m.n_expert if e else 0, m.n_expert_used if e else 0)
+                   for b, p, e, q in zip(m.layer_bytes, m.layer_params or m.layer_bytes, eb, ep))
+    return ModelDesc(name, layers, LayerShape(m.head_bytes, m.head_params or m.head_bytes), m.n_embd, m.n_vocab)
+
+
 def from_gguf(name_or_path: str) -> ModelDesc:
-    """The description of a GGUF (registry name or path), from its header.
+    """The description of a model from its GGUF's header (registry name or
+    path), or from its shape (ARCH:QUANT, or a described registry model
+    whose file is not in the cache).
 
     Raises:
         ModelError: unknown name, unreadable or non-GGUF file."""
     from ggpipe.models.sizes import model_sizes
 
-    m = model_sizes(name_or_path)
-    layers = tuple(LayerShape(b, p) for b, p in zip(m.layer_bytes, m.layer_params or m.layer_bytes))
-    return ModelDesc(name_or_path, layers, LayerShape(m.head_bytes, m.head_params or m.head_bytes),
-                     m.n_embd, m.n_vocab)
-
-
-@dataclass(frozen=True)
-class Architecture:
-    """A transformer's shape (GGUF ``{arch}.*`` keys). ``ffn_mats``: 3 for a
-    gated MLP (Llama), 2 for a plain one (Falcon). ``head_dim``: None for
-    n_embd / n_head. Mixture of experts: ``n_expert`` experts of
-    ``n_ff_exp`` per layer, ``n_expert_used`` per token, ``n_expert_shared``
-    always-on experts, the first ``n_layer_dense_lead`` layers dense (n_ff)."""
-
-    n_layer: int
-    n_embd: int
-    n_ff: int
-    n_head: int
-    n_head_kv: int
-    n_vocab: int
-    ffn_mats: int = 3
-    tied: bool = False
-    head_dim: int | None = None
-    n_expert: int = 0
-    n_expert_used: int = 0
-    n_ff_exp: int = 0
-    n_expert_shared: int = 0
-    n_layer_dense_lead: int = 0
-
-    def attn_params(self) -> int:
-        hd = self.head_dim or self.n_embd // self.n_head
-        return self.n_embd * hd * (2 * self.n_head + 2 * self.n_head_kv) + 2 * self.n_embd
-
-    def layer_params(self, il: int = 0) -> tuple[int, int]:
-        """(weights, of which in routed experts) of layer ``il``."""
-        if not self.n_expert or il < self.n_layer_dense_lead:
-            return self.attn_params() + self.ffn_mats * self.n_embd * self.n_ff, 0
-        experts = self.n_expert * self.ffn_mats * self.n_embd * self.n_ff_exp
-        shared = self.n_expert_shared * self.ffn_mats * self.n_embd * self.n_ff_exp
-        return self.attn_params() + self.n_embd * self.n_expert + shared + experts, experts
+    return from_sizes(name_or_path, model_sizes(name_or_path))
 
 
 def described(name: str, arch: Architecture, quant: str) -> ModelDesc:
@@ -99,54 +75,19 @@ def described(name: str, arch: Architecture, quant: str) -> ModelDesc:
 
     Raises:
         ConfigError: unknown quantization."""
-    try:
-        bpw = BITS_PER_WEIGHT[quant.upper()]
-    except KeyError:
-        raise ConfigError(f"unknown quantization {quant!r}: choose one of {', '.join(BITS_PER_WEIGHT)}") from None
-    layers = []
-    for il in range(arch.n_layer):
-        p, e = arch.layer_params(il)
-        layers.append(LayerShape(int(p * bpw / 8), p, int(e * bpw / 8), e, arch.n_expert if e else 0,
-                                 arch.n_expert_used if e else 0))
-    hp = arch.n_vocab * arch.n_embd
-    return ModelDesc(f"{name} {quant.upper()}", tuple(layers), LayerShape(int(hp * bpw / 8), hp),
-                     arch.n_embd, arch.n_vocab)
+    from ggpipe.models.sizes import shape_sizes
 
-
-# PipeInfer Table I's models and PipeDec's pair (shapes from their published config.json / GGUF headers)
-ARCHITECTURES = {
-    "llama2-70b": Architecture(80, 8192, 28672, 64, 8, 32000),        # Dolphin 2.1 70B
-    "goliath-120b": Architecture(137, 8192, 28672, 64, 8, 32000),     # Goliath 120B (Llama 2 70B merge)
-    "falcon-180b": Architecture(80, 14848, 59392, 232, 8, 65024, ffn_mats=2),
-    "tinyllama-1.1b": Architecture(22, 2048, 5632, 32, 4, 32000),
-    "llama2-7b": Architecture(32, 4096, 11008, 32, 32, 32000),        # XWin-LM 7B
-    "llama2-13b": Architecture(40, 5120, 13824, 40, 40, 32000),       # XWin-LM 13B
-    "falcon-7b": Architecture(32, 4544, 18176, 71, 1, 65024, ffn_mats=2),
-    # PipeDec's pair (its section 4.1)
-    "llama3.1-70b": Architecture(80, 8192, 28672, 64, 8, 128256),
-    "llama3.2-1b": Architecture(16, 2048, 8192, 32, 8, 128256, tied=True),
-    # what CPU clusters run now (issue 27; shapes from the published config.json)
-    "llama3.3-70b": Architecture(80, 8192, 28672, 64, 8, 128256),
-    "qwen3-30b-a3b": Architecture(48, 2048, 6144, 32, 4, 151936, head_dim=128, n_expert=128, n_expert_used=8,
-                                  n_ff_exp=768),
-    "qwen3-235b-a22b": Architecture(94, 4096, 12288, 64, 4, 151936, head_dim=128, n_expert=128, n_expert_used=8,
-                                    n_ff_exp=1536),
-    "gpt-oss-20b": Architecture(24, 2880, 2880, 64, 8, 201088, head_dim=64, n_expert=32, n_expert_used=4,
-                                n_ff_exp=2880),
-    "gpt-oss-120b": Architecture(36, 2880, 2880, 64, 8, 201088, head_dim=64, n_expert=128, n_expert_used=4,
-                                 n_ff_exp=2880),
-    "deepseek-v2-lite": Architecture(27, 2048, 10944, 16, 16, 102400, head_dim=128, n_expert=64, n_expert_used=6,
-                                     n_ff_exp=1408, n_expert_shared=2, n_layer_dense_lead=1),
-}
+    return from_sizes(f"{name} {quant.upper()}", shape_sizes(arch, quant, f"{name}:{quant.upper()}"))
 
 
 def resolve_desc(text: str) -> ModelDesc:
     """``ARCH:QUANT`` (a key of ARCHITECTURES and of BITS_PER_WEIGHT, e.g.
-    ``llama2-70b:Q3_K_M``) or a GGUF (registry name or path).
+    ``llama2-70b:Q3_K_M``) or a GGUF (registry name or path; a described
+    registry model without its file: its shape).
 
     Raises:
         ConfigError, ModelError: neither."""
-    if ":" in text and text.split(":", 1)[0] in ARCHITECTURES:
-        arch, quant = text.split(":", 1)
-        return described(arch, ARCHITECTURES[arch], quant)
+    if is_shape(text):
+        name, arch, quant = parse_shape(text)
+        return described(name, arch, quant)
     return from_gguf(text)
