@@ -53,9 +53,22 @@ def models_list() -> None:
     for e in entries.values():
         cached = "yes" if _reg._is_cached_entry(e) else "no"
         name = e.name + (" (default)" if e.name == _reg.DEFAULT_MODEL else "")
-        rows.append((name, e.arch, human_size(e.size), cached, e.source))
+        size = human_size(e.size) if e.size is not None else "~" + human_size(_shape_bytes(e.shape))
+        rows.append((name, e.arch, size, cached, e.source))
     click.echo(_table(("name", "arch", "size", "cached", "source"), rows, right=frozenset({2})))
     click.echo(f"\nregistry: {_reg.registry_path()}\ncache:    {_reg.cache_dir() / 'models'}")
+    if any(e.is_described for e in entries.values()):
+        click.echo("described models (source 'download'): ggpipe cannot fetch them; download the GGUF and put it "
+                   "in the cache above as NAME.gguf, or pass its path; ggpipe plan and simulate size them from their shape "
+                   "meanwhile (~: estimated from it)")
+
+
+def _shape_bytes(shape: str | None) -> int:
+    """Weight bytes of a shape (ARCH:QUANT): layers, token embedding, output."""
+    from ggpipe.models.sizes import model_sizes
+
+    m = model_sizes(shape or "")
+    return m.slice_bytes(0, m.n_layer, True, True)
 
 
 @models_group.command("fetch")

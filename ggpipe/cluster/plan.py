@@ -16,6 +16,10 @@ Prints the launcher command and a rank -> host -> model/layers -> memory table:
 * not counted: llama.cpp's compute buffers and the last stage's logits
   buffer (n_ubatch x n_vocab x 4 bytes), typically tens of MB.
 
+A model without its file, ``-m ARCH:QUANT`` or a described registry model
+(models.toml ``shape``) not in the cache, is sized from its shape
+(ggpipe.models.sizes.shape_sizes), with a warning that the job needs the file.
+
 Ranks are placed on hosts the way the launcher would: from a hostfile
 (Open MPI ``host slots=N`` or MPICH ``host:N`` lines) either round-robin one
 rank per host (``--map-by node``) or filling each host's slots first
@@ -35,8 +39,9 @@ from pathlib import Path
 
 import psutil
 
-from ggpipe.errors import ConfigError
+from ggpipe.errors import ConfigError, GGPipeError
 from ggpipe.transport.launcher_path import find_launcher
+from ggpipe.models.registry import DescribedModelError, resolve
 from ggpipe.models.sizes import ModelSizes, model_sizes  # noqa: F401 (ggpipe plan's sizes)
 from ggpipe.cluster.roles import Roles
 from ggpipe.cluster.config import ClusterConfig, parse_threads
@@ -184,6 +189,9 @@ def plan_job(config: ClusterConfig, n_ranks: int, hosts: list[str], mem_per_node
             rp.kv_bytes += draft.kv_bytes(0, draft.n_layer, config.ctx_size, *config.draft_cache_types, **kv_opts)
         out.append(rp)
     plan = Plan(out)
+    for name, sizes in [(config.model, target), *zip(names, drafts)]:
+        if sizes.shape is not None:
+            plan.warnings.append(_shape_warning(name, sizes.shape))
     for host, total in plan.host_totals().items():
         mem = psutil.virtual_memory().total if is_this_host(host) else mem_per_node
         plan.host_memory[host] = mem
@@ -193,6 +201,20 @@ def plan_job(config: ClusterConfig, n_ranks: int, hosts: list[str], mem_per_node
                                  f"but it has {fmt_bytes(mem)} of memory: use more ranks/hosts, a smaller -c, "
                                  f"or a smaller model")
     return plan
+
+
+def _shape_warning(name: str, shape: str) -> str:
+    """What a plan of a model without its file says: it is sized from its
+    shape, and the job itself needs the GGUF (where to get it, for a
+    described registry model)."""
+    try:
+        resolve(name, fetch_missing=False)
+    except DescribedModelError as e:
+        return f"{e} (the job itself needs the file)"
+    except GGPipeError:
+        pass
+    return (f"{name}: sized from its shape {shape} (no file); the job itself needs its GGUF: give its path "
+            f"with -m when you run it")
 
 
 def fmt_bytes(n: int | None) -> str:
