@@ -226,3 +226,17 @@ def generate_json(model: Path, prompt: str, n: int, ranks: int | None, extra: li
     p = run_ggpipe(["generate", "-m", str(model), "-p", prompt, "-n", str(n), "--json", *extra], ranks)
     assert p.returncode == 0, f"ggpipe failed ({p.returncode}):\n{p.stderr[-3000:]}"
     return json.loads(p.stdout)
+
+
+def assert_registry_refused(path, words) -> None:
+    """load_registry() of the registry at ``path`` raises one line naming
+    the file and containing every one of ``words``."""
+    from ggpipe.errors import ModelError
+    from ggpipe.models import registry
+
+    with pytest.raises(ModelError) as ei:
+        registry.load_registry()
+    msg = str(ei.value)
+    assert "\n" not in msg and str(path) in msg
+    for w in words:
+        assert w in msg, (w, msg)

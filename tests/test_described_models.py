@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from conftest import assert_registry_refused
 from tiny_models import write_tiny_model
 
 from ggpipe.cli.main import cli
@@ -103,13 +104,7 @@ BAD = [
 
 @pytest.mark.parametrize("body,words", BAD)
 def test_bad_described_entries(tmp_path, monkeypatch, body, words):
-    p = _registry(tmp_path, monkeypatch, body)
-    with pytest.raises(ModelError) as ei:
-        reg.load_registry()
-    msg = str(ei.value)
-    assert "\n" not in msg and str(p) in msg
-    for w in words:
-        assert w in msg, (w, msg)
+    assert_registry_refused(_registry(tmp_path, monkeypatch, body), words)
 
 
 # -- what needs the weights refuses, in one line --------------------------------------------------
