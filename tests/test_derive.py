@@ -19,6 +19,7 @@ from ggpipe.models import derive as derive_mod
 from ggpipe.models import gguf_info
 from ggpipe.models.cache import cached_sha256
 from ggpipe.models.derive import (
+    SLICE_RULES,
     derive_gguf,
     format_layer_list,
     parse_layer_list,
@@ -136,8 +137,8 @@ def test_stage_slices(smollm2: Path, smol_reader: gguf.GGUFReader, slice_cache: 
     a = stage_slice(smollm2, 0, 12, cache)
     b = stage_slice(smollm2, 12, 30, cache)
     sha = sha256_of(smollm2)
-    assert a == cache / "slices" / f"{sha[:16]}-0-12.gguf"
-    assert b.name == f"{sha[:16]}-12-30.gguf"
+    assert a == cache / "slices" / f"{sha[:16]}-0-12-r{SLICE_RULES}.gguf"
+    assert b.name == f"{sha[:16]}-12-30-r{SLICE_RULES}.gguf"
     src = {t.name: t for t in smol_reader.tensors}
     per_block = [n.split(".", 2)[2] for n in src if n.startswith("blk.0.")]
     assert len(per_block) == 9
@@ -146,7 +147,9 @@ def test_stage_slices(smollm2: Path, smol_reader: gguf.GGUFReader, slice_cache: 
     # below does not parse it again).
     info_a, info_src = read_model_info(a, cache), read_model_info(smollm2, cache)
     assert info_a.n_layer == 12 and info_a.n_tensors == 2 + 12 * len(per_block)
-    assert dataclasses.replace(info_a, path=smollm2, n_layer=30, n_tensors=272, file_size=0) == dataclasses.replace(
+    assert info_a.kv_rows == info_src.kv_rows[:12]  # per layer: the slice's own
+    assert dataclasses.replace(info_a, path=smollm2, n_layer=30, n_tensors=272, file_size=0,
+                               kv_rows=info_src.kv_rows) == dataclasses.replace(
         info_src, file_size=0
     )
 
