@@ -21,7 +21,7 @@ from conftest import ROOT, generate_json, run_ggpipe, stderr_lines
 from tiny_models import load_recipe, recipe_names, write_tiny_model
 
 from ggpipe.bench import baseline
-from ggpipe.cluster.split import parse_split, plan_layers
+from ggpipe.cluster.split import parse_split, plan_layers, repair_ranges
 from ggpipe.models.sizes import model_sizes
 from ggpipe.models.slicing import FAMILIES
 from ggpipe.runtime.llama import file_is_recurrent
@@ -100,17 +100,24 @@ def expected_refusal(name: str, ranks: int, split: str | None, model: Path) -> s
     """What a split that llama.cpp cannot run is refused with, or None: a
     hybrid stage without an attention or a recurrent block; a stage of
     global-attention blocks only where the family cannot turn its window
-    off (blocks g with g % period == period - 1 are global)."""
+    off (blocks g with g % period == period - 1 are global). The default
+    split (no --split) moves its boundaries to the nearest split without
+    such stages, when there is one."""
     fam = FAMILIES[_arch(name)]
-    ranges = plan_layers(N_LAYER, ranks, parse_split(split).target, layer_bytes=model_sizes(model).layer_bytes)
     kinds = HYBRID_BLOCKS.get(_arch(name))
-    for a, b in ranges:
+    p = fam.swa_period if fam.swa_period and not fam.swa_optional else None
+
+    def problem(a: int, b: int) -> str | None:
         if kinds and not {"A", "R"} <= {kinds[i % len(kinds)] for i in range(a, b)}:
             return "hold no"
-        p = fam.swa_period
-        if p and not fam.swa_optional and all(i % p == p - 1 for i in range(a, b)):
+        if p and all(i % p == p - 1 for i in range(a, b)):
             return "all global-attention blocks"
-    return None
+        return None
+
+    ranges = plan_layers(N_LAYER, ranks, parse_split(split).target, layer_bytes=model_sizes(model).layer_bytes)
+    if split is None:
+        ranges = repair_ranges(ranges, lambda a, b: problem(a, b) is None)
+    return next((why for why in (problem(a, b) for a, b in ranges) if why), None)
 
 
 NAMES = recipe_names()
@@ -232,3 +239,20 @@ def test_models_info_on_moe_and_hybrid(tiny_models):
     p = run_ggpipe(["models", "info", str(tiny_models["lfm2-dense"])])
     assert re.search(r"speculative modes\s+no: a recurrent state", p.stdout), p.stdout
     assert "every stage needs an attention and a recurrent block" in p.stdout
+
+
+def test_plan_shows_the_repaired_default_split(tiny_models):
+    """ggpipe plan computes the job's default split: moved off one-kind
+    hybrid stages where it can be (3 stages of Nemotron-H), refused as the
+    job refuses it where it cannot (4 stages, 3 attention blocks)."""
+    model = str(tiny_models["nemotron_h-dense"])
+    p = run_ggpipe(["plan", "-n", "3", "-m", model])
+    assert p.returncode == 0, p.stderr
+    layers = re.findall(r"^\d+\s+\S+\s+target\s+(\d+)-(\d+)", p.stdout, flags=re.M)
+    assert len(layers) == 3
+    for a, b in layers:
+        kinds = {HYBRID_BLOCKS["nemotron_h"][i % 3] for i in range(int(a), int(b) + 1)}
+        assert {"A", "R"} <= kinds, (a, b)
+    p = run_ggpipe(["plan", "-n", "4", "-m", model])
+    lines = stderr_lines(p.stderr)
+    assert p.returncode != 0 and len(lines) == 1 and "no split of 4 stages avoids such a stage" in lines[0]

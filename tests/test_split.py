@@ -259,3 +259,20 @@ def test_balance_bytes_is_optimal_and_covers_every_block():
         assert all(a < b for a, b in ranges) and all(ranges[i][1] == ranges[i + 1][0] for i in range(k - 1))
         best = min(_max_stage(sizes, list(zip((0, *cut), (*cut, n)))) for cut in combinations(range(1, n), k - 1))
         assert _max_stage(sizes, ranges) == best
+
+
+def test_repair_ranges_moves_boundaries_off_refused_stages():
+    """The default split of a hybrid model (A attention, R recurrent blocks):
+    every stage needs both; the nearest split that has them, else unchanged."""
+    from ggpipe.cluster.split import repair_ranges
+
+    def valid(kinds):
+        return lambda a, b: {"A", "R"} <= set(kinds[a:b])
+
+    assert repair_ranges([(0, 1), (1, 8)], valid("ARARARAR")) == [(0, 2), (2, 8)]
+    assert repair_ranges([(0, 3), (3, 6), (6, 8)], valid("ARARARAR")) == [(0, 3), (3, 6), (6, 8)]
+    assert repair_ranges([(0, 5), (5, 6), (6, 8)], valid("ARARARAR")) == [(0, 4), (4, 6), (6, 8)]
+    every4 = "RRRA" * 4
+    assert repair_ranges([(0, 3), (3, 10), (10, 16)], valid(every4)) == [(0, 4), (4, 10), (10, 16)]
+    impossible = [(2 * i, 2 * i + 2) for i in range(8)]  # 8 stages, 4 attention blocks
+    assert repair_ranges(impossible, valid(every4)) == impossible

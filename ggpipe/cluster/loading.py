@@ -11,13 +11,13 @@ from dataclasses import dataclass
 from ggpipe.cluster.config import ClusterConfig, parse_threads
 from ggpipe.cluster.resources import cap_threads, check_kv_memory, context_warning, kv_bytes_per_cell, warn
 from ggpipe.cluster.roles import Roles
-from ggpipe.cluster.split import parse_split, plan_layers
-from ggpipe.errors import ConfigError
+from ggpipe.cluster.split import parse_split, plan_layers, repair_ranges
+from ggpipe.errors import ConfigError, ModelError
 from ggpipe.models.derive import stage_slice
-from ggpipe.models.gguf_info import read_model_info
+from ggpipe.models.gguf_info import load_gguf, read_model_info
 from ggpipe.models.registry import cache_dir, resolve
 from ggpipe.models.sizes import model_sizes
-from ggpipe.models.slicing import layer_output_name
+from ggpipe.models.slicing import FAMILIES, layer_output_name, stage_refusal
 from ggpipe.runtime.stage import Stage, StageSpec
 
 
@@ -66,6 +66,8 @@ def load_rank(config: ClusterConfig, rank: int, size: int) -> Loaded:
     index, n_stages = roles.stage_of(rank)
     plan = plan_layers(m_info.n_layer, n_stages, weights, model=model, layer_bytes=_layer_bytes(m_path, weights,
                                                                                                n_stages))
+    if weights is None:  # the default split avoids stages llama.cpp cannot run
+        plan = default_ranges(m_path, m_info, plan)
     start, stop = plan[index]
     where = f"rank {rank} ({socket.gethostname()})"
     types = (config.cache_type_k, config.cache_type_v) if model == "target" else config.draft_cache_types
@@ -100,6 +102,33 @@ def load_rank(config: ClusterConfig, rank: int, size: int) -> Loaded:
     for w in warnings:
         warn(w)
     return Loaded(stage, (start, stop), str(m_path), roles, draft_stage)
+
+
+def default_ranges(path, info, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """A default split moved off stages llama.cpp cannot run (hybrid stages
+    of one block kind, gpt-oss/Cohere2 stages of global blocks only:
+    :func:`ggpipe.models.slicing.stage_refusal`) by
+    :func:`ggpipe.cluster.split.repair_ranges`. Families without such
+    constraints are returned as they are, without reading the GGUF.
+
+    Raises:
+        ModelError: no split of this many stages avoids them (the refusal of
+            the first such stage)."""
+    fam = FAMILIES.get(info.arch)
+    if len(ranges) < 2 or fam is None or not (fam.hybrid or (fam.swa_period and not fam.swa_optional)):
+        return ranges
+    reader = load_gguf(path)
+
+    def refusal(start: int, stop: int) -> str | None:
+        return stage_refusal(reader, info.arch, info.n_layer, start, stop)
+
+    ranges = repair_ranges(ranges, lambda a, b: refusal(a, b) is None)
+    for a, b in ranges:
+        why = refusal(a, b)
+        if why:
+            raise ModelError(f"{why.rsplit(': give', 1)[0]}: no split of {len(ranges)} stages avoids such a stage; "
+                             f"use fewer ranks")
+    return ranges
 
 
 def _layer_bytes(path, weights, n_stages: int) -> list[int] | None:

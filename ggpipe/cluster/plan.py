@@ -46,6 +46,8 @@ from ggpipe.models.sizes import ModelSizes, model_sizes  # noqa: F401 (ggpipe pl
 from ggpipe.cluster.roles import Roles
 from ggpipe.cluster.config import ClusterConfig, parse_threads
 from ggpipe.cluster.split import parse_split, plan_layers
+from ggpipe.cluster.loading import default_ranges
+from ggpipe.models.gguf_info import read_model_info
 
 # -- hosts -------------------------------------------------------------------------------
 
@@ -149,6 +151,23 @@ class Plan:
                 "warnings": self.warnings, **({"balance": self.balance} if self.balance else {})}
 
 
+
+def _ranges(sizes: ModelSizes, n_stages: int, weights, kind: str, known: dict) -> list[tuple[int, int]]:
+    """The layer ranges of a model's stages as the job computes them
+    (ggpipe.cluster.loading): its default split byte-balanced and moved off
+    stages llama.cpp cannot run; remembered in ``known`` per model.
+
+    Raises:
+        ModelError: as the job would, when no default split avoids them."""
+    key = (sizes.path, n_stages, weights)
+    if key not in known:
+        ranges = plan_layers(sizes.n_layer, n_stages, weights, model=kind, layer_bytes=sizes.layer_bytes)
+        if weights is None and Path(sizes.path).is_file():
+            ranges = default_ranges(sizes.path, read_model_info(sizes.path), ranges)
+        known[key] = ranges
+    return known[key]
+
+
 def plan_job(config: ClusterConfig, n_ranks: int, hosts: list[str], mem_per_node: int | None = None) -> Plan:
     """Rank layout and memory estimate of ``config`` on ``n_ranks`` ranks
     placed on ``hosts`` (one per rank).
@@ -168,6 +187,7 @@ def plan_job(config: ClusterConfig, n_ranks: int, hosts: list[str], mem_per_node
     draft = drafts[0] if drafts else None
     kv_opts = {"v_trans": config.flash_attn == "off", "n_seq_max": config.n_seq_max, "unified": config.kv_unified}
     out = []
+    known: dict = {}
     for r in range(n_ranks):
         kind = roles.model_of(r)
         if kind == "target":
@@ -176,7 +196,7 @@ def plan_job(config: ClusterConfig, n_ranks: int, hosts: list[str], mem_per_node
             k = roles.draft_of(r)
             sizes, weights = drafts[k], (split.drafts[k] if split.drafts else None)
         index, n_stages = roles.stage_of(r)
-        start, stop = plan_layers(sizes.n_layer, n_stages, weights, model=kind, layer_bytes=sizes.layer_bytes)[index]
+        start, stop = _ranges(sizes, n_stages, weights, kind, known)[index]
         first, last = index == 0, index == n_stages - 1
         w = sizes.slice_bytes(start, stop, first, last)
         types = (config.cache_type_k, config.cache_type_v) if kind == "target" else config.draft_cache_types

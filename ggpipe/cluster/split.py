@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ggpipe.errors import SplitError
 
@@ -230,6 +230,48 @@ def balance_bytes(layer_bytes: Sequence[int], n_stages: int) -> list[tuple[int, 
         start = stop
     ranges.append((start, n))
     return ranges
+
+
+def repair_ranges(ranges: list[tuple[int, int]], valid: Callable[[int, int], bool]) -> list[tuple[int, int]]:
+    """The ranges nearest ``ranges`` (least total boundary movement, in
+    blocks) whose every stage satisfies ``valid(start, stop)``, or
+    ``ranges`` unchanged when they already do or when no such split exists
+    (the stage's own refusal then says why). Dynamic programming over the
+    boundaries: O(stages x blocks^2) calls of ``valid``, each pair once."""
+    n, k = ranges[-1][1], len(ranges)
+    if all(valid(a, b) for a, b in ranges):
+        return ranges
+    memo: dict[tuple[int, int], bool] = {}
+
+    def ok(a: int, b: int) -> bool:
+        if (a, b) not in memo:
+            memo[(a, b)] = bool(valid(a, b))
+        return memo[(a, b)]
+
+    want = [b for _, b in ranges]
+    inf = float("inf")
+    cost = {0: 0.0}
+    back: list[dict[int, int]] = []
+    for i in range(k):
+        nxt: dict[int, float] = {}
+        frm: dict[int, int] = {}
+        ends = [n] if i == k - 1 else range(1, n)
+        for b in ends:
+            best, arg = inf, None
+            for a, c in cost.items():
+                if a < b and c + abs(b - want[i]) < best and ok(a, b):
+                    best, arg = c + abs(b - want[i]), a
+            if arg is not None:
+                nxt[b], frm[b] = best, arg
+        cost, back = nxt, back + [frm]
+    if n not in cost:
+        return ranges
+    bounds, b = [n], n
+    for i in range(k - 1, -1, -1):
+        b = back[i][b]
+        bounds.append(b)
+    bounds.reverse()
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def describe_plan(

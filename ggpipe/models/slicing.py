@@ -300,6 +300,17 @@ def slice_metadata(reader: GGUFReader, arch: str, n_layer: int, layers: Sequence
     return out
 
 
+def stage_refusal(reader: GGUFReader, arch: str, n_layer: int, start: int, stop: int) -> str | None:
+    """Why a stage of blocks [start, stop) cannot be cut (the one-line
+    refusal of :func:`slice_metadata`), or None. The default split moves its
+    boundaries to avoid such stages (:func:`ggpipe.cluster.split.repair_ranges`)."""
+    try:
+        slice_metadata(reader, arch, n_layer, range(start, stop))
+    except ModelError as e:
+        return str(e)
+    return None
+
+
 # --------------------------------------------------------------------------
 # Recurrent state and the speculative modes
 # --------------------------------------------------------------------------
