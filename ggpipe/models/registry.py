@@ -24,17 +24,13 @@ there is used as is (its size checked when the entry gives ``size``; its
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import tempfile
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 
-import tomllib
-
-from ggpipe.errors import GGPipeError, ModelError
+from ggpipe.errors import ModelError
 from ggpipe.models.cache import (
     cache_dir,
     ensure_dir,
@@ -44,14 +40,15 @@ from ggpipe.models.cache import (
     sha256_file,
     temp_path_for,
 )
-from ggpipe.models.derive import OUT_TYPES, _derive, parse_layer_list
-from ggpipe.models.shapes import parse_shape
+from ggpipe.models.derive import _derive, parse_layer_list
+from ggpipe.models.registry_file import (  # noqa: F401 (re-exported: the registry's API)
+    MODELS_ENV,
+    ModelEntry,
+    load_registry,
+    registry_path,
+)
 
-MODELS_ENV = "GGPIPE_MODELS"
 DEFAULT_MODEL = "smollm2-135m"
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-_SHA_RE = re.compile(r"^[0-9a-f]{64}$")
-_FIELDS = {"description", "arch", "size", "sha256", "pypi", "member", "base", "layers", "type", "shape", "url"}
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -70,56 +67,6 @@ __all__ = [
 ]
 
 
-def registry_path() -> Path:
-    """Where ``models.toml`` is read from: ``$GGPIPE_MODELS``; else
-    ``ggpipe/models.toml`` inside the installed package; else the
-    ``models.toml`` next to the ``ggpipe/`` package directory (source tree)."""
-    env = os.environ.get(MODELS_ENV)
-    if env:
-        return Path(env).expanduser()
-    pkg = Path(__file__).resolve().parent.parent  # .../ggpipe
-    inside = pkg / "models.toml"
-    if inside.is_file():
-        return inside
-    return pkg.parent / "models.toml"
-
-
-@dataclass(frozen=True)
-class ModelEntry:
-    """One [models.NAME] entry. ``size``/``sha256``: None only for a
-    described entry (``shape`` + ``url``) that does not give them."""
-
-    name: str
-    description: str
-    arch: str
-    size: int | None
-    sha256: str | None
-    pypi: str | None = None
-    member: str | None = None
-    base: str | None = None
-    layers: str | None = None
-    type: str = "keep"
-    shape: str | None = None
-    url: str | None = None
-
-    @property
-    def is_derived(self) -> bool:
-        return self.base is not None
-
-    @property
-    def is_described(self) -> bool:
-        """A described model: a shape and a download URL, no source ggpipe can fetch from."""
-        return self.shape is not None
-
-    @property
-    def source(self) -> str:
-        if self.pypi is not None:
-            return f"pypi:{self.pypi}"
-        if self.shape is not None:
-            return f"download: {self.url}"
-        return f"{self.base}[{self.layers}] {self.type}"
-
-
 class DescribedModelError(ModelError):
     """A described model (``entry``) whose GGUF is not in the cache: ggpipe
     cannot download it. Sizing code (ggpipe.models.sizes) uses its shape
@@ -131,122 +78,6 @@ class DescribedModelError(ModelError):
             f"its path, or put it at {model_path(entry.name)}; ggpipe plan and simulate use its shape ({entry.shape})"
         )
         self.entry = entry
-
-
-def _entry(path: Path, name: str, raw: object) -> ModelEntry:
-    where = f"{path}: model '{name}'"
-    if not _NAME_RE.match(name):
-        raise ModelError(f"{where}: bad name (use letters, digits, '.', '_', '-')")
-    if not isinstance(raw, dict):
-        raise ModelError(f"{where}: must be a table ([models.{name}])")
-    unknown = sorted(set(raw) - _FIELDS)
-    if unknown:
-        raise ModelError(f"{where}: unknown field '{unknown[0]}' (known: {', '.join(sorted(_FIELDS))})")
-
-    def text(field: str, required: bool = True) -> str | None:
-        v = raw.get(field)
-        if v is None:
-            if required:
-                raise ModelError(f"{where}: missing field '{field}'")
-            return None
-        if not isinstance(v, str) or not v.strip():
-            raise ModelError(f"{where}: field '{field}' must be a non-empty string")
-        return v
-
-    shape, url = text("shape", False), text("url", False)
-    described = shape is not None
-    size = raw.get("size")
-    if size is None:
-        if not described:
-            raise ModelError(f"{where}: missing field 'size'")
-    elif not isinstance(size, int) or isinstance(size, bool) or size <= 0:
-        raise ModelError(f"{where}: field 'size' must be a positive integer (bytes), got {size!r}")
-    sha = text("sha256", not described)
-    if sha is not None and not _SHA_RE.match(sha):
-        raise ModelError(f"{where}: field 'sha256' must be 64 lowercase hex digits, got {sha!r}")
-    pypi, member, base, layers = text("pypi", False), text("member", False), text("base", False), text("layers", False)
-    typ = text("type", False)
-    if described:
-        given = [f for f in ("pypi", "member", "base", "layers", "type") if raw.get(f) is not None]
-        if given:
-            raise ModelError(f"{where}: field '{given[0]}' does not go with 'shape': a described model has no "
-                             f"source ggpipe can fetch from (give a source or a shape, not both)")
-        try:
-            parse_shape(shape)
-        except GGPipeError as e:
-            raise ModelError(f"{where}: field 'shape': {e}") from None
-        if url is None:
-            raise ModelError(f"{where}: missing field 'url' (where a user downloads the GGUF of a described model)")
-        if not url.startswith(("https://", "http://")):
-            raise ModelError(f"{where}: field 'url' must be an http(s) URL, got {url!r}")
-    elif url is not None:
-        raise ModelError(f"{where}: field 'url' only applies to described models (with 'shape')")
-    elif (pypi is None) == (base is None):
-        raise ModelError(f"{where}: give either 'pypi' (with 'member') or 'base' (with 'layers'), not "
-                         + ("both" if pypi else "neither (or 'shape' and 'url' for a described model)"))
-    elif pypi is not None:
-        if member is None:
-            raise ModelError(f"{where}: missing field 'member' (the .gguf path inside the wheel of {pypi})")
-        for field in ("layers", "type"):
-            if raw.get(field) is not None:
-                raise ModelError(f"{where}: field '{field}' only applies to derived models (with 'base')")
-    else:
-        if member is not None:
-            raise ModelError(f"{where}: field 'member' only applies to PyPI models (with 'pypi')")
-        if layers is None:
-            raise ModelError(f"{where}: missing field 'layers' (e.g. '0-19,10-29')")
-        try:
-            parse_layer_list(layers)
-        except ModelError as e:
-            raise ModelError(f"{where}: field 'layers': {e}") from None
-        if typ is not None and typ not in OUT_TYPES:
-            raise ModelError(f"{where}: field 'type' must be one of {', '.join(OUT_TYPES)}, got {typ!r}")
-    return ModelEntry(
-        name=name,
-        description=text("description", False) or "",
-        arch=text("arch") or "",
-        size=size,
-        sha256=sha,
-        pypi=pypi,
-        member=member,
-        base=base,
-        layers=layers,
-        type=typ or "keep",
-        shape=shape,
-        url=url,
-    )
-
-
-def load_registry(path: Path | None = None) -> dict[str, ModelEntry]:
-    """Parse and validate ``models.toml``; ModelError names the bad entry and field."""
-    path = registry_path() if path is None else Path(path)
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except FileNotFoundError:
-        raise ModelError(f"model registry {path} not found; set {MODELS_ENV} to a models.toml") from None
-    except OSError as e:
-        raise ModelError(f"cannot read model registry {path}: {e.strerror or e}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ModelError(f"model registry {path} is not valid TOML: {e}") from None
-    models = data.get("models", {})
-    if not isinstance(models, dict):
-        raise ModelError(f"model registry {path}: 'models' must be a table of [models.NAME] entries")
-    entries = {name: _entry(path, name, raw) for name, raw in models.items()}
-    for e in entries.values():
-        seen = [e.name]
-        cur = e
-        while cur.base is not None:
-            if cur.base not in entries:
-                raise ModelError(f"{path}: model '{cur.name}': field 'base' names unknown model '{cur.base}'")
-            if entries[cur.base].is_described:
-                raise ModelError(f"{path}: model '{cur.name}': field 'base' names described model '{cur.base}', "
-                                 f"which ggpipe cannot fetch")
-            if cur.base in seen:
-                raise ModelError(f"{path}: model '{e.name}': field 'base' makes a cycle ({' -> '.join(seen + [cur.base])})")
-            seen.append(cur.base)
-            cur = entries[cur.base]
-    return entries
 
 
 def get_entry(name: str) -> ModelEntry:
