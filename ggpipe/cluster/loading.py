@@ -115,7 +115,7 @@ def default_ranges(path, info, ranges: list[tuple[int, int]]) -> list[tuple[int,
         ModelError: no split of this many stages avoids them (the refusal of
             the first such stage)."""
     fam = FAMILIES.get(info.arch)
-    if len(ranges) < 2 or fam is None or not (fam.hybrid or (fam.swa_period and not fam.swa_optional)):
+    if len(ranges) < 2 or fam is None or not fam.constrains_stages:
         return ranges
     reader = load_gguf(path)
 

@@ -151,7 +151,7 @@ def _pad256(n: int) -> int:
 # -- reading the layout from a GGUF header ------------------------------------------------------
 
 
-def _per_layer(value: Any, n_layer: int, default: Any) -> list:
+def per_layer(value: Any, n_layer: int, default: Any) -> list:
     """llama.cpp's ``get_key_or_arr``: a number for every layer, or one per
     layer (a shorter array: ``default`` for the rest); absent: ``default``."""
     if value is None:
@@ -169,13 +169,26 @@ def _swa_layers(fields: dict[str, Any], arch: str, n_layer: int) -> list[bool]:
     are read here, and only where they differ)."""
     pattern = fields.get("attention.sliding_window_pattern")
     if isinstance(pattern, (list, tuple)):
-        return [bool(x) for x in _per_layer(pattern, n_layer, False)]
+        return [bool(x) for x in per_layer(pattern, n_layer, False)]
     if pattern is None:
         return [False] * n_layer
-    n = int(pattern)
-    if arch in _DENSE_FIRST:
-        return [n == 0 or il % n != 0 for il in range(n_layer)]
-    return [n == 0 or il % n < n - 1 for il in range(n_layer)]
+    return swa_flags(int(pattern), arch in _DENSE_FIRST, n_layer)
+
+
+def swa_flags(period: int, dense_first: bool, n_layer: int) -> list[bool]:
+    """``llama_hparams::set_swa_pattern(period, dense_first)``: a layer's
+    sliding-window flag from its index (period 0: every layer; else one dense
+    layer a period, the first of it with ``dense_first``, else the last)."""
+    if dense_first:
+        return [period == 0 or il % period != 0 for il in range(n_layer)]
+    return [period == 0 or il % period < period - 1 for il in range(n_layer)]
+
+
+def interval_recurrent(interval: int, n_trunk: int, n_layer: int) -> list[bool]:
+    """The recurrent layers of the Qwen 3.5 / Qwen3-Next hybrids without a
+    ``recurrent_layers`` array (``load_arch_hparams``): every layer of the
+    trunk (not an MTP block) but each ``interval``-th."""
+    return [il < n_trunk and (il + 1) % interval != 0 for il in range(n_layer)]
 
 
 def kv_layout(fields: dict[str, Any], arch: str, n_layer: int, n_embd: int) -> KVLayout:
@@ -189,9 +202,9 @@ def kv_layout(fields: dict[str, Any], arch: str, n_layer: int, n_embd: int) -> K
     """
     if arch in RECURRENT_ARCHS or arch in NO_MEMORY_ARCHS:
         return KVLayout((None,) * n_layer)
-    n_head = [int(x) for x in _per_layer(fields.get("attention.head_count"), n_layer, 0)]
+    n_head = [int(x) for x in per_layer(fields.get("attention.head_count"), n_layer, 0)]
     head_kv_field = fields.get("attention.head_count_kv")
-    n_head_kv = n_head if head_kv_field is None else [int(x) for x in _per_layer(head_kv_field, n_layer, 0)]
+    n_head_kv = n_head if head_kv_field is None else [int(x) for x in per_layer(head_kv_field, n_layer, 0)]
     if n_layer and n_head[0] > 0:  # llama.cpp's defaults divide by layer 0's head count
         k_full = int(fields.get("attention.key_length", n_embd // n_head[0]))
         v_full = int(fields.get("attention.value_length", n_embd // n_head[0]))
@@ -207,13 +220,13 @@ def kv_layout(fields: dict[str, Any], arch: str, n_layer: int, n_embd: int) -> K
     if arch in _INTERVAL_HYBRIDS:
         flags = fields.get("attention.recurrent_layers")
         if flags is not None:
-            recurrent = [bool(x) for x in _per_layer(flags, n_layer, False)]
+            recurrent = [bool(x) for x in per_layer(flags, n_layer, False)]
         else:
             interval = int(fields.get("full_attention_interval", 4)) or 4
-            recurrent = [il < n_trunk and (il + 1) % interval != 0 for il in range(n_layer)]
+            recurrent = interval_recurrent(interval, n_trunk, n_layer)
         has_kv = [h and not r for h, r in zip(has_kv, recurrent)]
     if arch in _FFN_FREE_ATTENTION:
-        n_ff = _per_layer(fields.get("feed_forward_length"), n_layer, 0)
+        n_ff = per_layer(fields.get("feed_forward_length"), n_layer, 0)
         has_kv = [h and int(f) == 0 for h, f in zip(has_kv, n_ff)]
     if arch == "gemma3n":  # llama.cpp: layers from 20 on reuse layers 18/19's cache
         has_kv = [h and il < 20 for il, h in enumerate(has_kv)]

@@ -52,7 +52,7 @@ from gguf.constants import GGUFValueType
 
 from ggpipe.errors import ConfigError, ModelError
 from ggpipe.models.gguf_info import ModelInfo, field_value
-from ggpipe.models.kv_size import layout_from_reader
+from ggpipe.models.kv_size import interval_recurrent, layout_from_reader, per_layer, swa_flags
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,18 @@ class Family:
     mlp_blocks: bool = False
     layer_output: str = "l_out"
     refuse: str | None = None
+
+    @property
+    def global_only_refused(self) -> bool:
+        """A stage of global-attention blocks only cannot be loaded."""
+        return self.swa_period is not None and not self.swa_optional
+
+    @property
+    def constrains_stages(self) -> bool:
+        """Some contiguous block ranges cannot be a stage (refused by
+        :func:`slice_metadata`): hybrid families and those of
+        :attr:`global_only_refused`."""
+        return self.hybrid or self.global_only_refused
 
 
 _SCALED_INPUT = "its graph multiplies the input by sqrt(n_embd) even for hidden states, so every stage after the first " \
@@ -158,7 +170,7 @@ def describe_slicing(info: ModelInfo) -> str:
     keeps = ["per-layer arrays re-indexed"] if info.per_layer_keys else []
     if fam.swa_period is not None:
         keeps.append("sliding-window pattern written per layer")
-    if fam.swa_period is not None and not fam.swa_optional:
+    if fam.global_only_refused:
         keeps.append("a stage of global-attention blocks only is refused")
     if fam.recurrent_interval is not None:
         keeps.append("recurrent layers written per layer")
@@ -195,12 +207,7 @@ def _swa_pattern(reader: GGUFReader, arch: str, fam: Family, n_main: int, n_all:
     if _is_array(reader, key):
         return [bool(x) for x in field_value(reader, key)]
     n = _int(reader, key)
-    n = fam.swa_period if n is None else n
-    if fam.swa_dense_first:
-        flags = [n == 0 or il % n != 0 for il in range(n_main)]
-    else:
-        flags = [n == 0 or il % n < n - 1 for il in range(n_main)]
-    return flags + [False] * (n_all - n_main)
+    return swa_flags(fam.swa_period if n is None else n, fam.swa_dense_first, n_main) + [False] * (n_all - n_main)
 
 
 def _recurrent_layers(reader: GGUFReader, arch: str, fam: Family, n_main: int, n_all: int) -> list[bool] | None:
@@ -210,15 +217,7 @@ def _recurrent_layers(reader: GGUFReader, arch: str, fam: Family, n_main: int, n
     if fam.recurrent_interval is None or _is_array(reader, key):
         return None
     interval = _int(reader, f"{arch}.full_attention_interval") or fam.recurrent_interval
-    return [il < n_main and (il + 1) % interval != 0 for il in range(n_all)]
-
-
-def _per_layer(reader: GGUFReader, key: str, n_all: int) -> list[int] | None:
-    """A per-layer integer key as a list (a scalar repeated), None if absent."""
-    v = field_value(reader, key)
-    if v is None:
-        return None
-    return [int(x) for x in v] if isinstance(v, list) else [int(v)] * n_all
+    return interval_recurrent(interval, n_main, n_all)
 
 
 def _hybrid_kinds(reader: GGUFReader, arch: str, fam: Family, n_main: int,
@@ -236,8 +235,8 @@ def _hybrid_kinds(reader: GGUFReader, arch: str, fam: Family, n_main: int,
     if recurrent is None and _is_array(reader, f"{arch}.attention.recurrent_layers"):
         recurrent = [bool(x) for x in field_value(reader, f"{arch}.attention.recurrent_layers")]
     if recurrent is None:
-        kv = _per_layer(reader, f"{arch}.attention.head_count_kv", n_all) or [1] * n_all
-        ff = _per_layer(reader, f"{arch}.feed_forward_length", n_all) or [0] * n_all
+        kv = [int(x) for x in per_layer(field_value(reader, f"{arch}.attention.head_count_kv"), n_all, 1)]
+        ff = [int(x) for x in per_layer(field_value(reader, f"{arch}.feed_forward_length"), n_all, 0)]
         recurrent = [kv[i] == 0 and not (fam.mlp_blocks and ff[i]) for i in range(n_all)]
     return recurrent, attention
 
@@ -268,7 +267,7 @@ def slice_metadata(reader: GGUFReader, arch: str, n_layer: int, layers: Sequence
     swa = out.get(f"{arch}.attention.sliding_window_pattern")
     window = _int(reader, f"{arch}.attention.sliding_window")
     if swa is not None and not any(swa[0]) and window:
-        if not fam.swa_optional:
+        if fam.global_only_refused:
             raise ModelError(f"blocks {_span(layers)} of this {arch} model are all global-attention blocks, and "
                              f"llama.cpp cannot load a {arch} model without a sliding-window block: give that stage "
                              f"one more block (another --split)")
