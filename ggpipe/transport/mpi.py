@@ -16,6 +16,11 @@
   set to 1 us (``prctl(PR_SET_TIMERSLACK)``) so short sleeps are not
   stretched to 50 us. Every wait has a time-out whose error names the rank
   waited for and what for.
+* While the rank computes, the progress thread probes at most every
+  ``poll_compute_s`` (1 ms): it shares the stage's core, and probing every
+  100 us took 10-25% of the computation's time on a busy 2-core host
+  (docs/BENCHMARKS.md §18); a cancellation then lands up to 1 ms late, a
+  small part of the 10-100 ms a cancelled run would have cost.
 """
 
 from __future__ import annotations
@@ -118,6 +123,8 @@ class Transport:
         timeout_s: default bound of every wait, seconds.
         spin_s: how long a wait probes without sleeping, seconds.
         poll_min_s, poll_max_s: back-off range of the sleep between probes.
+        poll_compute_s: the longest sleep between the probes of
+            :meth:`computing` (pending sends, cancellations), seconds.
         idle_after_s, poll_idle_s: a wait longer than ``idle_after_s`` (an
             idle rank, not a pipeline hop) sleeps ``poll_idle_s`` between probes.
         max_pending: sends in flight before :meth:`send` waits for the oldest.
@@ -125,7 +132,7 @@ class Transport:
 
     def __init__(self, comm, hosts=None, timeout_s: float = 60.0, spin_s: float = 50e-6,
                  poll_min_s: float = 10e-6, poll_max_s: float = 100e-6, idle_after_s: float = 0.1,
-                 poll_idle_s: float = 1e-3, max_pending: int = 256):
+                 poll_idle_s: float = 1e-3, max_pending: int = 256, poll_compute_s: float = 1e-3):
         from mpi4py import MPI  # noqa: PLC0415
 
         self.MPI = MPI
@@ -137,6 +144,7 @@ class Transport:
         self.spin_s = spin_s
         self.poll_min_s = poll_min_s
         self.poll_max_s = poll_max_s
+        self.poll_compute_s = poll_compute_s
         self.idle_after_s = idle_after_s
         self.poll_idle_s = poll_idle_s
         self.max_pending = max_pending
@@ -204,7 +212,10 @@ class Transport:
     @contextmanager
     def computing(self, on_poll=None):
         """Keep pending sends moving while this thread is busy in llama.cpp,
-        and call ``on_poll()`` (e.g. a probe for cancellations) meanwhile."""
+        and call ``on_poll()`` (e.g. a probe for cancellations) meanwhile:
+        from a helper thread, with sleeps backing off from ``poll_min_s``
+        to ``poll_compute_s`` between probes (the helper shares the core
+        the computation runs on)."""
         if not self._pending and on_poll is None and not (self._link is not None and self._link.n_held):
             yield
             return
@@ -219,7 +230,7 @@ class Transport:
                 elif not pending:
                     return
                 stop.wait(self._link_wait_s(delay))
-                delay = min(delay * 1.5, self.poll_max_s)
+                delay = min(delay * 1.5, self.poll_compute_s)
 
         t = threading.Thread(target=run, name="mpi-progress", daemon=True)
         t.start()
