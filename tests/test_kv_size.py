@@ -293,13 +293,14 @@ def _plan(*args) -> dict:
 
 def test_plan_counts_the_cache_types_and_only_attention_layers(smollm2, tiny_models):
     f16 = _plan("-n", "2", "-m", str(smollm2), "-c", "1024")
-    assert [r["kv_bytes"] for r in f16["ranks"]] == [15 * 1024 * 2 * 192 * 2] * 2
+    # the default split counts the LM head on the last stage: 22 + 8 blocks (ggpipe.cluster.split)
+    assert [r["kv_bytes"] for r in f16["ranks"]] == [n * 1024 * 2 * 192 * 2 for n in (22, 8)]
     q8 = _plan("-n", "2", "-m", str(smollm2), "-c", "1024", "-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on")
-    assert [r["kv_bytes"] for r in q8["ranks"]] == [15 * 1024 * 2 * 6 * 34] * 2  # 34/64 of f16's
+    assert [r["kv_bytes"] for r in q8["ranks"]] == [n * 1024 * 2 * 6 * 34 for n in (22, 8)]  # 34/64 of f16's
     assert " ".join(q8["command"]).endswith("generate -m " + str(smollm2) + " -c 1024 -ctk q8_0 -ctv q8_0 -fa on -p …")
     # the job command's options (after --); -c 1000 is 1024 cells
     q4 = _plan("-n", "2", "--", "generate", "-m", str(smollm2), "-c", "1000", "-ctk", "q4_0", "-p", "x")
-    assert [r["kv_bytes"] for r in q4["ranks"]] == [15 * 1024 * (6 * 18 + 192 * 2)] * 2
+    assert [r["kv_bytes"] for r in q4["ranks"]] == [n * 1024 * (6 * 18 + 192 * 2) for n in (22, 8)]
     # a hybrid model: only its attention layers (2 of 4, 1024 bytes a cell each) hold KV cells, whatever the split
     lfm2 = _plan("-n", "2", "-m", str(tiny_models["lfm2-dense"]), "-c", "1024")
     assert sum(r["kv_bytes"] for r in lfm2["ranks"]) == 2 * 1024 * 1024

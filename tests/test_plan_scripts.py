@@ -96,8 +96,8 @@ def test_plan_table_and_memory_warning(smollm2, tmp_path):
     lines = p.stdout.splitlines()
     assert lines[0].startswith(f"mpiexec -n 2 --hostfile {hosts} --map-by node --bind-to none ggpipe generate")
     assert lines[2].split()[:4] == ["rank", "host", "model", "layers"]
-    assert lines[3].split()[:5] == ["0", "far-away-1", "target", "0-14", "1"]
-    assert "45.0 MiB" in lines[3]  # KV: 15 layers x 4096 cells x 768 B
+    assert lines[3].split()[:5] == ["0", "far-away-1", "target", "0-21", "1"]
+    assert "66.0 MiB" in lines[3]  # KV: 22 layers x 4096 cells x 768 B
     warn = [ln for ln in p.stderr.splitlines() if ln.startswith("ggpipe: warning: host far-away-")]
     assert len(warn) == 2 and "of memory" in warn[0]
     # this host: its own memory from psutil, no warning for a small model
@@ -154,7 +154,7 @@ def test_hostfile_launcher_dry_run(smollm2, tmp_path, flavor, flags):
     conv = "n1 slots=2" if flavor == "openmpi" else "n2:1"
     assert f"#   {conv}" in out
     rows = [ln.split() for ln in out.splitlines() if ln[:2] in ("0 ", "1 ")]
-    assert [r[1] for r in rows] == ["n1", "n2"] and [r[3] for r in rows] == ["0-14", "15-29"]
+    assert [r[1] for r in rows] == ["n1", "n2"] and [r[3] for r in rows] == ["0-21", "22-29"]  # the LM head counted on the last stage
     assert not list(tmp_path.glob("ggpipe-hosts.*"))
 
 
@@ -201,7 +201,7 @@ def test_numa_dry_run_two_sockets(smollm2, tmp_path, fake_numactl):
     assert parts[1].startswith(f"-n 1 {fake_numactl} --cpunodebind 1 --membind 1 {GGPIPE} generate")
     assert all(x.endswith("-t 8,8") for x in parts)
     rows = [ln.split() for ln in out.splitlines() if ln[:2] in ("0 ", "1 ")]
-    assert [r[3] for r in rows] == ["0-14", "15-29"] and [r[4] for r in rows] == ["8", "8"]
+    assert [r[3] for r in rows] == ["0-21", "22-29"]  # the LM head counted on the last stage and [r[4] for r in rows] == ["8", "8"]
 
     p = script("numa.sh", ["--dry-run", "--ranks-per-node", "2", "--", "generate", "-m", str(smollm2), "-p", "Hi"],
                env)

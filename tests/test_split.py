@@ -276,3 +276,34 @@ def test_repair_ranges_moves_boundaries_off_refused_stages():
     assert repair_ranges([(0, 3), (3, 10), (10, 16)], valid(every4)) == [(0, 4), (4, 10), (10, 16)]
     impossible = [(2 * i, 2 * i + 2) for i in range(8)]  # 8 stages, 4 attention blocks
     assert repair_ranges(impossible, valid(every4)) == impossible
+
+
+def test_the_lm_head_counts_on_the_last_stage():
+    """The default split counts the output head's bytes on the last stage
+    (docs/BENCHMARKS.md §18): the F32 goliath (40 blocks of 14.16 MB, a
+    113.2 MB tied head) splits 24/16 on 2 stages, SmolLM2-135M Q4_1 (2.2 MB
+    blocks, a 30 MB Q8_0 head) 22/8; a head under half a block leaves the
+    even split."""
+    assert plan_layers(40, 2, None, layer_bytes=[14_160_384] * 40, head_bytes=113_248_512) == [(0, 24), (24, 40)]
+    assert plan_layers(30, 2, None, layer_bytes=[2_216_448] * 30, head_bytes=30_083_328) == [(0, 22), (22, 30)]
+    assert plan_layers(30, 4, None, layer_bytes=[100] * 30, head_bytes=49) == plan_layers(30, 4, None)
+    assert plan_layers(30, 2, (1, 1), layer_bytes=[100] * 30, head_bytes=10_000) == [(0, 15), (15, 30)]  # given: kept
+
+
+def test_balance_bytes_with_a_head_is_optimal():
+    """Against every contiguous partition, the head added to the last stage."""
+    from itertools import combinations
+
+    from ggpipe.cluster.split import balance_bytes
+
+    rng = np.random.default_rng(2)
+    for _ in range(200):
+        n = int(rng.integers(1, 9))
+        k = int(rng.integers(1, n + 1))
+        sizes = [int(x) for x in rng.integers(1, 50, n)]
+        head = int(rng.integers(0, 120))
+        ranges = balance_bytes(sizes, k, head)
+        glued = sizes[:-1] + [sizes[-1] + head]
+        assert len(ranges) == k and ranges[-1][1] == n
+        best = min(_max_stage(glued, list(zip((0, *cut), (*cut, n)))) for cut in combinations(range(1, n), k - 1))
+        assert _max_stage(glued, ranges) == best

@@ -156,4 +156,4 @@ def test_nan_hidden_states_named_on_the_first_stage(smollm2):
     assert p.returncode != 0
     lines = _error_lines(p)
     assert len(lines) == 1, p.stderr[-3000:]
-    assert "hidden states of rank 1 (" in lines[0] and "target layers 10-19" in lines[0], lines[0]
+    assert "hidden states of rank 1 (" in lines[0] and "target layers 15-28" in lines[0], lines[0]  # the default split: 15, 14, 1 + the LM head

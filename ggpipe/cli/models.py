@@ -155,8 +155,9 @@ def split_command(model: str, split_text: str | None, stages: int | None, out_di
     info = read_model_info(src)
     from ggpipe.models.sizes import model_sizes
 
-    ranges = plan_layers(info.n_layer, n_stages, weights,
-                         layer_bytes=model_sizes(src).layer_bytes if weights is None and n_stages > 1 else None)
+    sizes = model_sizes(src) if weights is None and n_stages > 1 else None
+    ranges = plan_layers(info.n_layer, n_stages, weights, layer_bytes=sizes.layer_bytes if sizes else None,
+                         head_bytes=sizes.head_bytes if sizes else 0)
     if n_stages > 1:
         check_sliceable(info)
     try:

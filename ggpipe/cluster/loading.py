@@ -64,8 +64,8 @@ def load_rank(config: ClusterConfig, rank: int, size: int) -> Loaded:
         k = roles.draft_of(rank)
         (m_path, m_info), weights = drafts[k], (split.drafts[k] if split.drafts else None)
     index, n_stages = roles.stage_of(rank)
-    plan = plan_layers(m_info.n_layer, n_stages, weights, model=model, layer_bytes=_layer_bytes(m_path, weights,
-                                                                                               n_stages))
+    layer_bytes, head_bytes = _layer_bytes(m_path, weights, n_stages)
+    plan = plan_layers(m_info.n_layer, n_stages, weights, model=model, layer_bytes=layer_bytes, head_bytes=head_bytes)
     if weights is None:  # the default split avoids stages llama.cpp cannot run
         plan = default_ranges(m_path, m_info, plan)
     start, stop = plan[index]
@@ -131,12 +131,14 @@ def default_ranges(path, info, ranges: list[tuple[int, int]]) -> list[tuple[int,
     return ranges
 
 
-def _layer_bytes(path, weights, n_stages: int) -> list[int] | None:
-    """Weight bytes per block, for the default split (no weights) of a model
-    cut into several stages (:func:`ggpipe.cluster.split.plan_layers`)."""
+def _layer_bytes(path, weights, n_stages: int) -> tuple[list[int] | None, int]:
+    """Weight bytes per block and of the LM head, for the default split (no
+    weights) of a model cut into several stages
+    (:func:`ggpipe.cluster.split.plan_layers`); (None, 0) otherwise."""
     if weights is not None or n_stages < 2:
-        return None
-    return model_sizes(path).layer_bytes
+        return None, 0
+    sizes = model_sizes(path)
+    return sizes.layer_bytes, sizes.head_bytes
 
 
 def _check_resources(config: ClusterConfig, rank: int, where: str, role: str, m_info, layers: tuple[int, int],

@@ -161,7 +161,8 @@ def _ranges(sizes: ModelSizes, n_stages: int, weights, kind: str, known: dict) -
         ModelError: as the job would, when no default split avoids them."""
     key = (sizes.path, n_stages, weights)
     if key not in known:
-        ranges = plan_layers(sizes.n_layer, n_stages, weights, model=kind, layer_bytes=sizes.layer_bytes)
+        ranges = plan_layers(sizes.n_layer, n_stages, weights, model=kind, layer_bytes=sizes.layer_bytes,
+                             head_bytes=sizes.head_bytes)
         if weights is None and Path(sizes.path).is_file():
             ranges = default_ranges(sizes.path, read_model_info(sizes.path), ranges)
         known[key] = ranges

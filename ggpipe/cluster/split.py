@@ -108,6 +108,7 @@ def plan_layers(
     *,
     model: str = "target",
     layer_bytes: Sequence[int] | None = None,
+    head_bytes: int = 0,
 ) -> list[tuple[int, int]]:
     """Assign contiguous layer ranges to pipeline stages.
 
@@ -119,9 +120,16 @@ def plan_layers(
     get one extra layer (30 layers / 4 stages -> 8, 8, 7, 7). With
     ``layer_bytes`` (weight bytes of each block, ``ggpipe.models.sizes``)
     whose largest block is more than 2% above the smallest (MoE models with
-    leading dense blocks, hybrids, mixed quantizations): the contiguous ranges
-    whose largest stage holds the fewest bytes (:func:`balance_bytes`), so
-    no rank holds much more of the model than another.
+    leading dense blocks, hybrids, mixed quantizations), or with
+    ``head_bytes`` (the output norm and LM head the last stage reads for
+    every token: ``ModelSizes.head_bytes``) of at least half a block: the
+    contiguous ranges whose largest stage reads the fewest weight bytes per
+    token, the head counted on the last stage (:func:`balance_bytes`).
+    Decoding is bound by reading the weights, so a stage's bytes stand for
+    its time: with a pipeline full of micro-batches (``--parallel``,
+    pipeinfer) the busiest stage sets the pace (docs/BENCHMARKS.md §18:
+    SmolLM2-goliath F32, whose head weighs 8 of its 40 blocks, splits 24/16
+    on 2 stages).
 
     ``weights`` given: normalised by their sum; the boundary after stage i is
     ``floor(cumsum(w)[i] / sum(w) * n_layer + 0.5)`` (round half up, with a 1e-9
@@ -143,8 +151,8 @@ def plan_layers(
             f"use at most {n_layer} ranks for it"
         )
     if weights is None and layer_bytes is not None and len(layer_bytes) == n_layer and n_layer and \
-            max(layer_bytes) > 1.02 * max(1, min(layer_bytes)):
-        return balance_bytes(layer_bytes, n_stages)
+            (max(layer_bytes) > 1.02 * max(1, min(layer_bytes)) or head_bytes >= 0.5 * max(layer_bytes)):
+        return balance_bytes(layer_bytes, n_stages, head_bytes)
     if weights is None:
         base, extra = divmod(n_layer, n_stages)
         ranges, start = [], 0
@@ -187,11 +195,12 @@ def plan_layers(
     return ranges
 
 
-def balance_bytes(layer_bytes: Sequence[int], n_stages: int) -> list[tuple[int, int]]:
+def balance_bytes(layer_bytes: Sequence[int], n_stages: int, last_extra: int = 0) -> list[tuple[int, int]]:
     """Contiguous ranges of ``layer_bytes`` (one entry per block) over
     ``n_stages`` stages (each at least one block) whose largest stage holds
-    the fewest bytes possible; among those, each boundary as near its even
-    share of the bytes as that allows (so no stage is left light).
+    the fewest bytes possible, ``last_extra`` bytes (the LM head) counted
+    on the last stage; among those, each boundary as near its even share of
+    the bytes as that allows (so no stage is left light).
 
     The least feasible maximum comes from a binary search over a greedy
     front-to-back fill; boundaries are then placed front to back at the block
@@ -199,6 +208,7 @@ def balance_bytes(layer_bytes: Sequence[int], n_stages: int) -> list[tuple[int, 
     those that keep every stage within that maximum and leave the rest
     coverable. Requires ``1 <= n_stages <= len(layer_bytes)``."""
     sizes = [int(b) for b in layer_bytes]
+    sizes[-1] += max(0, int(last_extra))   # the head stays with the last block, on the last stage
     n = len(sizes)
     prefix = [0]
     for b in sizes:

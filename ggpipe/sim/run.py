@@ -155,7 +155,7 @@ def build(cfg: SimConfig, factors: dict | None = None, trace: dict | None = None
     h0 = cfg.profile.host(0)
     overhead = h0.overhead_s if cfg.mode == "iterative" else h0.spec_overhead_s
     tgt_ranges = plan_layers(cfg.target.n_layer, roles.n_target, cfg.split.target,
-                             layer_bytes=[s.bytes for s in cfg.target.layers])
+                             layer_bytes=[s.bytes for s in cfg.target.layers], head_bytes=cfg.target.head.bytes)
     f = factors or {}
     stages = [SimStage(r, _stage_cost(cfg.profile, r, cfg.target, a, b, r == roles.n_target - 1, factor=f.get(r, 1.0)))
               for r, (a, b) in enumerate(tgt_ranges)]
@@ -168,7 +168,7 @@ def build(cfg: SimConfig, factors: dict | None = None, trace: dict | None = None
     draft = None
     if has_draft:
         d_ranges = plan_layers(cfg.draft.n_layer, roles.n_draft, cfg.split.draft, model="draft",
-                               layer_bytes=[s.bytes for s in cfg.draft.layers])
+                               layer_bytes=[s.bytes for s in cfg.draft.layers], head_bytes=cfg.draft.head.bytes)
         dstages = [SimStage(r, _stage_cost(cfg.profile, r, cfg.draft, a, b, i == roles.n_draft - 1,
                                            whole_draft=roles.n_draft == 1, factor=f.get(r, 1.0)))
                    for i, (r, (a, b)) in enumerate(zip(roles.draft_ranks, d_ranges))]
