@@ -23,6 +23,8 @@ ignored. Per (system, C) and round it records:
 * TTFT p50/p90 (client side, from sending) and ITL p50/p90 (gaps between
   streamed chunks, pooled over the requests).
 
+``--before DIR`` adds ggpipe from a checkout of an earlier commit (through
+``PYTHONPATH``) at each rank count, for a before/after in the same run.
 ``llama-batched-bench -npp P -ntg N -npl C,... -t T`` adds its own S_TG and
 S (prompt processing included) per C. ggpipe runs ``R`` ranks x 1 thread
 (``mpiexec -n R``), llama.cpp ``T`` = ``--threads`` threads (default: the
@@ -154,10 +156,14 @@ def drive(port: int, c: int, n: int) -> dict:
             "itl_p90_ms": round(1e3 * pct(gaps, .9), 2) if gaps else None}
 
 
-def ggpipe_server(model: str, ranks: int, parallel: int, n: int, port: int) -> Server:
+def ggpipe_server(model: str, ranks: int, parallel: int, n: int, port: int, before: str | None = None) -> Server:
+    """``before``: a checkout of an earlier commit, run through PYTHONPATH instead of this one."""
     cmd = ["mpiexec", "-n", str(ranks), *ggpipe_command(), "serve", "-m", model, "--port", str(port),
            "--parallel", str(parallel), "-n", str(n), "--ignore-eos", "--max-queue", "256"]
-    return Server(cmd, port, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if before:
+        env["PYTHONPATH"] = before
+    return Server(cmd, port, env=env)
 
 
 def llama_server(model: str, parallel: int, n: int, threads: int, port: int) -> Server:
@@ -202,11 +208,15 @@ def main() -> None:
     ap.add_argument("--npp", type=int, default=32, help="llama-batched-bench prompt tokens per sequence")
     ap.add_argument("--no-llamacpp", action="store_true", help="ggpipe rows only")
     ap.add_argument("--no-one-at-a-time", action="store_true", help="skip ggpipe --parallel 1")
+    ap.add_argument("--before", metavar="DIR", help="also run ggpipe from this checkout of an earlier commit "
+                    "(git worktree add DIR COMMIT; copy ggpipe/_native*.so into it) at each --ranks")
     ap.add_argument("-o", "--output", default="results/parallel")
     a = ap.parse_args()
     model = str(resolve(a.model))
     cs = [int(x) for x in a.concurrency.split(",")]
     systems = [(f"ggpipe {r} ranks", "ggpipe", r) for r in map(int, a.ranks.split(","))]
+    if a.before:
+        systems += [(f"ggpipe {r} ranks (before)", "ggpipe-before", r) for r in map(int, a.ranks.split(","))]
     if not a.no_one_at_a_time:
         systems.append(("ggpipe one at a time, 2 ranks", "ggpipe1", 2))
     if not a.no_llamacpp:
@@ -227,7 +237,8 @@ def main() -> None:
             for c in cs:
                 port = free_port()
                 srv = (llama_server(model, c, a.n, a.threads, port) if kind == "llama-server" else
-                       ggpipe_server(model, ranks, 1 if kind == "ggpipe1" else c, a.n, port))
+                       ggpipe_server(model, ranks, 1 if kind == "ggpipe1" else c, a.n, port,
+                                     a.before if kind == "ggpipe-before" else None))
                 try:
                     drive(port, 1, 4)                              # warm-up
                     r = drive(port, c, a.n)
