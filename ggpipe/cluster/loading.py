@@ -126,7 +126,7 @@ def default_ranges(path, info, ranges: list[tuple[int, int]]) -> list[tuple[int,
     for a, b in ranges:
         why = refusal(a, b)
         if why:
-            raise ModelError(f"{why.rsplit(': give', 1)[0]}: no split of {len(ranges)} stages avoids such a stage; "
+            raise ModelError(f"{why}: no split of {len(ranges)} stages avoids such a stage; "
                              f"use fewer ranks")
     return ranges
 

@@ -245,6 +245,16 @@ def _span(layers: list[int]) -> str:
     return f"{layers[0]}-{layers[-1]}" if layers == list(range(layers[0], layers[-1] + 1)) else str(layers)
 
 
+class StageRefused(ModelError):
+    """A stage of blocks llama.cpp cannot run (raised by
+    :func:`slice_metadata`): ``reason`` says why, ``advice`` what to give
+    instead ("" when none); the message is both, one line."""
+
+    def __init__(self, reason: str, advice: str = ""):
+        self.reason, self.advice = reason, advice
+        super().__init__(f"{reason}: {advice}" if advice else reason)
+
+
 def slice_metadata(reader: GGUFReader, arch: str, n_layer: int, layers: Sequence[int]) -> dict[str, tuple[Any, int, int | None]]:
     """Metadata entries to write in (or add to) a GGUF whose block ``i`` is
     block ``layers[i]`` of ``reader``'s model, beyond the per-layer arrays
@@ -268,24 +278,24 @@ def slice_metadata(reader: GGUFReader, arch: str, n_layer: int, layers: Sequence
     window = _int(reader, f"{arch}.attention.sliding_window")
     if swa is not None and not any(swa[0]) and window:
         if fam.global_only_refused:
-            raise ModelError(f"blocks {_span(layers)} of this {arch} model are all global-attention blocks, and "
-                             f"llama.cpp cannot load a {arch} model without a sliding-window block: give that stage "
-                             f"one more block (another --split)")
+            raise StageRefused(f"blocks {_span(layers)} of this {arch} model are all global-attention blocks, and "
+                               f"llama.cpp cannot load a {arch} model without a sliding-window block",
+                               "give that stage one more block (another --split)")
         out[f"{arch}.attention.sliding_window"] = (0, GGUFValueType.UINT32, None)
     kinds = _hybrid_kinds(reader, arch, fam, n_main, n_layer)
     if kinds is not None:
         for flags, what in ((kinds[0], "recurrent"), (kinds[1], "attention")):
             if not any(flags[i] for i in layers):
-                raise ModelError(f"blocks {_span(layers)} of this {arch} model hold no {what} block, and llama.cpp "
-                                 f"cannot run a slice of a hybrid model without both kinds: give that stage more "
-                                 f"blocks (another --split)")
+                raise StageRefused(f"blocks {_span(layers)} of this {arch} model hold no {what} block, and "
+                                   f"llama.cpp cannot run a slice of a hybrid model without both kinds",
+                                   "give that stage more blocks (another --split)")
     lead_key = f"{arch}.leading_dense_block_count"
     lead = _int(reader, lead_key)
     if lead is not None:
         n_dense = sum(1 for i in layers if i < lead)
         if any(i < lead for i in layers[n_dense:]):
-            raise ModelError(f"blocks {layers} put a leading dense block (the first {lead} of the model) after a "
-                             f"mixture-of-experts block, which llama.cpp cannot load")
+            raise StageRefused(f"blocks {layers} put a leading dense block (the first {lead} of the model) after a "
+                               f"mixture-of-experts block, which llama.cpp cannot load")
         out[lead_key] = (n_dense, GGUFValueType.UINT32, None)
     scale_key = f"{arch}.embedding_scale"
     if layers[0] != 0 and scale_key in reader.fields:
@@ -293,20 +303,21 @@ def slice_metadata(reader: GGUFReader, arch: str, n_layer: int, layers: Sequence
     if n_nextn:
         mtp = [i for i in layers if i >= n_main]
         if mtp and layers[-len(mtp):] != list(range(n_main, n_layer)):
-            raise ModelError(f"blocks {layers} hold only part of the model's {n_nextn} MTP blocks "
-                             f"({n_main}-{n_layer - 1}), which must stay together at the end")
+            raise StageRefused(f"blocks {layers} hold only part of the model's {n_nextn} MTP blocks "
+                               f"({n_main}-{n_layer - 1}), which must stay together at the end")
         out[f"{arch}.nextn_predict_layers"] = (len(mtp), GGUFValueType.UINT32, None)
     return out
 
 
 def stage_refusal(reader: GGUFReader, arch: str, n_layer: int, start: int, stop: int) -> str | None:
-    """Why a stage of blocks [start, stop) cannot be cut (the one-line
-    refusal of :func:`slice_metadata`), or None. The default split moves its
-    boundaries to avoid such stages (:func:`ggpipe.cluster.split.repair_ranges`)."""
+    """Why a stage of blocks [start, stop) cannot be cut (the reason of
+    :func:`slice_metadata`'s :class:`StageRefused`, without its advice), or
+    None. The default split moves its boundaries to avoid such stages
+    (:func:`ggpipe.cluster.split.repair_ranges`)."""
     try:
         slice_metadata(reader, arch, n_layer, range(start, stop))
-    except ModelError as e:
-        return str(e)
+    except StageRefused as e:
+        return e.reason
     return None
 
 
