@@ -243,22 +243,26 @@ def test_moe_with_a_leading_dense_block_balances_bytes():
     assert _max_stage(sizes, ranges) < _max_stage(sizes, plan_layers(12, 3, None))
 
 
-def test_balance_bytes_is_optimal_and_covers_every_block():
-    """Against every contiguous partition (brute force, small cases)."""
+@pytest.mark.parametrize("with_head", [False, True])
+def test_balance_bytes_is_optimal_and_covers_every_block(with_head):
+    """Against every contiguous partition (brute force, small cases); with a
+    head, its bytes added to the last stage."""
     from itertools import combinations
 
     from ggpipe.cluster.split import balance_bytes
 
-    rng = np.random.default_rng(1)
+    rng = np.random.default_rng(2 if with_head else 1)
     for _ in range(200):
         n = int(rng.integers(1, 9))
         k = int(rng.integers(1, n + 1))
         sizes = [int(x) for x in rng.integers(1, 50, n)]
-        ranges = balance_bytes(sizes, k)
+        head = int(rng.integers(0, 120)) if with_head else 0
+        ranges = balance_bytes(sizes, k, head)
         assert len(ranges) == k and ranges[0][0] == 0 and ranges[-1][1] == n
         assert all(a < b for a, b in ranges) and all(ranges[i][1] == ranges[i + 1][0] for i in range(k - 1))
-        best = min(_max_stage(sizes, list(zip((0, *cut), (*cut, n)))) for cut in combinations(range(1, n), k - 1))
-        assert _max_stage(sizes, ranges) == best
+        glued = sizes[:-1] + [sizes[-1] + head]
+        best = min(_max_stage(glued, list(zip((0, *cut), (*cut, n)))) for cut in combinations(range(1, n), k - 1))
+        assert _max_stage(glued, ranges) == best
 
 
 def test_repair_ranges_moves_boundaries_off_refused_stages():
@@ -288,22 +292,3 @@ def test_the_lm_head_counts_on_the_last_stage():
     assert plan_layers(30, 2, None, layer_bytes=[2_216_448] * 30, head_bytes=30_083_328) == [(0, 22), (22, 30)]
     assert plan_layers(30, 4, None, layer_bytes=[100] * 30, head_bytes=49) == plan_layers(30, 4, None)
     assert plan_layers(30, 2, (1, 1), layer_bytes=[100] * 30, head_bytes=10_000) == [(0, 15), (15, 30)]  # given: kept
-
-
-def test_balance_bytes_with_a_head_is_optimal():
-    """Against every contiguous partition, the head added to the last stage."""
-    from itertools import combinations
-
-    from ggpipe.cluster.split import balance_bytes
-
-    rng = np.random.default_rng(2)
-    for _ in range(200):
-        n = int(rng.integers(1, 9))
-        k = int(rng.integers(1, n + 1))
-        sizes = [int(x) for x in rng.integers(1, 50, n)]
-        head = int(rng.integers(0, 120))
-        ranges = balance_bytes(sizes, k, head)
-        glued = sizes[:-1] + [sizes[-1] + head]
-        assert len(ranges) == k and ranges[-1][1] == n
-        best = min(_max_stage(glued, list(zip((0, *cut), (*cut, n)))) for cut in combinations(range(1, n), k - 1))
-        assert _max_stage(glued, ranges) == best
