@@ -64,7 +64,7 @@ def load_rank(config: ClusterConfig, rank: int, size: int) -> Loaded:
         k = roles.draft_of(rank)
         (m_path, m_info), weights = drafts[k], (split.drafts[k] if split.drafts else None)
     index, n_stages = roles.stage_of(rank)
-    layer_bytes, head_bytes = _layer_bytes(m_path, weights, n_stages)
+    layer_bytes, head_bytes = _split_bytes(m_path, weights, n_stages)
     plan = plan_layers(m_info.n_layer, n_stages, weights, model=model, layer_bytes=layer_bytes, head_bytes=head_bytes)
     if weights is None:  # the default split avoids stages llama.cpp cannot run
         plan = default_ranges(m_path, m_info, plan)
@@ -131,7 +131,7 @@ def default_ranges(path, info, ranges: list[tuple[int, int]]) -> list[tuple[int,
     return ranges
 
 
-def _layer_bytes(path, weights, n_stages: int) -> tuple[list[int] | None, int]:
+def _split_bytes(path, weights, n_stages: int) -> tuple[list[int] | None, int]:
     """Weight bytes per block and of the LM head, for the default split (no
     weights) of a model cut into several stages
     (:func:`ggpipe.cluster.split.plan_layers`); (None, 0) otherwise."""
