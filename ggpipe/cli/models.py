@@ -139,7 +139,8 @@ def split_command(model: str, split_text: str | None, stages: int | None, out_di
     """Cut MODEL (registry name or .gguf) into one GGUF per pipeline stage.
 
     Writes DIR/<stem>.stage<i>-L<start>-<stop>.gguf (layers [start, stop))."""
-    from ggpipe.cluster.split import parse_split, plan_layers
+    from ggpipe.cluster.loading import layer_ranges
+    from ggpipe.cluster.split import parse_split
 
     spec = parse_split(split_text)
     if spec.draft is not None:
@@ -155,9 +156,8 @@ def split_command(model: str, split_text: str | None, stages: int | None, out_di
     info = read_model_info(src)
     from ggpipe.models.sizes import model_sizes
 
-    sizes = model_sizes(src) if weights is None and n_stages > 1 else None
-    ranges = plan_layers(info.n_layer, n_stages, weights, layer_bytes=sizes.layer_bytes if sizes else None,
-                         head_bytes=sizes.head_bytes if sizes else 0)
+    ranges = layer_ranges(model_sizes(src) if weights is None and n_stages > 1 else None, info.n_layer, n_stages,
+                          weights)
     if n_stages > 1:
         check_sliceable(info)
     try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 from ggpipe.cluster.config import ClusterConfig, parse_threads
 from ggpipe.cluster.resources import cap_threads, check_kv_memory, context_warning, kv_bytes_per_cell, warn
@@ -64,11 +65,8 @@ def load_rank(config: ClusterConfig, rank: int, size: int) -> Loaded:
         k = roles.draft_of(rank)
         (m_path, m_info), weights = drafts[k], (split.drafts[k] if split.drafts else None)
     index, n_stages = roles.stage_of(rank)
-    layer_bytes, head_bytes = _split_bytes(m_path, weights, n_stages)
-    plan = plan_layers(m_info.n_layer, n_stages, weights, model=model, layer_bytes=layer_bytes, head_bytes=head_bytes)
-    if weights is None:  # the default split avoids stages llama.cpp cannot run
-        plan = default_ranges(m_path, m_info, plan)
-    start, stop = plan[index]
+    sizes = model_sizes(m_path) if weights is None and n_stages > 1 else None   # only the default split reads them
+    start, stop = layer_ranges(sizes, m_info.n_layer, n_stages, weights, model)[index]
     where = f"rank {rank} ({socket.gethostname()})"
     types = (config.cache_type_k, config.cache_type_v) if model == "target" else config.draft_cache_types
     if not m_info.kv_layout.v_cache and types[0] != types[1]:  # llama_init_from_model returns NULL for it
@@ -131,14 +129,23 @@ def default_ranges(path, info, ranges: list[tuple[int, int]]) -> list[tuple[int,
     return ranges
 
 
-def _split_bytes(path, weights, n_stages: int) -> tuple[list[int] | None, int]:
-    """Weight bytes per block and of the LM head, for the default split (no
-    weights) of a model cut into several stages
-    (:func:`ggpipe.cluster.split.plan_layers`); (None, 0) otherwise."""
-    if weights is not None or n_stages < 2:
-        return None, 0
-    sizes = model_sizes(path)
-    return sizes.layer_bytes, sizes.head_bytes
+def layer_ranges(sizes, n_layer: int, n_stages: int, weights, model: str = "target") -> list[tuple[int, int]]:
+    """A model's stages' layer ranges as the job cuts them: ``--split``
+    ``weights`` as given; without them and with ``sizes``
+    (:class:`ggpipe.models.sizes.ModelSizes`), the default split, byte-balanced
+    with the LM head on the last stage and, for a model whose file is at
+    hand, moved off stages llama.cpp cannot run (:func:`default_ranges`).
+    The job, ``ggpipe plan`` and ``ggpipe models split`` all call this.
+
+    Raises:
+        SplitError: a bad split. ModelError: no default split avoids a refused stage."""
+    if weights is not None or sizes is None:
+        return plan_layers(n_layer, n_stages, weights, model=model)
+    ranges = plan_layers(n_layer, n_stages, None, model=model, layer_bytes=sizes.layer_bytes,
+                         head_bytes=sizes.head_bytes)
+    if Path(sizes.path).is_file():
+        ranges = default_ranges(sizes.path, read_model_info(sizes.path), ranges)
+    return ranges
 
 
 def _check_resources(config: ClusterConfig, rank: int, where: str, role: str, m_info, layers: tuple[int, int],

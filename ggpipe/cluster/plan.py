@@ -45,9 +45,8 @@ from ggpipe.models.registry import DescribedModelError, resolve
 from ggpipe.models.sizes import ModelSizes, model_sizes  # noqa: F401 (ggpipe plan's sizes)
 from ggpipe.cluster.roles import Roles
 from ggpipe.cluster.config import ClusterConfig, parse_threads
-from ggpipe.cluster.split import parse_split, plan_layers
-from ggpipe.cluster.loading import default_ranges
-from ggpipe.models.gguf_info import read_model_info
+from ggpipe.cluster.split import parse_split
+from ggpipe.cluster.loading import layer_ranges
 
 # -- hosts -------------------------------------------------------------------------------
 
@@ -154,18 +153,14 @@ class Plan:
 
 def _ranges(sizes: ModelSizes, n_stages: int, weights, kind: str, known: dict) -> list[tuple[int, int]]:
     """The layer ranges of a model's stages as the job computes them
-    (ggpipe.cluster.loading): its default split byte-balanced and moved off
-    stages llama.cpp cannot run; remembered in ``known`` per model.
+    (:func:`ggpipe.cluster.loading.layer_ranges`), remembered in ``known``
+    per model.
 
     Raises:
-        ModelError: as the job would, when no default split avoids them."""
+        ModelError: as the job would, when no default split avoids a refused stage."""
     key = (sizes.path, n_stages, weights)
     if key not in known:
-        ranges = plan_layers(sizes.n_layer, n_stages, weights, model=kind, layer_bytes=sizes.layer_bytes,
-                             head_bytes=sizes.head_bytes)
-        if weights is None and Path(sizes.path).is_file():
-            ranges = default_ranges(sizes.path, read_model_info(sizes.path), ranges)
-        known[key] = ranges
+        known[key] = layer_ranges(sizes, sizes.n_layer, n_stages, weights, kind)
     return known[key]
 
 
