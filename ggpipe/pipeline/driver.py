@@ -259,7 +259,10 @@ class Pipeline:
             return False
         if not self.ranks:
             return bool(self._head.done)
-        return self.transport.probe(self.last_rank, m.T_LOGITS) is not None
+        # twice: an Iprobe's own progress may pull the message in and only the next call sees it (MPICH,
+        # measured: a draft result waited a whole target pass for a loop that checks once per pass)
+        t, src = self.transport, self.last_rank
+        return t.probe(src, m.T_LOGITS) is not None or t.probe(src, m.T_LOGITS) is not None
 
     def result_due(self) -> tuple[float, float] | None:
         """When the oldest in-flight run's result from the last stage on
