@@ -40,10 +40,24 @@ def test_the_rule():
     assert [blind.pays(0.0, None, 0.030) for _ in range(6)] == [True, True, False, True, True, False]
 
 
+def test_a_deep_chain_is_charged_a_step_per_drafted_token():
+    """An attempt costs as deep as attempts have been: k draft steps and a
+    pass of k + 1 tokens (the one-token rule under-counted: the VM's 18 ms
+    draft steps for a 31 ms target kept 4-token chains that lost)."""
+    g = DraftGate()
+    for _ in range(4):
+        g.observe(3, 4)
+    assert g.chain_size() == 5
+    assert g.pays(0.018, 0.031, 0.043)                           # one-token rule: 93 >= 18 + 12 ms
+    assert not g.pays(0.018, 0.031, 0.043, 0.075)                 # 93 < 4 x 18 + 44 ms
+    assert DraftGate(yield_=3.0, depth=4.0).pays(0.0, 0.031, 0.043, 0.075)   # an instant draft: 93 >= 44 ms
+    assert DraftGate(yield_=3.0).pays(0.018, 0.031, 0.043, 0.075)            # depth unknown: one-token rule
+
+
 class Always(DraftGate):
     """Every root drafted: the behaviour before the gate."""
 
-    def pays(self, step_s, c1, c2) -> bool:
+    def pays(self, *costs) -> bool:
         return True
 
 

@@ -289,7 +289,7 @@ class Speculative(Drafting):
         super().__init__(core, proposer)
         self.gate = DraftGate()
         self._root: tuple[float, int, bool] | None = None   # the last root: when, tokens out, drafted
-        self._accepted_at_attempt: int | None = None
+        self._accepted_at_attempt: tuple[int, int] | None = None   # the graph's (accepted, drafted) then
 
     def open(self, *args) -> SpecRequest:
         self._root = self._accepted_at_attempt = None
@@ -303,11 +303,13 @@ class Speculative(Drafting):
                 t0, n0, drafted = self._root
                 self.gate.timed(drafted, len(r.out) - n0, now - t0)
             if self._accepted_at_attempt is not None:
-                self.gate.observe(g.n_draft_accepted - self._accepted_at_attempt)
+                accepted0, drafted0 = self._accepted_at_attempt
+                self.gate.observe(g.n_draft_accepted - accepted0, g.n_drafted - drafted0)
                 self._accepted_at_attempt = None
             cost = core.pass_cost
             c1 = cost.cost(1) if len(cost.mean) > 1 else cost.mean.get(1)   # one size seen: its mean
-            drafting = self.gate.pays(self.proposer.step_s, c1, cost.cost(2))
+            k = self.gate.chain_size()
+            drafting = self.gate.pays(self.proposer.step_s, c1, cost.cost(2), None if k is None else cost.cost(k))
             self._root = (now, len(r.out), drafting)
             if not drafting:
                 r.counts["draft_skipped"] += 1
@@ -316,7 +318,7 @@ class Speculative(Drafting):
                 self.proposer.prefill(r.context[:-1])
                 core.submit_tree(None, SpecTree(anchor_pos=len(r.context) - 1))
                 return
-            self._accepted_at_attempt = g.n_draft_accepted
+            self._accepted_at_attempt = g.n_draft_accepted, g.n_drafted
         super()._begin_speculation()
 
     @classmethod

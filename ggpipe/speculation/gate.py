@@ -12,11 +12,19 @@ the bench set, speculative mode with its defaults ran at 0.83x iterative.
 The adaptive cutoff (ggpipe.speculation.adaptive) sets how deep a chain
 goes once the anchor is decoded; this gate decides before that step:
 
-    draft  iff  y * c(1) >= d + max(0, c(2) - c(1))
+    draft  iff  y * c(1) >= k * d + max(0, c(k + 1) - c(1))
 
-with ``y`` the accepted draft tokens per attempt, an exponentially
-weighted mean over the attempts so far, ``c`` the target's pass cost curve
-and ``d`` the draft's measured step. An attempt is made anyway after
+with ``y`` the accepted draft tokens per attempt and ``k`` the drafted
+tokens per attempt (at least 1), exponentially weighted means over the
+attempts so far, ``c`` the target's pass cost curve and ``d`` the draft's
+measured step: an attempt as deep as attempts have been costs a draft step
+per drafted token (the first token's step decodes the anchor, each further
+one the token before it) and a verification pass of its tokens and the
+root. Until ``k`` is known (or where the caller has no cost for that pass)
+the rule is the one-token chain's, ``d + max(0, c(2) - c(1))``, which
+under-counts a deep chain: measured on this project's 2-core VM with the
+SmolLM2-135M draft (18 ms a step) for the F32 goliath (31 ms a token), it
+kept drafting 4-token chains that took 170 ms for 4 tokens. An attempt is made anyway after
 ``explore_every`` roots in a row without one (the wait doubles after each
 such exploration, up to ``explore_max``, and resets once drafting pays), so
 ``y`` follows text where the draft becomes right again. Until ``y`` and
@@ -43,6 +51,7 @@ class DraftGate:
             they become rare), and an attempt that pays resets it.
         explore_max: the longest wait between explorations (roots).
         yield_: accepted draft tokens per attempt (None before the first).
+        depth: drafted tokens per attempt (None until an attempt reports them).
         skipped: roots sent without drafting (``draft_skipped`` in ``--json``).
         explored: attempts made only to keep measuring.
     """
@@ -51,6 +60,7 @@ class DraftGate:
     explore_every: int = 8
     explore_max: int = 64
     yield_: float | None = None
+    depth: float | None = None
     skipped: int = 0
     explored: int = 0
     _run: int = 0    # roots in a row without an attempt
@@ -78,16 +88,27 @@ class DraftGate:
         (td, sd), (tp, sp) = r["draft"], r["plain"]
         return td / sd >= tp / sp
 
-    def observe(self, accepted: int) -> None:
-        """An attempt's outcome: ``accepted`` of its draft tokens were accepted."""
+    def observe(self, accepted: int, drafted: int | None = None) -> None:
+        """An attempt's outcome: ``accepted`` of its ``drafted`` draft tokens
+        (None: not reported) were accepted."""
         y = float(accepted)
         self.yield_ = y if self.yield_ is None else self.yield_ + self.alpha * (y - self.yield_)
+        if drafted is not None:
+            k = float(drafted)
+            self.depth = k if self.depth is None else self.depth + self.alpha * (k - self.depth)
 
-    def pays(self, step_s: float | None, c1: float | None, c2: float | None) -> bool:
+    def chain_size(self) -> int | None:
+        """Tokens of the verification pass of an attempt as deep as attempts
+        have been (``round(depth) + 1``), or None before one reported."""
+        return None if self.depth is None else max(1, round(self.depth)) + 1
+
+    def pays(self, step_s: float | None, c1: float | None, c2: float | None, c_chain: float | None = None) -> bool:
         """Draft at this root? ``step_s``: the draft's seconds per step
         (0 for an instant proposer); ``c1``, ``c2``: the target's seconds
         for a pass of 1 and 2 tokens (None while unmeasured; an unknown
-        ``c2`` counts as ``c1``: no batch was sent yet, so none cost more)."""
+        ``c2`` counts as ``c1``: no batch was sent yet, so none cost more);
+        ``c_chain``: the target's seconds for a pass of :meth:`chain_size`
+        tokens (None: the one-token chain's rule, with ``c2``)."""
         if c1 is None and self.yield_ is not None and self._blind + 1 >= self.explore_every:
             self._blind = 0              # every pass had a chain: send one token alone, to learn c(1)
             self.skipped += 1
@@ -95,9 +116,12 @@ class DraftGate:
         if self.yield_ is None or step_s is None or c1 is None:
             self._blind += c1 is None
             return self._attempt()
-        extra = 0.0 if c2 is None else max(0.0, c2 - c1)
+        deep = c_chain is not None and self.depth is not None
+        c_pass = c_chain if deep else c2
+        extra = 0.0 if c_pass is None else max(0.0, c_pass - c1)
+        steps = max(1.0, self.depth) if deep else 1.0
         measured = self.measured()
-        if measured if measured is not None else self.yield_ * c1 >= step_s + extra:
+        if measured if measured is not None else self.yield_ * c1 >= steps * step_s + extra:
             self._wait = 0
             return self._attempt()
         wait = self._wait or self.explore_every
