@@ -218,13 +218,13 @@ def test_chains_that_miss_are_given_up_and_the_refused_cells_removed():
     target = FakePipeline(lm, latency=2, cell_order=True, streams=True)
     sched = Scheduler(target, 1, n_ctx_slot=256, n_ubatch=16, is_eog=lambda t: False,
                       draft=lambda ctx, k: [(ctx[-1] + 1) % V] * k, draft_max=3)
-    clock = iter(range(1, 10**6))
+    clock = [0.0]
     target_result = target._result
 
     def timed(run, logits, cancelled, rows=None):      # a pass costs 10 ms + 5 ms per token on this toy
         res = target_result(run, logits, cancelled, rows)
-        run.started_at = next(clock) * 1.0
-        res.finished_at = run.started_at + 0.010 + 0.005 * run.n_tokens
+        run.started_at = clock[0]
+        res.finished_at = clock[0] = run.started_at + 0.010 + 0.005 * run.n_tokens
         return res
 
     target._result = timed
@@ -233,3 +233,58 @@ def test_chains_that_miss_are_given_up_and_the_refused_cells_removed():
     sched.run()
     assert job.request.out == lm.greedy([3, 9, 4], 60)
     assert sched.stats["draft_skipped"] > 30
+
+
+def test_a_draft_model_drafts_for_a_request_alone_and_stays_exact():
+    """``--parallel`` with a draft model (ggpipe.decoding.chain_draft): while
+    one greedy request generates, the draft model's chain goes below its
+    token (the draft's pipeline decodes only what its KV lacks, across
+    requests); beside another generating request, no chain. Every request's
+    tokens are the target's greedy ones; the draft's pipeline is idle between
+    chains (the toy's clock-less pipelines leave the draft's step unmeasured:
+    the gate drafts)."""
+    from ggpipe.decoding.chain_draft import ChainDrafter
+    from ggpipe.speculation.proposers.base import ProposerConfig
+    from ggpipe.speculation.proposers.draft_model import DraftModelProposer
+
+    lm = ToyLM(V)
+    target = FakePipeline(lm, latency=2, cell_order=True, streams=True)
+    draft_pipe = FakePipeline(ToyLM(V, flip=0.2), latency=1, name="draft")
+    drafter = ChainDrafter(DraftModelProposer(ProposerConfig(backend=draft_pipe, n_vocab=V, n_ubatch=8)),
+                           cutoff=0.0, timeout_s=5)
+    sched = Scheduler(target, 3, n_ctx_slot=256, n_ubatch=16, is_eog=lambda t: False, draft=drafter, draft_max=4)
+    jobs = [Job(list(p), n, Sampler(SamplingParams())) for p, n in zip(PROMPTS[:3], [30, 4, 25])]
+    for j in jobs:
+        sched.submit(j)
+    sched.run()
+    for j in jobs:
+        assert j.request.out == lm.greedy(j.tokens, j.n_predict)
+    st = sched.stats
+    assert st["drafted"] > 10 and 0 < st["draft_accepted"] <= st["drafted"]
+    assert not draft_pipe.inflight
+
+
+def test_a_chain_drafter_gives_the_first_child_chain():
+    from ggpipe.decoding.chain_draft import ChainDrafter, first_child_chain
+    from ggpipe.speculation.proposers.base import ProposerConfig
+    from ggpipe.speculation.proposers.draft_model import DraftModelProposer
+    from ggpipe.speculation.tree import SpecTree
+
+    t = SpecTree(anchor_pos=4)
+    a = t.add(7, -1)
+    t.add(8, -1)          # a sibling: a runner-up, not on the chain
+    b = t.add(9, a)
+    t.add(10, b)
+    assert first_child_chain(t) == [7, 9, 10]
+    assert first_child_chain(SpecTree(anchor_pos=0)) == []
+
+    model = ToyLM(V)
+    pipe = FakePipeline(model, latency=2, name="draft")
+    d = ChainDrafter(DraftModelProposer(ProposerConfig(backend=pipe, n_vocab=V, n_ubatch=4)), cutoff=0.0,
+                     timeout_s=5)
+    ctx = list(PROMPTS[2])
+    assert d(ctx, 5) == model.greedy(ctx, 5)
+    assert not pipe.inflight
+    other = list(PROMPTS[4])          # another request: the draft's KV follows it
+    assert d(other, 3) == model.greedy(other, 3)
+    assert d(ctx, 0) == []

@@ -10,11 +10,14 @@ run at once through the continuous-batching scheduler
 * ``auto`` (the default): ``max(8, 4 x ranks)`` in ``--mode iterative``
   and with ``--spec-type ngram`` (enough requests per micro-batch, and at
   least as many micro-batches in flight as stages; docs/BENCHMARKS.md "Many
-  requests at once"); 1 with a draft model, whose proposers serve one
-  request at a time.
-* A speculative mode with ``--spec-type ngram`` and ``N`` > 1 drafts an
-  n-gram chain below a request's token while it generates alone
-  (ggpipe.decoding.scheduler); the draft-model strategies need ``N`` = 1.
+  requests at once"); 1 with a draft model: one stream at a time is what
+  its modes are for (pipeinfer overlaps drafting and verification only
+  there).
+* A speculative mode with ``N`` > 1 drafts a chain below a request's token
+  while it generates alone, with its ``--spec-type`` (the draft model, an
+  n-gram lookup, ...; ggpipe.decoding.chain_draft), verified in a
+  micro-batch of its own; beside other generating requests it decodes
+  plainly (ggpipe.decoding.scheduler).
 * ``1``: one request at a time, as ``generate`` and ``chat`` run them.
 """
 
@@ -51,7 +54,7 @@ parallel_option = click.option(
     "-np", "--parallel", default="auto", type=Parallel(), show_default=True,
     help="Requests served at once (slots), each with a KV stream of its own; -c is shared among them (-c/N cells "
          "each; without -c, 2048 per slot). auto: max(8, 4 x ranks) in --mode iterative and with --spec-type "
-         "ngram, 1 with a draft model. 1: one at a time.")
+         "ngram, 1 with a draft model (above 1, it drafts for a request while it generates alone). 1: one at a time.")
 
 
 def with_parallel(job: JobSpec, parallel: int | None, ctx: click.Context) -> JobSpec:
@@ -59,17 +62,12 @@ def with_parallel(job: JobSpec, parallel: int | None, ctx: click.Context) -> Job
     slot, ``-c`` per slot when not given.
 
     Raises:
-        click.UsageError: ``--parallel`` > 1 with a speculative mode drafting
-            with a draft model, or with ``--n-seq-max`` (the slots are the
-            sequences)."""
+        click.UsageError: ``--parallel`` > 1 with ``--n-seq-max`` (the slots
+            are the sequences)."""
     one_at_a_time = job.mode != "iterative" and job.spec.spec_type != "ngram"
     n = parallel if parallel is not None else (1 if one_at_a_time else max(8, 4 * (launched_size() or 1)))
     if n == 1:
         return job
-    if one_at_a_time:
-        raise click.UsageError(f"--parallel {n}: the speculative modes serve one request at a time with a draft "
-                               f"model; use --parallel 1 with --mode {job.mode}, --spec-type ngram, or --mode "
-                               "iterative for many requests at once")
     if ctx.get_parameter_source("n_seq_max") == click.core.ParameterSource.COMMANDLINE:
         raise click.UsageError("--n-seq-max is set by --parallel (one KV sequence per slot): leave it out")
     given_c = ctx.get_parameter_source("ctx_size") == click.core.ParameterSource.COMMANDLINE

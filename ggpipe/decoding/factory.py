@@ -44,6 +44,32 @@ def build_decoder(mode: str, spec: SpecSettings, target, draft, *, n_ubatch: int
                                   idle=idle))
 
 
+def build_chain_drafter(mode: str, spec: SpecSettings, target, draft, *, n_ubatch: int, timeout_s: float,
+                        idle: Wait | None = None, more_drafts: Sequence = ()) -> Callable[[list[int], int], list[int]]:
+    """The continuous-batching scheduler's drafting (``--parallel`` > 1 in a
+    speculative mode): ``draft(context, k) -> tokens``, a chain below a
+    request that generates alone (ggpipe.decoding.scheduler). With
+    ``--spec-type ngram``, prompt lookup with the strategy's n-gram sizes
+    (instant); with any other strategy (the draft model, ...), a
+    :class:`~ggpipe.decoding.chain_draft.ChainDrafter` over the proposer
+    :func:`build_proposer` makes, cut at ``--p-accept`` (with ``auto``, the
+    adaptive depth's starting threshold).
+
+    Raises:
+        ConfigError: as :func:`build_proposer`."""
+    from ggpipe.decoding.chain_draft import ChainDrafter  # noqa: PLC0415
+    from ggpipe.speculation.proposers.ngram import NgramProposer, ngram_lookup  # noqa: PLC0415
+
+    if spec.spec_type == "ngram":
+        opts = spec.strategy_options.of(NgramProposer)
+        return lambda context, k: ngram_lookup(context, opts.ngram_min, opts.ngram_max, k)
+    mode_class(mode).check(spec, 1 + len(more_drafts))
+    ctx = BuildContext(target=target, draft=draft, more_drafts=tuple(more_drafts), spec=spec, n_ubatch=n_ubatch,
+                       n_seq_max=1, is_eog=lambda t: False, timeout_s=timeout_s, idle=idle)
+    cutoff = spec.p_accept if spec.p_accept is not None else spec.default_threshold
+    return ChainDrafter(build_proposer(ctx, mode), cutoff, idle=idle, timeout_s=timeout_s)
+
+
 def build_proposer(ctx: BuildContext, mode: str) -> Proposer:
     """The drafting strategy ``--spec-type`` names, over the draft pipelines
     of ``ctx`` (the speculative and pipeinfer modes).

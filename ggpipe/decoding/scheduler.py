@@ -73,8 +73,11 @@ class Scheduler:
         idle: the wait when nothing is ready (``idle(ready, timeout_s)``);
             None: back-off polling.
         draft: ``draft(context, k) -> tokens``: up to ``k`` drafted tokens
-            that may follow ``context`` (an n-gram lookup, instant), or None:
-            no speculation. Used while one greedy request is generating
+            that may follow ``context`` (an n-gram lookup, instant, or a
+            :class:`~ggpipe.decoding.chain_draft.ChainDrafter` over the
+            draft model, waited for; its ``step_s``, seconds per drafted
+            token, is what the gate charges, 0 when absent), or None: no
+            speculation. Used while one greedy request is generating
             (:meth:`_draft_below`).
         draft_max: most drafted tokens per chain.
 
@@ -104,6 +107,8 @@ class Scheduler:
         self.gate = DraftGate()      # whether a chain pays (speculation.gate), from the passes' measured costs
         self.pass_cost = PassCost()
         self._last_finish = 0.0
+        self._clock = 0.0                 # when the result being handled finished (seconds)
+        self._lone: tuple | None = None   # (job, when, tokens out, drafted) of the last root of a request alone
         self.stats = dict.fromkeys(("micro_batches", "rows", "prefill_tokens", "generated", "finished",
                                     "reused_tokens", "drafted", "draft_accepted", "draft_skipped"), 0)
         self._recent: deque[float] = deque()    # when each of the tokens of the last RATE_WINDOW_S was generated
@@ -218,6 +223,7 @@ class Scheduler:
         more)."""
         rows = self._rows.pop(res.run.run_id)
         self._timed(res)
+        self._clock = res.finished_at or time.perf_counter()   # the pipeline's clock (the toy's, in tests)
         k = 0
         for row in rows:
             slot = row.slot
@@ -262,7 +268,7 @@ class Scheduler:
             decided.append(sampler.sample(lg))
         if row.chain:
             matched = len(decided) - 1
-            self.gate.observe(matched)
+            self.gate.observe(matched, len(row.chain))
             self.stats["draft_accepted"] += matched
             row.job.draft_accepted += matched
             slot = row.slot
@@ -277,9 +283,12 @@ class Scheduler:
         greedy request that generates alone (beside other generating slots a
         chain travels in a micro-batch of its own, a whole pass, where its
         plain token rides in its group's batch almost for free), only while
-        a chain pays (:class:`~ggpipe.speculation.gate.DraftGate`: accepted
-        tokens per chain against what a bigger pass costs)."""
+        a chain pays (:class:`~ggpipe.speculation.gate.DraftGate`: the
+        tokens per second of the request's drafted and plain roots as
+        measured while it generates alone, and before both are, the accepted
+        tokens per chain against the draft's steps and the bigger pass)."""
         r = slot.job.request
+        last, self._lone = self._lone, None
         if self.draft is None or not slot.job.sampler.params.greedy:
             return []
         if sum(1 for s in self.slots if s.job is not None and s.job.request and s.job.request.out) > 1:
@@ -287,12 +296,28 @@ class Scheduler:
         room = min(self.draft_max, r.n_predict - len(r.out), self.n_ctx_slot - len(slot.kv) - 2)
         if room <= 0:
             return []
+        now = self._clock
+        if last is not None and last[0] is slot.job:    # the request's last root, alone: its tokens per second
+            _, t0, n0, drafted = last
+            self.gate.timed(drafted, len(r.out) - n0, now - t0)
         cost = self.pass_cost
         c1 = cost.cost(1) if len(cost.mean) > 1 else cost.mean.get(1)
-        if not self.gate.pays(0.0, c1, cost.cost(2)):
+        k = self.gate.chain_size()
+        chain = []
+        follow = getattr(self.draft, "follow", None)      # a drafter with ranks of its own (ChainDrafter)
+        attempt = self.gate.pays(getattr(self.draft, "step_s", 0.0), c1, cost.cost(2),
+                                 None if k is None else cost.cost(k))
+        if attempt and follow is not None and not self.draft.caught_up(r.context):
+            attempt = False                 # the draft is still decoding the context: this root goes plainly
+        if attempt:
+            chain = self.draft(r.context, room)
+            if not chain:
+                self.gate.observe(0, 0)     # an attempt that drafted nothing (it cost the draft's step)
+        else:
             self.stats["draft_skipped"] += 1
-            return []
-        chain = self.draft(r.context, room)
+            if follow is not None:
+                follow(r.context)           # the draft follows the request meanwhile, not waited for
+        self._lone = (slot.job, now, len(r.out), attempt)
         self.stats["drafted"] += len(chain)
         slot.job.drafted += len(chain)
         return chain
@@ -363,3 +388,6 @@ class Scheduler:
         requests still running are handled)."""
         while self.target.inflight:
             self._handle(self.target.wait(self.timeout_s))
+        settle = getattr(self.draft, "settle", None)   # the draft's runs that followed a request
+        if settle is not None:
+            settle()

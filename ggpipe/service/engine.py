@@ -27,7 +27,7 @@ from ggpipe.runtime.vocab import Vocab, check_prompt_fits
 from ggpipe.kv_reuse import reusable_prefix
 from ggpipe.sampling import Sampler, SamplingParams
 from ggpipe.cluster.session import Session
-from ggpipe.decoding.factory import build_decoder
+from ggpipe.decoding.factory import build_chain_drafter, build_decoder
 from ggpipe.decoding.scheduler import Scheduler
 from ggpipe.decoding.slots import Job
 from ggpipe.decoding.settings import SpecSettings
@@ -79,15 +79,6 @@ def _recurrent_models(session: Session) -> dict[str, bool]:
     return out
 
 
-def _ngram_drafter(spec: SpecSettings) -> Callable[[list[int], int], list[int]]:
-    """The scheduler's drafting with ``--spec-type ngram`` (the only strategy
-    it runs per slot): prompt lookup with the strategy's n-gram sizes."""
-    from ggpipe.speculation.proposers.ngram import NgramProposer, ngram_lookup  # noqa: PLC0415
-
-    opts = spec.strategy_options.of(NgramProposer)
-    return lambda context, k: ngram_lookup(context, opts.ngram_min, opts.ngram_max, k)
-
-
 class Engine:
     """Head rank: generate through ``session``'s pipeline(s) in ``mode``.
 
@@ -130,7 +121,10 @@ class Engine:
             self.scheduler = Scheduler(session.pipeline, parallel, self.n_ctx, cfg.ubatch, self.is_eog,
                                        depth=session.concurrent_target_stages(), timeout_s=cfg.timeout_s,
                                        idle=self.waiter,
-                                       draft=_ngram_drafter(spec) if mode != "iterative" else None,
+                                       draft=None if mode == "iterative" else build_chain_drafter(
+                                           mode, spec, session.pipeline, drafts[0] if drafts else None,
+                                           more_drafts=drafts[1:], n_ubatch=cfg.ubatch, timeout_s=cfg.timeout_s,
+                                           idle=self.waiter),
                                        draft_max=spec.draft_max)
         else:
             self.decoder = build_decoder(mode, spec, session.pipeline, drafts[0] if drafts else None,

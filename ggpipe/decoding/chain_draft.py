@@ -1,0 +1,149 @@
+"""A drafting strategy as the continuous-batching scheduler asks for one:
+``draft(context, k) -> tokens``, a chain drafted below the last token of a
+request that generates alone, waited for (synchronous speculation: the
+target has nothing else to compute for that request meanwhile).
+
+The scheduler (ggpipe.decoding.scheduler) runs one request's tokens beside
+many; while a greedy request generates alone it may send a drafted chain
+below its next token, verified in a micro-batch of its own. An n-gram lookup
+is instant and needs no wrapper (``ggpipe.speculation.proposers.ngram.
+ngram_lookup``); any other ``--spec-type`` strategy, the draft model among
+them, speaks the :class:`~ggpipe.speculation.proposers.base.Proposer`
+protocol (``begin`` / ``ready`` / ``poll``), and :class:`ChainDrafter` drives
+it: ``begin`` below the context, wait (bounded) for the proposer's results,
+take the tree's first-child chain (a tree's first child of a node is the
+draft's best token: llama.cpp ``common_speculative_draft``'s chain), and
+consume whatever the proposer still has in flight (``settle``) so that the
+draft's pipeline is idle between chains. The proposer keeps its KV across
+calls and across requests: ``begin`` decodes only what its KV lacks
+(``sync_kv``: the common prefix is kept, the rest removed and decoded).
+While the scheduler sends a request's roots without a chain, the draft
+follows its context without being waited for (:meth:`ChainDrafter.follow`,
+as speculative mode's skipped roots do: the draft's ranks work beside the
+target's), and a chain is drafted only once the draft has caught up
+(:meth:`ChainDrafter.caught_up`): a request that starts, or is left alone
+when the others end, has its prompt decoded by the draft while its first
+tokens go plainly, instead of the head waiting for that prefill.
+
+No MPI here; the waits are the head's (``ggpipe.pipeline.waiting``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ggpipe.kv_reuse import reusable_prefix
+from ggpipe.pipeline.waiting import Wait, poll_wait
+from ggpipe.sampling import SamplingParams
+from ggpipe.speculation.proposers.base import Proposer
+from ggpipe.speculation.tree import SpecTree
+
+__all__ = ["CATCH_UP_MAX", "ChainDrafter", "first_child_chain"]
+
+CATCH_UP_MAX = 8   # tokens the draft may lack when a chain starts: one short batch, about a draft step
+
+
+def first_child_chain(tree: SpecTree) -> list[int]:
+    """The tokens of ``tree`` along the first child of each node, from the
+    anchor down (the draft's greedy chain; siblings are the runner-ups)."""
+    out, node = [], -1
+    while True:
+        kids = tree.children(node)
+        if not kids:
+            return out
+        node = kids[0]
+        out.append(tree.tokens[node])
+
+
+class ChainDrafter:
+    """``draft(context, k)``: up to ``k`` tokens that may follow ``context``
+    (list of token ids; ``context[-1]`` is the anchor, at position
+    ``len(context) - 1``), drafted by ``proposer`` for a greedy request.
+
+    Args:
+        proposer: the strategy (started here once, greedy; its KV follows
+            each call's context).
+        cutoff: the confidence cutoff (``--p-accept``; with ``auto`` the
+            adaptive depth's starting threshold): a draft-model chain stops
+            where the draft's probability of its next token falls below it
+            (PipeInfer IV.B.2).
+        idle: the head's wait (``wait(ready, timeout_s)``); None: polling.
+        timeout_s: bound of each wait for the proposer (seconds).
+
+    Attributes:
+        step_s: the proposer's measured seconds per drafted token (its first
+            token's cost, what a chain costs before the target gains
+            anything; None until measured, 0 for an instant proposer). The
+            scheduler's gate (ggpipe.speculation.gate) charges it.
+
+    Raises (from a call):
+        RankTimeoutError: the proposer's pipeline did not answer within
+            ``timeout_s`` (the wait names it); errors of the draft's ranks
+            (ProtocolError, RankFailedError) as its pipeline raises them.
+    """
+
+    def __init__(self, proposer: Proposer, cutoff: float, idle: Wait | None = None, timeout_s: float = 60.0):
+        self.proposer = proposer
+        self.cutoff = cutoff
+        self.idle = idle or poll_wait
+        self.timeout_s = timeout_s
+        self._started = False
+
+    @property
+    def step_s(self) -> float | None:
+        return 0.0 if self.proposer.instant else self.proposer.step_s
+
+    def __call__(self, context: list[int], k: int) -> list[int]:
+        p = self.proposer
+        if k <= 0:
+            return []
+        if not self._started:
+            p.start(SamplingParams(), np.random.default_rng(0), None)
+            self._started = True
+        p.observe(list(context))
+        p.begin(list(context), self.cutoff, k)
+        try:
+            tree = p.poll()
+            while tree is None and p.active:
+                if not p.ready():
+                    self.idle(p.ready, self.timeout_s)
+                tree = p.poll()
+        finally:
+            p.settle(self.timeout_s)   # consume draft runs still in flight: the draft's pipeline idles between chains
+        return first_child_chain(tree)[:k] if tree is not None else []
+
+    def follow(self, context: list[int]) -> None:
+        """Let the draft's KV follow ``context`` without waiting: results
+        that have arrived are consumed, the tokens it lacks (all but the
+        anchor, whose logits the next chain asks for) are submitted
+        (``Proposer.prefill``). Nothing for an instant proposer."""
+        p = self.proposer
+        if p.instant:
+            return
+        if not self._started:
+            p.start(SamplingParams(), np.random.default_rng(0), None)
+            self._started = True
+        p.drain_ready()
+        p.prefill(list(context[:-1]))
+
+    def caught_up(self, context: list[int]) -> bool:
+        """No draft work in flight (what :meth:`follow` submitted has been
+        decoded and consumed), and the draft's KV lacks at most
+        ``CATCH_UP_MAX`` tokens of ``context`` before its anchor (a proposer
+        that does not show its KV, ``cursor``, counts as holding it): a chain
+        now waits for little more than its own steps."""
+        p = self.proposer
+        p.drain_ready()
+        if p.busy():
+            return False
+        cursor = getattr(p, "cursor", None)
+        return cursor is None or len(context) - 1 - reusable_prefix(cursor, context[:-1], False) <= CATCH_UP_MAX
+
+    def settle(self) -> None:
+        """Consume every draft run still in flight (bounded by ``timeout_s``
+        each): the scheduler drains before a shutdown."""
+        self.proposer.settle(self.timeout_s)
+
+    def reset(self) -> None:
+        """The draft's KV cache was cleared."""
+        self.proposer.reset()
