@@ -24,7 +24,9 @@ ignored. Per (system, C) and round it records:
   streamed chunks, pooled over the requests).
 
 ``--before DIR`` adds ggpipe from a checkout of an earlier commit (through
-``PYTHONPATH``) at each rank count, for a before/after in the same run.
+``PYTHONPATH``) at each rank count, for a before/after in the same run;
+``--draft-model MD`` adds ggpipe ``--mode speculative -md MD`` at each rank
+count (the draft model on one of the ranks).
 ``llama-batched-bench -npp P -ntg N -npl C,... -t T`` adds its own S_TG and
 S (prompt processing included) per C. ggpipe runs ``R`` ranks x 1 thread
 (``mpiexec -n R``), llama.cpp ``T`` = ``--threads`` threads (default: the
@@ -156,10 +158,12 @@ def drive(port: int, c: int, n: int) -> dict:
             "itl_p90_ms": round(1e3 * pct(gaps, .9), 2) if gaps else None}
 
 
-def ggpipe_server(model: str, ranks: int, parallel: int, n: int, port: int, before: str | None = None) -> Server:
-    """``before``: a checkout of an earlier commit, run through PYTHONPATH instead of this one."""
+def ggpipe_server(model: str, ranks: int, parallel: int, n: int, port: int, before: str | None = None,
+                  extra: tuple = ()) -> Server:
+    """``before``: a checkout of an earlier commit, run through PYTHONPATH
+    instead of this one; ``extra``: more ``serve`` arguments (a draft model)."""
     cmd = ["mpiexec", "-n", str(ranks), *ggpipe_command(), "serve", "-m", model, "--port", str(port),
-           "--parallel", str(parallel), "-n", str(n), "--ignore-eos", "--max-queue", "256"]
+           "--parallel", str(parallel), "-n", str(n), "--ignore-eos", "--max-queue", "256", *extra]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if before:
         env["PYTHONPATH"] = before
@@ -210,6 +214,8 @@ def main() -> None:
     ap.add_argument("--no-one-at-a-time", action="store_true", help="skip ggpipe --parallel 1")
     ap.add_argument("--before", metavar="DIR", help="also run ggpipe from this checkout of an earlier commit "
                     "(git worktree add DIR COMMIT; copy ggpipe/_native*.so into it) at each --ranks")
+    ap.add_argument("--draft-model", metavar="MD", help="also run ggpipe --mode speculative -md MD at each --ranks "
+                    "(the draft model takes one of the ranks; it drafts while a request generates alone)")
     ap.add_argument("-o", "--output", default="results/parallel")
     a = ap.parse_args()
     model = str(resolve(a.model))
@@ -217,6 +223,8 @@ def main() -> None:
     systems = [(f"ggpipe {r} ranks", "ggpipe", r) for r in map(int, a.ranks.split(","))]
     if a.before:
         systems += [(f"ggpipe {r} ranks (before)", "ggpipe-before", r) for r in map(int, a.ranks.split(","))]
+    if a.draft_model:
+        systems += [(f"ggpipe {r} ranks + draft", "ggpipe-draft", r) for r in map(int, a.ranks.split(","))]
     if not a.no_one_at_a_time:
         systems.append(("ggpipe one at a time, 2 ranks", "ggpipe1", 2))
     if not a.no_llamacpp:
@@ -238,7 +246,8 @@ def main() -> None:
                 port = free_port()
                 srv = (llama_server(model, c, a.n, a.threads, port) if kind == "llama-server" else
                        ggpipe_server(model, ranks, 1 if kind == "ggpipe1" else c, a.n, port,
-                                     a.before if kind == "ggpipe-before" else None))
+                                     a.before if kind == "ggpipe-before" else None,
+                                     ("--mode", "speculative", "-md", a.draft_model) if kind == "ggpipe-draft" else ()))
                 try:
                     drive(port, 1, 4)                              # warm-up
                     r = drive(port, c, a.n)
