@@ -87,6 +87,23 @@ def test_plan_uneven_split_draft_and_hosts(smollm2, tmp_path):
     assert one["model"] == "target+draft" and one["draft_layers"] == [0, 30]
 
 
+def test_plan_sizes_the_slots_of_parallel_jobs(smollm2, tmp_path):
+    """batch/serve with --parallel: the KV as the job lays it out (checked
+    against llama.cpp's own log by hand: 180 and 45 MiB): -c shared by the
+    slots, --parallel auto's 8 slots x 2048 cells at 2 ranks without -c, and a
+    draft model's context of one slot's cells and one sequence (it drafts for
+    one request at a time)."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt": "x"}\n')
+    job = ["batch", str(inp), "-o", str(tmp_path / "o.jsonl"), "-m", str(smollm2)]
+    md = plan_json(["-n", "2", "--", *job, "-md", str(smollm2), "--parallel", "4", "-c", "8192"])["ranks"]
+    assert [r["model"] for r in md] == ["target", "draft"]
+    assert md[0]["kv_bytes"] == 180 * 2**20 and md[1]["kv_bytes"] == 45 * 2**20
+    auto = plan_json(["-n", "2", "--", *job])["ranks"]
+    one = plan_json(["-n", "2", "--", *job, "--parallel", "1"])["ranks"]
+    assert sum(r["kv_bytes"] for r in auto) == 8 * sum(r["kv_bytes"] for r in one)   # 8 x 2048 cells against 2048
+
+
 def test_plan_table_and_memory_warning(smollm2, tmp_path):
     hosts = tmp_path / "hosts"
     hosts.write_text("far-away-1\nfar-away-2\n")

@@ -64,13 +64,28 @@ def with_parallel(job: JobSpec, parallel: int | None, ctx: click.Context) -> Job
     Raises:
         click.UsageError: ``--parallel`` > 1 with ``--n-seq-max`` (the slots
             are the sequences)."""
-    one_at_a_time = job.mode != "iterative" and job.spec.spec_type != "ngram"
-    n = parallel if parallel is not None else (1 if one_at_a_time else max(8, 4 * (launched_size() or 1)))
+    n = slots(parallel, job.mode, job.spec.spec_type, launched_size() or 1)
     if n == 1:
         return job
     if ctx.get_parameter_source("n_seq_max") == click.core.ParameterSource.COMMANDLINE:
         raise click.UsageError("--n-seq-max is set by --parallel (one KV sequence per slot): leave it out")
-    given_c = ctx.get_parameter_source("ctx_size") == click.core.ParameterSource.COMMANDLINE
-    cfg = dataclasses.replace(job.config, n_seq_max=n, kv_unified=False,
-                              ctx_size=job.config.ctx_size if given_c else CTX_PER_SLOT * n)
-    return dataclasses.replace(job, config=cfg, parallel=n)
+    return dataclasses.replace(job, config=slot_config(job.config, n, _given_c(ctx)), parallel=n)
+
+
+def _given_c(ctx: click.Context) -> bool:
+    return ctx.get_parameter_source("ctx_size") == click.core.ParameterSource.COMMANDLINE
+
+
+def slots(parallel: int | None, mode: str, spec_type: str, n_ranks: int) -> int:
+    """``--parallel`` (None: ``auto``) -> slots, for a job of ``n_ranks``."""
+    if parallel is not None:
+        return parallel
+    return 1 if mode != "iterative" and spec_type != "ngram" else max(8, 4 * n_ranks)
+
+
+def slot_config(config, n: int, given_c: bool):
+    """``config`` (a ClusterConfig) with ``n`` > 1 slots: one KV sequence
+    and stream per slot, ``-c`` shared by them (``CTX_PER_SLOT`` each when
+    ``-c`` was not given). ``ggpipe plan`` sizes a job's KV with it too."""
+    return dataclasses.replace(config, n_seq_max=n, kv_unified=False,
+                               ctx_size=config.ctx_size if given_c else CTX_PER_SLOT * n)

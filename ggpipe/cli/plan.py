@@ -69,6 +69,7 @@ def plan(ctx, ranks, model, draft_model, split, ctx_size, threads, cache_type_k,
             raise click.UsageError(f"{command[0]!r} is not a ggpipe job command (generate, chat, batch, serve)")
         with sub.make_context(command[0], list(command[1:]), parent=ctx) as sctx:
             params = dict(sctx.params)
+            given_c = sctx.get_parameter_source("ctx_size") == click.core.ParameterSource.COMMANDLINE
         argv = list(command)
     else:
         params = dict(model=model or DEFAULT_MODEL, draft_model=draft_model, split=split,
@@ -93,6 +94,12 @@ def plan(ctx, ranks, model, draft_model, split, ctx_size, threads, cache_type_k,
                                  "flash_attn") if params.get(k) is not None}
     cfg = ClusterConfig(model=params["model"], draft_model=params["draft_model"], split=params["split"],
                         threads=str(params["threads"]), ctx_size=params["ctx_size"], **kv)
+    if "parallel" in params:      # batch, serve: the slots' KV streams, as the job will lay them out
+        from ggpipe.cli.parallel import slot_config, slots
+
+        n = slots(params["parallel"], params.get("mode", "iterative"), params.get("spec_type") or "draft", ranks)
+        if n > 1:
+            cfg = slot_config(cfg, n, given_c)
     result = P.plan_job(cfg, ranks, placed, mem)
     if balanced is not None:
         result.balance = placement.balance_summary(balanced)

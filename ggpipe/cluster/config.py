@@ -91,6 +91,20 @@ class ClusterConfig:
                                     "-ctvd" if self.cache_type_v_draft else "-ctv"))
 
     @property
+    def draft_context(self) -> tuple[int, int, bool]:
+        """The draft models' contexts: ``(n_ctx, n_seq_max, kv_unified)``.
+        Under ``--parallel`` slots (one KV stream per sequence) a draft
+        model drafts for one request at a time, in sequence 0
+        (ggpipe.decoding.chain_draft): one slot's cells (``ctx_size /
+        n_seq_max`` rounded up to 256, as llama.cpp rounds a stream) and
+        one sequence, not a stream per slot it would never use. Otherwise
+        the target's settings (the speculative modes' partitions)."""
+        if self.kv_unified or self.n_seq_max == 1:
+            return self.ctx_size, self.n_seq_max, self.kv_unified
+        per_slot = -(-self.ctx_size // self.n_seq_max)
+        return -(-per_slot // 256) * 256, 1, True
+
+    @property
     def draft_models(self) -> list[str]:
         """The draft models in ``-md`` order ([] for none)."""
         if self.draft_model is None:

@@ -78,10 +78,13 @@ def load_rank(config: ClusterConfig, rank: int, size: int) -> Loaded:
                                  (start, stop), draft_info if rank == 0 and roles.has_draft and roles.n_draft == 0
                                  else None, threads[rank], info, types)
     load = dict(flash_attn=config.flash_attn, mlock=config.mlock, no_mmap=config.no_mmap, numa=config.numa)
+    d_ctx, d_seqs, d_unified = config.draft_context
+    n_ctx, n_seqs, unified = ((config.ctx_size, config.n_seq_max, config.kv_unified) if model == "target"
+                              else (d_ctx, d_seqs, d_unified))
     stage = Stage(StageSpec(
         model_path=stage_slice(m_path, start, stop, cache_dir()), n_layer=stop - start,
-        first=index == 0, last=index == n_stages - 1, n_ctx=config.ctx_size, n_threads=n_threads,
-        n_seq_max=config.n_seq_max, n_ubatch=config.ubatch, kv_unified=config.kv_unified,
+        first=index == 0, last=index == n_stages - 1, n_ctx=n_ctx, n_threads=n_threads,
+        n_seq_max=n_seqs, n_ubatch=config.ubatch, kv_unified=unified,
         cache_type_k=types[0], cache_type_v=types[1], **load,
         rank=rank, label=f"{where}, {describe_role(roles, rank, (start, stop))} of {m_path.name}",
         layer_output=layer_output_name(m_info.arch),
@@ -91,7 +94,7 @@ def load_rank(config: ClusterConfig, rank: int, size: int) -> Loaded:
         d_k, d_v = config.draft_cache_types
         try:
             draft_stage = Stage(StageSpec(model_path=draft_path, n_layer=draft_info.n_layer, first=True, last=True,
-                                          n_ctx=config.ctx_size, n_threads=n_threads, n_seq_max=config.n_seq_max,
+                                          n_ctx=d_ctx, n_threads=n_threads, n_seq_max=d_seqs, kv_unified=d_unified,
                                           n_ubatch=config.ubatch, cache_type_k=d_k, cache_type_v=d_v, **load,
                                           label=f"{where}, the draft model {draft_path.name}"))
         except BaseException:

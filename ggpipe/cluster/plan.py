@@ -182,6 +182,8 @@ def plan_job(config: ClusterConfig, n_ranks: int, hosts: list[str], mem_per_node
     drafts = [model_sizes(n) for n in names]
     draft = drafts[0] if drafts else None
     kv_opts = {"v_trans": config.flash_attn == "off", "n_seq_max": config.n_seq_max, "unified": config.kv_unified}
+    d_ctx, d_seqs, d_unified = config.draft_context       # one slot's cells under --parallel (the job's)
+    d_opts = {"v_trans": kv_opts["v_trans"], "n_seq_max": d_seqs, "unified": d_unified}
     out = []
     known: dict = {}
     for r in range(n_ranks):
@@ -196,13 +198,14 @@ def plan_job(config: ClusterConfig, n_ranks: int, hosts: list[str], mem_per_node
         first, last = index == 0, index == n_stages - 1
         w = sizes.slice_bytes(start, stop, first, last)
         types = (config.cache_type_k, config.cache_type_v) if kind == "target" else config.draft_cache_types
-        kv = sizes.kv_bytes(start, stop, config.ctx_size, *types, **kv_opts)
+        kv = (sizes.kv_bytes(start, stop, config.ctx_size, *types, **kv_opts) if kind == "target"
+              else sizes.kv_bytes(start, stop, d_ctx, *types, **d_opts))
         rp = RankPlan(r, hosts[r], kind, (start, stop), stop - start, threads[r], w, kv)
         if r == 0 and draft is not None and roles.n_draft == 0:  # the whole draft lives on the head
             rp.model = "target+draft"
             rp.draft_layers = (0, draft.n_layer)
             rp.weights_bytes += draft.slice_bytes(0, draft.n_layer, True, True)
-            rp.kv_bytes += draft.kv_bytes(0, draft.n_layer, config.ctx_size, *config.draft_cache_types, **kv_opts)
+            rp.kv_bytes += draft.kv_bytes(0, draft.n_layer, d_ctx, *config.draft_cache_types, **d_opts)
         out.append(rp)
     plan = Plan(out)
     for name, sizes in [(config.model, target), *zip(names, drafts)]:

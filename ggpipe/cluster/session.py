@@ -220,7 +220,7 @@ def _add_pipelines(s: Session, loaded: Loaded, async_head: bool) -> None:
                           config.n_seq_max, max_outputs=config.ubatch, async_local=async_head, name="target")
     for k in range(len(roles.drafts)):
         s.draft_pipelines.append(Pipeline(loaded.draft_stage, s.transport, roles.draft_ranks_of(k),
-                                          loaded.stage.n_vocab, config.n_seq_max, max_outputs=config.ubatch,
+                                          loaded.stage.n_vocab, config.draft_context[1], max_outputs=config.ubatch,
                                           name=roles.draft_name(k)))
 
 
