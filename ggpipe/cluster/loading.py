@@ -76,7 +76,7 @@ def load_rank(config: ClusterConfig, rank: int, size: int) -> Loaded:
                           f"the same type")
     n_threads, warnings = _check_resources(config, rank, where, describe_role(roles, rank, (start, stop)), m_info,
                                  (start, stop), draft_info if rank == 0 and roles.has_draft and roles.n_draft == 0
-                                 else None, threads[rank], info, types)
+                                 else None, threads[rank], info, types, draft_rank=model != "target")
     load = dict(flash_attn=config.flash_attn, mlock=config.mlock, no_mmap=config.no_mmap, numa=config.numa)
     d_ctx, d_seqs, d_unified = config.draft_context
     n_ctx, n_seqs, unified = ((config.ctx_size, config.n_seq_max, config.kv_unified) if model == "target"
@@ -153,13 +153,17 @@ def layer_ranges(sizes, n_layer: int, n_stages: int, weights, model: str = "targ
 
 def _check_resources(config: ClusterConfig, rank: int, where: str, role: str, m_info, layers: tuple[int, int],
                      draft_info,
-                     n_threads: int, target_info, types: tuple[str, str] = ("f16", "f16")) -> tuple[int, list[str]]:
+                     n_threads: int, target_info, types: tuple[str, str] = ("f16", "f16"),
+                     draft_rank: bool = False) -> tuple[int, list[str]]:
     """Before anything is allocated (ggpipe.cluster.resources): the KV cache
     against this rank's memory, the context per sequence against the
     target's training (a warning, on the head), ``-t`` against the rank's
     CPUs (capped, with a warning). ``types``: this rank's model's KV cache
     types (K, V); ``layers``: the stage's blocks [start, stop) (a hybrid
-    model's KV depends on which it holds). Returns the threads to use and
+    model's KV depends on which it holds); ``draft_rank``: the rank holds a
+    draft model's stage, whose cells are ``config.draft_context``'s (one
+    slot's under ``--parallel``; a draft on the head beside the target is
+    counted at the target's cells, an over-estimate). Returns the threads to use and
     the warnings, printed once the stage has loaded (an error while loading
     is then the one line).
 
@@ -171,7 +175,7 @@ def _check_resources(config: ClusterConfig, rank: int, where: str, role: str, m_
     if draft_info is not None:
         parts.append(("the draft model", kv_bytes_per_cell(draft_info, (0, draft_info.n_layer),
                                                            *config.draft_cache_types, v_trans=v_trans)))
-    check_kv_memory(config.ctx_size, parts, where)
+    check_kv_memory(config.draft_context[0] if draft_rank else config.ctx_size, parts, where)
     warnings = []
     if rank == 0:
         per_seq = config.ctx_size if config.kv_unified else -(-config.ctx_size // config.n_seq_max)
