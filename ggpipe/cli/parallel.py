@@ -69,10 +69,11 @@ def with_parallel(job: JobSpec, parallel: int | None, ctx: click.Context) -> Job
         return job
     if ctx.get_parameter_source("n_seq_max") == click.core.ParameterSource.COMMANDLINE:
         raise click.UsageError("--n-seq-max is set by --parallel (one KV sequence per slot): leave it out")
-    return dataclasses.replace(job, config=slot_config(job.config, n, _given_c(ctx)), parallel=n)
+    return dataclasses.replace(job, config=slot_config(job.config, n, given_ctx_size(ctx)), parallel=n)
 
 
-def _given_c(ctx: click.Context) -> bool:
+def given_ctx_size(ctx: click.Context) -> bool:
+    """``-c`` was given on the command line (not its default)."""
     return ctx.get_parameter_source("ctx_size") == click.core.ParameterSource.COMMANDLINE
 
 

@@ -67,9 +67,11 @@ def plan(ctx, ranks, model, draft_model, split, ctx_size, threads, cache_type_k,
         sub = ctx.find_root().command.get_command(ctx, command[0])
         if sub is None or "model" not in {p.name for p in sub.params}:
             raise click.UsageError(f"{command[0]!r} is not a ggpipe job command (generate, chat, batch, serve)")
+        from ggpipe.cli.parallel import given_ctx_size
+
         with sub.make_context(command[0], list(command[1:]), parent=ctx) as sctx:
             params = dict(sctx.params)
-            given_c = sctx.get_parameter_source("ctx_size") == click.core.ParameterSource.COMMANDLINE
+            given_c = given_ctx_size(sctx)
         argv = list(command)
     else:
         params = dict(model=model or DEFAULT_MODEL, draft_model=draft_model, split=split,
@@ -96,8 +98,11 @@ def plan(ctx, ranks, model, draft_model, split, ctx_size, threads, cache_type_k,
                         threads=str(params["threads"]), ctx_size=params["ctx_size"], **kv)
     if "parallel" in params:      # batch, serve: the slots' KV streams, as the job will lay them out
         from ggpipe.cli.parallel import slot_config, slots
+        from ggpipe.decoding.settings import SpecSettings
+        from ggpipe.speculation.proposers.base import canonical_name
 
-        n = slots(params["parallel"], params.get("mode", "iterative"), params.get("spec_type") or "draft", ranks)
+        spec_type = canonical_name(params.get("spec_type") or SpecSettings.spec_type)
+        n = slots(params["parallel"], params.get("mode", "iterative"), spec_type, ranks)
         if n > 1:
             cfg = slot_config(cfg, n, given_c)
     result = P.plan_job(cfg, ranks, placed, mem)

@@ -89,6 +89,12 @@ class ChainDrafter:
         self.timeout_s = timeout_s
         self._started = False
 
+    def _start(self) -> None:
+        """Start the proposer once, greedy (it drafts for greedy requests only)."""
+        if not self._started:
+            self.proposer.start(SamplingParams(), np.random.default_rng(0), None)
+            self._started = True
+
     @property
     def step_s(self) -> float | None:
         return 0.0 if self.proposer.instant else self.proposer.step_s
@@ -97,9 +103,7 @@ class ChainDrafter:
         p = self.proposer
         if k <= 0:
             return []
-        if not self._started:
-            p.start(SamplingParams(), np.random.default_rng(0), None)
-            self._started = True
+        self._start()
         p.observe(list(context))
         p.begin(list(context), self.cutoff, k)
         try:
@@ -120,9 +124,7 @@ class ChainDrafter:
         p = self.proposer
         if p.instant:
             return
-        if not self._started:
-            p.start(SamplingParams(), np.random.default_rng(0), None)
-            self._started = True
+        self._start()
         p.drain_ready()
         p.prefill(list(context[:-1]))
 
@@ -143,7 +145,3 @@ class ChainDrafter:
         """Consume every draft run still in flight (bounded by ``timeout_s``
         each): the scheduler drains before a shutdown."""
         self.proposer.settle(self.timeout_s)
-
-    def reset(self) -> None:
-        """The draft's KV cache was cleared."""
-        self.proposer.reset()
