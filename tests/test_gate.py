@@ -52,6 +52,11 @@ def test_a_deep_chain_is_charged_a_step_per_drafted_token():
     assert not g.pays(0.018, 0.031, 0.043, 0.075)                 # 93 < 4 x 18 + 44 ms
     assert DraftGate(yield_=3.0, depth=4.0).pays(0.0, 0.031, 0.043, 0.075)   # an instant draft: 93 >= 44 ms
     assert DraftGate(yield_=3.0).pays(0.018, 0.031, 0.043, 0.075)            # depth unknown: one-token rule
+    from ggpipe.speculation.adaptive import PassCost                        # the callers' form: costs read from
+    cost = PassCost()                                                        # the measured pass costs
+    for n, t in [(1, 0.031), (2, 0.043), (5, 0.075)]:
+        cost.observe(n, t)
+    assert not g.pays_at(0.018, cost) and DraftGate(yield_=3.0, depth=4.0).pays_at(0.0, cost)
 
 
 class Always(DraftGate):

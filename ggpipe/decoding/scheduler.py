@@ -300,13 +300,9 @@ class Scheduler:
         if last is not None and last[0] is slot.job:    # the request's last root, alone: its tokens per second
             _, t0, n0, drafted = last
             self.gate.timed(drafted, len(r.out) - n0, now - t0)
-        cost = self.pass_cost
-        c1 = cost.cost(1) if len(cost.mean) > 1 else cost.mean.get(1)
-        k = self.gate.chain_size()
         chain = []
         follow = getattr(self.draft, "follow", None)      # a drafter with ranks of its own (ChainDrafter)
-        attempt = self.gate.pays(getattr(self.draft, "step_s", 0.0), c1, cost.cost(2),
-                                 None if k is None else cost.cost(k))
+        attempt = self.gate.pays_at(getattr(self.draft, "step_s", 0.0), self.pass_cost)
         if attempt and follow is not None and not self.draft.caught_up(r.context):
             attempt = False                 # the draft is still decoding the context: this root goes plainly
         if attempt:

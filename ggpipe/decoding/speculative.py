@@ -306,10 +306,7 @@ class Speculative(Drafting):
                 accepted0, drafted0 = self._accepted_at_attempt
                 self.gate.observe(g.n_draft_accepted - accepted0, g.n_drafted - drafted0)
                 self._accepted_at_attempt = None
-            cost = core.pass_cost
-            c1 = cost.cost(1) if len(cost.mean) > 1 else cost.mean.get(1)   # one size seen: its mean
-            k = self.gate.chain_size()
-            drafting = self.gate.pays(self.proposer.step_s, c1, cost.cost(2), None if k is None else cost.cost(k))
+            drafting = self.gate.pays_at(self.proposer.step_s, core.pass_cost)
             self._root = (now, len(r.out), drafting)
             if not drafting:
                 r.counts["draft_skipped"] += 1

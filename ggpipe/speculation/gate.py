@@ -102,6 +102,14 @@ class DraftGate:
         have been (``round(depth) + 1``), or None before one reported."""
         return None if self.depth is None else max(1, round(self.depth)) + 1
 
+    def pays_at(self, step_s: float | None, cost) -> bool:
+        """:meth:`pays` with the target's costs read from ``cost`` (a
+        :class:`~ggpipe.speculation.adaptive.PassCost`): ``c(1)`` (while one
+        size only was seen, its mean), ``c(2)`` and ``c(chain_size())``."""
+        c1 = cost.cost(1) if len(cost.mean) > 1 else cost.mean.get(1)
+        k = self.chain_size()
+        return self.pays(step_s, c1, cost.cost(2), None if k is None else cost.cost(k))
+
     def pays(self, step_s: float | None, c1: float | None, c2: float | None, c_chain: float | None = None) -> bool:
         """Draft at this root? ``step_s``: the draft's seconds per step
         (0 for an instant proposer); ``c1``, ``c2``: the target's seconds
