@@ -28,9 +28,10 @@ ignored. Per (system, C) and round it records:
 ``--draft-model MD`` adds ggpipe ``--mode speculative -md MD`` at each rank
 count (the draft model on one of the ranks).
 ``llama-batched-bench -npp P -ntg N -npl C,... -t T`` adds its own S_TG and
-S (prompt processing included) per C. ggpipe runs ``R`` ranks x 1 thread
-(``mpiexec -n R``), llama.cpp ``T`` = ``--threads`` threads (default: the
-cores ggpipe's 2 ranks use). Results: ``results.csv`` (one row per system,
+S (prompt processing included) per C. ggpipe runs ``R`` ranks x
+``--rank-threads`` threads (``mpiexec -n R``, default 1 thread), llama.cpp
+``T`` threads for each ``T`` of ``--threads`` (default: the cores ggpipe's 2
+ranks use); ``--ranks none`` runs llama.cpp alone. Results: ``results.csv`` (one row per system,
 C and round) and ``summary.md`` (medians over rounds) in the output folder.
 """
 
@@ -159,11 +160,12 @@ def drive(port: int, c: int, n: int) -> dict:
 
 
 def ggpipe_server(model: str, ranks: int, parallel: int, n: int, port: int, before: str | None = None,
-                  extra: tuple = ()) -> Server:
+                  extra: tuple = (), threads: int = 1) -> Server:
     """``before``: a checkout of an earlier commit, run through PYTHONPATH
     instead of this one; ``extra``: more ``serve`` arguments (a draft model)."""
     cmd = ["mpiexec", "-n", str(ranks), *ggpipe_command(), "serve", "-m", model, "--port", str(port),
-           "--parallel", str(parallel), "-n", str(n), "--ignore-eos", "--max-queue", "256", *extra]
+           "--parallel", str(parallel), "-n", str(n), "--ignore-eos", "--max-queue", "256", "-t", str(threads),
+           *extra]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if before:
         env["PYTHONPATH"] = before
@@ -204,13 +206,16 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-m", "--model", default="smollm2-goliath-40l-f32")
-    ap.add_argument("--ranks", default="2,3", help="ggpipe rank counts (x 1 thread each)")
+    ap.add_argument("--ranks", default="2,3", help="ggpipe rank counts, or none")
+    ap.add_argument("--rank-threads", type=int, default=1, help="threads per ggpipe rank")
     ap.add_argument("--concurrency", default="1,2,4,8,16")
     ap.add_argument("-n", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads (the cores ggpipe's 2 ranks use)")
+    ap.add_argument("--threads", default="2", help="llama.cpp thread counts, comma-separated (the cores ggpipe's "
+                    "ranks use)")
     ap.add_argument("--npp", type=int, default=32, help="llama-batched-bench prompt tokens per sequence")
     ap.add_argument("--no-llamacpp", action="store_true", help="ggpipe rows only")
+    ap.add_argument("--no-llama-server", action="store_true", help="of llama.cpp, llama-batched-bench only")
     ap.add_argument("--no-one-at-a-time", action="store_true", help="skip ggpipe --parallel 1")
     ap.add_argument("--before", metavar="DIR", help="also run ggpipe from this checkout of an earlier commit "
                     "(git worktree add DIR COMMIT; copy ggpipe/_native*.so into it) at each --ranks")
@@ -220,34 +225,39 @@ def main() -> None:
     a = ap.parse_args()
     model = str(resolve(a.model))
     cs = [int(x) for x in a.concurrency.split(",")]
-    systems = [(f"ggpipe {r} ranks", "ggpipe", r) for r in map(int, a.ranks.split(","))]
+    ranks = [] if a.ranks == "none" else [int(r) for r in a.ranks.split(",")]
+    per = f" x {a.rank_threads} threads" if a.rank_threads > 1 else ""
+    systems = [(f"ggpipe {r} ranks{per}", "ggpipe", r) for r in ranks]
     if a.before:
-        systems += [(f"ggpipe {r} ranks (before)", "ggpipe-before", r) for r in map(int, a.ranks.split(","))]
+        systems += [(f"ggpipe {r} ranks{per} (before)", "ggpipe-before", r) for r in ranks]
     if a.draft_model:
-        systems += [(f"ggpipe {r} ranks + draft", "ggpipe-draft", r) for r in map(int, a.ranks.split(","))]
-    if not a.no_one_at_a_time:
-        systems.append(("ggpipe one at a time, 2 ranks", "ggpipe1", 2))
+        systems += [(f"ggpipe {r} ranks{per} + draft", "ggpipe-draft", r) for r in ranks]
+    if ranks and not a.no_one_at_a_time:
+        systems.append((f"ggpipe one at a time, 2 ranks{per}", "ggpipe1", 2))
     if not a.no_llamacpp:
-        systems += [(f"llama-server {a.threads} threads", "llama-server", 1),
-                    (f"llama-batched-bench {a.threads} threads", "batched-bench", 1)]
+        for t in map(int, a.threads.split(",")):
+            if not a.no_llama_server:
+                systems.append((f"llama-server {t} threads", "llama-server", t))
+            systems.append((f"llama-batched-bench {t} threads", "batched-bench", t))
     out = Path(a.output)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     for rnd in range(a.rounds):
         order = systems[rnd % len(systems):] + systems[:rnd % len(systems)]
-        for name, kind, ranks in order:
+        for name, kind, size in order:  # size: ggpipe's ranks, llama.cpp's threads
             if kind == "batched-bench":
-                for c, r in batched_bench(model, cs, a.n, a.threads, a.npp).items():
+                for c, r in batched_bench(model, cs, a.n, size, a.npp).items():
                     rows.append({"system": name, "round": rnd, "requests": c, **r})
                     print(f"{name:36s} C={c:3d} agg {r['agg_tokens_per_s']:7.1f}  gen {r['gen_tokens_per_s']:7.1f} tok/s",
                           flush=True)
                 continue
             for c in cs:
                 port = free_port()
-                srv = (llama_server(model, c, a.n, a.threads, port) if kind == "llama-server" else
-                       ggpipe_server(model, ranks, 1 if kind == "ggpipe1" else c, a.n, port,
+                srv = (llama_server(model, c, a.n, size, port) if kind == "llama-server" else
+                       ggpipe_server(model, size, 1 if kind == "ggpipe1" else c, a.n, port,
                                      a.before if kind == "ggpipe-before" else None,
-                                     ("--mode", "speculative", "-md", a.draft_model) if kind == "ggpipe-draft" else ()))
+                                     ("--mode", "speculative", "-md", a.draft_model) if kind == "ggpipe-draft" else (),
+                                     a.rank_threads))
                 try:
                     drive(port, 1, 4)                              # warm-up
                     r = drive(port, c, a.n)

@@ -89,7 +89,8 @@ def test_ngram_chains_of_a_request_alone_are_exact(tmp_path, goliath, reference)
 
 
 def test_serve_answers_concurrent_clients_exactly(goliath, reference):
-    s = ServerProc(["-m", str(goliath), "--parallel", "3", "-c", "1536", "--api-key", "k"])
+    # --micro-batches 3: three groups of one slot in flight on 2 stages (any count gives the same tokens)
+    s = ServerProc(["-m", str(goliath), "--parallel", "3", "-c", "1536", "--api-key", "k", "--micro-batches", "3"])
     try:
         def ask(i: int) -> dict:
             body = json.dumps({"prompt": PROMPTS[i], "max_tokens": LENGTHS[i], "temperature": 0,
@@ -119,6 +120,7 @@ def test_serve_answers_concurrent_clients_exactly(goliath, reference):
         assert "ggpipe_inter_token_latency_p90_seconds_count 7.0" in text
         models = json.loads(http(s, "GET", "/v1/models", key="k")[1])["data"][0]["meta"]
         assert models["parallel"] == 3 and models["n_ctx"] == 512 and "continuous batching" in models["scheduling"]
+        assert models["micro_batches"] == 3
         assert urllib.request.urlopen(s.url + "/health").status == 200
     finally:
         assert s.stop() == 0

@@ -102,6 +102,7 @@ def test_models_and_health(server, client, smollm2):
     # --parallel auto: 8 slots of 2048 cells at 2 ranks
     assert meta["scheduling"].startswith("continuous batching: up to 8 requests") and meta["parallel"] == 8
     assert meta["ranks"] == 2 and meta["n_ctx"] == 2048
+    assert 1 <= meta["micro_batches"] <= 2   # one per stage, at most as many as the host's CPUs hold
     status, text = http(server, "GET", "/health", key=None)  # no key needed
     assert status == 200 and json.loads(text)["status"] == "ok"
 

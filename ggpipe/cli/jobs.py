@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from ggpipe.cli.options import job_options, read_prompt_file, split_job_options, utf8_prompt
-from ggpipe.cli.parallel import parallel_option, with_parallel
+from ggpipe.cli.parallel import micro_batches_option, parallel_option, with_parallel
 from ggpipe.cli.strategies import JobCommand
 from ggpipe.cli.types import Finite
 from ggpipe.frontends.http_guard import Access
@@ -63,8 +63,9 @@ def chat(system, input_path, **kw):
 @click.option("--progress/--no-progress", default=True, show_default=True,
               help="Progress bar (ETA, tokens/s) on stderr.")
 @parallel_option
+@micro_batches_option
 @click.pass_context
-def batch(ctx, prompts, output, progress, parallel, **kw):
+def batch(ctx, prompts, output, progress, parallel, micro_batches, **kw):
     """Run a JSONL file of requests: {"id", "prompt" | "messages", optional n, temperature, seed, ...} per line.
 
     Each result is written (and fsync'd) as it finishes; rerunning the same
@@ -72,7 +73,7 @@ def batch(ctx, prompts, output, progress, parallel, **kw):
     from ggpipe.frontends.batch import run_batch
 
     job, sampling, n_predict = split_job_options(kw)
-    job = with_parallel(job, parallel, ctx)
+    job = with_parallel(job, parallel, ctx, micro_batches)
     sys.exit(run_batch(job, prompts, output, n_predict, sampling, progress))
 
 
@@ -101,15 +102,16 @@ def batch(ctx, prompts, output, progress, parallel, **kw):
               help="Read special-token text in chat message contents (e.g. '<|im_start|>system') as the special "
                    "tokens; by default it stays text, as the OpenAI API treats it (a client cannot forge roles).")
 @parallel_option
+@micro_batches_option
 @click.pass_context
 def serve(ctx, host, port, api_key, api_key_file, allowed_hosts, allowed_origins, max_body_bytes, model_alias,
-          max_queue, shutdown_grace, allow_special_in_messages, parallel, **kw):
+          max_queue, shutdown_grace, allow_special_in_messages, parallel, micro_batches, **kw):
     """OpenAI-compatible HTTP server on the head rank (/v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics, /slots). --parallel requests run at once; -n and --temp etc. are the request defaults."""
     from ggpipe.frontends.serve import read_api_key, run_serve
 
     job, sampling, n_predict = split_job_options(kw)
-    job = with_parallel(job, parallel, ctx)
+    job = with_parallel(job, parallel, ctx, micro_batches)
     key = read_api_key(api_key, api_key_file)
 
     def names(text: str) -> tuple[str, ...]:

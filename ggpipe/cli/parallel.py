@@ -19,6 +19,13 @@ run at once through the continuous-batching scheduler
   micro-batch of its own; beside other generating requests it decodes
   plainly (ggpipe.decoding.scheduler).
 * ``1``: one request at a time, as ``generate`` and ``chat`` run them.
+
+``--micro-batches N|auto``: how many micro-batches the scheduler keeps in
+flight, the slots falling into that many groups that take turns. ``auto``
+(the default): as many as the target's stages can compute at once (its
+ranks, at most as many per host as the host's CPUs hold their threads), and
+at most two per host: stages on one host share its memory bandwidth
+(``ggpipe.cluster.plan.MICRO_BATCHES_PER_HOST``).
 """
 
 from __future__ import annotations
@@ -34,9 +41,13 @@ CTX_PER_SLOT = 2048   # -c when not given: this many cells per slot
 
 
 class Parallel(click.ParamType):
-    """A slot count in [1, 256] (llama.cpp's LLAMA_MAX_SEQ), or ``auto`` (None)."""
+    """A count in [1, 256] (llama.cpp's LLAMA_MAX_SEQ: slots, or groups of
+    them), or ``auto`` (None)."""
 
     name = "N|auto"
+
+    def __init__(self, what: str = "slot count"):
+        self.what = what
 
     def convert(self, value, param, ctx):
         if value is None or value == "auto" or isinstance(value, int):
@@ -44,7 +55,7 @@ class Parallel(click.ParamType):
         try:
             n = int(value)
         except ValueError:
-            self.fail(f"{value!r} is neither a slot count nor 'auto'", param, ctx)
+            self.fail(f"{value!r} is neither a {self.what} nor 'auto'", param, ctx)
         if not 1 <= n <= 256:
             self.fail(f"{n} is not in [1, 256] (llama.cpp's most sequences per context)", param, ctx)
         return n
@@ -57,19 +68,29 @@ parallel_option = click.option(
          "ngram, 1 with a draft model (above 1, it drafts for a request while it generates alone). 1: one at a time.")
 
 
-def with_parallel(job: JobSpec, parallel: int | None, ctx: click.Context) -> JobSpec:
-    """``job`` with ``--parallel`` applied: the slots, one KV stream per
-    slot, ``-c`` per slot when not given.
+micro_batches_option = click.option(
+    "--micro-batches", default="auto", type=Parallel("micro-batch count"), show_default=True,
+    help="Micro-batches in flight under --parallel > 1 (the slots take turns in that many groups). auto: as many as "
+         "the target's stages can compute at once, at most 2 per host.")
+
+
+def with_parallel(job: JobSpec, parallel: int | None, ctx: click.Context, micro_batches: int | None = None) -> JobSpec:
+    """``job`` with ``--parallel`` and ``--micro-batches`` applied: the
+    slots, one KV stream per slot, ``-c`` per slot when not given.
 
     Raises:
         click.UsageError: ``--parallel`` > 1 with ``--n-seq-max`` (the slots
-            are the sequences)."""
+            are the sequences); ``--micro-batches`` with one slot."""
     n = slots(parallel, job.mode, job.spec.spec_type, launched_size() or 1)
     if n == 1:
+        if micro_batches is not None:
+            raise click.UsageError("--micro-batches needs --parallel above 1 (one request at a time is one "
+                                   "micro-batch)")
         return job
     if ctx.get_parameter_source("n_seq_max") == click.core.ParameterSource.COMMANDLINE:
         raise click.UsageError("--n-seq-max is set by --parallel (one KV sequence per slot): leave it out")
-    return dataclasses.replace(job, config=slot_config(job.config, n, given_ctx_size(ctx)), parallel=n)
+    return dataclasses.replace(job, config=slot_config(job.config, n, given_ctx_size(ctx)), parallel=n,
+                               micro_batches=micro_batches)
 
 
 def given_ctx_size(ctx: click.Context) -> bool:

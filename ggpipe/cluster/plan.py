@@ -329,25 +329,35 @@ def shell_join(args: list[str]) -> str:
     return shlex.join(args)
 
 
-def concurrent_stages(hosts: list[str], cpus: list, threads: list[int]) -> int:
+# Micro-batches in flight per host by default (--micro-batches auto). Stages on one host share its memory
+# bandwidth: a decode step streams each stage's weights once per micro-batch, so more groups of fewer rows
+# stream them more often for the same tokens. Measured on one 16-core host (docs/BENCHMARKS.md §20, F32
+# goliath, 16 requests): 4 ranks x 4 threads made 306 rows/s with 2 micro-batches, 182 with 4, 237 with 8;
+# 2 ranks x 4 threads 341 with 2, 198 with 1, 167 with 4. On the 2-core VM 2 was best at 2 and 3 ranks (§12).
+MICRO_BATCHES_PER_HOST = 2
+
+
+def concurrent_stages(hosts: list[str], cpus: list, threads: list[int], per_host_max: int | None = None) -> int:
     """How many of a pipeline's stages can compute at the same time: per
     host, its stages, but no more than its CPUs (the union of the ranks' CPU
-    affinity there) hold of their threads; summed over the hosts. A rank of
-    unknown affinity counts as a stage of its own. One entry per stage in
-    each list: its host, its CPU ids (or None), its threads.
+    affinity there) hold of their threads, and no more than
+    ``per_host_max`` when given; summed over the hosts. A rank of unknown
+    affinity counts as a stage of its own. One entry per stage in each list:
+    its host, its CPU ids (or None), its threads.
 
     Example: three stages of one thread on a host of 2 CPUs -> 2; on three
-    hosts -> 3."""
+    hosts -> 3. The scheduler's default micro-batches in flight are
+    ``concurrent_stages(..., per_host_max=MICRO_BATCHES_PER_HOST)``."""
     by_host: dict[str, list[int]] = {}
     for i, h in enumerate(hosts):
         by_host.setdefault(h, []).append(i)
     total = 0
     for stages in by_host.values():
         known = [set(cpus[i]) for i in stages if cpus[i]]
-        if len(known) < len(stages):
-            total += len(stages)
-            continue
-        n_cpus = len(set().union(*known))
-        total += min(len(stages), max(1, n_cpus // max(1, max(threads[i] for i in stages))))
+        n = len(stages)
+        if len(known) == len(stages):
+            n_cpus = len(set().union(*known))
+            n = min(n, max(1, n_cpus // max(1, max(threads[i] for i in stages))))
+        total += n if per_host_max is None else min(n, per_host_max)
     return max(1, total)
 

@@ -92,6 +92,10 @@ class Engine:
             continuous-batching scheduler (:meth:`submit`, :meth:`step`)
             instead of :meth:`generate`, and the session's contexts must
             keep one KV stream per slot (``ClusterConfig.kv_unified`` False).
+        micro_batches: the scheduler's micro-batches in flight
+            (``--micro-batches``); None: as many as the target's stages can
+            compute at once, at most two per host
+            (:meth:`Session.micro_batches_in_flight`).
 
     Raises:
         ConfigError: a speculative mode without a draft model, or over a
@@ -99,7 +103,8 @@ class Engine:
     """
 
     def __init__(self, session: Session, mode: str = "iterative", spec: SpecSettings = SpecSettings(),
-                 ignore_eos: bool = False, reuse_kv: bool = True, parallel: int = 1):
+                 ignore_eos: bool = False, reuse_kv: bool = True, parallel: int = 1,
+                 micro_batches: int | None = None):
         self.session = session
         self.mode = mode
         self.vocab = Vocab(session.stage.model, session.stage.vocab)
@@ -116,10 +121,12 @@ class Engine:
             check_speculation(mode, _recurrent_models(session))
         if parallel > 1:
             self.n_ctx = session.stage.n_ctx_seq    # the cells of one slot
-            # micro-batches in flight: as many as stages can compute at once (3 ranks on 2 cores: 2; a third
-            # group would only make every group smaller and each rank's weights streamed more often)
+            # micro-batches in flight: as many as stages can compute at once, at most two per host (3 ranks on
+            # 2 cores: 2; 4 ranks on a 16-core host: 2; a third group on a host only makes every group smaller
+            # and each rank's weights streamed more often)
             self.scheduler = Scheduler(session.pipeline, parallel, self.n_ctx, cfg.ubatch, self.is_eog,
-                                       depth=session.concurrent_target_stages(), timeout_s=cfg.timeout_s,
+                                       depth=micro_batches or session.micro_batches_in_flight(),
+                                       timeout_s=cfg.timeout_s,
                                        idle=self.waiter,
                                        draft=None if mode == "iterative" else build_chain_drafter(
                                            mode, spec, session.pipeline, drafts[0] if drafts else None,

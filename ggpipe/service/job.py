@@ -29,6 +29,9 @@ class JobSpec:
         ignore_eos: keep generating after end-of-generation tokens.
         parallel: slots of the continuous-batching scheduler (``--parallel``;
             batch and serve); 1: one request at a time.
+        micro_batches: the scheduler's micro-batches in flight
+            (``--micro-batches``); None: as many as target stages can compute
+            at once.
     """
 
     config: ClusterConfig
@@ -36,6 +39,7 @@ class JobSpec:
     spec: SpecSettings = field(default_factory=SpecSettings)
     ignore_eos: bool = False
     parallel: int = 1
+    micro_batches: int | None = None
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -79,7 +83,8 @@ def run_job(job: JobSpec, head: Callable[[Engine], int],
             session.serve()
             return 0
         try:
-            code = head(Engine(session, job.mode, job.spec, ignore_eos=job.ignore_eos, parallel=job.parallel))
+            code = head(Engine(session, job.mode, job.spec, ignore_eos=job.ignore_eos, parallel=job.parallel,
+                               micro_batches=job.micro_batches))
         except GGPipeError as exc:
             if not exc.abort_job:  # the pipeline is still in step: stop it cleanly
                 session.shutdown()
