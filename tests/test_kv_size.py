@@ -84,6 +84,12 @@ def test_startup_check_counts_a_stage_layers():
     resources.check_kv_memory(1024, [("target layers 0-29", 23040)], "rank 0 (h)", available=23040 * 1024)
     with pytest.raises(ConfigError, match=r"-c 1025 needs 29.5 MB of KV cache"):  # 1280 cells
         resources.check_kv_memory(1025, [("target layers 0-29", 23040)], "rank 0 (h)", available=23040 * 1024)
+    # a draft model under --parallel holds one slot's cells, not -c: 4 slots of -c 8192 -> 2048 cells
+    parts = [("target layers 0-29", 23040), ("the draft model", 23040, 2048)]
+    resources.check_kv_memory(8192, parts, "rank 0 (h)", available=23040 * (8192 + 2048))
+    with pytest.raises(ConfigError, match=r"-c 8192 needs .* \(target layers 0-29: 23.0 KB per cell and the draft "
+                                          r"model: 23.0 KB per cell x 2048 cells\)"):
+        resources.check_kv_memory(8192, parts, "rank 0 (h)", available=23040 * (8192 + 2047))
 
 
 def _fields(**kw) -> dict:

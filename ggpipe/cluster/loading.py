@@ -161,21 +161,21 @@ def _check_resources(config: ClusterConfig, rank: int, where: str, role: str, m_
     CPUs (capped, with a warning). ``types``: this rank's model's KV cache
     types (K, V); ``layers``: the stage's blocks [start, stop) (a hybrid
     model's KV depends on which it holds); ``draft_rank``: the rank holds a
-    draft model's stage, whose cells are ``config.draft_context``'s (one
-    slot's under ``--parallel``; a draft on the head beside the target is
-    counted at the target's cells, an over-estimate). Returns the threads to use and
-    the warnings, printed once the stage has loaded (an error while loading
-    is then the one line).
+    draft model's stage. A draft model's cells are ``config.draft_context``'s
+    (one slot's under ``--parallel``), on its own rank or on the head beside
+    the target. Returns the threads to use and the warnings, printed once
+    the stage has loaded (an error while loading is then the one line).
 
     Raises:
         ConfigError: the KV cache cannot fit this rank's memory.
     """
     v_trans = config.flash_attn == "off"  # llama.cpp stores V transposed (padded) without flash attention
-    parts = [(role, kv_bytes_per_cell(m_info, layers, *types, v_trans=v_trans))]
+    draft_cells = () if config.draft_context[0] == config.ctx_size else (config.draft_context[0],)
+    parts = [(role, kv_bytes_per_cell(m_info, layers, *types, v_trans=v_trans), *(draft_cells if draft_rank else ()))]
     if draft_info is not None:
         parts.append(("the draft model", kv_bytes_per_cell(draft_info, (0, draft_info.n_layer),
-                                                           *config.draft_cache_types, v_trans=v_trans)))
-    check_kv_memory(config.draft_context[0] if draft_rank else config.ctx_size, parts, where)
+                                                           *config.draft_cache_types, v_trans=v_trans), *draft_cells))
+    check_kv_memory(config.ctx_size, parts, where)
     warnings = []
     if rank == 0:
         per_seq = config.ctx_size if config.kv_unified else -(-config.ctx_size // config.n_seq_max)

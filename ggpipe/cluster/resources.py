@@ -54,13 +54,15 @@ def _size(n: float) -> str:
     return f"{n:.1f} PB"
 
 
-def check_kv_memory(n_ctx: int, parts: list[tuple[str, int]], where: str, available: int | None = None) -> None:
+def check_kv_memory(n_ctx: int, parts: list[tuple], where: str, available: int | None = None) -> None:
     """Refuse a context whose KV cache cannot fit this rank's memory.
 
     Args:
         n_ctx: ``-c`` (llama.cpp allocates it rounded up to 256 cells).
         parts: (what, bytes per cell) of each stage this rank holds, e.g.
-            ``[("target layers 0-14", 11520)]``.
+            ``[("target layers 0-14", 11520)]``, or (what, bytes per cell,
+            cells) for a stage whose context is not ``-c`` (a draft model
+            under ``--parallel``: one slot's cells).
         where: the rank, e.g. "rank 1 (node2)".
         available: bytes the rank may still use (default: psutil's
             ``virtual_memory().available``).
@@ -68,12 +70,12 @@ def check_kv_memory(n_ctx: int, parts: list[tuple[str, int]], where: str, availa
     Raises:
         ConfigError: the KV cache alone needs more than ``available`` bytes.
     """
-    per_cell = sum(b for _, b in parts)
-    need = kv_size.kv_cells(n_ctx) * per_cell
+    need = sum(kv_size.kv_cells(p[2] if len(p) > 2 else n_ctx) * p[1] for p in parts)
     free = psutil.virtual_memory().available if available is None else available
     if need > free:
-        what = " and ".join(f"{w}: {_size(b)}" for w, b in parts)
-        raise ConfigError(f"-c {n_ctx} needs {_size(need)} of KV cache on {where} ({what} per cell), but only "
+        what = " and ".join(f"{p[0]}: {_size(p[1])} per cell"
+                            + (f" x {kv_size.kv_cells(p[2])} cells" if len(p) > 2 else "") for p in parts)
+        raise ConfigError(f"-c {n_ctx} needs {_size(need)} of KV cache on {where} ({what}), but only "
                           f"{_size(free)} of memory is available there: lower -c")
 
 
