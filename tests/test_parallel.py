@@ -124,3 +124,55 @@ def test_serve_answers_concurrent_clients_exactly(goliath, reference):
         assert urllib.request.urlopen(s.url + "/health").status == 200
     finally:
         assert s.stop() == 0
+
+
+def test_a_killed_draft_rank_under_parallel_is_named_and_ends_the_job(tmp_path, goliath, smollm2):
+    """--parallel 2 with the draft model on a rank of its own: kill -9 of
+    that rank while a request generates alone (the draft following it).
+    The draft rank's guard names it in one line within 10 s, the job ends
+    non-zero, and nothing of it is left running (docs/ERRORS.md)."""
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from tests.conftest import ROOT, guard_line, kill_and_wait, mpiexec, wait_for_ranks
+
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_jsonl(inp, [{"id": 0, "prompt": PROMPTS[3], "n": 4}, {"id": 1, "prompt": PROMPTS[2], "n": 1500}])
+    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "ggpipe", "batch", str(inp), "-o", str(out), "-m", str(goliath),
+           "-md", str(smollm2), "--mode", "speculative", "--parallel", "2", "-c", "4096", "--ignore-eos",
+           "--no-progress"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+    procs, everything = {}, []
+    try:
+        procs = wait_for_ranks(p.pid, 2)
+        assert sorted(procs) == [0, 1]
+        end = time.monotonic() + 120
+        while not (out.exists() and out.read_text().strip()) and time.monotonic() < end and p.poll() is None:
+            time.sleep(0.05)   # the short request has finished: the long one generates alone, drafted for
+        assert p.poll() is None and out.read_text().strip(), "the job ended or wrote nothing"
+        everything = psutil.Process(p.pid).children(recursive=True)
+        victim = procs[1]
+        _, err, took = kill_and_wait(p, victim)
+        assert p.returncode != 0, err[-2000:]
+        line = guard_line(err, 1, victim.pid)
+        assert line and "draft" in line.group(0), err[-2000:]
+        assert took < 10, (took, err[-2000:])
+        assert "Traceback" not in err
+        time.sleep(1)
+        alive = [c.pid for c in everything if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+        assert not alive, (alive, err[-2000:])
+        assert [r["id"] for r in read_records(out)] == [0]   # what was written stays; nothing half-written
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(30)
+        for c in [*procs.values(), *everything]:
+            with contextlib.suppress(psutil.Error):
+                c.kill()
