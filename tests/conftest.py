@@ -205,6 +205,24 @@ def kill_and_wait(p: subprocess.Popen, victim, timeout: float = 60) -> tuple[str
     return out, err, time.monotonic() - t0
 
 
+def end_job(p: subprocess.Popen, processes) -> None:
+    """Nothing of job ``p`` (started with ``start_new_session=True``)
+    outlives the test: SIGKILL its process group if it still runs, then
+    each of ``processes`` (psutil.Process; hydra gives each rank its own
+    session)."""
+    import contextlib
+    import signal
+
+    import psutil
+
+    if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(30)
+    for c in processes:
+        with contextlib.suppress(psutil.Error):
+            c.kill()
+
+
 def ggpipe_cmd(args: list[str], ranks: int | None) -> list[str]:
     base = [sys.executable, "-m", "ggpipe", *args]
     return base if ranks is None else [mpiexec(), "-n", str(ranks), *base]

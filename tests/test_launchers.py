@@ -7,9 +7,7 @@ with -disable-auto-cleanup.)"""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -17,7 +15,7 @@ import time
 import psutil
 import pytest
 
-from tests.conftest import MPI_FLAVOR, ROOT, guard_line, kill_and_wait, mpiexec, wait_for_ranks
+from tests.conftest import MPI_FLAVOR, ROOT, end_job, guard_line, kill_and_wait, mpiexec, wait_for_ranks
 
 pytestmark = pytest.mark.full
 
@@ -65,10 +63,5 @@ def test_a_killed_rank_is_named_and_ends_the_job_leaving_nothing_running(goliath
         time.sleep(1)
         alive = [c.pid for c in everything if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
         assert not alive, (MPI_FLAVOR, alive, err[-2000:])
-    finally:  # nothing of the job outlives the test, whatever failed (hydra gives each rank its own session)
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(30)
-        for c in [*procs.values(), *everything]:
-            with contextlib.suppress(psutil.Error):
-                c.kill()
+    finally:  # nothing of the job outlives the test, whatever failed
+        end_job(p, [*procs.values(), *everything])

@@ -131,16 +131,14 @@ def test_a_killed_draft_rank_under_parallel_is_named_and_ends_the_job(tmp_path, 
     that rank while a request generates alone (the draft following it).
     The draft rank's guard names it in one line within 10 s, the job ends
     non-zero, and nothing of it is left running (docs/ERRORS.md)."""
-    import contextlib
     import os
-    import signal
     import subprocess
     import sys
     import time
 
     import psutil
 
-    from tests.conftest import ROOT, guard_line, kill_and_wait, mpiexec, wait_for_ranks
+    from tests.conftest import ROOT, end_job, guard_line, kill_and_wait, mpiexec, wait_for_ranks
 
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     write_jsonl(inp, [{"id": 0, "prompt": PROMPTS[3], "n": 4}, {"id": 1, "prompt": PROMPTS[2], "n": 1500}])
@@ -170,9 +168,4 @@ def test_a_killed_draft_rank_under_parallel_is_named_and_ends_the_job(tmp_path, 
         assert not alive, (alive, err[-2000:])
         assert [r["id"] for r in read_records(out)] == [0]   # what was written stays; nothing half-written
     finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(30)
-        for c in [*procs.values(), *everything]:
-            with contextlib.suppress(psutil.Error):
-                c.kill()
+        end_job(p, [*procs.values(), *everything])
