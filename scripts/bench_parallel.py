@@ -26,7 +26,10 @@ ignored. Per (system, C) and round it records:
 ``--before DIR`` adds ggpipe from a checkout of an earlier commit (through
 ``PYTHONPATH``) at each rank count, for a before/after in the same run;
 ``--draft-model MD`` adds ggpipe ``--mode speculative -md MD`` at each rank
-count (the draft model on one of the ranks).
+count (the draft model on one of the ranks); ``--micro-batches M,...`` adds
+ggpipe with ``--micro-batches M`` (besides ``auto``) at each rank count, to
+find the best number of groups in flight on your hosts (at C = 1 there is
+one).
 ``llama-batched-bench -npp P -ntg N -npl C,... -t T`` adds its own S_TG and
 S (prompt processing included) per C. ggpipe runs ``R`` ranks x
 ``--rank-threads`` threads (``mpiexec -n R``, default 1 thread), llama.cpp
@@ -221,6 +224,8 @@ def main() -> None:
                     "(git worktree add DIR COMMIT; copy ggpipe/_native*.so into it) at each --ranks")
     ap.add_argument("--draft-model", metavar="MD", help="also run ggpipe --mode speculative -md MD at each --ranks "
                     "(the draft model takes one of the ranks; it drafts while a request generates alone)")
+    ap.add_argument("--micro-batches", metavar="M,...", default="",
+                    help="also run ggpipe --micro-batches M at each --ranks, for each M")
     ap.add_argument("-o", "--output", default="results/parallel")
     a = ap.parse_args()
     model = str(resolve(a.model))
@@ -232,6 +237,8 @@ def main() -> None:
         systems += [(f"ggpipe {r} ranks{per} (before)", "ggpipe-before", r) for r in ranks]
     if a.draft_model:
         systems += [(f"ggpipe {r} ranks{per} + draft", "ggpipe-draft", r) for r in ranks]
+    for m in filter(None, a.micro_batches.split(",")):
+        systems += [(f"ggpipe {r} ranks{per} --micro-batches {int(m)}", f"ggpipe-mb{int(m)}", r) for r in ranks]
     if ranks and not a.no_one_at_a_time:
         systems.append((f"ggpipe one at a time, 2 ranks{per}", "ggpipe1", 2))
     if not a.no_llamacpp:
@@ -253,11 +260,11 @@ def main() -> None:
                 continue
             for c in cs:
                 port = free_port()
+                extra = (("--mode", "speculative", "-md", a.draft_model) if kind == "ggpipe-draft" else
+                         ("--micro-batches", kind[len("ggpipe-mb"):]) if kind.startswith("ggpipe-mb") and c > 1 else ())
                 srv = (llama_server(model, c, a.n, size, port) if kind == "llama-server" else
                        ggpipe_server(model, size, 1 if kind == "ggpipe1" else c, a.n, port,
-                                     a.before if kind == "ggpipe-before" else None,
-                                     ("--mode", "speculative", "-md", a.draft_model) if kind == "ggpipe-draft" else (),
-                                     a.rank_threads))
+                                     a.before if kind == "ggpipe-before" else None, extra, a.rank_threads))
                 try:
                     drive(port, 1, 4)                              # warm-up
                     r = drive(port, c, a.n)
