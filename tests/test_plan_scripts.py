@@ -99,9 +99,16 @@ def test_plan_sizes_the_slots_of_parallel_jobs(smollm2, tmp_path):
     md = plan_json(["-n", "2", "--", *job, "-md", str(smollm2), "--parallel", "4", "-c", "8192"])["ranks"]
     assert [r["model"] for r in md] == ["target", "draft"]
     assert md[0]["kv_bytes"] == 180 * 2**20 and md[1]["kv_bytes"] == 45 * 2**20
-    auto = plan_json(["-n", "2", "--", *job])["ranks"]
-    one = plan_json(["-n", "2", "--", *job, "--parallel", "1"])["ranks"]
-    assert sum(r["kv_bytes"] for r in auto) == 8 * sum(r["kv_bytes"] for r in one)   # 8 x 2048 cells against 2048
+    auto = plan_json(["-n", "2", "--", *job])
+    one = plan_json(["-n", "2", "--", *job, "--parallel", "1"])
+    assert sum(r["kv_bytes"] for r in auto["ranks"]) == 8 * sum(r["kv_bytes"] for r in one["ranks"])  # 8 x 2048 cells
+    # the slots and the micro-batches in flight, as the job runs them (2 stages: at most 2, fewer if the CPUs
+    # this test may use cannot hold both); none for one request at a time
+    assert auto["slots"]["slots"] == 8 and auto["slots"]["cells_per_slot"] == 2048
+    assert 1 <= auto["slots"]["micro_batches"] <= 2 and not auto["slots"]["micro_batches_given"]
+    assert "slots" not in one
+    given = plan_json(["-n", "3", "--", *job, "--parallel", "4", "-c", "1000", "--micro-batches", "3"])["slots"]
+    assert given == {"slots": 4, "cells_per_slot": 256, "micro_batches": 3, "micro_batches_given": True}
 
 
 def test_plan_table_and_memory_warning(smollm2, tmp_path):

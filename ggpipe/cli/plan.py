@@ -106,6 +106,8 @@ def plan(ctx, ranks, model, draft_model, split, ctx_size, threads, cache_type_k,
         if n > 1:
             cfg = slot_config(cfg, n, given_c)
     result = P.plan_job(cfg, ranks, placed, mem)
+    if cfg.n_seq_max > 1 and not cfg.kv_unified:  # --parallel slots
+        result.slots = P.slot_summary(result, cfg.n_seq_max, cfg.ctx_size, params.get("micro_batches"))
     if balanced is not None:
         result.balance = placement.balance_summary(balanced)
     flavor = P.detect_flavor() if launcher == "auto" else launcher

@@ -136,6 +136,7 @@ class Plan:
     host_memory: dict[str, int | None] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     balance: dict | None = None  # --balance: the chosen split and its predicted costs
+    slots: dict | None = None    # batch/serve with --parallel > 1: slots, cells per slot, micro-batches in flight
 
     def host_totals(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -147,7 +148,8 @@ class Plan:
         return {"command": self.command, "ranks": [dict(asdict(r), total_bytes=r.total_bytes) for r in self.ranks],
                 "hosts": {h: {"ranks": [r.rank for r in self.ranks if r.host == h], "total_bytes": t,
                               "memory_bytes": self.host_memory.get(h)} for h, t in self.host_totals().items()},
-                "warnings": self.warnings, **({"balance": self.balance} if self.balance else {})}
+                "warnings": self.warnings, **({"balance": self.balance} if self.balance else {}),
+                **({"slots": self.slots} if self.slots else {})}
 
 
 
@@ -268,6 +270,11 @@ def format_table(plan: Plan) -> str:
         mem = plan.host_memory.get(host)
         has = f"of {fmt_bytes(mem)}" if mem is not None else "(memory unknown: give --mem-per-node)"
         lines.append(f"host {host}: {n} rank{'s' if n > 1 else ''}, {fmt_bytes(total)} {has}")
+    if plan.slots:
+        s = plan.slots
+        how = "--micro-batches" if s["micro_batches_given"] else "one per target stage, at most 2 per host"
+        lines.append(f"--parallel {s['slots']}: {s['slots']} slots of {s['cells_per_slot']} KV cells, "
+                     f"{s['micro_batches']} micro-batches in flight ({how})")
     lines.append("not counted: llama.cpp compute buffers and the last stage's logits buffer (tens of MB)")
     return "\n".join(lines)
 
@@ -335,6 +342,26 @@ def shell_join(args: list[str]) -> str:
 # goliath, 16 requests): 4 ranks x 4 threads made 306 rows/s with 2 micro-batches, 182 with 4, 237 with 8;
 # 2 ranks x 4 threads 341 with 2, 198 with 1, 167 with 4. On the 2-core VM 2 was best at 2 and 3 ranks (§12).
 MICRO_BATCHES_PER_HOST = 2
+
+
+def slot_summary(plan: Plan, n_slots: int, n_ctx: int, micro_batches: int | None) -> dict:
+    """What a batch/serve job with ``n_slots`` > 1 runs: its slots, each
+    slot's KV cells (``-c / n_slots`` rounded up to 256, as llama.cpp
+    rounds a stream) and the micro-batches the scheduler keeps in flight
+    (``micro_batches`` given, or what ``auto`` makes of the target ranks'
+    hosts and threads, :func:`concurrent_stages`; on this machine the CPUs
+    it may use, elsewhere every stage counted as able to run)."""
+    import os  # noqa: PLC0415
+
+    from ggpipe.models.kv_size import kv_cells  # noqa: PLC0415
+
+    here = {socket.gethostname(), "localhost", "127.0.0.1"}
+    mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    target = [r for r in plan.ranks if "target" in r.model]
+    auto = concurrent_stages([r.host for r in target], [mine if r.host in here else None for r in target],
+                             [r.threads for r in target], per_host_max=MICRO_BATCHES_PER_HOST)
+    return {"slots": n_slots, "cells_per_slot": kv_cells(-(-n_ctx // n_slots)), "micro_batches": micro_batches or auto,
+            "micro_batches_given": micro_batches is not None}
 
 
 def concurrent_stages(hosts: list[str], cpus: list, threads: list[int], per_host_max: int | None = None) -> int:
