@@ -97,3 +97,24 @@ def test_a_good_draft_is_never_held_back():
     out_g, t_gated, stats = _run(0.95, None)
     assert out_g == out_a and stats["draft_skipped"] == 0 and t_gated == pytest.approx(t_always)
     assert out_g == ToyLM(64).greedy(list(range(16)), 120) or len(out_g) == 120
+
+
+def test_roots_are_timed_per_request_and_forgotten_when_asked():
+    """root() times the last root when it was the same request's, rooted()
+    remembers this one, forget_root() drops it: the wall-time arms get one
+    request's roots only (speculative mode's requests, the scheduler's lone
+    request)."""
+    g = DraftGate()
+    a, b = object(), object()
+    g.root(a, 0.0, 0)
+    g.rooted(a, 0.0, 0, True)
+    g.root(a, 0.5, 3)                  # 3 tokens in 0.5 s, drafted
+    g.rooted(a, 0.5, 3, False)
+    g.root(b, 0.7, 0)                  # another request's root: a's last root is not timed
+    g.rooted(b, 0.7, 0, False)
+    g.forget_root()                    # b stopped generating alone
+    g.root(b, 1.0, 2)
+    assert g.rates == {"draft": (3.0, 0.5)}
+    g.rooted(b, 1.0, 2, False)
+    g.root(b, 1.25, 3)
+    assert g.rates["plain"] == (1.0, 0.25)

@@ -108,7 +108,6 @@ class Scheduler:
         self.pass_cost = PassCost()
         self._last_finish = 0.0
         self._clock = 0.0                 # when the result being handled finished (seconds)
-        self._lone: tuple | None = None   # (job, when, tokens out, drafted) of the last root of a request alone
         self.stats = dict.fromkeys(("micro_batches", "rows", "prefill_tokens", "generated", "finished",
                                     "reused_tokens", "drafted", "draft_accepted", "draft_skipped"), 0)
         self._recent: deque[float] = deque()    # when each of the tokens of the last RATE_WINDOW_S was generated
@@ -288,18 +287,13 @@ class Scheduler:
         measured while it generates alone, and before both are, the accepted
         tokens per chain against the draft's steps and the bigger pass)."""
         r = slot.job.request
-        last, self._lone = self._lone, None
-        if self.draft is None or not slot.job.sampler.params.greedy:
-            return []
-        if sum(1 for s in self.slots if s.job is not None and s.job.request and s.job.request.out) > 1:
-            return []
+        alone = sum(1 for s in self.slots if s.job is not None and s.job.request and s.job.request.out) <= 1
         room = min(self.draft_max, r.n_predict - len(r.out), self.n_ctx_slot - len(slot.kv) - 2)
-        if room <= 0:
+        if self.draft is None or not slot.job.sampler.params.greedy or not alone or room <= 0:
+            self.gate.forget_root()
             return []
         now = self._clock
-        if last is not None and last[0] is slot.job:    # the request's last root, alone: its tokens per second
-            _, t0, n0, drafted = last
-            self.gate.timed(drafted, len(r.out) - n0, now - t0)
+        self.gate.root(slot.job, now, len(r.out))     # the request's last root, alone: its tokens per second
         chain = []
         follow = getattr(self.draft, "follow", None)      # a drafter with ranks of its own (ChainDrafter)
         attempt = self.gate.pays_at(getattr(self.draft, "step_s", 0.0), self.pass_cost)
@@ -313,7 +307,7 @@ class Scheduler:
             self.stats["draft_skipped"] += 1
             if follow is not None:
                 follow(r.context)           # the draft follows the request meanwhile, not waited for
-        self._lone = (slot.job, now, len(r.out), attempt)
+        self.gate.rooted(slot.job, now, len(r.out), attempt)
         self.stats["drafted"] += len(chain)
         slot.job.drafted += len(chain)
         return chain

@@ -288,26 +288,24 @@ class Speculative(Drafting):
     def __init__(self, core: SpecCore, proposer: Proposer):
         super().__init__(core, proposer)
         self.gate = DraftGate()
-        self._root: tuple[float, int, bool] | None = None   # the last root: when, tokens out, drafted
         self._accepted_at_attempt: tuple[int, int] | None = None   # the graph's (accepted, drafted) then
 
     def open(self, *args) -> SpecRequest:
-        self._root = self._accepted_at_attempt = None
+        self.gate.forget_root()
+        self._accepted_at_attempt = None
         return super().open(*args)
 
     def _begin_speculation(self) -> None:
         r, core = self.r, self.core
         if r.pending_root is not None:
             g, now = r.graph, core.last_decision    # the pipelines' clock (virtual in the simulator)
-            if self._root is not None:     # the last root's tokens per second, drafted or plain
-                t0, n0, drafted = self._root
-                self.gate.timed(drafted, len(r.out) - n0, now - t0)
+            self.gate.root(r, now, len(r.out))    # the last root's tokens per second, drafted or plain
             if self._accepted_at_attempt is not None:
                 accepted0, drafted0 = self._accepted_at_attempt
                 self.gate.observe(g.n_draft_accepted - accepted0, g.n_drafted - drafted0)
                 self._accepted_at_attempt = None
             drafting = self.gate.pays_at(self.proposer.step_s, core.pass_cost)
-            self._root = (now, len(r.out), drafting)
+            self.gate.rooted(r, now, len(r.out), drafting)
             if not drafting:
                 r.counts["draft_skipped"] += 1
                 # the draft follows the context meanwhile (its pipeline works beside the target's), so

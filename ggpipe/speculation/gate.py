@@ -54,6 +54,11 @@ class DraftGate:
         depth: drafted tokens per attempt (None until an attempt reports them).
         skipped: roots sent without drafting (``draft_skipped`` in ``--json``).
         explored: attempts made only to keep measuring.
+
+    The wall-time arms (:meth:`timed`) are fed root by root: :meth:`root` at
+    each new root of a request times the last one, :meth:`rooted` remembers
+    this one once the decision is made, :meth:`forget_root` drops it (the
+    request no longer decides alone: the scheduler's other slots filled).
     """
 
     alpha: float = 0.25
@@ -67,6 +72,25 @@ class DraftGate:
     _blind: int = 0  # attempts in a row made without knowing c(1)
     _wait: int = 0   # roots between explorations now (0: explore_every)
     rates: dict = None  # "draft" / "plain" -> [tokens, seconds], exponentially decayed sums
+    _root: tuple | None = None  # the last root: (its request, when, tokens out then, drafted)
+
+    def root(self, owner: object, now: float, tokens_out: int) -> None:
+        """A new root of ``owner`` (a request) at ``now`` (seconds, the
+        pipelines' clock) with ``tokens_out`` tokens generated: the last
+        root, when it was ``owner``'s, gave ``tokens_out`` minus its count in
+        ``now`` minus its time (:meth:`timed`, drafted or plain)."""
+        last, self._root = self._root, None
+        if last is not None and last[0] is owner:
+            self.timed(last[3], tokens_out - last[2], now - last[1])
+
+    def rooted(self, owner: object, now: float, tokens_out: int, drafted: bool) -> None:
+        """This root of ``owner`` went with an attempt (``drafted``) or
+        without: timed at its next root (:meth:`root`)."""
+        self._root = (owner, now, tokens_out, drafted)
+
+    def forget_root(self) -> None:
+        """The last root is not timed (its request stopped deciding alone)."""
+        self._root = None
 
     def timed(self, drafted: bool, tokens: int, seconds: float, decay: float = 0.9) -> None:
         """A root's outcome in wall time: ``tokens`` decided in ``seconds``
