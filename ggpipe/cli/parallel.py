@@ -8,9 +8,9 @@ run at once through the continuous-batching scheduler
   in llama-server without ``--kv-unified``. Without ``-c`` it is 2048 per
   slot.
 * ``auto`` (the default): ``max(8, 4 x ranks)`` in ``--mode iterative``
-  and with ``--spec-type ngram`` (enough requests per micro-batch, and at
-  least as many micro-batches in flight as stages; docs/BENCHMARKS.md "Many
-  requests at once"); 1 with a draft model: one stream at a time is what
+  and with ``--spec-type ngram`` (enough requests for every micro-batch in
+  flight to hold several; docs/BENCHMARKS.md "Many requests at once"); 1
+  with a draft model: one stream at a time is what
   its modes are for (pipeinfer overlaps drafting and verification only
   there).
 * A speculative mode with ``N`` > 1 drafts a chain below a request's token

@@ -24,7 +24,8 @@ stage, each scheduled from requests not already in flight).
   (:func:`plan_microbatch` says why they are not mixed). A slot whose next
   token waits for logits is in one micro-batch at a time; prompt chunks of
   one slot may follow each other without waiting. With ``depth`` micro-batches in
-  flight (default: the pipeline's stages, so every stage works at once), a
+  flight (default: the pipeline's stages, so every stage works at once; the
+  service passes ``--micro-batches``, by default at most two per host), a
   micro-batch takes at most ``ceil(active slots / depth)`` generating slots:
   the slots fall into ``depth`` groups that take turns.
 * **Results** come back in order; each slot's row is sampled with the
