@@ -30,6 +30,7 @@ psutil; other hosts: ``--mem-per-node``).
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import socket
@@ -42,6 +43,7 @@ import psutil
 from ggpipe.errors import ConfigError, GGPipeError
 from ggpipe.transport.launcher_path import find_launcher
 from ggpipe.models.registry import DescribedModelError, resolve
+from ggpipe.models.kv_size import kv_cells
 from ggpipe.models.sizes import ModelSizes, model_sizes  # noqa: F401 (ggpipe plan's sizes)
 from ggpipe.cluster.roles import Roles
 from ggpipe.cluster.config import ClusterConfig, parse_threads
@@ -351,17 +353,13 @@ def slot_summary(plan: Plan, n_slots: int, n_ctx: int, micro_batches: int | None
     (``micro_batches`` given, or what ``auto`` makes of the target ranks'
     hosts and threads, :func:`concurrent_stages`; on this machine the CPUs
     it may use, elsewhere every stage counted as able to run)."""
-    import os  # noqa: PLC0415
-
-    from ggpipe.models.kv_size import kv_cells  # noqa: PLC0415
-
     here = {socket.gethostname(), "localhost", "127.0.0.1"}
     mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     target = [r for r in plan.ranks if "target" in r.model]
     auto = concurrent_stages([r.host for r in target], [mine if r.host in here else None for r in target],
                              [r.threads for r in target], per_host_max=MICRO_BATCHES_PER_HOST)
-    return {"slots": n_slots, "cells_per_slot": kv_cells(-(-n_ctx // n_slots)), "micro_batches": micro_batches or auto,
-            "micro_batches_given": micro_batches is not None}
+    return {"slots": n_slots, "cells_per_slot": kv_cells(-(-n_ctx // n_slots)),
+            "micro_batches": micro_batches or auto, "micro_batches_given": micro_batches is not None}
 
 
 def concurrent_stages(hosts: list[str], cpus: list, threads: list[int], per_host_max: int | None = None) -> int:

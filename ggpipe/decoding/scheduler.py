@@ -288,9 +288,11 @@ class Scheduler:
         measured while it generates alone, and before both are, the accepted
         tokens per chain against the draft's steps and the bigger pass)."""
         r = slot.job.request
-        alone = sum(1 for s in self.slots if s.job is not None and s.job.request and s.job.request.out) <= 1
-        room = min(self.draft_max, r.n_predict - len(r.out), self.n_ctx_slot - len(slot.kv) - 2)
-        if self.draft is None or not slot.job.sampler.params.greedy or not alone or room <= 0:
+        room = 0
+        if (self.draft is not None and slot.job.sampler.params.greedy
+                and sum(1 for s in self.slots if s.job is not None and s.job.request and s.job.request.out) <= 1):
+            room = min(self.draft_max, r.n_predict - len(r.out), self.n_ctx_slot - len(slot.kv) - 2)
+        if room <= 0:                       # no draft, sampled, beside other generating slots, or no room
             self.gate.forget_root()
             return []
         now = self._clock
