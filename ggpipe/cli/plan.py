@@ -96,18 +96,19 @@ def plan(ctx, ranks, model, draft_model, split, ctx_size, threads, cache_type_k,
                                  "flash_attn") if params.get(k) is not None}
     cfg = ClusterConfig(model=params["model"], draft_model=params["draft_model"], split=params["split"],
                         threads=str(params["threads"]), ctx_size=params["ctx_size"], **kv)
+    n_slots = 1
     if "parallel" in params:      # batch, serve: the slots' KV streams, as the job will lay them out
         from ggpipe.cli.parallel import slot_config, slots
         from ggpipe.decoding.settings import SpecSettings
         from ggpipe.speculation.proposers.base import canonical_name
 
         spec_type = canonical_name(params.get("spec_type") or SpecSettings.spec_type)
-        n = slots(params["parallel"], params.get("mode", "iterative"), spec_type, ranks)
-        if n > 1:
-            cfg = slot_config(cfg, n, given_c)
+        n_slots = slots(params["parallel"], params.get("mode", "iterative"), spec_type, ranks)
+        if n_slots > 1:
+            cfg = slot_config(cfg, n_slots, given_c)
     result = P.plan_job(cfg, ranks, placed, mem)
-    if cfg.n_seq_max > 1 and not cfg.kv_unified:  # --parallel slots
-        result.slots = P.slot_summary(result, cfg.n_seq_max, cfg.ctx_size, params.get("micro_batches"))
+    if n_slots > 1:
+        result.slots = P.slot_summary(result, cfg, params.get("micro_batches"))
     if balanced is not None:
         result.balance = placement.balance_summary(balanced)
     flavor = P.detect_flavor() if launcher == "auto" else launcher

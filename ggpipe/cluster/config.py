@@ -91,6 +91,14 @@ class ClusterConfig:
                                     "-ctvd" if self.cache_type_v_draft else "-ctv"))
 
     @property
+    def slot_cells(self) -> int:
+        """KV cells of one ``--parallel`` slot (one stream per sequence):
+        ``ctx_size / n_seq_max`` rounded up to 256, as llama.cpp rounds a
+        stream."""
+        per_slot = -(-self.ctx_size // self.n_seq_max)
+        return -(-per_slot // 256) * 256
+
+    @property
     def draft_context(self) -> tuple[int, int, bool]:
         """The draft models' contexts: ``(n_ctx, n_seq_max, kv_unified)``.
         Under ``--parallel`` slots (one KV stream per sequence) a draft
@@ -101,8 +109,7 @@ class ClusterConfig:
         the target's settings (the speculative modes' partitions)."""
         if self.kv_unified or self.n_seq_max == 1:
             return self.ctx_size, self.n_seq_max, self.kv_unified
-        per_slot = -(-self.ctx_size // self.n_seq_max)
-        return -(-per_slot // 256) * 256, 1, True
+        return self.slot_cells, 1, True
 
     @property
     def draft_models(self) -> list[str]:

@@ -43,7 +43,6 @@ import psutil
 from ggpipe.errors import ConfigError, GGPipeError
 from ggpipe.transport.launcher_path import find_launcher
 from ggpipe.models.registry import DescribedModelError, resolve
-from ggpipe.models.kv_size import kv_cells
 from ggpipe.models.sizes import ModelSizes, model_sizes  # noqa: F401 (ggpipe plan's sizes)
 from ggpipe.cluster.roles import Roles
 from ggpipe.cluster.config import ClusterConfig, parse_threads
@@ -346,10 +345,10 @@ def shell_join(args: list[str]) -> str:
 MICRO_BATCHES_PER_HOST = 2
 
 
-def slot_summary(plan: Plan, n_slots: int, n_ctx: int, micro_batches: int | None) -> dict:
-    """What a batch/serve job with ``n_slots`` > 1 runs: its slots, each
-    slot's KV cells (``-c / n_slots`` rounded up to 256, as llama.cpp
-    rounds a stream) and the micro-batches the scheduler keeps in flight
+def slot_summary(plan: Plan, config: ClusterConfig, micro_batches: int | None) -> dict:
+    """What a batch/serve job of ``config``'s ``--parallel`` slots runs: its
+    slots, each slot's KV cells (``ClusterConfig.slot_cells``) and the
+    micro-batches the scheduler keeps in flight
     (``micro_batches`` given, or what ``auto`` makes of the target ranks'
     hosts and threads, :func:`concurrent_stages`; on this machine the CPUs
     it may use, elsewhere every stage counted as able to run)."""
@@ -358,7 +357,7 @@ def slot_summary(plan: Plan, n_slots: int, n_ctx: int, micro_batches: int | None
     target = [r for r in plan.ranks if "target" in r.model]
     auto = concurrent_stages([r.host for r in target], [mine if r.host in here else None for r in target],
                              [r.threads for r in target], per_host_max=MICRO_BATCHES_PER_HOST)
-    return {"slots": n_slots, "cells_per_slot": kv_cells(-(-n_ctx // n_slots)),
+    return {"slots": config.n_seq_max, "cells_per_slot": config.slot_cells,
             "micro_batches": micro_batches or auto, "micro_batches_given": micro_batches is not None}
 
 
