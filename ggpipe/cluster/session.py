@@ -32,9 +32,10 @@ from dataclasses import dataclass, field
 from ggpipe.cluster.config import ClusterConfig, parse_threads
 from ggpipe.cluster.loading import Loaded, close_loaded, describe_role, load_rank
 from ggpipe.cluster.plan import MICRO_BATCHES_PER_HOST, concurrent_stages
+from ggpipe.cluster.resources import POLL_FULL_HOST_S, host_is_full
 from ggpipe.cluster.roles import Roles
 from ggpipe.cluster.startup import meet, ready
-from ggpipe.errors import GGPipeError
+from ggpipe.errors import ConfigError, GGPipeError
 from ggpipe.metrics import MemorySampler, rank_info
 from ggpipe.pipeline.driver import Pipeline
 from ggpipe.runtime.stage import Stage
@@ -174,6 +175,7 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
         rank, size, transport, hosts, cpus = 0, 1, None, [socket.gethostname()], [rank_info(0)["cpu_affinity"]]
     else:
         rank, size, transport, hosts, pids, cpus = meet(world, config, argv)
+        _poll_for_host(transport, config, rank, size, hosts)
 
     activity = Activity("loading the model")
     liveness = None
@@ -190,6 +192,17 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
     if rank == 0:
         _add_pipelines(s, loaded, async_head)
     return s
+
+
+def _poll_for_host(transport: Transport, config: ClusterConfig, rank: int, size: int, hosts: list[str]) -> None:
+    """Waits on a host whose CPUs the ranks' threads fill sleep up to
+    ``POLL_FULL_HOST_S`` between probes (ggpipe.transport.mpi)."""
+    try:
+        threads = parse_threads(config.threads, size)
+    except ConfigError:
+        return  # loading reports it, on every rank at once
+    if host_is_full(hosts, rank, threads):
+        transport.poll_max_s = POLL_FULL_HOST_S
 
 
 def _load_when_all_can(config: ClusterConfig, rank: int, size: int, transport: Transport | None, liveness,

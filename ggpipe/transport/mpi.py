@@ -21,6 +21,11 @@
   100 us took 10-25% of the computation's time on a busy 2-core host
   (docs/BENCHMARKS.md §18); a cancellation then lands up to 1 ms late, a
   small part of the 10-100 ms a cancelled run would have cost.
+* Where a host's ranks fill its CPUs with their threads, the session raises
+  ``poll_max_s`` to 1 ms too (``ggpipe.cluster.resources.host_is_full``):
+  a waiting rank's wake-ups there take the core of a stage that computes
+  (docs/BENCHMARKS.md §21). One rank per host keeps 100 us: its waits wake
+  on its own idle cores, and a hop's latency counts.
 """
 
 from __future__ import annotations
@@ -122,7 +127,8 @@ class Transport:
         hosts: host name of every rank (for error messages), or None.
         timeout_s: default bound of every wait, seconds.
         spin_s: how long a wait probes without sleeping, seconds.
-        poll_min_s, poll_max_s: back-off range of the sleep between probes.
+        poll_min_s, poll_max_s: back-off range of the sleep between probes
+            (an attribute the session may raise, see the module docstring).
         poll_compute_s: the longest sleep between the probes of
             :meth:`computing` (pending sends, cancellations), seconds.
         idle_after_s, poll_idle_s: a wait longer than ``idle_after_s`` (an
