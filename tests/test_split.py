@@ -231,21 +231,22 @@ def test_micro_batches_in_flight_are_at_most_two_per_host():
     assert concurrent_stages(["a", "a"], [[0, 1, 2, 3]] * 2, [4, 4], per_host_max=2) == 1
 
 
-def test_waits_sleep_longer_where_the_ranks_fill_their_host():
-    """Ranks sharing a host whose CPUs their threads fill probe up to every
-    POLL_FULL_HOST_S (a wake-up there takes a computing stage's core); one
-    rank per host, or a host with spare CPUs, keeps the transport's 100 us."""
-    from ggpipe.cluster.resources import POLL_FULL_HOST_S, host_is_full
+def test_waits_sleep_longer_where_the_ranks_oversubscribe_their_host():
+    """Ranks sharing a host whose CPUs their threads oversubscribe probe up to
+    every POLL_OVERSUBSCRIBED_S (a wake-up there takes a computing stage's core);
+    with threads = CPUs, one rank per host, or spare CPUs, a waiting rank's
+    own core is idle and the transport's 100 us stays."""
+    from ggpipe.cluster.resources import POLL_OVERSUBSCRIBED_S, host_is_oversubscribed
 
-    assert POLL_FULL_HOST_S == 1e-3
-    assert host_is_full(["a", "a"], 0, [1, 1], cpus=2)
-    assert host_is_full(["a", "a", "a"], 2, [1, 1, 1], cpus=2)
-    assert host_is_full(["a", "a"], 1, [2, 2], cpus=2)
-    assert host_is_full(["a", "a"], 1, [1000, 1], cpus=2)          # -t counted at most the CPUs
-    assert not host_is_full(["a", "a"], 0, [1, 1], cpus=4)
-    assert not host_is_full(["a", "b"], 0, [16, 16], cpus=16)      # one rank per host
-    assert not host_is_full(["a", "b", "b"], 0, [8, 8, 8], cpus=8)  # its host holds only it
-    assert host_is_full(["a", "b", "b"], 2, [8, 8, 8], cpus=8)
+    assert POLL_OVERSUBSCRIBED_S == 1e-3
+    assert host_is_oversubscribed(["a", "a", "a"], 2, [1, 1, 1], cpus=2)
+    assert host_is_oversubscribed(["a", "a"], 1, [2, 2], cpus=2)
+    assert host_is_oversubscribed(["a", "a"], 1, [1000, 1], cpus=2)           # -t counted at most the CPUs
+    assert not host_is_oversubscribed(["a", "a"], 0, [1, 1], cpus=2)          # a stage per core
+    assert not host_is_oversubscribed(["a", "a"], 0, [1, 1], cpus=4)
+    assert not host_is_oversubscribed(["a", "b"], 0, [16, 16], cpus=16)       # one rank per host
+    assert not host_is_oversubscribed(["a", "b", "b"], 0, [8, 8, 8], cpus=8)  # its host holds only it
+    assert host_is_oversubscribed(["a", "b", "b"], 2, [8, 8, 8], cpus=8)
 
 
 def test_plan_layers_names_a_bad_weight_by_its_stage():

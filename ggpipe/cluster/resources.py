@@ -99,29 +99,32 @@ def cap_threads(n_threads: int, where: str, cpus: int | None = None) -> tuple[in
     return cpus, f"{where}: -t {n_threads} is more than the {cpus} CPUs it may use; using {cpus} threads"
 
 
-# The longest sleep between a waiting rank's probes on a host whose CPUs its ranks' threads fill (seconds).
-# There a probe's wake-up takes the core of a stage that computes; elsewhere Transport.poll_max_s (100 us).
-# docs/BENCHMARKS.md §21: batch --parallel 8 on the 2-core VM, 3 ranks x 1 thread 81-95 -> 99-100 rows/s.
-POLL_FULL_HOST_S = 1e-3
+# The longest sleep between a waiting rank's probes on a host whose ranks run more llama.cpp threads than it has
+# CPUs (seconds). There a probe's wake-up takes the core of a stage that computes; elsewhere a waiting rank's own
+# core is idle while it waits, and Transport.poll_max_s (100 us) keeps a hop's latency low.
+# docs/BENCHMARKS.md §21: 3 ranks x 1 thread on the 2-core VM, serve --parallel 8/16 +3-5%, batch +5%;
+# at 2 ranks x 1 thread (threads = CPUs) it cost serve 9% and is not applied.
+POLL_OVERSUBSCRIBED_S = 1e-3
 
 
-def host_is_full(hosts: list[str], rank: int, threads: list[int], cpus: int | None = None) -> bool:
-    """Whether the ranks on ``rank``'s host run at least as many llama.cpp
-    threads as the CPUs ``rank`` may use (``sched_getaffinity``, or
-    ``cpus``): then every core is some stage's whenever the stages compute
-    at once (``--parallel``, PipeInfer), and a waiting rank that wakes to
-    probe takes it. ``hosts``: every rank's host name; ``threads``: every
-    rank's ``-t`` (:func:`ggpipe.cluster.config.parse_threads`), each
-    counted at most ``cpus`` (:func:`cap_threads`).
+def host_is_oversubscribed(hosts: list[str], rank: int, threads: list[int], cpus: int | None = None) -> bool:
+    """Whether the ranks on ``rank``'s host run more llama.cpp threads
+    than the CPUs ``rank`` may use (``sched_getaffinity``, or ``cpus``):
+    then stages that compute at once (``--parallel``, PipeInfer) share
+    cores, and a waiting rank that wakes to probe takes one of them. With
+    threads = CPUs each stage has its own core, idle while its rank waits.
+    ``hosts``: every rank's host name; ``threads``: every rank's ``-t``
+    (:func:`ggpipe.cluster.config.parse_threads`), each counted at most
+    ``cpus`` (:func:`cap_threads`).
 
-    Example: 2 ranks x 1 thread on 2 CPUs -> True; one rank per host, or
-    2 ranks x 1 thread on 4 CPUs -> False.
+    Example: 3 ranks x 1 thread, or 2 x 2, on 2 CPUs -> True; 2 ranks x 1
+    thread on 2 CPUs, or one rank per host -> False.
     """
     if cpus is None:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     here = hosts[rank]
     mates = [r for r, h in enumerate(hosts) if h == here]
-    return len(mates) > 1 and sum(min(threads[r], cpus) for r in mates) >= cpus
+    return len(mates) > 1 and sum(min(threads[r], cpus) for r in mates) > cpus
 
 
 def warn(message: str) -> None:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from ggpipe.cluster.config import ClusterConfig, parse_threads
 from ggpipe.cluster.loading import Loaded, close_loaded, describe_role, load_rank
 from ggpipe.cluster.plan import MICRO_BATCHES_PER_HOST, concurrent_stages
-from ggpipe.cluster.resources import POLL_FULL_HOST_S, host_is_full
+from ggpipe.cluster.resources import POLL_OVERSUBSCRIBED_S, host_is_oversubscribed
 from ggpipe.cluster.roles import Roles
 from ggpipe.cluster.startup import meet, ready
 from ggpipe.errors import ConfigError, GGPipeError
@@ -195,14 +195,14 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
 
 
 def _poll_for_host(transport: Transport, config: ClusterConfig, rank: int, size: int, hosts: list[str]) -> None:
-    """Waits on a host whose CPUs the ranks' threads fill sleep up to
-    ``POLL_FULL_HOST_S`` between probes (ggpipe.transport.mpi)."""
+    """Waits on a host whose CPUs the ranks' threads oversubscribe sleep up to
+    ``POLL_OVERSUBSCRIBED_S`` between probes (ggpipe.transport.mpi)."""
     try:
         threads = parse_threads(config.threads, size)
     except ConfigError:
         return  # loading reports it, on every rank at once
-    if host_is_full(hosts, rank, threads):
-        transport.poll_max_s = POLL_FULL_HOST_S
+    if host_is_oversubscribed(hosts, rank, threads):
+        transport.poll_max_s = POLL_OVERSUBSCRIBED_S
 
 
 def _load_when_all_can(config: ClusterConfig, rank: int, size: int, transport: Transport | None, liveness,
