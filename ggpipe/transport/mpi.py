@@ -42,6 +42,7 @@ import numpy as np
 
 from ggpipe.errors import ProtocolError, RankTimeoutError
 from ggpipe.transport import link as _link
+from ggpipe.transport.progress import PollingHelper
 from ggpipe.transport.messages import TYPE_NAMES
 from ggpipe.transport.rank_guard import mark_reported, set_doing
 
@@ -156,6 +157,7 @@ class Transport:
         self.max_pending = max_pending
         self._pending: list[tuple[object, object]] = []  # (request, kept-alive buffer)
         self._lock = threading.Lock()
+        self._helpers: list[PollingHelper] = []   # idle progress threads (computing() may run in two threads)
         self.bytes_sent = 0
         self.messages_sent = 0
         self._link = _link.from_env()  # GGPIPE_LINK: emulated interconnect (ggpipe/transport/link.py), or None
@@ -221,30 +223,36 @@ class Transport:
         and call ``on_poll()`` (e.g. a probe for cancellations) meanwhile:
         from a helper thread, with sleeps backing off from ``poll_min_s``
         to ``poll_compute_s`` between probes (the helper shares the core
-        the computation runs on)."""
+        the computation runs on). Helper threads are kept for the
+        transport's life, one per thread computing at once
+        (ggpipe.transport.progress: a thread per block leaked MPICH's
+        per-thread state).
+
+        Raises:
+            whatever ``on_poll()`` raised during the block (it stops the
+            polling), once the block has ended without an error of its own."""
         if not self._pending and on_poll is None and not (self._link is not None and self._link.n_held):
             yield
             return
-        stop = threading.Event()
 
-        def run():
-            delay = self.poll_min_s
-            while not stop.is_set():
-                pending = self.progress()
-                if on_poll is not None:
-                    on_poll()
-                elif not pending:
-                    return
-                stop.wait(self._link_wait_s(delay))
-                delay = min(delay * 1.5, self.poll_compute_s)
+        def step() -> bool:
+            pending = self.progress()
+            if on_poll is not None:
+                on_poll()
+                return True
+            return bool(pending)
 
-        t = threading.Thread(target=run, name="mpi-progress", daemon=True)
-        t.start()
+        with self._lock:
+            helper = self._helpers.pop() if self._helpers else PollingHelper("mpi-progress")
+        helper.start(step, self.poll_min_s, self.poll_compute_s, self._link_wait_s)
         try:
             yield
         finally:
-            stop.set()
-            t.join()
+            err = helper.stop()
+            with self._lock:
+                self._helpers.append(helper)
+        if err is not None:
+            raise err
 
     # -- receiving -------------------------------------------------------------
 
