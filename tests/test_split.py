@@ -232,21 +232,29 @@ def test_micro_batches_in_flight_are_at_most_two_per_host():
 
 
 def test_waits_sleep_longer_where_the_ranks_oversubscribe_their_host():
-    """Ranks sharing a host whose CPUs their threads oversubscribe probe up to
-    every POLL_OVERSUBSCRIBED_S (a wake-up there takes a computing stage's core);
-    with threads = CPUs, one rank per host, or spare CPUs, a waiting rank's
-    own core is idle and the transport's 100 us stays."""
-    from ggpipe.cluster.resources import POLL_OVERSUBSCRIBED_S, host_is_oversubscribed
+    """Ranks sharing CPUs that their threads oversubscribe probe up to every
+    POLL_OVERSUBSCRIBED_S (a wake-up there takes a computing stage's core);
+    with threads = CPUs, ranks pinned to CPUs of their own, one rank per
+    host, or spare CPUs, a waiting rank's own cores are idle and the
+    transport's 100 us stays."""
+    from ggpipe.cluster.resources import POLL_OVERSUBSCRIBED_S, host_is_oversubscribed as over
 
     assert POLL_OVERSUBSCRIBED_S == 1e-3
-    assert host_is_oversubscribed(["a", "a", "a"], 2, [1, 1, 1], cpus=2)
-    assert host_is_oversubscribed(["a", "a"], 1, [2, 2], cpus=2)
-    assert host_is_oversubscribed(["a", "a"], 1, [1000, 1], cpus=2)           # -t counted at most the CPUs
-    assert not host_is_oversubscribed(["a", "a"], 0, [1, 1], cpus=2)          # a stage per core
-    assert not host_is_oversubscribed(["a", "a"], 0, [1, 1], cpus=4)
-    assert not host_is_oversubscribed(["a", "b"], 0, [16, 16], cpus=16)       # one rank per host
-    assert not host_is_oversubscribed(["a", "b", "b"], 0, [8, 8, 8], cpus=8)  # its host holds only it
-    assert host_is_oversubscribed(["a", "b", "b"], 2, [8, 8, 8], cpus=8)
+    two, four = [0, 1], [0, 1, 2, 3]
+    assert over(["a"] * 3, 2, [1, 1, 1], [two] * 3)
+    assert over(["a", "a"], 1, [2, 2], [two] * 2)
+    assert over(["a", "a"], 1, [1000, 1], [two] * 2)                        # -t counted at most the CPUs
+    assert not over(["a", "a"], 0, [1, 1], [two] * 2)                      # a stage per core
+    assert not over(["a", "a"], 0, [1, 1], [four] * 2)
+    assert not over(["a", "b"], 0, [16, 16], [list(range(16))] * 2)        # one rank per host
+    assert not over(["a", "b", "b"], 0, [8, 8, 8], [list(range(8))] * 3)   # its host holds only it
+    assert over(["a", "b", "b"], 2, [8, 8, 8], [list(range(8))] * 3)
+    assert not over(["a", "a"], 0, [1, 1], [[0], [1]])                     # pinned: -bind-to core
+    assert not over(["a", "a"], 1, [8, 8], [list(range(8)), list(range(8, 16))])   # a NUMA domain each
+    assert not over(["a"] * 3, 0, [1, 1, 1], [two, two, [2, 3]])           # shares {0, 1} with one rank
+    assert over(["a"] * 3, 0, [2, 1, 1], [two, two, [2, 3]])
+    assert over(["a"] * 3, 0, [1, 1, 1], [None] * 3, own_cpus=2)           # affinity unknown
+    assert not over(["a"] * 3, 0, [1, 1, 1], [None] * 3, own_cpus=4)
 
 
 def test_plan_layers_names_a_bad_weight_by_its_stage():

@@ -107,24 +107,41 @@ def cap_threads(n_threads: int, where: str, cpus: int | None = None) -> tuple[in
 POLL_OVERSUBSCRIBED_S = 1e-3
 
 
-def host_is_oversubscribed(hosts: list[str], rank: int, threads: list[int], cpus: int | None = None) -> bool:
-    """Whether the ranks on ``rank``'s host run more llama.cpp threads
-    than the CPUs ``rank`` may use (``sched_getaffinity``, or ``cpus``):
-    then stages that compute at once (``--parallel``, PipeInfer) share
-    cores, and a waiting rank that wakes to probe takes one of them. With
-    threads = CPUs each stage has its own core, idle while its rank waits.
-    ``hosts``: every rank's host name; ``threads``: every rank's ``-t``
-    (:func:`ggpipe.cluster.config.parse_threads`), each counted at most
-    ``cpus`` (:func:`cap_threads`).
+def host_is_oversubscribed(hosts: list[str], rank: int, threads: list[int], cpus: list,
+                           own_cpus: int | None = None) -> bool:
+    """Whether the ranks that share CPUs with ``rank`` run more llama.cpp
+    threads than those CPUs: then stages that compute at once
+    (``--parallel``, PipeInfer) share cores, and a waiting rank that wakes
+    to probe takes one of them. With threads = CPUs each stage has its own
+    core, idle while its rank waits; ranks pinned to cores of their own
+    (``-bind-to core``, a NUMA domain each) never wake on another's.
 
-    Example: 3 ranks x 1 thread, or 2 x 2, on 2 CPUs -> True; 2 ranks x 1
-    thread on 2 CPUs, or one rank per host -> False.
+    Args:
+        hosts: every rank's host name.
+        threads: every rank's ``-t`` (:func:`ggpipe.cluster.config.parse_threads`),
+            each counted at most the CPUs (:func:`cap_threads`).
+        cpus: every rank's CPU affinity (CPU ids, or None where unknown):
+            the ranks counted are those on ``rank``'s host whose CPUs
+            overlap its own (all of them where either is unknown), the CPUs
+            the union of theirs.
+        own_cpus: the CPU count where no affinity is known (default: this
+            process's, ``sched_getaffinity``).
+
+    Example: 3 ranks x 1 thread, or 2 x 2, on CPUs {0, 1} -> True; 2 ranks
+    x 1 thread on {0, 1}, 2 pinned to {0} and {1}, or one rank per host ->
+    False.
     """
-    if cpus is None:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    here = hosts[rank]
-    mates = [r for r, h in enumerate(hosts) if h == here]
-    return len(mates) > 1 and sum(min(threads[r], cpus) for r in mates) > cpus
+    mine = set(cpus[rank] or ())
+    mates = [r for r, h in enumerate(hosts)
+             if h == hosts[rank] and (not mine or not cpus[r] or mine & set(cpus[r]))]
+    known = [set(cpus[r]) for r in mates if cpus[r]]
+    if known:
+        n = len(set().union(*known))
+    elif own_cpus is not None:
+        n = own_cpus
+    else:
+        n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return len(mates) > 1 and sum(min(threads[r], n) for r in mates) > n
 
 
 def warn(message: str) -> None:

@@ -84,7 +84,7 @@ class Session:
     draft_stage: Stage | None = None        # head only, when no rank runs the draft
     liveness: object = None                 # ggpipe.transport.liveness.Liveness (MPI jobs)
     activity: Activity | None = None
-    cpus: list = field(default_factory=list)  # head only: each rank's CPU affinity (CPU ids, or None)
+    cpus: list = field(default_factory=list)  # each rank's CPU affinity (CPU ids, or None)
 
     def micro_batches_in_flight(self) -> int:
         """The scheduler's default micro-batches in flight (``--micro-batches
@@ -175,7 +175,7 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
         rank, size, transport, hosts, cpus = 0, 1, None, [socket.gethostname()], [rank_info(0)["cpu_affinity"]]
     else:
         rank, size, transport, hosts, pids, cpus = meet(world, config, argv)
-        _poll_for_host(transport, config, rank, size, hosts)
+        _poll_for_host(transport, config, rank, size, hosts, cpus)
 
     activity = Activity("loading the model")
     liveness = None
@@ -194,14 +194,15 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
     return s
 
 
-def _poll_for_host(transport: Transport, config: ClusterConfig, rank: int, size: int, hosts: list[str]) -> None:
+def _poll_for_host(transport: Transport, config: ClusterConfig, rank: int, size: int, hosts: list[str],
+                   cpus: list) -> None:
     """Waits on a host whose CPUs the ranks' threads oversubscribe sleep up to
     ``POLL_OVERSUBSCRIBED_S`` between probes (ggpipe.transport.mpi)."""
     try:
         threads = parse_threads(config.threads, size)
     except ConfigError:
         return  # loading reports it, on every rank at once
-    if host_is_oversubscribed(hosts, rank, threads):
+    if host_is_oversubscribed(hosts, rank, threads, cpus):
         transport.poll_max_s = POLL_OVERSUBSCRIBED_S
 
 

@@ -123,8 +123,8 @@ def meet(world: tuple, config: ClusterConfig,
          argv: list[str] | None) -> tuple[int, int, Transport, list[str], list[int], list]:
     """Steps 1 and 2 (HELLO, GO) in the MPI ``world`` (comm, rank, size):
     returns this rank, the job's size, the transport, every rank's host and
-    pid, and (on the head; [] elsewhere) every rank's CPU affinity (a list of
-    CPU ids, or None where unknown). ``argv`` (default ``sys.argv[1:]``) must be the same on every
+    pid, and every rank's CPU affinity (a list of CPU ids, or None where
+    unknown). ``argv`` (default ``sys.argv[1:]``) must be the same on every
     rank: its digest, with the config's, is compared.
 
     Raises:
@@ -160,7 +160,8 @@ def meet(world: tuple, config: ClusterConfig,
         if bad and err is None:
             err = (f"rank {bad[0]} ({hosts[bad[0]]}) was started with different arguments than rank 0: "
                    f"start every rank with the same ggpipe command")
-        _verdict(transport, size, err, {"hosts": hosts, "pids": [h["pid"] for h in got], "code": code})
+        _verdict(transport, size, err, {"hosts": hosts, "pids": [h["pid"] for h in got],
+                                        "cpus": [h.get("cpus") for h in got], "code": code})
         if err:
             exc = ConfigError(err)
             exc.exit_code = code  # a usage error on another rank exits 2 here too
@@ -173,7 +174,7 @@ def meet(world: tuple, config: ClusterConfig,
         hosts = got["hosts"]
     transport.hosts = hosts
     pids = [h["pid"] for h in got] if rank == 0 else got["pids"]
-    cpus = [h.get("cpus") for h in got] if rank == 0 else []
+    cpus = [h.get("cpus") for h in got] if rank == 0 else (got.get("cpus") or [None] * size)
     return rank, size, transport, hosts, pids, cpus
 
 

@@ -42,8 +42,8 @@ import numpy as np
 
 from ggpipe.errors import ProtocolError, RankTimeoutError
 from ggpipe.transport import link as _link
-from ggpipe.transport.progress import PollingHelper
 from ggpipe.transport.messages import TYPE_NAMES
+from ggpipe.transport.progress import PollingHelper
 from ggpipe.transport.rank_guard import mark_reported, set_doing
 
 _DTYPES = {np.dtype(np.int32): "INT32_T", np.dtype(np.float32): "FLOAT", np.dtype(np.int8): "INT8_T"}
