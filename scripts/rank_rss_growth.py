@@ -6,11 +6,11 @@ per-thread state).
     python scripts/rank_rss_growth.py --rank 1 -o out.jsonl -- \\
         mpiexec -n 2 ggpipe batch many.jsonl -o out.jsonl -m smollm2-135m -n 8 --ignore-eos --parallel 4
 
-The job's rank is found by ``PMI_RANK`` (MPICH) or ``OMPI_COMM_WORLD_RANK``
-(Open MPI) in the environment of the launcher's descendants (the largest
-such process); RSS is sampled
-once a second. ``-o`` must be the job's output file (its line count is the
-progress); an existing one is refused, never overwritten.
+The job's rank is found by its launcher's rank variable (``PMI_RANK``,
+``OMPI_COMM_WORLD_RANK``, ``PMIX_RANK``: ggpipe.transport.rank_guard) in
+the environment of the launcher's descendants (the largest such process);
+RSS is sampled once a second. ``-o`` must be the job's output file (its
+line count is the progress); an existing one is refused, never overwritten.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import time
 
 import psutil
 
+from ggpipe.transport.rank_guard import RANK_VARS
+
 
 def _find_rank(launcher: psutil.Process, rank: int) -> psutil.Process | None:
     """The rank's process: of the launcher's descendants whose environment
@@ -32,7 +34,7 @@ def _find_rank(launcher: psutil.Process, rank: int) -> psutil.Process | None:
     for c in launcher.children(recursive=True):
         try:
             env = c.environ()
-            if str(rank) in (env.get("PMI_RANK"), env.get("OMPI_COMM_WORLD_RANK")):
+            if str(rank) in (env.get(k) for k in RANK_VARS):
                 found.append((c.memory_info().rss, c))
         except (psutil.Error, OSError):
             continue

@@ -88,12 +88,18 @@ def context_warning(n_ctx_seq: int, n_ctx_train: int, model: str) -> str | None:
     return None
 
 
+def own_cpu_count() -> int:
+    """The CPUs this process may use (``sched_getaffinity``; ``os.cpu_count``
+    where the platform has no affinity)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def cap_threads(n_threads: int, where: str, cpus: int | None = None) -> tuple[int, str | None]:
     """``-t`` for this rank, at most its CPUs (``sched_getaffinity``):
     (threads to use, a warning or None). More threads than CPUs only make
     llama.cpp's threads wait for each other."""
     if cpus is None:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cpus = own_cpu_count()
     if n_threads <= cpus:
         return n_threads, None
     return cpus, f"{where}: -t {n_threads} is more than the {cpus} CPUs it may use; using {cpus} threads"
@@ -140,7 +146,7 @@ def host_is_oversubscribed(hosts: list[str], rank: int, threads: list[int], cpus
     elif own_cpus is not None:
         n = own_cpus
     else:
-        n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        n = own_cpu_count()
     return len(mates) > 1 and sum(min(threads[r], n) for r in mates) > n
 
 
