@@ -24,8 +24,7 @@ import signal
 import threading
 
 from ggpipe.errors import RankLostError
-
-_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")  # MPICH/hydra, Open MPI, PMIx launchers
+from ggpipe.transport.rank_guard import RANK_VARS
 _startup_signal = threading.Event()
 
 
@@ -42,7 +41,7 @@ def _first_int(names: tuple[str, ...]) -> int | None:
 def launched_rank() -> int | None:
     """This process's MPI rank as its launcher's environment gives it, or
     None when no MPI launcher started it (read without initialising MPI)."""
-    return _first_int(_RANK_VARS)
+    return _first_int(RANK_VARS)
 
 
 _SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "SLURM_NTASKS")
