@@ -25,6 +25,7 @@ import threading
 
 from ggpipe.errors import RankLostError
 from ggpipe.transport.rank_guard import RANK_VARS
+
 _startup_signal = threading.Event()
 
 
