@@ -5,6 +5,7 @@
 side in one interleaved run.
 
     python scripts/peer_llamacpp.py build        # once: llama-server, llama-batched-bench
+    python scripts/peer_llamacpp.py build --llamafile off   # once: the same, built as ggpipe's llama.cpp
     python scripts/bench_parallel.py -m smollm2-goliath-40l-f32 --ranks 2,3 --concurrency 1,2,4,8,16 \\
         -n 128 --rounds 2 -o results/parallel
 
@@ -23,7 +24,11 @@ ignored. Per (system, C) and round it records:
 * TTFT p50/p90 (client side, from sending) and ITL p50/p90 (gaps between
   streamed chunks, pooled over the requests).
 
-``--before DIR`` adds ggpipe from a checkout of an earlier commit (through
+``--alt-python PY`` adds this checkout's ggpipe run by another venv's
+python (the same Python version; its packages through PYTHONPATH) at each
+rank count (one whose llama-cpp-python is llama.cpp's default build, llamafile's
+sgemm on, to set beside llama.cpp's default build); ``--before DIR`` adds
+ggpipe from a checkout of an earlier commit (through
 ``PYTHONPATH``) at each rank count, for a before/after in the same run;
 ``--draft-model MD`` adds ggpipe ``--mode speculative -md MD`` at each rank
 count (the draft model on one of the ranks); ``--micro-batches M,...`` adds
@@ -31,7 +36,13 @@ ggpipe with ``--micro-batches M`` (besides ``auto``) at each rank count, to
 find the best number of groups in flight on your hosts (at C = 1 there is
 one).
 ``llama-batched-bench -npp P -ntg N -npl C,... -t T`` adds its own S_TG and
-S (prompt processing included) per C. ggpipe runs ``R`` ranks x
+S (prompt processing included) per C. llama.cpp runs in two builds
+(``--llamafile on,off``): its default one, whose llamafile sgemm multiplies
+F32/F16 weights by batches of rows faster, and ggpipe's reference
+configuration (``-DGGML_LLAMAFILE=OFF``, the kernels ggpipe's own
+llama-cpp-python runs, which keep a batch's rows bit-identical to single
+tokens); only the second compares the pipeline with llama.cpp on the same
+kernels. ggpipe runs ``R`` ranks x
 ``--rank-threads`` threads (``mpiexec -n R``, default 1 thread), llama.cpp
 ``T`` threads for each ``T`` of ``--threads`` (default: the cores ggpipe's 2
 ranks use); ``--ranks none`` runs llama.cpp alone. Results: ``results.csv`` (one row per system,
@@ -163,20 +174,22 @@ def drive(port: int, c: int, n: int) -> dict:
 
 
 def ggpipe_server(model: str, ranks: int, parallel: int, n: int, port: int, before: str | None = None,
-                  extra: tuple = (), threads: int = 1) -> Server:
+                  extra: tuple = (), threads: int = 1, python: str | None = None) -> Server:
     """``before``: a checkout of an earlier commit, run through PYTHONPATH
-    instead of this one; ``extra``: more ``serve`` arguments (a draft model)."""
-    cmd = ["mpiexec", "-n", str(ranks), *ggpipe_command(), "serve", "-m", model, "--port", str(port),
+    instead of this one; ``extra``: more ``serve`` arguments (a draft model);
+    ``python``: another venv's interpreter (its packages, another build of
+    llama.cpp) running this checkout's ggpipe through PYTHONPATH."""
+    cmd = ["mpiexec", "-n", str(ranks), *ggpipe_command(python), "serve", "-m", model, "--port", str(port),
            "--parallel", str(parallel), "-n", str(n), "--ignore-eos", "--max-queue", "256", "-t", str(threads),
            *extra]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if before:
-        env["PYTHONPATH"] = before
+    if before or python:
+        env["PYTHONPATH"] = before or str(Path(__file__).resolve().parent.parent)
     return Server(cmd, port, env=env)
 
 
-def llama_server(model: str, parallel: int, n: int, threads: int, port: int) -> Server:
-    cmd = [str(bin_path("llama-server")), "-m", model, "--port", str(port), "-np", str(parallel),
+def llama_server(model: str, parallel: int, n: int, threads: int, port: int, llamafile: bool = True) -> Server:
+    cmd = [str(bin_path("llama-server", llamafile)), "-m", model, "--port", str(port), "-np", str(parallel),
            "-c", str(2048 * parallel), "-t", str(threads), "-tb", str(threads), "-fa", "off", "--no-repack",
            "-n", str(n), "--no-warmup", "--host", "127.0.0.1"]
     return Server(cmd, port)
@@ -186,9 +199,10 @@ _BB_ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s
                      r"\s*([\d.]+)\s*\|\s*([\d.]+)\s*\|\s*([\d.]+)\s*\|\s*([\d.]+)\s*\|")
 
 
-def batched_bench(model: str, cs: list[int], n: int, threads: int, npp: int) -> dict[int, dict]:
+def batched_bench(model: str, cs: list[int], n: int, threads: int, npp: int,
+                  llamafile: bool = True) -> dict[int, dict]:
     """llama-batched-bench's S_TG and S per parallel sequence count."""
-    cmd = [str(bin_path("llama-batched-bench")), "-m", model, "-c", str(max(cs) * (npp + n) + 256), "-b", "2048",
+    cmd = [str(bin_path("llama-batched-bench", llamafile)), "-m", model, "-c", str(max(cs) * (npp + n) + 256), "-b", "2048",
            "-ub", "512", "-npp", str(npp), "-ntg", str(n), "-npl", ",".join(map(str, cs)), "-t", str(threads),
            "-fa", "off", "--no-repack"]
     p = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=3600)
@@ -219,9 +233,15 @@ def main() -> None:
     ap.add_argument("--npp", type=int, default=32, help="llama-batched-bench prompt tokens per sequence")
     ap.add_argument("--no-llamacpp", action="store_true", help="ggpipe rows only")
     ap.add_argument("--no-llama-server", action="store_true", help="of llama.cpp, llama-batched-bench only")
+    ap.add_argument("--llamafile", default="on,off",
+                    help="llama.cpp builds to run: on (its default build) and/or off (-DGGML_LLAMAFILE=OFF, "
+                    "ggpipe's reference configuration), comma-separated")
     ap.add_argument("--no-one-at-a-time", action="store_true", help="skip ggpipe --parallel 1")
     ap.add_argument("--before", metavar="DIR", help="also run ggpipe from this checkout of an earlier commit "
                     "(git worktree add DIR COMMIT; copy ggpipe/_native*.so into it) at each --ranks")
+    ap.add_argument("--alt-python", metavar="PY", help="also run ggpipe with this venv's python at each --ranks "
+                    "(e.g. one whose llama-cpp-python has llamafile's sgemm: pip install without "
+                    "scripts/pip_install.sh)")
     ap.add_argument("--draft-model", metavar="MD", help="also run ggpipe --mode speculative -md MD at each --ranks "
                     "(the draft model takes one of the ranks; it drafts while a request generates alone)")
     ap.add_argument("--micro-batches", metavar="M,...", default="",
@@ -235,6 +255,8 @@ def main() -> None:
     systems = [(f"ggpipe {r} ranks{per}", "ggpipe", r) for r in ranks]
     if a.before:
         systems += [(f"ggpipe {r} ranks{per} (before)", "ggpipe-before", r) for r in ranks]
+    if a.alt_python:
+        systems += [(f"ggpipe {r} ranks{per} (alt python)", "ggpipe-alt", r) for r in ranks]
     if a.draft_model:
         systems += [(f"ggpipe {r} ranks{per} + draft", "ggpipe-draft", r) for r in ranks]
     for m in filter(None, a.micro_batches.split(",")):
@@ -242,18 +264,26 @@ def main() -> None:
     if ranks and not a.no_one_at_a_time:
         systems.append((f"ggpipe one at a time, 2 ranks{per}", "ggpipe1", 2))
     if not a.no_llamacpp:
-        for t in map(int, a.threads.split(",")):
-            if not a.no_llama_server:
-                systems.append((f"llama-server {t} threads", "llama-server", t))
-            systems.append((f"llama-batched-bench {t} threads", "batched-bench", t))
+        for build in a.llamafile.split(","):
+            if build not in ("on", "off"):
+                raise SystemExit(f"--llamafile: 'on' or 'off', got {build!r}")
+            tag = "" if build == "on" else ", llamafile off"
+            for prog in ("llama-server", "llama-batched-bench"):
+                if not bin_path(prog, build == "on").exists():
+                    raise SystemExit(f"{bin_path(prog, build == 'on')} missing: run `python scripts/peer_llamacpp.py "
+                                     f"build{'' if build == 'on' else ' --llamafile off'}` first")
+            for t in map(int, a.threads.split(",")):
+                if not a.no_llama_server:
+                    systems.append((f"llama-server {t} threads{tag}", f"llama-server-{build}", t))
+                systems.append((f"llama-batched-bench {t} threads{tag}", f"batched-bench-{build}", t))
     out = Path(a.output)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     for rnd in range(a.rounds):
         order = systems[rnd % len(systems):] + systems[:rnd % len(systems)]
         for name, kind, size in order:  # size: ggpipe's ranks, llama.cpp's threads
-            if kind == "batched-bench":
-                for c, r in batched_bench(model, cs, a.n, size, a.npp).items():
+            if kind.startswith("batched-bench"):
+                for c, r in batched_bench(model, cs, a.n, size, a.npp, kind.endswith("-on")).items():
                     rows.append({"system": name, "round": rnd, "requests": c, **r})
                     print(f"{name:36s} C={c:3d} agg {r['agg_tokens_per_s']:7.1f}  gen {r['gen_tokens_per_s']:7.1f} tok/s",
                           flush=True)
@@ -262,9 +292,10 @@ def main() -> None:
                 port = free_port()
                 extra = (("--mode", "speculative", "-md", a.draft_model) if kind == "ggpipe-draft" else
                          ("--micro-batches", kind[len("ggpipe-mb"):]) if kind.startswith("ggpipe-mb") and c > 1 else ())
-                srv = (llama_server(model, c, a.n, size, port) if kind == "llama-server" else
+                srv = (llama_server(model, c, a.n, size, port, kind.endswith("-on")) if kind.startswith("llama-server") else
                        ggpipe_server(model, size, 1 if kind == "ggpipe1" else c, a.n, port,
-                                     a.before if kind == "ggpipe-before" else None, extra, a.rank_threads))
+                                     a.before if kind == "ggpipe-before" else None, extra, a.rank_threads,
+                                     a.alt_python if kind == "ggpipe-alt" else None))
                 try:
                     drive(port, 1, 4)                              # warm-up
                     r = drive(port, c, a.n)

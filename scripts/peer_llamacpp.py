@@ -2,6 +2,7 @@
 prompts, token counts and cores as ``ggpipe bench``.
 
     python scripts/peer_llamacpp.py build                    # once: several minutes on 2 cores
+    python scripts/peer_llamacpp.py build --llamafile off    # the same without llamafile's sgemm
     python scripts/peer_llamacpp.py run -m smollm2-goliath-40l-f32 -md smollm2-135m \\
         -n 128 --threads 1,2 -o results/bench          # appends rows to results/bench/peer.csv
 
@@ -14,7 +15,11 @@ vendored llama.cpp with cmake (Release, ``-march=native`` as llama-cpp-python,
 AMX off: ``GGML_AMX_TILE/INT8/BF16=OFF`` and ``-mno-amx-*``, see
 NOTES-llamacpp), in a cache directory outside the repository
 (``$GGPIPE_PEER_DIR``, default ``~/.cache/ggpipe/peer-llamacpp``). A
-finished build is reused.
+finished build is reused. ``build`` alone is llama.cpp's default build
+(llamafile's sgemm on: faster F32/F16 batches), in ``build/``; ``build
+--llamafile off`` builds ggpipe's reference configuration
+(``-DGGML_LLAMAFILE=OFF``, the kernels ggpipe's own llama-cpp-python runs)
+into ``build-llamafile-off/``. ``run`` uses the default build.
 
 ``run`` renders each prompt of the prompt set with the target's chat template
 (exactly the text ``ggpipe bench`` feeds ggpipe), writes it to a file and runs
@@ -66,8 +71,15 @@ def peer_dir() -> Path:
     return Path(os.environ.get("GGPIPE_PEER_DIR", Path.home() / ".cache" / "ggpipe" / "peer-llamacpp"))
 
 
-def bin_path(name: str) -> Path:
-    return peer_dir() / "build" / "bin" / name
+def build_dir(llamafile: bool = True) -> Path:
+    """Where a build lives: ``build`` for llama.cpp's default (llamafile's
+    sgemm on), ``build-llamafile-off`` for ggpipe's reference configuration
+    (``-DGGML_LLAMAFILE=OFF``, as scripts/pip_install.sh builds llama-cpp-python)."""
+    return peer_dir() / ("build" if llamafile else "build-llamafile-off")
+
+
+def bin_path(name: str, llamafile: bool = True) -> Path:
+    return build_dir(llamafile) / "bin" / name
 
 
 def sh(cmd: list[str], **kw) -> None:
@@ -75,12 +87,13 @@ def sh(cmd: list[str], **kw) -> None:
     subprocess.run(cmd, check=True, **kw)
 
 
-def build(jobs: int) -> None:
-    """Download the pinned sdist and build the peer programs (idempotent)."""
+def build(jobs: int, llamafile: bool = True) -> None:
+    """Download the pinned sdist and build the peer programs (idempotent), with
+    llamafile's sgemm (llama.cpp's default) or without it (ggpipe's build)."""
     d = peer_dir()
     d.mkdir(parents=True, exist_ok=True)
-    if all(bin_path(t).exists() for t in TARGETS):
-        print(f"already built: {bin_path(TARGETS[0]).parent}")
+    if all(bin_path(t, llamafile).exists() for t in TARGETS):
+        print(f"already built: {bin_path(TARGETS[0], llamafile).parent}")
         return
     src = d / f"llama_cpp_python-{VERSION}"
     if not src.exists():
@@ -92,9 +105,10 @@ def build(jobs: int) -> None:
             tf.extractall(d, filter="data")
     cpp = src / "vendor" / "llama.cpp"
     gen = ["-G", "Ninja"] if subprocess.run(["which", "ninja"], capture_output=True, check=False).returncode == 0 else []
-    sh(["cmake", "-S", str(cpp), "-B", str(d / "build"), *gen, *CMAKE_FLAGS])
-    sh(["cmake", "--build", str(d / "build"), "-j", str(jobs), "--target", *TARGETS])
-    print(f"built: {', '.join(str(bin_path(t)) for t in TARGETS)}")
+    out = build_dir(llamafile)
+    sh(["cmake", "-S", str(cpp), "-B", str(out), *gen, *CMAKE_FLAGS, f"-DGGML_LLAMAFILE={'ON' if llamafile else 'OFF'}"])
+    sh(["cmake", "--build", str(out), "-j", str(jobs), "--target", *TARGETS])
+    print(f"built: {', '.join(str(bin_path(t, llamafile)) for t in TARGETS)}")
 
 
 _EVAL = re.compile(r"eval time =\s*([\d.]+) ms /\s*(\d+) runs.*?([\d.]+) tokens per second")
@@ -222,6 +236,9 @@ def main() -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="download the pinned sdist and build the peer programs")
     b.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 2)
+    b.add_argument("--llamafile", choices=("on", "off"), default="on",
+                   help="llamafile's sgemm: on (llama.cpp's default build, in build/) or off (ggpipe's reference "
+                   "configuration, as scripts/pip_install.sh builds llama-cpp-python; in build-llamafile-off/)")
     r = sub.add_parser("run", help="run the peers and write DIR/peer.csv")
     r.add_argument("-m", "--model", required=True)
     r.add_argument("-md", "--draft-model", default=None)
@@ -234,7 +251,7 @@ def main() -> None:
     r.add_argument("-o", "--output", default="results/bench")
     a = ap.parse_args()
     if a.cmd == "build":
-        build(a.jobs)
+        build(a.jobs, a.llamafile == "on")
     else:
         run(a)
 

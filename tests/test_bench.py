@@ -122,6 +122,15 @@ def _peer_module():
     return mod
 
 
+def test_peer_builds_live_apart(tmp_path, monkeypatch):
+    """llama.cpp's default build and ggpipe's reference build (llamafile off)
+    are built into folders of their own, so both can be run side by side."""
+    peer = _peer_module()
+    monkeypatch.setenv("GGPIPE_PEER_DIR", str(tmp_path))
+    assert peer.bin_path("llama-server") == tmp_path / "build" / "bin" / "llama-server"
+    assert peer.bin_path("llama-server", llamafile=False) == tmp_path / "build-llamafile-off" / "bin" / "llama-server"
+
+
 def test_peer_log_parsers():
     peer = _peer_module()
     log = ("llama_perf_sampler_print:    sampling time =       1.00 ms /   140 runs\n"
