@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+import ggpipe.decoding.scheduler as scheduler_module
 from ggpipe.decoding.scheduler import Scheduler
 from ggpipe.decoding.slots import Job, Slot, plan_microbatch
 from ggpipe.decoding.request import Request
@@ -94,6 +95,16 @@ def test_end_of_generation_ends_a_request():
     jobs = _jobs()
     _run(jobs, 3, eog=lambda t: t == eog)
     assert jobs[2].request.out == ref[:ref.index(eog) + 1]
+
+
+def test_the_rate_window_stays_bounded_when_nobody_reads_it(monkeypatch):
+    # a server nobody scrapes for /metrics must not keep a record of every token it generated
+    clock = iter(range(0, 10**6, 2))     # seconds: each reading 2 s later
+    monkeypatch.setattr(scheduler_module.time, "monotonic", lambda: float(next(clock)))
+    sched, _, _ = _run(_jobs() + _jobs() + _jobs(), n_slots=2)
+    assert sched.stats["generated"] == 3 * sum(LENGTHS)
+    assert len(sched._recent) <= scheduler_module.RATE_WINDOW_S / 2 + 1
+    assert 0 < sched.tokens_per_s() <= 3 * sum(LENGTHS) / scheduler_module.RATE_WINDOW_S
 
 
 def test_a_cancelled_queued_job_is_dropped_and_reported():

@@ -111,7 +111,7 @@ class Scheduler:
         self._clock = 0.0                 # when the result being handled finished (seconds)
         self.stats = dict.fromkeys(("micro_batches", "rows", "prefill_tokens", "generated", "finished",
                                     "reused_tokens", "drafted", "draft_accepted", "draft_skipped"), 0)
-        self._recent: deque[float] = deque()    # when each of the tokens of the last RATE_WINDOW_S was generated
+        self._recent: deque[tuple[float, int]] = deque()   # (when, tokens) of the acceptances of the last RATE_WINDOW_S
 
     # -- requests ------------------------------------------------------------------
 
@@ -248,8 +248,7 @@ class Scheduler:
                 continue
             n_out = len(r.out)
             r.accept(decided)
-            self.stats["generated"] += len(r.out) - n_out
-            self._recent.extend([time.monotonic()] * (len(r.out) - n_out))
+            self._generated(len(r.out) - n_out)
             if r.done:
                 self._end(slot)
             else:
@@ -315,6 +314,16 @@ class Scheduler:
         slot.job.drafted += len(chain)
         return chain
 
+    def _generated(self, n: int) -> None:
+        """Count ``n`` tokens generated now; forget those older than the
+        rate window here, on the loop's thread (the window stays bounded
+        whether or not anyone reads :meth:`tokens_per_s`)."""
+        self.stats["generated"] += n
+        now = time.monotonic()
+        self._recent.append((now, n))
+        while self._recent[0][0] < now - RATE_WINDOW_S:
+            self._recent.popleft()
+
     def _timed(self, res: RunResult) -> None:
         """The target's pass cost per size, from the service times of
         micro-batches of one sequence with a logit row per token (a slot's
@@ -329,10 +338,8 @@ class Scheduler:
 
     def tokens_per_s(self) -> float:
         """Tokens generated per second over the last ``RATE_WINDOW_S`` seconds, every request together."""
-        now = time.monotonic()
-        while self._recent and self._recent[0] < now - RATE_WINDOW_S:
-            self._recent.popleft()
-        return len(self._recent) / RATE_WINDOW_S
+        since = time.monotonic() - RATE_WINDOW_S
+        return sum(n for t, n in list(self._recent) if t >= since) / RATE_WINDOW_S   # a copy: the loop appends meanwhile
 
     def view(self) -> list[dict]:
         """One dict per slot (llama-server's ``/slots``): id, KV cells, busy,

@@ -16,6 +16,8 @@ import numpy as np
 from ggpipe.errors import ConfigError, ModelError
 from ggpipe.runtime import llama as _llama
 
+_INT32_P = ctypes.POINTER(ctypes.c_int32)
+
 
 class Vocab:
     """Token <-> text for a model's vocabulary (``llama_vocab *``)."""
@@ -25,6 +27,7 @@ class Vocab:
         self._model = model
         self._vocab = vocab
         self.n_vocab = int(self._L.llama_vocab_n_tokens(vocab))
+        self._formatter = None   # the chat template, compiled (apply_chat_template)
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> np.ndarray:
         """Token ids of ``text``: int32 (n,). ``add_special`` adds BOS as the
@@ -34,10 +37,12 @@ class Vocab:
         data = text.encode("utf-8")
         cap = len(data) + 16
         while True:
-            buf = (ctypes.c_int32 * cap)()
-            n = L.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+            # a numpy buffer: a ctypes array type per length would stay in ctypes' type cache for good
+            buf = np.empty(cap, dtype=np.int32)
+            n = L.llama_tokenize(self._vocab, data, len(data), buf.ctypes.data_as(_INT32_P), cap, add_special,
+                                 parse_special)
             if n >= 0:
-                return np.frombuffer(buf, dtype=np.int32, count=n).copy()
+                return buf[:n].copy()
             cap = -n
 
     def piece(self, token: int) -> bytes:
@@ -70,15 +75,17 @@ class Vocab:
         Raises:
             ModelError: the model has no chat template.
         """
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter  # noqa: PLC0415
+        if self._formatter is None:     # compiled once: a server renders one per request
+            from llama_cpp.llama_chat_format import Jinja2ChatFormatter  # noqa: PLC0415
 
-        template = self.chat_template()
-        if not template:
-            raise ModelError("this model has no chat template (tokenizer.chat_template); drop --chat")
-        bos = self._special_text(self._L.llama_vocab_bos(self._vocab))
-        eos = self._special_text(self._L.llama_vocab_eos(self._vocab))
-        fmt = Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos, add_generation_prompt=True)
-        return fmt(messages=messages).prompt
+            template = self.chat_template()
+            if not template:
+                raise ModelError("this model has no chat template (tokenizer.chat_template); drop --chat")
+            bos = self._special_text(self._L.llama_vocab_bos(self._vocab))
+            eos = self._special_text(self._L.llama_vocab_eos(self._vocab))
+            self._formatter = Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos,
+                                                  add_generation_prompt=True)
+        return self._formatter(messages=messages).prompt
 
     def _special_text(self, token: int) -> str:
         return "" if token < 0 else self.token_text(token)

@@ -31,6 +31,7 @@ from ggpipe.errors import ConfigError
 # llama.h's llama_token_attr bits
 ATTR_UNKNOWN, ATTR_CONTROL, ATTR_LSTRIP, ATTR_RSTRIP = 1, 8, 128, 256
 _SPACE = " \t\n\v\f\r"   # C isspace, as llama.cpp strips
+_MARK = re.compile("\ue000([0-9a-f]{32})(\\d+)\ue001")   # a placeholder for message i's content (template_regions)
 
 
 def _trie_regex(words: list[str]) -> re.Pattern:
@@ -126,11 +127,16 @@ def template_regions(vocab, messages: list[dict], text: str, specials: SpecialTo
         ConfigError: a content holds special-token text, and the template
             does not copy contents unchanged (so where they are is unknown).
     """
-    tag = "\ue000" + uuid.uuid4().hex
-    marked = [dict(m, content=f"{tag}{i}\ue001") if isinstance(m.get("content"), str) else m
+    key = uuid.uuid4().hex
+    marked = [dict(m, content=f"\ue000{key}{i}\ue001") if isinstance(m.get("content"), str) else m
               for i, m in enumerate(messages)]
     rendered = vocab.apply_chat_template(marked)
-    parts = re.split(re.escape(tag) + r"(\d+)\ue001", rendered)
+    parts, last = [], 0    # re.split by this call's marks (one fixed pattern: a pattern per call fills re's cache)
+    for m in _MARK.finditer(rendered):
+        if m.group(1) == key:
+            parts += [rendered[last:m.start()], m.group(2)]
+            last = m.end()
+    parts.append(rendered[last:])
     regions, rebuilt, pos = [], [], 0
     for k, part in enumerate(parts):
         if k % 2 == 0:     # the template's own text
