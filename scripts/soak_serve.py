@@ -35,6 +35,17 @@ end of the warm-up, ``--warmup`` minutes, default 5) of every rank's RSS is
 within ``--rss-noise-mb`` (default 16 MB), of its descriptors and threads
 within 2.
 
+``--tracemalloc FRAMES`` names what grows: rank 0's stage process traces
+its Python allocations (``tracemalloc``, FRAMES frames each) and writes a
+snapshot every ``--interval``; the report's ``tracemalloc_growth`` lists
+the ten source lines whose live allocations grew most from the first
+snapshot after the warm-up to the last. A probe module is imported before
+ggpipe in every rank (``python -c``); it starts tracing on rank 0 and, since
+a rank's stage runs in a child forked by its guard
+(ggpipe.transport.rank_guard), starts the snapshot thread in forked
+children (``os.register_at_fork``). Tracing slows the head and adds to its
+memory: use it to find a leak, not for the growth figure.
+
 Needs nothing but the standard library and psutil (a ggpipe dependency).
 Processes: only the job this script starts is signalled, by its process
 group.
@@ -47,11 +58,13 @@ import http.client
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -213,6 +226,45 @@ def growth(samples: list[dict], warm_index: int) -> dict:
     return res
 
 
+PROBE = """# imported before ggpipe by scripts/soak_serve.py --tracemalloc; traces rank 0 only
+import os, threading, time, tracemalloc
+
+_FRAMES, _EVERY, _DIR = int(os.environ["SOAK_TM_FRAMES"]), float(os.environ["SOAK_TM_EVERY"]), os.environ["SOAK_TM_DIR"]
+
+
+def _snapshots():
+    k = 0
+    while True:
+        time.sleep(_EVERY)
+        k += 1
+        tracemalloc.take_snapshot().dump(os.path.join(_DIR, f"snap-{os.getpid()}-{k:05d}.pickle"))
+
+
+if next((os.environ[v] for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK") if v in os.environ), "0") == "0":
+    tracemalloc.start(_FRAMES)
+    os.register_at_fork(after_in_child=lambda: threading.Thread(target=_snapshots, daemon=True).start())
+"""
+
+
+def tracemalloc_growth(snap_dir: Path, pid: int, since_wall: float, top: int = 10) -> list[dict]:
+    """The ``top`` source lines whose live allocations (bytes) grew most
+    from the first snapshot of process ``pid`` written at or after
+    ``since_wall`` (epoch seconds) to its last; [] without two snapshots."""
+    import tracemalloc
+
+    snaps = sorted(snap_dir.glob(f"snap-{pid}-*.pickle"))
+    after = [f for f in snaps if f.stat().st_mtime >= since_wall]
+    if len(after) < 2:
+        return []
+    first, last = tracemalloc.Snapshot.load(str(after[0])), tracemalloc.Snapshot.load(str(after[-1]))
+    out = []
+    for st in last.compare_to(first, "lineno")[:top]:
+        frame = st.traceback[0]
+        out.append({"line": f"{frame.filename}:{frame.lineno}", "size_diff_kb": round(st.size_diff / 1024, 1),
+                    "count_diff": st.count_diff, "size_kb": round(st.size / 1024, 1)})
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=30)
@@ -225,11 +277,21 @@ def main() -> int:
     ap.add_argument("--rss-noise-mb", type=float, default=16)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default=f"results/soak-{time.strftime('%Y%m%d-%H%M')}.json")
+    ap.add_argument("--tracemalloc", type=int, default=0, metavar="FRAMES",
+                    help="trace rank 0's Python allocations (FRAMES frames) and report the lines that grew")
     a = ap.parse_args()
 
-    cmd = [find_mpiexec(), "-n", str(a.ranks), sys.executable, "-P", "-m", "ggpipe", "serve", "-m", a.model,
-           "--port", "0", *a.serve_args.split()]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    run = ["-m", "ggpipe"]
+    snap_dir = None
+    if a.tracemalloc > 0:
+        snap_dir = Path(tempfile.mkdtemp(prefix="soak-tracemalloc-"))
+        (snap_dir / "soak_probe.py").write_text(PROBE)
+        env.update(SOAK_TM_FRAMES=str(a.tracemalloc), SOAK_TM_EVERY=str(a.interval), SOAK_TM_DIR=str(snap_dir))
+        run = ["-c", f"import sys; sys.path.insert(0, {str(snap_dir)!r}); import soak_probe, runpy; "
+                     "runpy.run_module('ggpipe', run_name='__main__', alter_sys=True)"]
+    cmd = [find_mpiexec(), "-n", str(a.ranks), sys.executable, "-P", *run, "serve", "-m", a.model,
+           "--port", "0", *a.serve_args.split()]
     log = Path(a.out).with_suffix(".stderr.log")
     log.parent.mkdir(parents=True, exist_ok=True)
     errf = open(log, "w")  # noqa: SIM115 (closed at the end)
@@ -255,7 +317,7 @@ def main() -> int:
                    for i in range(a.clients)]
         for t in threads:
             t.start()
-        t0 = time.monotonic()
+        t0, t0_wall = time.monotonic(), time.time()
         end = t0 + a.minutes * 60
         while True:
             now = time.monotonic()
@@ -291,6 +353,12 @@ def main() -> int:
         report.update(exit_code=rc, requests=total, answers=answers, unanswered=load.unanswered,
                       growth_after_warmup=g, warmup_sample=warm,
                       passed=bool(rc == 0 and not load.unanswered and ok_growth))
+        if snap_dir is not None:
+            report["tracemalloc_growth"] = tm = tracemalloc_growth(snap_dir, ranks[0].pid,
+                                                                   t0_wall + 60 * samples[warm]["t_min"])
+            for row in tm[:5]:
+                print(f"soak: tracemalloc, rank 0: {row['line']} {row['size_diff_kb']:+.1f} KiB "
+                      f"({row['count_diff']:+d} blocks)")
         Path(a.out).write_text(json.dumps(report, indent=1))
         print(f"soak: {total} requests in {a.minutes:g} min, unanswered {len(load.unanswered)}, exit {rc}, "
               f"growth after warm-up {json.dumps(g)}: {'PASSED' if report['passed'] else 'FAILED'} ({a.out})")
@@ -301,6 +369,8 @@ def main() -> int:
             os.killpg(job.pid, signal.SIGKILL)
             job.wait()
         errf.close()
+        if snap_dir is not None:
+            shutil.rmtree(snap_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":
