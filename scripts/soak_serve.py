@@ -229,6 +229,8 @@ def growth(samples: list[dict], warm_index: int) -> dict:
 PROBE = """# imported before ggpipe by scripts/soak_serve.py --tracemalloc; traces rank 0 only
 import os, threading, time, tracemalloc
 
+from ggpipe.transport.launcher_signal import launched_rank
+
 _FRAMES, _EVERY, _DIR = int(os.environ["SOAK_TM_FRAMES"]), float(os.environ["SOAK_TM_EVERY"]), os.environ["SOAK_TM_DIR"]
 
 
@@ -240,7 +242,7 @@ def _snapshots():
         tracemalloc.take_snapshot().dump(os.path.join(_DIR, f"snap-{os.getpid()}-{k:05d}.pickle"))
 
 
-if next((os.environ[v] for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK") if v in os.environ), "0") == "0":
+if launched_rank() in (0, None):
     tracemalloc.start(_FRAMES)
     os.register_at_fork(after_in_child=lambda: threading.Thread(target=_snapshots, daemon=True).start())
 """
