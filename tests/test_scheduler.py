@@ -11,7 +11,7 @@ import pytest
 
 import ggpipe.decoding.scheduler as scheduler_module
 from ggpipe.decoding.scheduler import Scheduler
-from ggpipe.decoding.slots import Job, Slot, plan_microbatch
+from ggpipe.decoding.slots import Job, Slot, decode_groups, plan_microbatch
 from ggpipe.decoding.request import Request
 from ggpipe.errors import ConfigError
 from ggpipe.sampling import Sampler, SamplingParams
@@ -142,13 +142,37 @@ def test_plan_sends_generating_slots_or_one_prompt_chunk():
     slots = [_slot(0, [5], True), _slot(1, [6], True, waiting=True), _slot(2, [7], True), _slot(3, [8], True),
              _slot(4, list(range(10)), False, t_queued=2.0), _slot(5, list(range(3)), False, t_queued=1.0),
              Slot(6)]
-    plan = plan_microbatch(slots, budget=8, max_decode=2)
-    assert [(s.seq, n, w) for s, n, w in plan] == [(0, 1, True), (2, 1, True)]
-    assert plan_microbatch(slots, budget=2, max_decode=4) == [(slots[0], 1, True), (slots[2], 1, True)]
+    # slots 0-3 generate: in ids 0-3 of 7 (range 0 of 2), cut in two groups {0, 1} and {2, 3};
+    # slot 1 is in flight, so its group waits and {2, 3} goes
+    plan = plan_microbatch(slots, budget=8, depth=2)
+    assert [(s.seq, n, w) for s, n, w in plan] == [(2, 1, True), (3, 1, True)]
+    # at most one token: the groups are cut to one slot each, and slot 0 (not in flight) goes
+    assert plan_microbatch(slots, budget=1, depth=2) == [(slots[0], 1, True)]
     # a prompt's turn: the earliest-queued one, one chunk of it; its last chunk asks for logits
     assert [(s.seq, n, w) for s, n, w in plan_microbatch(slots, 8, 2, prefer_prompt=True)] == [(5, 3, True)]
     assert [(s.seq, n, w) for s, n, w in plan_microbatch(slots[4:5], 8, 2)] == [(4, 8, False)]
     assert plan_microbatch([Slot(0)], 8, 1) == []
+    # no group can go (each has a slot in flight): a prompt chunk goes instead
+    slots[3].waiting = True
+    assert [(s.seq, n, w) for s, n, w in plan_microbatch(slots, 8, 2)] == [(5, 3, True)]
+
+
+def _groups(generating, n, depth):
+    slots = [_slot(i, [1], i in generating) if i in generating else Slot(i) for i in range(n)]
+    return [[s.seq for s in g] for g in decode_groups(slots, depth)]
+
+
+def test_decode_groups_are_fixed_ranges_of_slot_ids():
+    """llama.cpp evaluates consecutive sequence ids of a non-unified cache in one ubatch: the groups are
+    ranges of ids a slot keeps, cut in two only while fewer ranges than micro-batches hold requests."""
+    assert _groups(set(range(16)), 16, 3) == [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12, 13, 14, 15]]
+    assert _groups(set(range(16)) - {2, 7}, 16, 2) == [[0, 1, 3, 4, 5, 6], [8, 9, 10, 11, 12, 13, 14, 15]]
+    # 8 requests in 16 slots (the lowest ids): range 0 holds them all, cut in two
+    assert _groups(set(range(8)), 16, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert _groups({0, 1, 2, 9}, 16, 2) == [[0, 1, 2], [9]]
+    assert _groups({5}, 8, 2) == [[5]]
+    assert _groups({0, 1, 2}, 4, 4) == [[0], [1], [2]]
+    assert _groups(set(), 4, 2) == []
 
 
 def test_depth_keeps_several_micro_batches_in_flight():
@@ -299,3 +323,80 @@ def test_a_chain_drafter_gives_the_first_child_chain():
     other = list(PROMPTS[4])          # another request: the draft's KV follows it
     assert d(other, 3) == model.greedy(other, 3)
     assert d(ctx, 0) == []
+
+
+
+def test_a_group_split_across_micro_batches_goes_back_together():
+    """Slots of one range that went in different micro-batches wait for each other, then go as one run of
+    consecutive ids (the old rule sent {1, 3, 5, 7}: four ubatches, four passes over each stage's weights)."""
+    slots = [_slot(i, [] if i % 2 == 0 else [9], True, waiting=i % 2 == 0) for i in range(8)]
+    assert plan_microbatch(slots, 8, 2) == []
+    for s in slots[0:8:2]:
+        s.waiting, s.todo = False, [9]
+    assert [s.seq for s, _, _ in plan_microbatch(slots, 8, 2)] == [0, 1, 2, 3]
+    for s in slots[:4]:
+        s.waiting, s.todo, s.last_sent = True, [], 5
+    assert [s.seq for s, _, _ in plan_microbatch(slots, 8, 2)] == [4, 5, 6, 7]
+
+
+def test_groups_larger_than_a_micro_batch_take_turns():
+    """A range of more generating slots than --ubatch goes in parts; the part that went least recently goes
+    first, so none waits for ever."""
+    slots = [_slot(i, [9], True) for i in range(6)]
+    sent = []
+    for turn in range(6):
+        plan = plan_microbatch(slots, 2, 1)
+        sent.append([s.seq for s, _, _ in plan])
+        for s, _, _ in plan:
+            s.last_sent = turn
+    assert sent == [[0, 1], [2, 3], [4, 5]] * 2
+
+
+class _Timed(FakePipeline):
+    """The toy pipeline with service times: a run's result comes after the runs before it, one step more
+    per 4 tokens (prompt chunks take longer than one token per slot), results in order."""
+
+    def _scheduled(self, run):
+        last = max([self._due[r.run_id] for r in self.inflight if r.run_id in self._due] + [self.clock])
+        self._due[run.run_id] = max(self.clock + self.latency, last + 1 + run.n_tokens // 4)
+
+
+def _runs(seqs: list[int]) -> int:
+    """Ubatches llama.cpp makes of one token per sequence (a non-unified cache): runs of consecutive ids."""
+    return 1 + sum(b != a + 1 for a, b in zip(seqs, seqs[1:]))
+
+
+@pytest.mark.parametrize("n_slots,depth", [(16, 3), (16, 2), (8, 2), (12, 4)])
+def test_once_every_slot_generates_each_micro_batch_is_one_run_of_ids(n_slots, depth):
+    """Prompts of different lengths finish at different times; once all generate, every micro-batch of
+    their tokens holds consecutive slot ids (one ubatch per stage); every request stays exact."""
+    prompts = [[(7 * i + k) % (V - 1) + 1 for k in range(4 + (5 * i) % 23)] for i in range(n_slots)]
+    jobs = [Job(list(p), 40, Sampler(SamplingParams())) for p in prompts]
+    target = _Timed(ToyLM(V), latency=depth, streams=True)
+    target.n_stages = depth
+    sched = Scheduler(target, n_slots, n_ctx_slot=128, n_ubatch=8, is_eog=lambda t: False)
+    decode, submit = [], target.submit
+
+    def counting(run):
+        seqs = [int(x) for x in run.seq_ids]
+        if all(s.job and s.job.request.out for s in sched.slots) and len(set(seqs)) == len(seqs):
+            decode.append(seqs)
+        submit(run)
+
+    target.submit = counting
+    for j in jobs:
+        sched.submit(j)
+    sched.run()
+    for j, p in zip(jobs, prompts):
+        assert j.request.out == ToyLM(V).greedy(p, 40)
+    assert len(decode) > 20 and all(_runs(b) == 1 for b in decode), [b for b in decode if _runs(b) > 1]
+
+
+def test_requests_that_come_and_go_stay_exact_in_groups():
+    """More requests than slots, of different lengths: slots are reused while the others generate."""
+    prompts = [[(7 * i + k) % (V - 1) + 1 for k in range(1 + i % 5)] for i in range(30)]
+    lengths = [8 + (11 * i) % 17 for i in range(30)]
+    jobs = [Job(list(p), n, Sampler(SamplingParams())) for p, n in zip(prompts, lengths)]
+    _run(jobs, 10, depth=3, n_ubatch=4, latency=3)
+    for j, p, n in zip(jobs, prompts, lengths):
+        assert j.request.out == ToyLM(V).greedy(p, n)

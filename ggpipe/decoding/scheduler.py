@@ -25,9 +25,11 @@ stage, each scheduled from requests not already in flight).
   token waits for logits is in one micro-batch at a time; prompt chunks of
   one slot may follow each other without waiting. With ``depth`` micro-batches in
   flight (default: the pipeline's stages, so every stage works at once; the
-  service passes ``--micro-batches``, by default at most two per host), a
-  micro-batch takes at most ``ceil(active slots / depth)`` generating slots:
-  the slots fall into ``depth`` groups that take turns.
+  service passes ``--micro-batches``, by default at most two per host), the
+  generating slots fall into ``depth`` groups of consecutive slot ids that
+  take turns (:func:`~ggpipe.decoding.slots.decode_groups`: consecutive, so
+  that each stage evaluates a group in one ubatch, streaming its weights
+  once).
 * **Results** come back in order; each slot's row is sampled with the
   request's own sampler (its own random stream), so a seeded request gives
   the same tokens whatever runs beside it. A request that ends (end of
@@ -41,7 +43,6 @@ checking every slot's cells stream by stream).
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from typing import Callable
@@ -181,8 +182,7 @@ class Scheduler:
 
     def _submit_next(self) -> bool:
         """Form and submit the next micro-batch, if any slot has something to send."""
-        active = self.n_busy
-        plan = plan_microbatch(self.slots, self.n_ubatch, max(1, math.ceil(active / self.depth)), self._prompt_turn)
+        plan = plan_microbatch(self.slots, self.n_ubatch, self.depth, self._prompt_turn)
         if not plan:
             return False
         self._prompt_turn = bool(plan[0][0].job.request.out)   # tokens now: a prompt's turn next
@@ -199,6 +199,7 @@ class Scheduler:
             outputs += [int(bool(chain))] * (n - 1) + [int(wants)]
             slot.kv += chunk
             slot.in_flight += 1
+            slot.last_sent = self.stats["micro_batches"]
             slot.waiting = wants
             rows.append(_Row(slot, slot.job, wants, chain))
             if wants:

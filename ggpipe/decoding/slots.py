@@ -66,6 +66,8 @@ class Slot:
         todo: tokens to send next: a prompt's rest, or the last sampled token.
         waiting: a row that asks for logits is in flight.
         in_flight: micro-batches in flight holding rows of this slot.
+        last_sent: the scheduler's count of micro-batches when the last one
+            holding a row of this slot was formed (-1: none yet).
     """
 
     seq: int
@@ -74,6 +76,7 @@ class Slot:
     todo: list[int] = field(default_factory=list)
     waiting: bool = False
     in_flight: int = 0
+    last_sent: int = -1
 
     @property
     def free(self) -> bool:
@@ -89,14 +92,57 @@ class _Row:
     chain: list[int] = field(default_factory=list)   # drafted tokens after the row's token (a logit row each)
 
 
-def plan_microbatch(slots: list[Slot], budget: int, max_decode: int,
+def decode_groups(slots: list[Slot], depth: int, max_size: int | None = None) -> list[list[Slot]]:
+    """The generating slots (a request past its prompt) in the groups that
+    take turns through the pipeline, each in slot order. Pure.
+
+    Each stage evaluates a micro-batch of one token per sequence as one
+    ubatch only when its sequence ids are consecutive (a non-unified KV
+    cache: ``llama_batch_allocr::split_equal`` takes a run of ids
+    ``s, s+1, ...`` per ubatch, and every ubatch streams the stage's weights
+    once more). So the groups are fixed ranges of slot ids: slot ``i`` of
+    ``n`` is in range ``i * depth // n``, which a slot keeps while its
+    request runs (its row waits for the rest of its range and then goes with
+    it, so the ranges stay whole). Ranges with no generating slot leave
+    fewer than ``depth`` groups; then the largest group is cut in two
+    (halves in slot order) until there are ``depth`` groups, or each holds
+    one slot, so ``depth`` micro-batches stay in flight whenever enough
+    requests generate.
+
+    Args:
+        slots: every slot, in slot id order.
+        depth: micro-batches the scheduler keeps in flight (>= 1).
+        max_size: most slots in a group (a micro-batch's tokens,
+            ``n_ubatch``); a larger range goes as several groups.
+    """
+    n = len(slots)
+    ranges: list[list[Slot]] = [[] for _ in range(depth)]
+    for i, s in enumerate(slots):
+        if s.job is not None and s.job.request is not None and s.job.request.out:
+            ranges[i * depth // n].append(s)
+    groups = []
+    for g in ranges:   # a range of more than max_size slots goes as consecutive parts of at most max_size
+        parts = -(-len(g) // max_size) if max_size else 1
+        groups += [g[len(g) * k // parts:len(g) * (k + 1) // parts] for k in range(parts) if g]
+    while groups and len(groups) < depth:
+        i = max(range(len(groups)), key=lambda j: len(groups[j]))
+        g = groups[i]
+        if len(g) < 2:
+            break
+        groups[i:i + 1] = [g[:len(g) // 2], g[len(g) // 2:]]
+    return groups
+
+
+def plan_microbatch(slots: list[Slot], budget: int, depth: int,
                     prefer_prompt: bool = False) -> list[tuple[Slot, int, bool]]:
     """Which slots send what in the next micro-batch: (slot, tokens, wants
     logits of its last token), in batch order. Pure.
 
-    A micro-batch is either the next token of generating slots (at most
-    ``max_decode`` and ``budget`` of them, the lowest ids, in id order), or
-    one sequence's chunk: a chunk of the earliest-queued prompt (at most
+    A micro-batch is either the next token of the generating slots of one
+    group (:func:`decode_groups`, at most ``budget`` of them, in id order;
+    a group goes only when none of its slots is in flight, and of those
+    that can, the one whose slot went least recently), or one
+    sequence's chunk: a chunk of the earliest-queued prompt (at most
     ``budget`` tokens; its last chunk asks for the logits of its last token)
     or a generating slot's token with a drafted chain below it (every row's
     logits). With one KV stream per sequence, llama.cpp splits a batch into
@@ -104,13 +150,24 @@ def plan_microbatch(slots: list[Slot], budget: int, max_decode: int,
     (``llama_batch_allocr::split_equal``), and only these shapes come out of
     it in batch order, which the stages' hidden-state capture relies on.
     A chunk goes first when ``prefer_prompt`` (the scheduler alternates
-    while both wait) or when no slot waits with one token. Slots waiting
-    for logits send nothing."""
+    while both wait) or when no group can send. Slots waiting for logits
+    send nothing.
+
+    Args:
+        slots: every slot, in slot id order.
+        budget: most tokens in the micro-batch (``n_ubatch``).
+        depth: micro-batches the scheduler keeps in flight (>= 1).
+    """
     ready = [s for s in slots if s.job is not None and s.todo and not s.waiting]
-    decode = [s for s in ready if s.job.request is not None and s.job.request.out and len(s.todo) == 1]
-    chunks = sorted((s for s in ready if s not in decode), key=lambda s: s.job.t_queued)
+    decode = {id(s) for s in ready if s.job.request is not None and s.job.request.out and len(s.todo) == 1}
+    chunks = sorted((s for s in ready if id(s) not in decode), key=lambda s: s.job.t_queued)
+    group = []
     if decode and not (chunks and prefer_prompt):
-        return [(s, 1, True) for s in decode[:min(max_decode, budget)]]
+        sendable = [[s for s in g if id(s) in decode] for g in decode_groups(slots, depth, budget)
+                    if not any(s.waiting for s in g)]
+        group = min((g for g in sendable if g), key=lambda g: min(s.last_sent for s in g), default=[])
+    if group:
+        return [(s, 1, True) for s in group[:budget]]
     if chunks:
         s = chunks[0]
         n = min(budget, len(s.todo))
