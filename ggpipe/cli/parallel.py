@@ -24,8 +24,8 @@ run at once through the continuous-batching scheduler
 flight, the slots falling into that many groups that take turns. ``auto``
 (the default): as many as the target's stages can compute at once (its
 ranks, at most as many per host as the host's CPUs hold their threads), and
-at most two per host: stages on one host share its memory bandwidth
-(``ggpipe.cluster.plan.MICRO_BATCHES_PER_HOST``).
+at most two on a host whose CPUs the stages' threads fill
+(``ggpipe.cluster.plan.MICRO_BATCHES_PER_FULL_HOST``).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ parallel_option = click.option(
 micro_batches_option = click.option(
     "--micro-batches", default="auto", type=Parallel("micro-batch count"), show_default=True,
     help="Micro-batches in flight under --parallel > 1 (the slots take turns in that many groups). auto: as many as "
-         "the target's stages can compute at once, at most 2 per host.")
+         "the target's stages can compute at once, at most 2 on a host whose CPUs their threads fill.")
 
 
 def with_parallel(job: JobSpec, parallel: int | None, ctx: click.Context, micro_batches: int | None = None) -> JobSpec:

@@ -273,7 +273,7 @@ def format_table(plan: Plan) -> str:
         lines.append(f"host {host}: {n} rank{'s' if n > 1 else ''}, {fmt_bytes(total)} {has}")
     if plan.slots:
         s = plan.slots
-        how = "--micro-batches" if s["micro_batches_given"] else "one per target stage, at most 2 per host"
+        how = "--micro-batches" if s["micro_batches_given"] else "one per target stage, at most 2 on a full host"
         lines.append(f"--parallel {s['slots']}: {s['slots']} slots of {s['cells_per_slot']} KV cells, "
                      f"{s['micro_batches']} micro-batches in flight ({how})")
     lines.append("not counted: llama.cpp compute buffers and the last stage's logits buffer (tens of MB)")
@@ -337,12 +337,13 @@ def shell_join(args: list[str]) -> str:
     return shlex.join(args)
 
 
-# Micro-batches in flight per host by default (--micro-batches auto). Stages on one host share its memory
-# bandwidth: a decode step streams each stage's weights once per micro-batch, so more groups of fewer rows
-# stream them more often for the same tokens. Measured on one 16-core host (docs/BENCHMARKS.md §20, F32
-# goliath, 16 requests): 4 ranks x 4 threads made 306 rows/s with 2 micro-batches, 182 with 4, 237 with 8;
-# 2 ranks x 4 threads 341 with 2, 198 with 1, 167 with 4. On the 2-core VM 2 was best at 2 and 3 ranks (§12).
-MICRO_BATCHES_PER_HOST = 2
+# Micro-batches in flight by default (--micro-batches auto) on a host whose CPUs its stages' threads fill (or
+# whose CPUs are unknown). There the head's loop and each rank's MPI progress thread preempt ggml threads that
+# spin at every barrier, and fewer stages computing at once leave cores for them. Measured on one 16-core host
+# (docs/BENCHMARKS.md §20, 16 requests): 4 ranks x 4 threads made 245-306 rows/s with 2 micro-batches, 157-182
+# with 4. With cores to spare the stages all compute at once (§24: 4 ranks x 3 threads 264-266 rows/s with 4,
+# 208 with 2; 3 x 4 260-269 with 3, 229 with 2). On the 2-core VM 2 was best at 2 and 3 ranks (§12).
+MICRO_BATCHES_PER_FULL_HOST = 2
 
 
 def slot_summary(plan: Plan, config: ClusterConfig, micro_batches: int | None) -> dict:
@@ -356,7 +357,7 @@ def slot_summary(plan: Plan, config: ClusterConfig, micro_batches: int | None) -
     mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     target = [r for r in plan.ranks if "target" in r.model]
     auto = concurrent_stages([r.host for r in target], [mine if r.host in here else None for r in target],
-                             [r.threads for r in target], per_host_max=MICRO_BATCHES_PER_HOST)
+                             [r.threads for r in target], per_host_max=MICRO_BATCHES_PER_FULL_HOST)
     return {"slots": config.n_seq_max, "cells_per_slot": config.slot_cells,
             "micro_batches": micro_batches or auto, "micro_batches_given": micro_batches is not None}
 
@@ -365,13 +366,15 @@ def concurrent_stages(hosts: list[str], cpus: list, threads: list[int], per_host
     """How many of a pipeline's stages can compute at the same time: per
     host, its stages, but no more than its CPUs (the union of the ranks' CPU
     affinity there) hold of their threads, and no more than
-    ``per_host_max`` when given; summed over the hosts. A rank of unknown
-    affinity counts as a stage of its own. One entry per stage in each list:
-    its host, its CPU ids (or None), its threads.
+    ``per_host_max`` (when given) on a host whose stages' threads fill all
+    its CPUs or whose CPUs are unknown; summed over the hosts. A rank of
+    unknown affinity counts as a stage of its own. One entry per stage in
+    each list: its host, its CPU ids (or None), its threads.
 
     Example: three stages of one thread on a host of 2 CPUs -> 2; on three
-    hosts -> 3. The scheduler's default micro-batches in flight are
-    ``concurrent_stages(..., per_host_max=MICRO_BATCHES_PER_HOST)``."""
+    hosts -> 3; four stages of 3 threads on 16 CPUs -> 4, of 4 threads ->
+    ``per_host_max``. The scheduler's default micro-batches in flight are
+    ``concurrent_stages(..., per_host_max=MICRO_BATCHES_PER_FULL_HOST)``."""
     by_host: dict[str, list[int]] = {}
     for i, h in enumerate(hosts):
         by_host.setdefault(h, []).append(i)
@@ -379,9 +382,11 @@ def concurrent_stages(hosts: list[str], cpus: list, threads: list[int], per_host
     for stages in by_host.values():
         known = [set(cpus[i]) for i in stages if cpus[i]]
         n = len(stages)
+        full = True
         if len(known) == len(stages):
             n_cpus = len(set().union(*known))
             n = min(n, max(1, n_cpus // max(1, max(threads[i] for i in stages))))
-        total += n if per_host_max is None else min(n, per_host_max)
+            full = sum(threads[i] for i in stages) >= n_cpus
+        total += n if per_host_max is None or not full else min(n, per_host_max)
     return max(1, total)
 

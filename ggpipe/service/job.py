@@ -31,7 +31,7 @@ class JobSpec:
             batch and serve); 1: one request at a time.
         micro_batches: the scheduler's micro-batches in flight
             (``--micro-batches``); None: as many as target stages can compute
-            at once, at most two per host.
+            at once, at most two on a host whose CPUs their threads fill.
     """
 
     config: ClusterConfig
