@@ -40,7 +40,7 @@ run() {  # run NAME VERSION(before|after) RANKS THREADS PROMPTS PARALLEL M [task
   rm -rf /tmp/dv/tr /tmp/dv/o.jsonl
   local pre=""; [ -n "$cpus" ] && pre="taskset -c $cpus"
   local s=$(date +%s.%N)
-  PYTHONPATH=$pp:/tmp/dv/site GGPIPE_TRACE_DIR=/tmp/dv/tr timeout 200 $pre mpiexec -n $n python3 -m ggpipe batch $p -o /tmp/dv/o.jsonl \
+  PYTHONPATH=$pp:/tmp/dv/site GGPIPE_TRACE_DIR=/tmp/dv/tr timeout 200 $pre mpiexec -n $n python3 -P -m ggpipe batch $p -o /tmp/dv/o.jsonl \
      -m $M40 -n ${NTOK:-128} --ignore-eos --parallel $par -t $t --micro-batches $m > /tmp/dv/batch.log 2>&1
   local rc=$? e=$(date +%s.%N)
   local rows=$(PYTHONPATH=$REPO:/tmp/dv/site python3 $REPO/scripts/trace_rows.py /tmp/dv/tr 2>&1 | tail -1)
