@@ -23,7 +23,8 @@ for n in z.namelist():
         os.makedirs(os.path.dirname(out), exist_ok=True)
         open(out, 'wb').write(z.read(n))" || exit 1
 export LD_LIBRARY_PATH=/tmp/dv/lib:/tmp/dv/lib/mpich${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} MPI4PY_LIBMPI=/tmp/dv/lib/libmpi.so.12
-export PYTHONPATH=$REPO:/tmp/dv/site PATH=/tmp/dv/site/bin:$PATH GGPIPE_CACHE=/tmp/dv/gcache
+mkdir -p /tmp/dv/bin; printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v python3)" > /tmp/dv/bin/python; chmod +x /tmp/dv/bin/python   # the jobs run `python -P -m ggpipe` (a venv's python3: a wrapper, not a link)
+export PYTHONPATH=$REPO:/tmp/dv/site PATH=/tmp/dv/bin:/tmp/dv/site/bin:$PATH GGPIPE_CACHE=/tmp/dv/gcache
 which mpiexec; python3 -c "import mpi4py.MPI as M, llama_cpp, ggpipe._native; print(M.Get_library_version()[:40])" || exit 1
 mpiexec -n 2 python3 -c "from mpi4py import MPI; c = MPI.COMM_WORLD; open('/tmp/dv/ws%d' % c.Get_rank(), 'w').write(str(c.Get_size()))" < /dev/null; sz=$(cat /tmp/dv/ws0 /tmp/dv/ws1); echo "world size $sz"; [ "$sz" = 22 ] || exit 1
 mkdir -p /tmp/dv/gcache/models; xz -dc $D/smol2.gguf.xz > /tmp/dv/smol2.gguf; [ -f $D/llama-batched-bench.xz ] && xz -dc $D/llama-batched-bench.xz > /tmp/dv/llama-batched-bench && chmod +x /tmp/dv/llama-batched-bench
@@ -40,7 +41,7 @@ run() {  # run NAME VERSION(before|after) RANKS THREADS PROMPTS PARALLEL M [task
   rm -rf /tmp/dv/tr /tmp/dv/o.jsonl
   local pre=""; [ -n "$cpus" ] && pre="taskset -c $cpus"
   local s=$(date +%s.%N)
-  PYTHONPATH=$pp:/tmp/dv/site GGPIPE_TRACE_DIR=/tmp/dv/tr timeout 200 $pre mpiexec -n $n python3 -P -m ggpipe batch $p -o /tmp/dv/o.jsonl \
+  PYTHONPATH=$pp:/tmp/dv/site GGPIPE_TRACE_DIR=/tmp/dv/tr timeout 200 $pre mpiexec -n $n python -P -m ggpipe batch $p -o /tmp/dv/o.jsonl \
      -m $M40 -n ${NTOK:-128} --ignore-eos --parallel $par -t $t --micro-batches $m > /tmp/dv/batch.log 2>&1
   local rc=$? e=$(date +%s.%N)
   local rows=$(PYTHONPATH=$REPO:/tmp/dv/site python3 $REPO/scripts/trace_rows.py /tmp/dv/tr 2>&1 | tail -1)
