@@ -338,8 +338,8 @@ def shell_join(args: list[str]) -> str:
 
 
 # Micro-batches in flight by default (--micro-batches auto) on a host whose CPUs its stages' threads fill (or
-# whose CPUs are unknown). There the head's loop and each rank's MPI progress thread preempt ggml threads that
-# spin at every barrier, and fewer stages computing at once leave cores for them. Measured on one 16-core host
+# whose CPUs are unknown); a likely cause, not measured apart: there the head's loop and each rank's MPI
+# progress thread preempt ggml threads that spin at every barrier. Measured on one 16-core host
 # (docs/BENCHMARKS.md §20, 16 requests): 4 ranks x 4 threads made 245-306 rows/s with 2 micro-batches, 157-182
 # with 4. With cores to spare the stages all compute at once (§24: 4 ranks x 3 threads 264-266 rows/s with 4,
 # 208 with 2; 3 x 4 260-269 with 3, 229 with 2). On the 2-core VM 2 was best at 2 and 3 ranks (§12).
