@@ -325,7 +325,6 @@ def test_a_chain_drafter_gives_the_first_child_chain():
     assert d(ctx, 0) == []
 
 
-
 def test_a_group_split_across_micro_batches_goes_back_together():
     """Slots of one range that went in different micro-batches wait for each other, then go as one run of
     consecutive ids (the old rule sent {1, 3, 5, 7}: four ubatches, four passes over each stage's weights)."""

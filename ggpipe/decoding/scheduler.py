@@ -290,7 +290,7 @@ class Scheduler:
         r = slot.job.request
         room = 0
         if (self.draft is not None and slot.job.sampler.params.greedy
-                and sum(1 for s in self.slots if s.job is not None and s.job.request and s.job.request.out) <= 1):
+                and sum(1 for s in self.slots if s.generating) <= 1):
             room = min(self.draft_max, r.n_predict - len(r.out), self.n_ctx_slot - len(slot.kv) - 2)
         if room <= 0:                       # no draft, sampled, beside other generating slots, or no room
             self.gate.forget_root()

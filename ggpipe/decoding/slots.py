@@ -79,6 +79,11 @@ class Slot:
     last_sent: int = -1
 
     @property
+    def generating(self) -> bool:
+        """A request past its prompt holds the slot (it has sampled a token)."""
+        return self.job is not None and self.job.request is not None and bool(self.job.request.out)
+
+    @property
     def free(self) -> bool:
         """No request, and nothing of an earlier one in flight."""
         return self.job is None and self.in_flight == 0
@@ -118,7 +123,7 @@ def decode_groups(slots: list[Slot], depth: int, max_size: int | None = None) ->
     n = len(slots)
     ranges: list[list[Slot]] = [[] for _ in range(depth)]
     for i, s in enumerate(slots):
-        if s.job is not None and s.job.request is not None and s.job.request.out:
+        if s.generating:
             ranges[i * depth // n].append(s)
     groups = []
     for g in ranges:   # a range of more than max_size slots goes as consecutive parts of at most max_size
@@ -159,7 +164,7 @@ def plan_microbatch(slots: list[Slot], budget: int, depth: int,
         depth: micro-batches the scheduler keeps in flight (>= 1).
     """
     ready = [s for s in slots if s.job is not None and s.todo and not s.waiting]
-    decode = {id(s) for s in ready if s.job.request is not None and s.job.request.out and len(s.todo) == 1}
+    decode = {id(s) for s in ready if s.generating and len(s.todo) == 1}
     chunks = sorted((s for s in ready if id(s) not in decode), key=lambda s: s.job.t_queued)
     group = []
     if decode and not (chunks and prefer_prompt):
@@ -167,7 +172,7 @@ def plan_microbatch(slots: list[Slot], budget: int, depth: int,
                     if not any(s.waiting for s in g)]
         group = min((g for g in sendable if g), key=lambda g: min(s.last_sent for s in g), default=[])
     if group:
-        return [(s, 1, True) for s in group[:budget]]
+        return [(s, 1, True) for s in group]     # decode_groups cut it to at most budget slots
     if chunks:
         s = chunks[0]
         n = min(budget, len(s.todo))
