@@ -23,9 +23,8 @@ run at once through the continuous-batching scheduler
 ``--micro-batches N|auto``: how many micro-batches the scheduler keeps in
 flight, the slots falling into that many groups that take turns. ``auto``
 (the default): as many as the target's stages can compute at once (its
-ranks, at most as many per host as the host's CPUs hold their threads), and
-at most two on a host whose CPUs the stages' threads fill
-(``ggpipe.cluster.plan.MICRO_BATCHES_PER_FULL_HOST``).
+ranks, at most as many per host as the host's CPUs hold their threads;
+``ggpipe.cluster.plan.concurrent_stages``).
 """
 
 from __future__ import annotations
@@ -71,7 +70,7 @@ parallel_option = click.option(
 micro_batches_option = click.option(
     "--micro-batches", default="auto", type=Parallel("micro-batch count"), show_default=True,
     help="Micro-batches in flight under --parallel > 1 (the slots take turns in that many groups). auto: as many as "
-         "the target's stages can compute at once, at most 2 on a host whose CPUs their threads fill.")
+         "the target's stages can compute at once (per host, as many as its CPUs hold their threads).")
 
 
 def with_parallel(job: JobSpec, parallel: int | None, ctx: click.Context, micro_batches: int | None = None) -> JobSpec:

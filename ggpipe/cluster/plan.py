@@ -337,15 +337,6 @@ def shell_join(args: list[str]) -> str:
     return shlex.join(args)
 
 
-# Micro-batches in flight by default (--micro-batches auto) on a host whose CPUs its stages' threads fill (or
-# whose CPUs are unknown); a likely cause, not measured apart: there the head's loop and each rank's MPI
-# progress thread preempt ggml threads that spin at every barrier. Measured on one 16-core host
-# (docs/BENCHMARKS.md §20, 16 requests): 4 ranks x 4 threads made 245-306 rows/s with 2 micro-batches, 157-182
-# with 4. With cores to spare the stages all compute at once (§24: 4 ranks x 3 threads 264-266 rows/s with 4,
-# 208 with 2; 3 x 4 260-269 with 3, 229 with 2). On the 2-core VM 2 was best at 2 and 3 ranks (§12).
-MICRO_BATCHES_PER_FULL_HOST = 2
-
-
 def slot_summary(plan: Plan, config: ClusterConfig, micro_batches: int | None) -> dict:
     """What a batch/serve job of ``config``'s ``--parallel`` slots runs: its
     slots, each slot's KV cells (``ClusterConfig.slot_cells``) and the
@@ -357,24 +348,28 @@ def slot_summary(plan: Plan, config: ClusterConfig, micro_batches: int | None) -
     mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     target = [r for r in plan.ranks if "target" in r.model]
     auto = concurrent_stages([r.host for r in target], [mine if r.host in here else None for r in target],
-                             [r.threads for r in target], per_host_max=MICRO_BATCHES_PER_FULL_HOST)
+                             [r.threads for r in target])
     return {"slots": config.n_seq_max, "cells_per_slot": config.slot_cells,
             "micro_batches": micro_batches or auto, "micro_batches_given": micro_batches is not None}
 
 
-def concurrent_stages(hosts: list[str], cpus: list, threads: list[int], per_host_max: int | None = None) -> int:
+def concurrent_stages(hosts: list[str], cpus: list, threads: list[int]) -> int:
     """How many of a pipeline's stages can compute at the same time: per
     host, its stages, but no more than its CPUs (the union of the ranks' CPU
-    affinity there) hold of their threads, and no more than
-    ``per_host_max`` (when given) on a host whose stages' threads fill all
-    its CPUs or whose CPUs are unknown; summed over the hosts. A rank of
+    affinity there) hold of their threads; summed over the hosts. A rank of
     unknown affinity counts as a stage of its own. One entry per stage in
-    each list: its host, its CPU ids (or None), its threads.
+    each list: its host, its CPU ids (or None), its threads. The scheduler's
+    default micro-batches in flight (``--micro-batches auto``).
 
     Example: three stages of one thread on a host of 2 CPUs -> 2; on three
-    hosts -> 3; four stages of 3 threads on 16 CPUs -> 4, of 4 threads ->
-    ``per_host_max``. The scheduler's default micro-batches in flight are
-    ``concurrent_stages(..., per_host_max=MICRO_BATCHES_PER_FULL_HOST)``."""
+    hosts -> 3; four stages of 4 threads on 16 CPUs -> 4; two stages of 4
+    threads on 4 CPUs -> 1.
+
+    Measured (docs/BENCHMARKS.md §25): 4 ranks x 4 threads on one 16-core
+    host, 16 requests, made 1.2-2.2x the rows per second with 4 micro-batches
+    as with 2, pinned (``-bind-to core:4``) or not, in each of 4 interleaved
+    pairs; a cap of 2 on such a full host (§20, measured before §21's waits)
+    is gone."""
     by_host: dict[str, list[int]] = {}
     for i, h in enumerate(hosts):
         by_host.setdefault(h, []).append(i)
@@ -382,11 +377,9 @@ def concurrent_stages(hosts: list[str], cpus: list, threads: list[int], per_host
     for stages in by_host.values():
         known = [set(cpus[i]) for i in stages if cpus[i]]
         n = len(stages)
-        full = True
         if len(known) == len(stages):
             n_cpus = len(set().union(*known))
             n = min(n, max(1, n_cpus // max(1, max(threads[i] for i in stages))))
-            full = sum(threads[i] for i in stages) >= n_cpus
-        total += n if per_host_max is None or not full else min(n, per_host_max)
+        total += n
     return max(1, total)
 

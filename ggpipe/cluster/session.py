@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from ggpipe.cluster.config import ClusterConfig, parse_threads
 from ggpipe.cluster.loading import Loaded, close_loaded, describe_role, load_rank
-from ggpipe.cluster.plan import MICRO_BATCHES_PER_FULL_HOST, concurrent_stages
+from ggpipe.cluster.plan import concurrent_stages
 from ggpipe.cluster.resources import POLL_OVERSUBSCRIBED_S, host_is_oversubscribed
 from ggpipe.cluster.roles import Roles
 from ggpipe.cluster.startup import meet, ready
@@ -89,14 +89,12 @@ class Session:
     def micro_batches_in_flight(self) -> int:
         """The scheduler's default micro-batches in flight (``--micro-batches
         auto``): the target stages that can compute at the same time, at
-        most as many per host as its CPUs hold their threads, and at most
-        ``MICRO_BATCHES_PER_FULL_HOST`` on a host whose CPUs their threads
-        fill (:func:`ggpipe.cluster.plan.concurrent_stages`)."""
+        most as many per host as its CPUs hold their threads
+        (:func:`ggpipe.cluster.plan.concurrent_stages`)."""
         ranks = list(range(self.roles.n_target))      # the head holds the first stage
         return concurrent_stages([self.hosts[r] for r in ranks], [self.cpus[r] if r < len(self.cpus) else None
                                                                  for r in ranks],
-                                 [parse_threads(self.config.threads, self.size)[r] for r in ranks],
-                                 per_host_max=MICRO_BATCHES_PER_FULL_HOST)
+                                 [parse_threads(self.config.threads, self.size)[r] for r in ranks])
 
     @property
     def is_head(self) -> bool:

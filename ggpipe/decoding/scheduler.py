@@ -25,7 +25,7 @@ stage, each scheduled from requests not already in flight).
   token waits for logits is in one micro-batch at a time; prompt chunks of
   one slot may follow each other without waiting. With ``depth`` micro-batches in
   flight (default: the pipeline's stages, so every stage works at once; the
-  service passes ``--micro-batches``, by default at most two on a full host), the
+  service passes ``--micro-batches``, by default as many as can compute at once), the
   generating slots fall into ``depth`` groups of consecutive slot ids that
   take turns (:func:`~ggpipe.decoding.slots.decode_groups`: consecutive, so
   that each stage evaluates a group in one ubatch, streaming its weights

@@ -94,8 +94,8 @@ class Engine:
             keep one KV stream per slot (``ClusterConfig.kv_unified`` False).
         micro_batches: the scheduler's micro-batches in flight
             (``--micro-batches``); None: as many as the target's stages can
-            compute at once, at most two on a host whose CPUs their
-            threads fill (:meth:`Session.micro_batches_in_flight`).
+            compute at once, per host as many as its CPUs hold their
+            threads (:meth:`Session.micro_batches_in_flight`).
 
     Raises:
         ConfigError: a speculative mode without a draft model, or over a
@@ -121,8 +121,8 @@ class Engine:
             check_speculation(mode, _recurrent_models(session))
         if parallel > 1:
             self.n_ctx = session.stage.n_ctx_seq    # the cells of one slot
-            # micro-batches in flight: as many as stages can compute at once, at most two on a host whose CPUs
-            # the stages' threads fill (3 ranks on 2 cores: 2; 4 x 3 threads on 16 cores: 4; 4 x 4 threads: 2)
+            # micro-batches in flight: as many as stages can compute at once, per host as many as its CPUs hold
+            # their threads (3 ranks x 1 thread on 2 cores: 2; 4 x 4 threads on 16 cores: 4; 2 x 2 on 2 cores: 1)
             self.scheduler = Scheduler(session.pipeline, parallel, self.n_ctx, cfg.ubatch, self.is_eog,
                                        depth=micro_batches or session.micro_batches_in_flight(),
                                        timeout_s=cfg.timeout_s,

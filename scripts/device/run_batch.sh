@@ -2,7 +2,8 @@
 # ggpipe batch jobs on the workplace's lent 16-core machine, in one call of the device tool, from the bundle
 # scripts/device/make_bundle.sh writes (.dev/). Writes $OUT/log.txt and $OUT/results.txt (one line per job:
 # trace rows/s, each stage's busy share, tokens and a hash of them). "before" jobs run an earlier scheduler
-# (.dev/before/ggpipe/..., files copied over a copy of this tree) when .dev/before exists.
+# (.dev/before/ggpipe/..., files copied over a copy of this tree) when .dev/before exists. The jobs are a
+# file of this folder (JOBS=scripts/device/jobs-....sh; default: those of docs/BENCHMARKS.md §24).
 # Two traps met there (docs/BENCHMARKS.md §24): the machine's own Open MPI is found by mpi4py before the
 # carried MPICH unless MPI4PY_LIBMPI names it (each rank then runs alone, as a world of one: the check below
 # refuses that); and pip --target drops the mpich wheel's lib/, so its libraries are unpacked by hand.
@@ -41,26 +42,21 @@ run() {  # run NAME VERSION(before|after) RANKS THREADS PROMPTS PARALLEL M [task
   rm -rf /tmp/dv/tr /tmp/dv/o.jsonl
   local pre=""; [ -n "$cpus" ] && pre="taskset -c $cpus"
   local s=$(date +%s.%N)
-  PYTHONPATH=$pp:/tmp/dv/site GGPIPE_TRACE_DIR=/tmp/dv/tr timeout 200 $pre mpiexec -n $n python -P -m ggpipe batch $p -o /tmp/dv/o.jsonl \
+  PYTHONPATH=$pp:/tmp/dv/site GGPIPE_TRACE_DIR=/tmp/dv/tr timeout 200 $pre mpiexec ${MPIARGS:-} -n $n python -P -m ggpipe batch $p -o /tmp/dv/o.jsonl \
      -m $M40 -n ${NTOK:-128} --ignore-eos --parallel $par -t $t --micro-batches $m > /tmp/dv/batch.log 2>&1
   local rc=$? e=$(date +%s.%N)
   local rows=$(PYTHONPATH=$REPO:/tmp/dv/site python3 $REPO/scripts/trace_rows.py /tmp/dv/tr 2>&1 | tail -1)
   local gen=$(python3 -c "import json,hashlib; rs=[json.loads(l) for l in open('/tmp/dv/o.jsonl')]; print(sum(len(r['tokens']) for r in rs), hashlib.md5(json.dumps(sorted((r['id'],r['tokens']) for r in rs)).encode()).hexdigest()[:8])" 2>&1 | tail -1)
-  echo "$name | $v | ${n}x$t | par $par | M $m | rc $rc | wall $(python3 -c "print(round($e-$s,2))") s | $rows | tokens+hash $gen" | tee -a $R
+  echo "$name | $v | ${n}x$t${MPIARGS:+ $MPIARGS} | par $par | M $m | rc $rc | wall $(python3 -c "print(round($e-$s,2))") s | $rows | tokens+hash $gen" | tee -a $R
   [ $rc = 0 ] || tail -5 /tmp/dv/batch.log
+}
+bench() {  # bench NAME CPUS NPL THREADS: llama.cpp's llama-batched-bench (when carried) on the same model and cores
+  [ -x /tmp/dv/llama-batched-bench ] || return 0
+  taskset -c $2 /tmp/dv/llama-batched-bench -m $M40 -c 4096 -b 512 -ub 512 -npp 64 -ntg ${NTOK:-128} -npl $3 -t $4 \
+    -fa off 2>&1 | grep -E "^\|\s+[0-9]" | sed "s/^/$1 | llama-batched-bench -t $4 cpus $2 | /" | tee -a $R
 }
 P16=$REPO/scripts/prompts/many16.jsonl; H16=$REPO/scripts/prompts/holdout16.jsonl
 head -8 $H16 > /tmp/dv/h8.jsonl
 head -3 $H16 > /tmp/dv/h3.jsonl
-# the jobs of docs/BENCHMARKS.md §24
-echo "== E1: 16 held-out requests, before/after, micro-batches" | tee -a $R
-run E1 before 3 4 $H16 16 3
-run E1 after 3 4 $H16 16 3
-echo "== E2: 2 ranks x 1 thread on cores 0,1" | tee -a $R
-run E2 after 2 1 /tmp/dv/h8.jsonl 8 auto 0,1
-run E2-one after 2 1 /tmp/dv/h3.jsonl 1 auto 0,1
-run E1 after 4 3 $H16 16 4
-run E1 after 4 3 $H16 16 2
-run E1 after 3 4 $H16 16 2
-run E1 before 4 3 $H16 16 4
+source ${JOBS:-$REPO/scripts/device/jobs-s24.sh}
 date
