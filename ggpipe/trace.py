@@ -33,15 +33,9 @@ import threading
 import time
 from pathlib import Path
 
+from ggpipe.transport.launcher_signal import launched_rank
+
 ENV_VAR = "GGPIPE_TRACE_DIR"
-
-
-def _rank_from_env() -> int:
-    for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
-        v = os.environ.get(k)
-        if v is not None and v.isdigit():
-            return int(v)
-    return 0
 
 
 class Tracer:
@@ -54,7 +48,7 @@ class Tracer:
 
     def __init__(self, directory: str | os.PathLike, rank: int | None = None):
         self.dir = Path(directory)
-        self.rank = _rank_from_env() if rank is None else rank
+        self.rank = (launched_rank() or 0) if rank is None else rank
         self.events: list[tuple] = []  # (ph, name, ts, dur, lane, args)
         self.wall_offset_s = time.time() - time.perf_counter()
         self._written = False
