@@ -88,6 +88,24 @@ def test_ngram_chains_of_a_request_alone_are_exact(tmp_path, goliath, reference)
     assert got[1]["tokens"] == reference(goliath, PROMPTS[0], 8)
 
 
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_pipeinfer_lookahead_rows_of_a_request_alone_are_exact(tmp_path, goliath, reference, ranks):
+    """--mode pipeinfer --spec-type ngram with --parallel: once a request
+    generates alone, look-ahead rows follow its row through the pipeline
+    (PipeInfer's continuation: a guess of its next token with a chain below,
+    placed at the next positions of its stream before its row's logits are
+    back); refused ones are dropped and their cells removed. Tokens:
+    single-node llama.cpp's, for it and for the requests beside it (on this
+    prompt, counted by hand at 2 and 3 ranks: 16 look-ahead rows, 6 kept)."""
+    rows = [{"id": 0, "prompt": PROMPTS[2], "n": 48}, {"id": 1, "prompt": PROMPTS[3], "n": 10},
+            {"id": 2, "prompt": PROMPTS[5], "n": 5}]
+    got = _batch(tmp_path, goliath, ranks, 3, rows, f"la{ranks}", ["--mode", "pipeinfer", "--spec-type", "ngram"])
+    for r in rows:
+        assert got[r["id"]]["tokens"] == reference(goliath, r["prompt"], r["n"]), r
+    m = got[0]["metrics"]
+    assert m["drafted"] > 0 and 0 < m["draft_accepted"] <= m["drafted"], m
+
+
 def test_serve_answers_concurrent_clients_exactly(goliath, reference):
     # --micro-batches 3: three groups of one slot in flight on 2 stages (any count gives the same tokens)
     s = ServerProc(["-m", str(goliath), "--parallel", "3", "-c", "1536", "--api-key", "k", "--micro-batches", "3"])

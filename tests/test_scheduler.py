@@ -399,3 +399,91 @@ def test_requests_that_come_and_go_stay_exact_in_groups():
     _run(jobs, 10, depth=3, n_ubatch=4, latency=3)
     for j, p, n in zip(jobs, prompts, lengths):
         assert j.request.out == ToyLM(V).greedy(p, n)
+
+
+def _lone(lm, draft, lookahead, n=40, depth=2, prompt=(1, 2, 3, 4, 5, 6, 7, 1, 2, 3), draft_max=4, more=()):
+    target = FakePipeline(lm, latency=3, cell_order=True, streams=True)   # checks every token's cells
+    target.n_stages = depth
+    sched = Scheduler(target, 3, n_ctx_slot=256, n_ubatch=16, is_eog=lambda t: False, draft=draft,
+                      draft_max=draft_max, lookahead=lookahead)
+    jobs = [Job(list(prompt), n, Sampler(SamplingParams()))] + list(more)
+    for j in jobs:
+        sched.submit(j)
+    sched.run()
+    assert not target.inflight and not sched.busy
+    for j in jobs:
+        assert j.request.out == lm.greedy(j.tokens, j.n_predict)
+    return sched, target
+
+
+def test_lookahead_rows_follow_a_request_alone_and_stay_exact():
+    """PipeInfer's continuation under the scheduler (--mode pipeinfer): while
+    a lone greedy request's row waits for logits, look-ahead rows built on it
+    fill the other stages; on text that repeats itself most are kept, and
+    the request finishes in fewer ticks of the pipeline's clock than with
+    synchronous chains. Tokens: the target's greedy ones."""
+    lm = ToyLM(V, period=7)
+    for depth in (2, 3):
+        plain, t_plain = _lone(lm, _ngram, False, n=80, depth=depth)
+        ahead, t_ahead = _lone(lm, _ngram, True, n=80, depth=depth)
+        st = ahead.stats
+        assert plain.stats["lookahead"] == 0
+        # kept: the row before accepted whole (4-5 tokens at ~85% each) and the guess right
+        assert st["lookahead"] > 10 and st["lookahead_kept"] > 0.4 * st["lookahead"]
+        assert t_ahead.clock < t_plain.clock
+
+
+def test_refused_lookahead_rows_are_dropped_and_their_cells_removed():
+    """A guess that is always wrong: every look-ahead row is dropped, its
+    cells removed from the slot's stream (the toy checks every token's cells
+    at each run) and its logits never used; the tokens stay the target's."""
+    lm = ToyLM(V)
+    wrong = lambda ctx, k: [(ctx[-1] + 1) % V] * k   # noqa: E731 (never the toy's next token)
+    sched, _ = _lone(lm, wrong, True, n=30)
+    assert sched.stats["lookahead"] > 5 and sched.stats["lookahead_kept"] == 0
+
+
+def test_lookahead_stops_when_another_request_arrives_and_both_stay_exact():
+    """Look-ahead only while one greedy request holds the slots and none
+    waits: a second request (and a sampled one) start beside it and every
+    request's tokens are its own."""
+    lm = ToyLM(V, period=5)
+    more = [Job([4, 8, 15, 16], 12, Sampler(SamplingParams())),
+            Job([2, 3], 10, Sampler(SamplingParams(temperature=0.8, seed=3)))]
+    target = FakePipeline(lm, latency=3, cell_order=True, streams=True)
+    target.n_stages = 2
+    sched = Scheduler(target, 3, n_ctx_slot=256, n_ubatch=16, is_eog=lambda t: False, draft=_ngram,
+                      draft_max=4, lookahead=True)
+    first = Job([1, 2, 3, 4, 5, 1, 2], 40, Sampler(SamplingParams()))
+    sched.submit(first)
+    for _ in range(12):                       # the first request alone for a while: look-ahead rows go
+        sched.step()
+    sent = sched.stats["lookahead"]
+    assert sent > 0
+    for j in more:
+        sched.submit(j)
+    sched.run()
+    assert first.request.out == lm.greedy(first.tokens, 40)
+    assert more[0].request.out == lm.greedy(more[0].tokens, 12)
+    alone = Sampler(SamplingParams(temperature=0.8, seed=3))
+    ref = FakePipeline(lm, latency=3, cell_order=True, streams=True)
+    solo = Scheduler(ref, 1, n_ctx_slot=256, n_ubatch=16, is_eog=lambda t: False)
+    again = Job([2, 3], 10, alone)
+    solo.submit(again)
+    solo.run()
+    assert more[1].request.out == again.request.out
+
+
+def test_no_lookahead_with_a_draft_that_follows_the_request():
+    """Look-ahead drafts on the spot, so only an instant draft (the n-gram
+    lookup) gets it; a ChainDrafter (its own ranks) keeps synchronous chains."""
+    class Follows:
+        follow = staticmethod(lambda ctx: None)
+
+        def __call__(self, ctx, k):
+            return []
+
+    target = FakePipeline(ToyLM(V), latency=3)
+    assert not Scheduler(target, 2, 64, 8, lambda t: False, draft=Follows(), lookahead=True).lookahead
+    assert Scheduler(target, 2, 64, 8, lambda t: False, draft=_ngram, lookahead=True).lookahead
+    assert not Scheduler(target, 2, 64, 8, lambda t: False, draft=None, lookahead=True).lookahead

@@ -82,16 +82,24 @@ class Scheduler:
             speculation. Used while one greedy request is generating
             (:meth:`_draft_below`).
         draft_max: most drafted tokens per chain.
+        lookahead: PipeInfer's continuation for a request that generates
+            alone (``--mode pipeinfer``; an instant ``draft`` only, e.g. the
+            n-gram lookup): while its row waits for logits, up to
+            ``depth - 1`` look-ahead rows built on it follow through the
+            pipeline (:meth:`_send_ahead`).
 
     Attributes:
         stats: "micro_batches", "rows", "prefill_tokens", "generated",
-            "finished", "reused_tokens" (cumulative).
+            "finished", "reused_tokens", "drafted", "draft_accepted",
+            "draft_skipped", "lookahead" (look-ahead rows sent),
+            "lookahead_kept" (of them, built on what the target then
+            decided) (cumulative).
     """
 
     def __init__(self, target: TargetBackend, n_slots: int, n_ctx_slot: int, n_ubatch: int,
                  is_eog: Callable[[int], bool], depth: int | None = None, timeout_s: float = 60.0,
                  idle: Wait | None = None, draft: Callable[[list[int], int], list[int]] | None = None,
-                 draft_max: int = 6):
+                 draft_max: int = 6, lookahead: bool = False):
         if n_slots < 1:
             raise ConfigError(f"--parallel must be at least 1, got {n_slots}")
         self.target = target
@@ -106,12 +114,14 @@ class Scheduler:
         self._rows: dict[int, list[_Row]] = {}
         self._prompt_turn = False    # a prompt chunk goes next, when both prompts and tokens wait
         self.draft, self.draft_max = draft, draft_max
+        self.lookahead = lookahead and draft is not None and getattr(draft, "follow", None) is None
         self.gate = DraftGate()      # whether a chain pays (speculation.gate), from the passes' measured costs
         self.pass_cost = PassCost()
         self._last_finish = 0.0
         self._clock = 0.0                 # when the result being handled finished (seconds)
         self.stats = dict.fromkeys(("micro_batches", "rows", "prefill_tokens", "generated", "finished",
-                                    "reused_tokens", "drafted", "draft_accepted", "draft_skipped"), 0)
+                                    "reused_tokens", "drafted", "draft_accepted", "draft_skipped",
+                                    "lookahead", "lookahead_kept"), 0)
         self._recent: deque[tuple[float, int]] = deque()   # (when, tokens) of the acceptances of the last RATE_WINDOW_S
 
     # -- requests ------------------------------------------------------------------
@@ -174,6 +184,7 @@ class Scheduler:
     def _end(self, slot: Slot) -> None:
         job = slot.job
         slot.job, slot.todo, slot.waiting = None, [], False
+        slot.ahead = []     # look-ahead rows still in flight are dropped (their job has ended)
         job.clock.finish()
         self.stats["finished"] += 1
         job.on_done(job)
@@ -181,42 +192,91 @@ class Scheduler:
     # -- micro-batches --------------------------------------------------------------
 
     def _submit_next(self) -> bool:
-        """Form and submit the next micro-batch, if any slot has something to send."""
+        """Form and submit the next micro-batch, if any slot has something to
+        send (or a look-ahead row, :meth:`_send_ahead`)."""
         plan = plan_microbatch(self.slots, self.n_ubatch, self.depth, self._prompt_turn)
         if not plan:
-            return False
+            return self._send_ahead()
         self._prompt_turn = bool(plan[0][0].job.request.out)   # tokens now: a prompt's turn next
-        tokens, pos, seqs, outputs, rows = [], [], [], [], []
-        reply = []
+        rows = []
         for slot, n, wants in plan:
             chunk = slot.todo[:n]
             del slot.todo[:n]
             chain = chunk[1:] if slot.job.request.out else []   # drafted tokens below a generating slot's token
-            p0 = len(slot.kv)
+            rows.append((_Row(slot, slot.job, wants, chain, p0=len(slot.kv)), chunk))
+            if not wants:
+                self.stats["prefill_tokens"] += n
+        self._submit(rows)
+        return True
+
+    def _send_ahead(self) -> bool:
+        """PipeInfer's continuation (paper §IV.A, asynchronous speculation),
+        for a greedy request that is the only one in the slots, with nothing
+        queued: while its row waits for logits, a look-ahead row follows it
+        through the stages that would idle: the drafted guess of the token
+        the target will decide after everything in flight is accepted, and
+        the drafted chain below that guess, placed at the next positions of
+        the slot's own KV stream (with a chain below the guess only where the
+        gate says chains pay, :class:`~ggpipe.speculation.gate.DraftGate`).
+        Its logits count only if the row before it is accepted whole and
+        the target's next token is the guess
+        (:meth:`_settle_ahead`); otherwise its cells are removed (a
+        ``seq_rm`` that every stage applies after it, in order) and its
+        logits dropped. At most ``depth`` micro-batches are in flight, so
+        up to ``depth - 1`` look-ahead rows, each built on the one before.
+        Returns whether one was sent."""
+        if not self.lookahead or self.depth < 2 or self.queue:
+            return False
+        busy = [s for s in self.slots if s.job is not None]
+        if len(busy) != 1:
+            return False
+        slot = busy[0]
+        r = slot.job.request
+        if not (slot.generating and slot.waiting and not slot.todo and slot.job.sampler.params.greedy):
+            return False
+        beyond = len(slot.kv) - len(r.context)      # drafted tokens in flight, not yet decided
+        # a chain below the guess where the gate says chains pay (as for a planned row), else the guess alone
+        size = 1 + self.draft_max if self.gate.pays_at(getattr(self.draft, "step_s", 0.0), self.pass_cost) else 1
+        room = min(size, r.n_predict - len(r.out) - beyond - 1, self.n_ctx_slot - len(slot.kv) - 2)
+        guess = self.draft(list(slot.kv), room) if room >= 1 else []
+        if not guess:
+            return False
+        row = _Row(slot, slot.job, True, guess[1:], p0=len(slot.kv), guess=guess[0])
+        slot.ahead.append(row)
+        self.stats["lookahead"] += 1
+        self.stats["drafted"] += len(guess)
+        slot.job.drafted += len(guess)
+        self._submit([(row, guess)])
+        return True
+
+    def _submit(self, rows: list[tuple[_Row, list[int]]]) -> None:
+        """Send one micro-batch: each row's tokens at the next positions of
+        its slot's stream (a logit row for every token of a row with a
+        chain, else for its last token when it asks)."""
+        tokens, pos, seqs, outputs, reply = [], [], [], [], []
+        for row, chunk in rows:
+            slot, n = row.slot, len(chunk)
+            row.root = row.p0 + n - 1 - len(row.chain)
             tokens += chunk
-            pos += range(p0, p0 + n)
+            pos += range(row.p0, row.p0 + n)
             seqs += [slot.seq] * n
-            outputs += [int(bool(chain))] * (n - 1) + [int(wants)]
+            outputs += [int(bool(row.chain))] * (n - 1) + [int(row.logits)]
             slot.kv += chunk
             slot.in_flight += 1
             slot.last_sent = self.stats["micro_batches"]
-            slot.waiting = wants
-            rows.append(_Row(slot, slot.job, wants, chain))
-            if wants:
+            slot.waiting = slot.waiting or row.logits
+            if row.logits:
                 reply.append(slot.job.sampler.params.reply_k())
-            else:
-                self.stats["prefill_tokens"] += n
         n = len(tokens)
         run = Run(run_id=next_run_id(), tokens=np.asarray(tokens, np.int32), pos=np.asarray(pos, np.int32),
                   n_seq_id=np.ones(n, np.int32), seq_ids=np.asarray(seqs, np.int32),
                   outputs=np.asarray(outputs, np.int8))
         # the rows' samplers read the k best of each row (greedy: the argmax), or whole rows
         self.target.reply_k = 0 if not reply or 0 in reply else max(reply)
-        self._rows[run.run_id] = rows
+        self._rows[run.run_id] = [row for row, _ in rows]
         self.target.submit(run)
         self.stats["micro_batches"] += 1
         self.stats["rows"] += n
-        return True
 
     def _handle(self, res: RunResult) -> None:
         """A micro-batch's logits: each row's request decides its next
@@ -233,6 +293,8 @@ class Scheduler:
                 continue
             logits = [res.logits[k + i] for i in range(len(row.chain) + 1)]
             k += len(logits)
+            if row.stale:                    # a look-ahead row built on tokens the target refused
+                continue
             slot.waiting = False
             if slot.job is not row.job:      # the request ended while this row was in flight
                 continue
@@ -247,11 +309,14 @@ class Scheduler:
                 row.job.error = e
                 self._end(slot)
                 continue
+            ahead = self._settle_ahead(row, decided)
             n_out = len(r.out)
             r.accept(decided)
             self._generated(len(r.out) - n_out)
             if r.done:
                 self._end(slot)
+            elif ahead:
+                slot.waiting = True          # the look-ahead row built on these tokens is the slot's row now
             else:
                 slot.todo = [r.out[-1]] + self._draft_below(slot)
 
@@ -259,7 +324,7 @@ class Scheduler:
         """The tokens a row decides: its sampled token, or for a chain (greedy
         requests only) the drafted tokens the target's argmax agrees with and
         the target's token after them; the cells of the drafted tokens it
-        refuses are removed (``seq_rm``, pipelined behind the runs sent)."""
+        refuses are removed by :meth:`_settle_ahead`."""
         sampler = row.job.sampler
         decided = [sampler.sample(logits[0])]
         for t, lg in zip(row.chain, logits[1:]):
@@ -271,12 +336,30 @@ class Scheduler:
             self.gate.observe(matched, len(row.chain))
             self.stats["draft_accepted"] += matched
             row.job.draft_accepted += matched
-            slot = row.slot
-            cut = len(slot.kv) - (len(row.chain) - matched)
-            if cut < len(slot.kv):
-                self.target.seq_rm(slot.seq, cut, -1)
-                del slot.kv[cut:]
         return decided
+
+    def _settle_ahead(self, row: _Row, decided: list[int]) -> bool:
+        """After ``row``'s tokens were decided: the slot's next look-ahead row
+        becomes its row when ``row`` was accepted whole and the target's
+        next token is that row's guess (True); otherwise every look-ahead
+        row of the slot is dropped, and the cells after the tokens the
+        target took (``row``'s refused drafted tokens, the look-ahead rows')
+        are removed (``seq_rm``, pipelined behind the runs sent)."""
+        slot = row.slot
+        if slot.ahead and len(decided) == len(row.chain) + 1 and slot.ahead[0].guess == decided[-1]:
+            slot.ahead.pop(0).guess = None
+            self.stats["lookahead_kept"] += 1
+            self.stats["draft_accepted"] += 1
+            row.job.draft_accepted += 1
+            return True
+        for a in slot.ahead:
+            a.stale = True
+        slot.ahead = []
+        cut = row.root + len(decided)   # through the row's token and the drafted tokens the target agrees with
+        if cut < len(slot.kv):
+            self.target.seq_rm(slot.seq, cut, -1)
+            del slot.kv[cut:]
+        return False
 
     def _draft_below(self, slot: Slot) -> list[int]:
         """Drafted tokens to send below the slot's next token: only for a

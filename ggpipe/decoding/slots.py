@@ -68,6 +68,9 @@ class Slot:
         in_flight: micro-batches in flight holding rows of this slot.
         last_sent: the scheduler's count of micro-batches when the last one
             holding a row of this slot was formed (-1: none yet).
+        ahead: look-ahead rows in flight behind the slot's row that waits
+            for logits, oldest first (each built on the one before it being
+            accepted whole; ggpipe.decoding.scheduler ``_send_ahead``).
     """
 
     seq: int
@@ -77,6 +80,7 @@ class Slot:
     waiting: bool = False
     in_flight: int = 0
     last_sent: int = -1
+    ahead: list["_Row"] = field(default_factory=list)
 
     @property
     def generating(self) -> bool:
@@ -95,6 +99,10 @@ class _Row:
     job: Job
     logits: bool   # this row asked for logits
     chain: list[int] = field(default_factory=list)   # drafted tokens after the row's token (a logit row each)
+    p0: int = 0    # the position of the row's first token in the slot's stream
+    root: int = 0  # the position of its last token before the chain (whose logits decide the next token)
+    guess: int | None = None   # a look-ahead row: its first token, a guess of the target's next token
+    stale: bool = False        # a look-ahead row whose guess or base was refused: its logits are dropped
 
 
 def decode_groups(slots: list[Slot], depth: int, max_size: int | None = None) -> list[list[Slot]]:

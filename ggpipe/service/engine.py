@@ -131,7 +131,9 @@ class Engine:
                                            mode, spec, session.pipeline, drafts[0] if drafts else None,
                                            more_drafts=drafts[1:], n_ubatch=cfg.ubatch, timeout_s=cfg.timeout_s,
                                            idle=self.waiter),
-                                       draft_max=spec.draft_max)
+                                       draft_max=spec.draft_max,
+                                       # pipeinfer: a request alone keeps the stages busy with look-ahead rows
+                                       lookahead=mode == "pipeinfer")
         else:
             self.decoder = build_decoder(mode, spec, session.pipeline, drafts[0] if drafts else None,
                                          more_drafts=drafts[1:], n_ubatch=cfg.ubatch, n_seq_max=cfg.n_seq_max,
