@@ -17,7 +17,11 @@ run at once through the continuous-batching scheduler
   while it generates alone, with its ``--spec-type`` (the draft model, an
   n-gram lookup, ...; ggpipe.decoding.chain_draft), verified in a
   micro-batch of its own; beside other generating requests it decodes
-  plainly (ggpipe.decoding.scheduler).
+  plainly (ggpipe.decoding.scheduler). In ``--mode pipeinfer`` with
+  ``--spec-type ngram``, look-ahead rows follow a request that generates
+  alone through the stages that would idle (PipeInfer's continuation:
+  a guess of its next token with a chain below, kept only when everything
+  before it is accepted), where the measured gate says chains pay.
 * ``1``: one request at a time, as ``generate`` and ``chat`` run them.
 
 ``--micro-batches N|auto``: how many micro-batches the scheduler keeps in

@@ -115,6 +115,7 @@ class Scheduler:
         self._prompt_turn = False    # a prompt chunk goes next, when both prompts and tokens wait
         self.draft, self.draft_max = draft, draft_max
         self.lookahead = lookahead and draft is not None and getattr(draft, "follow", None) is None
+        self._drafting = None    # the request whose last planned root the gate let draft a chain
         self.gate = DraftGate()      # whether a chain pays (speculation.gate), from the passes' measured costs
         self.pass_cost = PassCost()
         self._last_finish = 0.0
@@ -216,15 +217,20 @@ class Scheduler:
         through the stages that would idle: the drafted guess of the token
         the target will decide after everything in flight is accepted, and
         the drafted chain below that guess, placed at the next positions of
-        the slot's own KV stream (with a chain below the guess only where the
-        gate says chains pay, :class:`~ggpipe.speculation.gate.DraftGate`).
+        the slot's own KV stream.
         Its logits count only if the row before it is accepted whole and
         the target's next token is the guess
         (:meth:`_settle_ahead`); otherwise its cells are removed (a
         ``seq_rm`` that every stage applies after it, in order) and its
         logits dropped. At most ``depth`` micro-batches are in flight, so
         up to ``depth - 1`` look-ahead rows, each built on the one before.
-        Returns whether one was sent."""
+        Only while chains pay: where the gate (:class:`~ggpipe.speculation.
+        gate.DraftGate`) let the request's last planned root draft. A look-ahead row is
+        speculation too, and where stages share a host's cores, two that
+        compute at once slow each other (docs/BENCHMARKS.md §25: guesses
+        alone, sent at every root, lost up to 0.90x on this project's 2-core
+        VM on prompts whose guesses were seldom kept). Returns whether one
+        was sent."""
         if not self.lookahead or self.depth < 2 or self.queue:
             return False
         busy = [s for s in self.slots if s.job is not None]
@@ -235,9 +241,9 @@ class Scheduler:
         if not (slot.generating and slot.waiting and not slot.todo and slot.job.sampler.params.greedy):
             return False
         beyond = len(slot.kv) - len(r.context)      # drafted tokens in flight, not yet decided
-        # a chain below the guess where the gate says chains pay (as for a planned row), else the guess alone
-        size = 1 + self.draft_max if self.gate.pays_at(getattr(self.draft, "step_s", 0.0), self.pass_cost) else 1
-        room = min(size, r.n_predict - len(r.out) - beyond - 1, self.n_ctx_slot - len(slot.kv) - 2)
+        if self._drafting is not slot.job:          # the gate did not let the request's last planned root draft
+            return False
+        room = min(self.draft_max + 1, r.n_predict - len(r.out) - beyond - 1, self.n_ctx_slot - len(slot.kv) - 2)
         guess = self.draft(list(slot.kv), room) if room >= 1 else []
         if not guess:
             return False
@@ -377,6 +383,7 @@ class Scheduler:
             room = min(self.draft_max, r.n_predict - len(r.out), self.n_ctx_slot - len(slot.kv) - 2)
         if room <= 0:                       # no draft, sampled, beside other generating slots, or no room
             self.gate.forget_root()
+            self._drafting = None
             return []
         now = self._clock
         self.gate.root(slot.job, now, len(r.out))     # the request's last root, alone: its tokens per second
@@ -394,6 +401,7 @@ class Scheduler:
             if follow is not None:
                 follow(r.context)           # the draft follows the request meanwhile, not waited for
         self.gate.rooted(slot.job, now, len(r.out), attempt)
+        self._drafting = slot.job if attempt else None
         self.stats["drafted"] += len(chain)
         slot.job.drafted += len(chain)
         return chain
