@@ -217,20 +217,20 @@ class Scheduler:
         through the stages that would idle: the drafted guess of the token
         the target will decide after everything in flight is accepted, and
         the drafted chain below that guess, placed at the next positions of
-        the slot's own KV stream.
-        Its logits count only if the row before it is accepted whole and
-        the target's next token is the guess
+        the slot's own KV stream. Its logits count only if the row before it
+        is accepted whole and the target's next token is the guess
         (:meth:`_settle_ahead`); otherwise its cells are removed (a
         ``seq_rm`` that every stage applies after it, in order) and its
         logits dropped. At most ``depth`` micro-batches are in flight, so
         up to ``depth - 1`` look-ahead rows, each built on the one before.
-        Only while chains pay: where the gate (:class:`~ggpipe.speculation.
-        gate.DraftGate`) let the request's last planned root draft. A look-ahead row is
-        speculation too, and where stages share a host's cores, two that
-        compute at once slow each other (docs/BENCHMARKS.md §25: guesses
-        alone, sent at every root, lost up to 0.90x on this project's 2-core
-        VM on prompts whose guesses were seldom kept). Returns whether one
-        was sent."""
+
+        Only while chains pay: where the gate
+        (:class:`~ggpipe.speculation.gate.DraftGate`) let the request's last
+        planned root draft. A look-ahead row is speculation too, and where
+        stages share a host's cores, two that compute at once slow each
+        other (docs/BENCHMARKS.md §25: guesses sent at every root lost up to
+        0.90x on this project's 2-core VM on prompts whose guesses were
+        seldom kept). Returns whether one was sent."""
         if not self.lookahead or self.depth < 2 or self.queue:
             return False
         busy = [s for s in self.slots if s.job is not None]
