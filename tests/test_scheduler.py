@@ -492,7 +492,7 @@ def test_no_lookahead_with_a_draft_that_follows_the_request():
             return []
 
     target = FakePipeline(ToyLM(V), latency=3)
-    assert not Scheduler(target, 2, 64, 8, lambda t: False, draft=Follows(), lookahead=True).lookahead
-    assert Scheduler(target, 2, 64, 8, lambda t: False, draft=_ngram, lookahead=True).lookahead
-    assert not Scheduler(target, 2, 64, 8, lambda t: False, draft=None, lookahead=True).lookahead
+    assert not Scheduler(target, 2, 64, 8, lambda t: False, draft=Follows(), lookahead=True).spec.lookahead
+    assert Scheduler(target, 2, 64, 8, lambda t: False, draft=_ngram, lookahead=True).spec.lookahead
+    assert not Scheduler(target, 2, 64, 8, lambda t: False, draft=None, lookahead=True).spec.lookahead
 

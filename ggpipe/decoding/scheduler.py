@@ -50,14 +50,13 @@ from typing import Callable
 import numpy as np
 
 from ggpipe.backend import TargetBackend
+from ggpipe.decoding.lone_drafts import LoneDrafts
 from ggpipe.decoding.request import Request
 from ggpipe.decoding.slots import Job, Slot, _Row, plan_microbatch
 from ggpipe.errors import ConfigError, GGPipeError
 from ggpipe.kv_reuse import reusable_prefix
 from ggpipe.pipeline.waiting import Wait, poll_wait
 from ggpipe.runs import Run, RunResult, next_run_id
-from ggpipe.speculation.adaptive import PassCost
-from ggpipe.speculation.gate import DraftGate
 
 RATE_WINDOW_S = 10.0   # the window of tokens_per_s()
 
@@ -80,13 +79,17 @@ class Scheduler:
             draft model, waited for; its ``step_s``, seconds per drafted
             token, is what the gate charges, 0 when absent), or None: no
             speculation. Used while one greedy request is generating
-            (:meth:`_draft_below`).
+            (:class:`~ggpipe.decoding.lone_drafts.LoneDrafts`).
         draft_max: most drafted tokens per chain.
         lookahead: PipeInfer's continuation for a request that generates
             alone (``--mode pipeinfer``; an instant ``draft`` only, e.g. the
             n-gram lookup): while its row waits for logits, up to
             ``depth - 1`` look-ahead rows built on it follow through the
             pipeline (:meth:`_send_ahead`).
+
+    A lone request's speculation (its chains, look-ahead rows, their
+    verification, the gate) is ``spec``, a
+    :class:`~ggpipe.decoding.lone_drafts.LoneDrafts`.
 
     Attributes:
         stats: "micro_batches", "rows", "prefill_tokens", "generated",
@@ -113,17 +116,12 @@ class Scheduler:
         self.queue: deque[Job] = deque()
         self._rows: dict[int, list[_Row]] = {}
         self._prompt_turn = False    # a prompt chunk goes next, when both prompts and tokens wait
-        self.draft, self.draft_max = draft, draft_max
-        self.lookahead = lookahead and draft is not None and getattr(draft, "follow", None) is None
-        self._drafting = None    # the request whose last planned root the gate let draft a chain
-        self.gate = DraftGate()      # whether a chain pays (speculation.gate), from the passes' measured costs
-        self.pass_cost = PassCost()
-        self._last_finish = 0.0
-        self._clock = 0.0                 # when the result being handled finished (seconds)
         self.stats = dict.fromkeys(("micro_batches", "rows", "prefill_tokens", "generated", "finished",
                                     "reused_tokens", "drafted", "draft_accepted", "draft_skipped",
                                     "lookahead", "lookahead_kept"), 0)
         self._recent: deque[tuple[float, int]] = deque()   # (when, tokens) of the acceptances of the last RATE_WINDOW_S
+        # a lone request's chains and look-ahead rows, their verification and the gate
+        self.spec = LoneDrafts(target, draft, draft_max, lookahead, n_ctx_slot, self.stats)
 
     # -- requests ------------------------------------------------------------------
 
@@ -211,48 +209,19 @@ class Scheduler:
         return True
 
     def _send_ahead(self) -> bool:
-        """PipeInfer's continuation (paper §IV.A, asynchronous speculation),
-        for a greedy request that is the only one in the slots, with nothing
-        queued: while its row waits for logits, a look-ahead row follows it
-        through the stages that would idle: the drafted guess of the token
-        the target will decide after everything in flight is accepted, and
-        the drafted chain below that guess, placed at the next positions of
-        the slot's own KV stream. Its logits count only if the row before it
-        is accepted whole and the target's next token is the guess
-        (:meth:`_settle_ahead`); otherwise its cells are removed (a
-        ``seq_rm`` that every stage applies after it, in order) and its
-        logits dropped. At most ``depth`` micro-batches are in flight, so
-        up to ``depth - 1`` look-ahead rows, each built on the one before.
-
-        Only while chains pay: where the gate
-        (:class:`~ggpipe.speculation.gate.DraftGate`) let the request's last
-        planned root draft. A look-ahead row is speculation too, and where
-        stages share a host's cores, two that compute at once slow each
-        other (docs/BENCHMARKS.md §25: guesses sent at every root lost up to
-        0.90x on this project's 2-core VM on prompts whose guesses were
-        seldom kept). Returns whether one was sent."""
-        if not self.lookahead or self.depth < 2 or self.queue:
+        """A look-ahead row (:meth:`LoneDrafts.ahead`) for a greedy request
+        that is the only one in the slots, with nothing queued, while its
+        row waits for logits: up to ``depth - 1`` of them in flight, each
+        built on the one before. Returns whether one was sent."""
+        if not self.spec.lookahead or self.depth < 2 or self.queue:
             return False
         busy = [s for s in self.slots if s.job is not None]
-        if len(busy) != 1:
+        if len(busy) != 1 or not (busy[0].generating and busy[0].waiting and not busy[0].todo):
             return False
-        slot = busy[0]
-        r = slot.job.request
-        if not (slot.generating and slot.waiting and not slot.todo and slot.job.sampler.params.greedy):
+        made = self.spec.ahead(busy[0])
+        if made is None:
             return False
-        beyond = len(slot.kv) - len(r.context)      # drafted tokens in flight, not yet decided
-        if self._drafting is not slot.job:          # the gate did not let the request's last planned root draft
-            return False
-        room = min(self.draft_max + 1, r.n_predict - len(r.out) - beyond - 1, self.n_ctx_slot - len(slot.kv) - 2)
-        guess = self.draft(list(slot.kv), room) if room >= 1 else []
-        if not guess:
-            return False
-        row = _Row(slot, slot.job, True, guess[1:], p0=len(slot.kv), guess=guess[0])
-        slot.ahead.append(row)
-        self.stats["lookahead"] += 1
-        self.stats["drafted"] += len(guess)
-        slot.job.drafted += len(guess)
-        self._submit([(row, guess)])
+        self._submit([made])
         return True
 
     def _submit(self, rows: list[tuple[_Row, list[int]]]) -> None:
@@ -289,8 +258,8 @@ class Scheduler:
         token (a chain: the drafted tokens the target agrees with, and one
         more)."""
         rows = self._rows.pop(res.run.run_id)
-        self._timed(res)
-        self._clock = res.finished_at or time.perf_counter()   # the pipeline's clock (the toy's, in tests)
+        self.spec.timed(res)
+        self.spec.clock = res.finished_at or time.perf_counter()   # the pipeline's clock (the toy's, in tests)
         k = 0
         for row in rows:
             slot = row.slot
@@ -308,14 +277,14 @@ class Scheduler:
             if not r.out:
                 r.clock.prompt_done()
             try:
-                decided = self._verify(row, logits)
+                decided = self.spec.verify(row, logits)
             except Exception as e:   # this request's sampling failed (a bug): it ends alone, the others go on
                 if isinstance(e, GGPipeError) and e.abort_job:
                     raise
                 row.job.error = e
                 self._end(slot)
                 continue
-            ahead = self._settle_ahead(row, decided)
+            ahead = self.spec.settle(row, decided)
             n_out = len(r.out)
             r.accept(decided)
             self._generated(len(r.out) - n_out)
@@ -324,87 +293,7 @@ class Scheduler:
             elif ahead:
                 slot.waiting = True          # the look-ahead row built on these tokens is the slot's row now
             else:
-                slot.todo = [r.out[-1]] + self._draft_below(slot)
-
-    def _verify(self, row: _Row, logits: list) -> list[int]:
-        """The tokens a row decides: its sampled token, or for a chain (greedy
-        requests only) the drafted tokens the target's argmax agrees with and
-        the target's token after them; the cells of the drafted tokens it
-        refuses are removed by :meth:`_settle_ahead`."""
-        sampler = row.job.sampler
-        decided = [sampler.sample(logits[0])]
-        for t, lg in zip(row.chain, logits[1:]):
-            if t != decided[-1]:
-                break
-            decided.append(sampler.sample(lg))
-        if row.chain:
-            matched = len(decided) - 1
-            self.gate.observe(matched, len(row.chain))
-            self.stats["draft_accepted"] += matched
-            row.job.draft_accepted += matched
-        return decided
-
-    def _settle_ahead(self, row: _Row, decided: list[int]) -> bool:
-        """After ``row``'s tokens were decided: the slot's next look-ahead row
-        becomes its row when ``row`` was accepted whole and the target's
-        next token is that row's guess (True); otherwise every look-ahead
-        row of the slot is dropped, and the cells after the tokens the
-        target took (``row``'s refused drafted tokens, the look-ahead rows')
-        are removed (``seq_rm``, pipelined behind the runs sent)."""
-        slot = row.slot
-        if slot.ahead and len(decided) == len(row.chain) + 1 and slot.ahead[0].guess == decided[-1]:
-            slot.ahead.pop(0).guess = None
-            self.stats["lookahead_kept"] += 1
-            self.stats["draft_accepted"] += 1
-            row.job.draft_accepted += 1
-            return True
-        for a in slot.ahead:
-            a.stale = True
-        slot.ahead = []
-        cut = row.root + len(decided)   # through the row's token and the drafted tokens the target agrees with
-        if cut < len(slot.kv):
-            self.target.seq_rm(slot.seq, cut, -1)
-            del slot.kv[cut:]
-        return False
-
-    def _draft_below(self, slot: Slot) -> list[int]:
-        """Drafted tokens to send below the slot's next token: only for a
-        greedy request that generates alone (beside other generating slots a
-        chain travels in a micro-batch of its own, a whole pass, where its
-        plain token rides in its group's batch almost for free), only while
-        a chain pays (:class:`~ggpipe.speculation.gate.DraftGate`: the
-        tokens per second of the request's drafted and plain roots as
-        measured while it generates alone, and before both are, the accepted
-        tokens per chain against the draft's steps and the bigger pass)."""
-        r = slot.job.request
-        room = 0
-        if (self.draft is not None and slot.job.sampler.params.greedy
-                and sum(1 for s in self.slots if s.generating) <= 1):
-            room = min(self.draft_max, r.n_predict - len(r.out), self.n_ctx_slot - len(slot.kv) - 2)
-        if room <= 0:                       # no draft, sampled, beside other generating slots, or no room
-            self.gate.forget_root()
-            self._drafting = None
-            return []
-        now = self._clock
-        self.gate.root(slot.job, now, len(r.out))     # the request's last root, alone: its tokens per second
-        chain = []
-        follow = getattr(self.draft, "follow", None)      # a drafter with ranks of its own (ChainDrafter)
-        attempt = self.gate.pays_at(getattr(self.draft, "step_s", 0.0), self.pass_cost)
-        if attempt and follow is not None and not self.draft.caught_up(r.context):
-            attempt = False                 # the draft is still decoding the context: this root goes plainly
-        if attempt:
-            chain = self.draft(r.context, room)
-            if not chain:
-                self.gate.observe(0, 0)     # an attempt that drafted nothing (it cost the draft's step)
-        else:
-            self.stats["draft_skipped"] += 1
-            if follow is not None:
-                follow(r.context)           # the draft follows the request meanwhile, not waited for
-        self.gate.rooted(slot.job, now, len(r.out), attempt)
-        self._drafting = slot.job if attempt else None
-        self.stats["drafted"] += len(chain)
-        slot.job.drafted += len(chain)
-        return chain
+                slot.todo = [r.out[-1]] + self.spec.below(slot, sum(s.generating for s in self.slots) <= 1)
 
     def _generated(self, n: int) -> None:
         """Count ``n`` tokens generated now; forget those older than the
@@ -415,16 +304,6 @@ class Scheduler:
         self._recent.append((now, n))
         while self._recent[0][0] < now - RATE_WINDOW_S:
             self._recent.popleft()
-
-    def _timed(self, res: RunResult) -> None:
-        """The target's pass cost per size, from the service times of
-        micro-batches of one sequence with a logit row per token (a slot's
-        token, alone or with its chain; not prompt chunks)."""
-        run = res.run
-        if (res.finished_at and run.started_at and run.n_outputs == run.n_tokens
-                and len(set(run.seq_ids.tolist())) == 1):
-            self.pass_cost.observe(run.n_tokens, res.finished_at - max(run.started_at, self._last_finish))
-        self._last_finish = res.finished_at
 
     # -- views (any thread) ----------------------------------------------------------
 
@@ -480,6 +359,4 @@ class Scheduler:
         requests still running are handled)."""
         while self.target.inflight:
             self._handle(self.target.wait(self.timeout_s))
-        settle = getattr(self.draft, "settle", None)   # the draft's runs that followed a request
-        if settle is not None:
-            settle()
+        self.spec.finish()   # the draft's runs that followed a request

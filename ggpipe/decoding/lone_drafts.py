@@ -1,0 +1,178 @@
+"""Speculation under ``--parallel`` for a request that generates alone
+(ggpipe.decoding.scheduler forms and sends the micro-batches): the chain
+drafted below its token, verified in a micro-batch of its own; in ``--mode
+pipeinfer``, the look-ahead rows that follow its row through stages that
+would idle (PipeInfer's continuation, paper §IV.A); the verification of
+both and the cells of what the target refuses; the gate that decides
+whether chains pay (ggpipe.speculation.gate), from the target's pass costs
+measured here. Beside other generating requests nothing is drafted: a
+chain needs a pass of its own, where a plain token rides in its group's
+micro-batch almost for free. No MPI.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ggpipe.decoding.slots import Slot, _Row
+from ggpipe.runs import RunResult
+from ggpipe.speculation.adaptive import PassCost
+from ggpipe.speculation.gate import DraftGate
+
+
+class LoneDrafts:
+    """Args:
+        target: the target pipeline (``seq_rm`` of refused cells, pipelined
+            behind the runs sent).
+        draft: ``draft(context, k) -> tokens`` (see
+            :class:`~ggpipe.decoding.scheduler.Scheduler`), or None.
+        draft_max: most drafted tokens per chain.
+        lookahead: send look-ahead rows (an instant ``draft`` only: one
+            with ranks of its own, ``follow``, is waited for).
+        n_ctx_slot: KV cells of one slot.
+        stats: the scheduler's counters ("drafted", "draft_accepted",
+            "draft_skipped", "lookahead", "lookahead_kept"), updated here.
+
+    Attributes:
+        gate: whether a chain pays (:class:`~ggpipe.speculation.gate.DraftGate`).
+        pass_cost: the target's measured seconds per pass size.
+        clock: when the result being handled finished (seconds; the
+            scheduler sets it).
+    """
+
+    def __init__(self, target, draft: Callable[[list[int], int], list[int]] | None, draft_max: int,
+                 lookahead: bool, n_ctx_slot: int, stats: dict):
+        self.target = target
+        self.draft, self.draft_max = draft, draft_max
+        self.lookahead = lookahead and draft is not None and getattr(draft, "follow", None) is None
+        self.n_ctx_slot = n_ctx_slot
+        self.stats = stats
+        self.gate = DraftGate()
+        self.pass_cost = PassCost()
+        self.clock = 0.0
+        self._last_finish = 0.0
+        self._drafting = None    # the request whose last planned root the gate let draft a chain
+
+    def ahead(self, slot: Slot) -> tuple[_Row, list[int]] | None:
+        """A look-ahead row for ``slot``, whose request generates alone and
+        whose row waits for logits with nothing else to send: (the row, its
+        tokens), or None. The drafted guess of the token the target will
+        decide once everything in flight is accepted, and the drafted chain
+        below it, at the next positions of the slot's stream; it counts only
+        if the row before it is accepted whole and the guess is the target's
+        token (:meth:`settle`). Only while chains pay: where the gate let the
+        request's last planned root draft. A look-ahead row is speculation
+        too, and where stages share a host's cores, two that compute at
+        once slow each other (docs/BENCHMARKS.md §25: guesses sent at every
+        root lost up to 0.90x on this project's 2-core VM on prompts whose
+        guesses were seldom kept)."""
+        r = slot.job.request
+        if not self.lookahead or self._drafting is not slot.job or not slot.job.sampler.params.greedy:
+            return None
+        beyond = len(slot.kv) - len(r.context)      # drafted tokens in flight, not yet decided
+        room = min(self.draft_max + 1, r.n_predict - len(r.out) - beyond - 1, self.n_ctx_slot - len(slot.kv) - 2)
+        guess = self.draft(list(slot.kv), room) if room >= 1 else []
+        if not guess:
+            return None
+        row = _Row(slot, slot.job, True, guess[1:], p0=len(slot.kv), guess=guess[0])
+        slot.ahead.append(row)
+        self.stats["lookahead"] += 1
+        self.stats["drafted"] += len(guess)
+        slot.job.drafted += len(guess)
+        return row, guess
+
+    def verify(self, row: _Row, logits: list) -> list[int]:
+        """The tokens a row decides: its sampled token, or for a chain (greedy
+        requests only) the drafted tokens the target's argmax agrees with and
+        the target's token after them; the cells of the drafted tokens it
+        refuses are removed by :meth:`settle`."""
+        sampler = row.job.sampler
+        decided = [sampler.sample(logits[0])]
+        for t, lg in zip(row.chain, logits[1:]):
+            if t != decided[-1]:
+                break
+            decided.append(sampler.sample(lg))
+        if row.chain:
+            matched = len(decided) - 1
+            self.gate.observe(matched, len(row.chain))
+            self.stats["draft_accepted"] += matched
+            row.job.draft_accepted += matched
+        return decided
+
+    def settle(self, row: _Row, decided: list[int]) -> bool:
+        """After ``row``'s tokens were decided: the slot's next look-ahead row
+        becomes its row when ``row`` was accepted whole and the target's
+        next token is that row's guess (True); otherwise every look-ahead
+        row of the slot is dropped, and the cells after the tokens the
+        target took (``row``'s refused drafted tokens, the look-ahead rows')
+        are removed (``seq_rm``, pipelined behind the runs sent)."""
+        slot = row.slot
+        if slot.ahead and len(decided) == len(row.chain) + 1 and slot.ahead[0].guess == decided[-1]:
+            slot.ahead.pop(0).guess = None
+            self.stats["lookahead_kept"] += 1
+            self.stats["draft_accepted"] += 1
+            row.job.draft_accepted += 1
+            return True
+        for a in slot.ahead:
+            a.stale = True
+        slot.ahead = []
+        cut = row.root + len(decided)   # through the row's token and the drafted tokens the target agrees with
+        if cut < len(slot.kv):
+            self.target.seq_rm(slot.seq, cut, -1)
+            del slot.kv[cut:]
+        return False
+
+    def below(self, slot: Slot, alone: bool) -> list[int]:
+        """Drafted tokens to send below the slot's next token: only for a
+        greedy request that generates alone (beside other generating slots a
+        chain travels in a micro-batch of its own, a whole pass, where its
+        plain token rides in its group's batch almost for free), only while
+        a chain pays (:class:`~ggpipe.speculation.gate.DraftGate`: the
+        tokens per second of the request's drafted and plain roots as
+        measured while it generates alone, and before both are, the accepted
+        tokens per chain against the draft's steps and the bigger pass)."""
+        r = slot.job.request
+        room = 0
+        if self.draft is not None and slot.job.sampler.params.greedy and alone:
+            room = min(self.draft_max, r.n_predict - len(r.out), self.n_ctx_slot - len(slot.kv) - 2)
+        if room <= 0:                       # no draft, sampled, beside other generating slots, or no room
+            self.gate.forget_root()
+            self._drafting = None
+            return []
+        now = self.clock
+        self.gate.root(slot.job, now, len(r.out))     # the request's last root, alone: its tokens per second
+        chain = []
+        follow = getattr(self.draft, "follow", None)      # a drafter with ranks of its own (ChainDrafter)
+        attempt = self.gate.pays_at(getattr(self.draft, "step_s", 0.0), self.pass_cost)
+        if attempt and follow is not None and not self.draft.caught_up(r.context):
+            attempt = False                 # the draft is still decoding the context: this root goes plainly
+        if attempt:
+            chain = self.draft(r.context, room)
+            if not chain:
+                self.gate.observe(0, 0)     # an attempt that drafted nothing (it cost the draft's step)
+        else:
+            self.stats["draft_skipped"] += 1
+            if follow is not None:
+                follow(r.context)           # the draft follows the request meanwhile, not waited for
+        self.gate.rooted(slot.job, now, len(r.out), attempt)
+        self._drafting = slot.job if attempt else None
+        self.stats["drafted"] += len(chain)
+        slot.job.drafted += len(chain)
+        return chain
+
+    def timed(self, res: RunResult) -> None:
+        """The target's pass cost per size, from the service times of
+        micro-batches of one sequence with a logit row per token (a slot's
+        token, alone or with its chain; not prompt chunks)."""
+        run = res.run
+        if (res.finished_at and run.started_at and run.n_outputs == run.n_tokens
+                and len(set(run.seq_ids.tolist())) == 1):
+            self.pass_cost.observe(run.n_tokens, res.finished_at - max(run.started_at, self._last_finish))
+        self._last_finish = res.finished_at
+
+
+    def finish(self) -> None:
+        """Shutdown: the draft's runs that followed a request are waited for."""
+        settle = getattr(self.draft, "settle", None)
+        if settle is not None:
+            settle()
