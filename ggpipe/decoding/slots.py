@@ -70,7 +70,7 @@ class Slot:
             holding a row of this slot was formed (-1: none yet).
         ahead: look-ahead rows in flight behind the slot's row that waits
             for logits, oldest first (each built on the one before it being
-            accepted whole; ggpipe.decoding.scheduler ``_send_ahead``).
+            accepted whole; ggpipe.decoding.lone_drafts ``LoneDrafts.ahead``).
     """
 
     seq: int
