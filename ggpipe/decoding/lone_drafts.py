@@ -124,7 +124,8 @@ class LoneDrafts:
 
     def below(self, slot: Slot, alone: bool) -> list[int]:
         """Drafted tokens to send below the slot's next token: only for a
-        greedy request that generates alone (beside other generating slots a
+        greedy request that generates alone (``alone``: no other slot's
+        request generates; beside other generating slots a
         chain travels in a micro-batch of its own, a whole pass, where its
         plain token rides in its group's batch almost for free), only while
         a chain pays (:class:`~ggpipe.speculation.gate.DraftGate`: the
