@@ -34,11 +34,11 @@ PROMPTS = [
 LENGTHS = [24, 40, 6, 17, 32, 3, 28]   # requests end at different times; later ones take their slots
 
 
-def _batch(tmp_path, model, ranks: int, parallel: int, rows: list[dict], name: str, extra=()) -> dict:
+def _batch(tmp_path, model, ranks: int, parallel: int, rows: list[dict], name: str, extra=(), env=None) -> dict:
     inp, out = tmp_path / f"{name}.in.jsonl", tmp_path / f"{name}.out.jsonl"
     write_jsonl(inp, rows)
     p = run_ggpipe(["batch", str(inp), "-o", str(out), "-m", str(model), "--parallel", str(parallel),
-                    "--no-progress", "--ignore-eos", *extra], ranks, timeout=600)
+                    "--no-progress", "--ignore-eos", *extra], ranks, timeout=600, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     return {r["id"]: r for r in read_records(out)}
 
@@ -105,7 +105,8 @@ def test_pipeinfer_lookahead_rows_of_a_request_alone_are_exact(tmp_path, goliath
     2, both dropped."""
     rows = [{"id": 0, "prompt": prompt, "n": 48}, {"id": 1, "prompt": PROMPTS[3], "n": 10},
             {"id": 2, "prompt": PROMPTS[5], "n": 5}]
-    got = _batch(tmp_path, goliath, ranks, 3, rows, f"la{ranks}", ["--mode", "pipeinfer", "--spec-type", "ngram"])
+    got = _batch(tmp_path, goliath, ranks, 3, rows, f"la{ranks}", ["--mode", "pipeinfer", "--spec-type", "ngram"],
+                 env={"GGPIPE_LOOKAHEAD": "on"})       # auto: off where stages share a host, as here
     for r in rows:
         assert got[r["id"]]["tokens"] == reference(goliath, r["prompt"], r["n"]), r
     assert got[0]["metrics"]["drafted"] > 0, got[0]["metrics"]

@@ -496,3 +496,27 @@ def test_no_lookahead_with_a_draft_that_follows_the_request():
     assert Scheduler(target, 2, 64, 8, lambda t: False, draft=_ngram, lookahead=True).spec.lookahead
     assert not Scheduler(target, 2, 64, 8, lambda t: False, draft=None, lookahead=True).spec.lookahead
 
+
+
+def test_lookahead_is_on_where_the_target_stages_have_hosts_of_their_own(monkeypatch):
+    """GGPIPE_LOOKAHEAD: auto (on only where no two target stages share a
+    host: there, stages that compute at once slow each other), on, off; any
+    other value is a clear error."""
+    from types import SimpleNamespace
+
+    from ggpipe.service.engine import lookahead_wanted
+
+    def session(hosts, n_target):
+        return SimpleNamespace(hosts=hosts, roles=SimpleNamespace(n_target=n_target))
+
+    monkeypatch.delenv("GGPIPE_LOOKAHEAD", raising=False)
+    assert lookahead_wanted(session(["a", "b", "c"], 3))
+    assert not lookahead_wanted(session(["a", "a"], 2))
+    assert lookahead_wanted(session(["a", "b", "b"], 2))          # rank 2 (a draft) shares rank 1's host
+    monkeypatch.setenv("GGPIPE_LOOKAHEAD", "on")
+    assert lookahead_wanted(session(["a", "a"], 2))
+    monkeypatch.setenv("GGPIPE_LOOKAHEAD", "off")
+    assert not lookahead_wanted(session(["a", "b"], 2))
+    monkeypatch.setenv("GGPIPE_LOOKAHEAD", "sometimes")
+    with pytest.raises(ConfigError, match="GGPIPE_LOOKAHEAD"):
+        lookahead_wanted(session(["a", "b"], 2))

@@ -15,6 +15,7 @@ context (the proposer decodes only what it lacks).
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from ggpipe.decoding.factory import build_chain_drafter, build_decoder
 from ggpipe.decoding.scheduler import Scheduler
 from ggpipe.decoding.slots import Job
 from ggpipe.decoding.settings import SpecSettings
+from ggpipe.errors import ConfigError
 from ggpipe.models.registry import resolve
 from ggpipe.models.slicing import check_speculation
 from ggpipe.pipeline.waiting import EventWait
@@ -38,6 +40,28 @@ from ggpipe.runtime import llama as _llama
 from ggpipe.service.chat_prompt import chat_tokens
 from ggpipe.service.text import TextStream
 
+LOOKAHEAD_ENV = "GGPIPE_LOOKAHEAD"
+
+
+def lookahead_wanted(session: Session) -> bool:
+    """Whether ``--mode pipeinfer`` under ``--parallel`` sends look-ahead
+    rows for a request that generates alone
+    (:class:`~ggpipe.decoding.lone_drafts.LoneDrafts`): ``GGPIPE_LOOKAHEAD``
+    = ``on``, ``off`` or ``auto`` (the default: on where the target's stages
+    each have a host of their own). Where stages share a host, two that
+    compute at once slow each other, and on this project's 2-core VM
+    look-ahead made 0.96x the scheduler without it on held-out prompts it
+    was not chosen on (docs/BENCHMARKS.md §25).
+
+    Raises:
+        ConfigError: another value."""
+    v = os.environ.get(LOOKAHEAD_ENV, "").strip().lower() or "auto"
+    if v not in ("on", "off", "auto"):
+        raise ConfigError(f"{LOOKAHEAD_ENV}={v!r}: use on, off or auto")
+    if v != "auto":
+        return v == "on"
+    hosts = [session.hosts[r] for r in range(session.roles.n_target)]
+    return len(set(hosts)) == len(hosts)
 
 
 @dataclass
@@ -133,7 +157,7 @@ class Engine:
                                            idle=self.waiter),
                                        draft_max=spec.draft_max,
                                        # pipeinfer: a request alone keeps the stages busy with look-ahead rows
-                                       lookahead=mode == "pipeinfer")
+                                       lookahead=mode == "pipeinfer" and lookahead_wanted(session))
         else:
             self.decoder = build_decoder(mode, spec, session.pipeline, drafts[0] if drafts else None,
                                          more_drafts=drafts[1:], n_ubatch=cfg.ubatch, n_seq_max=cfg.n_seq_max,
