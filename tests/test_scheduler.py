@@ -506,8 +506,8 @@ def test_lookahead_is_on_where_the_target_stages_have_hosts_of_their_own(monkeyp
 
     from ggpipe.service.engine import lookahead_wanted
 
-    def session(hosts, n_target):
-        return SimpleNamespace(hosts=hosts, roles=SimpleNamespace(n_target=n_target))
+    def session(hosts, n_target):      # Session.target_hosts: the first n_target ranks' hosts
+        return SimpleNamespace(target_hosts=hosts[:n_target])
 
     monkeypatch.delenv("GGPIPE_LOOKAHEAD", raising=False)
     assert lookahead_wanted(session(["a", "b", "c"], 3))

@@ -92,9 +92,14 @@ class Session:
         most as many per host as its CPUs hold their threads
         (:func:`ggpipe.cluster.plan.concurrent_stages`)."""
         ranks = list(range(self.roles.n_target))      # the head holds the first stage
-        return concurrent_stages([self.hosts[r] for r in ranks], [self.cpus[r] if r < len(self.cpus) else None
-                                                                 for r in ranks],
+        return concurrent_stages(self.target_hosts, [self.cpus[r] if r < len(self.cpus) else None
+                                                     for r in ranks],
                                  [parse_threads(self.config.threads, self.size)[r] for r in ranks])
+
+    @property
+    def target_hosts(self) -> list[str]:
+        """The host of each target stage, in stage order (ranks 0..n_target-1)."""
+        return [self.hosts[r] for r in range(self.roles.n_target)]
 
     @property
     def is_head(self) -> bool:

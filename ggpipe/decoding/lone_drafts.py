@@ -67,7 +67,7 @@ class LoneDrafts:
         root lost up to 0.90x on this project's 2-core VM on prompts whose
         guesses were seldom kept)."""
         r = slot.job.request
-        if not self.lookahead or self._drafting is not slot.job or not slot.job.sampler.params.greedy:
+        if not self.lookahead or self._drafting is not slot.job:   # (set by below() for greedy requests only)
             return None
         beyond = len(slot.kv) - len(r.context)      # drafted tokens in flight, not yet decided
         room = min(self.draft_max + 1, r.n_predict - len(r.out) - beyond - 1, self.n_ctx_slot - len(slot.kv) - 2)
@@ -170,7 +170,6 @@ class LoneDrafts:
                 and len(set(run.seq_ids.tolist())) == 1):
             self.pass_cost.observe(run.n_tokens, res.finished_at - max(run.started_at, self._last_finish))
         self._last_finish = res.finished_at
-
 
     def finish(self) -> None:
         """Shutdown: the draft's runs that followed a request are waited for."""

@@ -60,7 +60,7 @@ def lookahead_wanted(session: Session) -> bool:
         raise ConfigError(f"{LOOKAHEAD_ENV}={v!r}: use on, off or auto")
     if v != "auto":
         return v == "on"
-    hosts = [session.hosts[r] for r in range(session.roles.n_target)]
+    hosts = session.target_hosts
     return len(set(hosts)) == len(hosts)
 
 
