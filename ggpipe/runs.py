@@ -64,6 +64,60 @@ def latest_run_id(a: int, b: int | None) -> int:
     return a if run_id_after(a, b) else b
 
 
+def ubatches(seq_ids, n_ubatch: int) -> list[list[int]]:
+    """The ubatches a stage's llama.cpp makes of a batch whose tokens each
+    belong to one sequence, on a KV cache of one stream per sequence
+    (``kv_unified = false``, the scheduler's slots): a model of
+    ``llama_batch_allocr::split_equal(n_ubatch, sequential=true)``
+    (src/llama-batch.cpp of the llama.cpp that llama-cpp-python 0.3.36
+    vendors). Each ubatch takes, from where the unused tokens begin, a run
+    of sequences with consecutive ascending ids (``s, s+1, ...``, none taken
+    twice), then the same number of tokens of each (as many as the shortest
+    has left, at most ``n_ubatch`` in all), and lists them sequence after
+    sequence. Pure.
+
+    Args:
+        seq_ids: int (n,) the sequence id of each token, in batch order.
+        n_ubatch: most tokens of one ubatch (``llama_context_params.n_ubatch``, >= 1).
+
+    Returns:
+        One list of batch indices per ubatch, in the order llama.cpp
+        computes their rows.
+    """
+    seq_ids = [int(s) for s in seq_ids]
+    used = [False] * len(seq_ids)
+    out: list[list[int]] = []
+    while not all(used):
+        cur: list[int] = []
+        for i, s in enumerate(seq_ids):
+            if used[i] or s in cur or (cur and s != cur[-1] + 1):
+                continue
+            cur.append(s)
+            if len(cur) > n_ubatch:
+                break
+        left = [[i for i, s2 in enumerate(seq_ids) if s2 == s and not used[i]] for s in cur]
+        k = 0
+        while all(k < len(idx) for idx in left):
+            for idx in left:
+                used[idx[k]] = True
+            k += 1
+            if (k + 1) * len(cur) > n_ubatch:
+                break
+        out.append([i for idx in left for i in idx[:k]])
+    return out
+
+
+def in_batch_order(seq_ids, n_ubatch: int) -> bool:
+    """Whether llama.cpp computes a batch's rows in batch order
+    (:func:`ubatches` concatenated), which a stage's hidden-state capture
+    (ubatch after ubatch, ggpipe._native) and the next stage's input rely
+    on. True for one sequence's chunk, for one token of each of several
+    sequences in ascending id order, and for those followed by one
+    sequence's chunk unless that sequence's id fills a gap among theirs
+    (it would join the ubatch of the ids below the gap)."""
+    return [i for u in ubatches(seq_ids, n_ubatch) for i in u] == list(range(len(seq_ids)))
+
+
 @dataclass
 class Run:
     """A micro-batch and how to read its result.

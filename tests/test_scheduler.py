@@ -12,6 +12,7 @@ import pytest
 import ggpipe.decoding.scheduler as scheduler_module
 from ggpipe.decoding.scheduler import Scheduler
 from ggpipe.decoding.slots import Job, Slot, decode_groups, plan_microbatch
+from ggpipe.runs import in_batch_order, ubatches
 from ggpipe.decoding.request import Request
 from ggpipe.errors import ConfigError
 from ggpipe.sampling import Sampler, SamplingParams
@@ -138,23 +139,49 @@ def _slot(seq, todo, generating, t_queued=0.0, waiting=False):
     return Slot(seq, job=job, todo=list(todo), waiting=waiting)
 
 
-def test_plan_sends_generating_slots_or_one_prompt_chunk():
+def test_plan_sends_generating_slots_and_a_prompt_chunk():
     slots = [_slot(0, [5], True), _slot(1, [6], True, waiting=True), _slot(2, [7], True), _slot(3, [8], True),
              _slot(4, list(range(10)), False, t_queued=2.0), _slot(5, list(range(3)), False, t_queued=1.0),
              Slot(6)]
     # slots 0-3 generate: in ids 0-3 of 7 (range 0 of 2), cut in two groups {0, 1} and {2, 3};
-    # slot 1 is in flight, so its group waits and {2, 3} goes
+    # slot 1 is in flight, so its group waits and {2, 3} goes, followed by the earliest-queued prompt's chunk
+    # (all of it: its last chunk asks for logits)
     plan = plan_microbatch(slots, budget=8, depth=2)
-    assert [(s.seq, n, w) for s, n, w in plan] == [(2, 1, True), (3, 1, True)]
-    # at most one token: the groups are cut to one slot each, and slot 0 (not in flight) goes
+    assert [(s.seq, n, w) for s, n, w in plan] == [(2, 1, True), (3, 1, True), (5, 3, True)]
+    # the chunk fills the tokens the group leaves
+    slots[5].todo = list(range(9))
+    assert [(s.seq, n, w) for s, n, w in plan_microbatch(slots, 8, 2)] == [(2, 1, True), (3, 1, True), (5, 6, False)]
+    # at most one token: the groups are cut to one slot each, and slot 0 (not in flight) goes alone
     assert plan_microbatch(slots, budget=1, depth=2) == [(slots[0], 1, True)]
-    # a prompt's turn: the earliest-queued one, one chunk of it; its last chunk asks for logits
-    assert [(s.seq, n, w) for s, n, w in plan_microbatch(slots, 8, 2, prefer_prompt=True)] == [(5, 3, True)]
     assert [(s.seq, n, w) for s, n, w in plan_microbatch(slots[4:5], 8, 2)] == [(4, 8, False)]
     assert plan_microbatch([Slot(0)], 8, 1) == []
-    # no group can go (each has a slot in flight): a prompt chunk goes instead
+    # no group can go (each has a slot in flight): a prompt chunk goes alone
     slots[3].waiting = True
-    assert [(s.seq, n, w) for s, n, w in plan_microbatch(slots, 8, 2)] == [(5, 3, True)]
+    assert [(s.seq, n, w) for s, n, w in plan_microbatch(slots, 8, 2)] == [(5, 8, False)]
+
+
+def test_a_prompt_chunk_that_would_leave_batch_order_takes_its_turn():
+    """A prompt of slot 2 after the tokens of slots {0, 1, 3} would join the ubatch of 0 and 1 (llama.cpp
+    takes consecutive ids), so its rows would come out before slot 3's: the two go in turns instead."""
+    slots = [_slot(0, [5], True), _slot(1, [6], True), _slot(2, list(range(4)), False), _slot(3, [8], True)]
+    assert [(s.seq, n, w) for s, n, w in plan_microbatch(slots, 8, 1)] == [(0, 1, True), (1, 1, True), (3, 1, True)]
+    assert [(s.seq, n, w) for s, n, w in plan_microbatch(slots, 8, 1, prefer_prompt=True)] == [(2, 4, True)]
+    # ... while a prompt above the group's ids, or below them, joins it
+    slots = [_slot(0, list(range(4)), False), _slot(1, [6], True), _slot(2, [7], True)]
+    assert [(s.seq, n) for s, n, _ in plan_microbatch(slots, 8, 1)] == [(1, 1), (2, 1), (0, 4)]
+    slots = [_slot(0, [5], True), _slot(1, [6], True), _slot(2, list(range(4)), False)]
+    assert [(s.seq, n) for s, n, _ in plan_microbatch(slots, 8, 1)] == [(0, 1), (1, 1), (2, 4)]
+
+
+def test_ubatches_model_llama_cpps_split_of_a_batch_into_streams():
+    """ggpipe.runs.ubatches follows llama_batch_allocr::split_equal(n_ubatch, sequential=true)."""
+    assert ubatches([4, 5, 6, 7] + [8] * 3, 512) == [[0, 1, 2, 3, 4], [5, 6]]
+    assert ubatches([4, 5, 7] + [9] * 3, 512) == [[0, 1], [2], [3, 4, 5]]
+    assert ubatches([4, 5, 7] + [6] * 3, 512) == [[0, 1, 3], [2], [4, 5]]
+    assert not in_batch_order([4, 5, 7] + [6] * 3, 512)
+    assert ubatches([0, 0, 0, 1, 1, 1], 4) == [[0, 1, 3, 4], [2, 5]]     # two chunks share ubatches: out of order
+    assert ubatches([3] * 5, 2) == [[0, 1], [2, 3], [4]]
+    assert in_batch_order([0, 1, 2, 3], 2) and in_batch_order([2, 0, 1], 512)
 
 
 def _groups(generating, n, depth):
@@ -370,7 +397,8 @@ def test_once_every_slot_generates_each_micro_batch_is_one_run_of_ids(n_slots, d
     """Prompts of different lengths finish at different times; once all generate, every micro-batch of
     their tokens holds consecutive slot ids (one ubatch per stage); every request stays exact."""
     prompts = [[(7 * i + k) % (V - 1) + 1 for k in range(4 + (5 * i) % 23)] for i in range(n_slots)]
-    jobs = [Job(list(p), 40, Sampler(SamplingParams())) for p in prompts]
+    # long enough that every slot generates for a while: prompt chunks share micro-batches with the tokens
+    jobs = [Job(list(p), 80, Sampler(SamplingParams())) for p in prompts]
     target = _Timed(ToyLM(V), latency=depth, streams=True)
     target.n_stages = depth
     sched = Scheduler(target, n_slots, n_ctx_slot=128, n_ubatch=8, is_eog=lambda t: False)
@@ -387,7 +415,7 @@ def test_once_every_slot_generates_each_micro_batch_is_one_run_of_ids(n_slots, d
         sched.submit(j)
     sched.run()
     for j, p in zip(jobs, prompts):
-        assert j.request.out == ToyLM(V).greedy(p, 40)
+        assert j.request.out == ToyLM(V).greedy(p, 80)
     assert len(decode) > 20 and all(_runs(b) == 1 for b in decode), [b for b in decode if _runs(b) > 1]
 
 

@@ -17,11 +17,11 @@ stage, each scheduled from requests not already in flight).
   cached tokens share the longest prefix with its prompt (the lowest id on
   a tie); the cells after that prefix are removed and the rest of the prompt
   is decoded (llama-server's prompt cache).
-* **Micro-batches.** Each holds either the next token of generating slots
-  (in slot order: llama.cpp evaluates consecutive sequence ids of a
-  non-unified cache in one ubatch) or one chunk of one prompt (chunked
-  prefill, at most ``n_ubatch`` tokens); while both wait, they take turns
-  (:func:`plan_microbatch` says why they are not mixed). A slot whose next
+* **Micro-batches.** Each holds the next token of generating slots (in
+  slot order: llama.cpp evaluates consecutive sequence ids of a non-unified
+  cache in one ubatch) followed by one chunk of one prompt (chunked
+  prefill, at most ``n_ubatch`` tokens in all), or either alone
+  (:func:`plan_microbatch` says when they cannot share one). A slot whose next
   token waits for logits is in one micro-batch at a time; prompt chunks of
   one slot may follow each other without waiting. With ``depth`` micro-batches in
   flight (default: the pipeline's stages, so every stage works at once; the
@@ -196,7 +196,8 @@ class Scheduler:
         plan = plan_microbatch(self.slots, self.n_ubatch, self.depth, self._prompt_turn)
         if not plan:
             return self._send_ahead()
-        self._prompt_turn = bool(plan[0][0].job.request.out)   # tokens now: a prompt's turn next
+        # tokens without a prompt chunk now: a prompt's turn next
+        self._prompt_turn = all(slot.generating for slot, _, _ in plan)
         rows = []
         for slot, n, wants in plan:
             chunk = slot.todo[:n]

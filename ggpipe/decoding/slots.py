@@ -11,6 +11,7 @@ from typing import Callable
 
 from ggpipe.decoding.request import Emit, Request, _never_stop
 from ggpipe.metrics import GenerationClock
+from ggpipe.runs import in_batch_order
 from ggpipe.sampling import Sampler
 
 
@@ -151,20 +152,23 @@ def plan_microbatch(slots: list[Slot], budget: int, depth: int,
     """Which slots send what in the next micro-batch: (slot, tokens, wants
     logits of its last token), in batch order. Pure.
 
-    A micro-batch is either the next token of the generating slots of one
-    group (:func:`decode_groups`, at most ``budget`` of them, in id order;
-    a group goes only when none of its slots is in flight, and of those
-    that can, the one whose slot went least recently), or one
-    sequence's chunk: a chunk of the earliest-queued prompt (at most
-    ``budget`` tokens; its last chunk asks for the logits of its last token)
-    or a generating slot's token with a drafted chain below it (every row's
-    logits). With one KV stream per sequence, llama.cpp splits a batch into
-    ubatches of consecutive sequence ids and equal tokens per sequence
-    (``llama_batch_allocr::split_equal``), and only these shapes come out of
-    it in batch order, which the stages' hidden-state capture relies on.
-    A chunk goes first when ``prefer_prompt`` (the scheduler alternates
-    while both wait) or when no group can send. Slots waiting for logits
-    send nothing.
+    A micro-batch holds the next token of the generating slots of one group
+    (:func:`decode_groups`, at most ``budget`` of them, in id order; a group
+    goes only when none of its slots is in flight, and of those that can,
+    the one whose slot went least recently), followed by a chunk of the
+    earliest-queued prompt in the tokens left (chunked prefill, as
+    llama-server's batch of every slot's next token and a prompt's chunk, and
+    vLLM's micro-batches of decode and prefill rows): its last chunk asks for
+    the logits of its last token. With one KV stream per sequence llama.cpp
+    splits a batch into ubatches of consecutive sequence ids
+    (``llama_batch_allocr::split_equal``), and the stages' hidden-state
+    capture needs their rows in batch order, so the chunk joins the group
+    only where :func:`ggpipe.runs.in_batch_order` says they come out so (its
+    slot id must not fill a gap among the group's ids); otherwise the two go
+    in turns, the chunk first when ``prefer_prompt`` (the scheduler
+    alternates while both wait) or when no group can send. A generating
+    slot's token with a drafted chain below it (every row's logits) goes
+    alone. Slots waiting for logits send nothing.
 
     Args:
         slots: every slot, in slot id order.
@@ -175,12 +179,18 @@ def plan_microbatch(slots: list[Slot], budget: int, depth: int,
     decode = {id(s) for s in ready if s.generating and len(s.todo) == 1}
     chunks = sorted((s for s in ready if id(s) not in decode), key=lambda s: s.job.t_queued)
     group = []
-    if decode and not (chunks and prefer_prompt):
+    if decode:
         sendable = [[s for s in g if id(s) in decode] for g in decode_groups(slots, depth, budget)
                     if not any(s.waiting for s in g)]
         group = min((g for g in sendable if g), key=lambda g: min(s.last_sent for s in g), default=[])
-    if group:
-        return [(s, 1, True) for s in group]     # decode_groups cut it to at most budget slots
+    tokens = [(s, 1, True) for s in group]     # decode_groups cut it to at most budget slots
+    prompt = next((s for s in chunks if not s.generating), None)
+    if tokens and prompt is not None and len(tokens) < budget:
+        n = min(budget - len(tokens), len(prompt.todo))
+        if in_batch_order([s.seq for s in group] + [prompt.seq] * n, budget):
+            return tokens + [(prompt, n, n == len(prompt.todo))]
+    if tokens and not (chunks and prefer_prompt):
+        return tokens
     if chunks:
         s = chunks[0]
         n = min(budget, len(s.todo))

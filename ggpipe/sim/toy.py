@@ -20,7 +20,7 @@ import numpy as np
 
 from ggpipe.logits import TopLogits, top_k
 from ggpipe.pipeline.masking import rows_in
-from ggpipe.runs import Run, RunResult
+from ggpipe.runs import Run, RunResult, in_batch_order, ubatches
 from ggpipe.sim.kv_model import KvCells, KvStreams
 
 
@@ -87,6 +87,7 @@ class ToyPipeline:
         self.run_sizes: list[int] = []
         self.n_stages = 1     # as Pipeline.n_stages (pipedec bounds its runs in flight by it)
         self.n_seq_max = 256
+        self.n_ubatch = 512   # with streams: each run must come out of llama.cpp's ubatch split in batch order
 
     # -- timing (subclasses) -----------------------------------------------------
 
@@ -183,6 +184,10 @@ class ToyPipeline:
         new: list[tuple[int, int, int]] = []
         ends = np.cumsum(run.n_seq_id)
         run_seqs = [[int(s) for s in run.seq_ids[end - n:end]] for n, end in zip(run.n_seq_id, ends)]
+        if isinstance(self.kv_cells, KvStreams) and not in_batch_order(run.seq_ids, self.n_ubatch):
+            raise AssertionError(f"run {run.run_id}: llama.cpp would compute its rows out of batch order "
+                                 f"(ubatches {ubatches(run.seq_ids, self.n_ubatch)}), which the stages' "
+                                 "hidden-state capture cannot follow")
         self.kv_cells.place([int(p) for p in run.pos], run_seqs)
         if self.cell_order:
             for i in range(run.n_tokens):
