@@ -85,26 +85,33 @@ def ubatches(seq_ids, n_ubatch: int) -> list[list[int]]:
         computes their rows.
     """
     seq_ids = [int(s) for s in seq_ids]
+    where: dict[int, list[int]] = {}
+    for i, s in enumerate(seq_ids):
+        where.setdefault(s, []).append(i)
+    taken = dict.fromkeys(where, 0)    # tokens of each sequence given to ubatches so far (always its first ones)
     used = [False] * len(seq_ids)
     out: list[list[int]] = []
-    while not all(used):
-        cur: list[int] = []
-        for i, s in enumerate(seq_ids):
-            if used[i] or s in cur or (cur and s != cur[-1] + 1):
-                continue
-            cur.append(s)
+    start = 0
+    while True:
+        while start < len(seq_ids) and used[start]:
+            start += 1
+        if start == len(seq_ids):
+            return out
+        cur = [seq_ids[start]]
+        for i in range(start + 1, len(seq_ids)):
             if len(cur) > n_ubatch:
                 break
-        left = [[i for i, s2 in enumerate(seq_ids) if s2 == s and not used[i]] for s in cur]
-        k = 0
-        while all(k < len(idx) for idx in left):
-            for idx in left:
-                used[idx[k]] = True
-            k += 1
-            if (k + 1) * len(cur) > n_ubatch:
-                break
-        out.append([i for idx in left for i in idx[:k]])
-    return out
+            if not used[i] and seq_ids[i] == cur[-1] + 1:   # ascending ids: never one already taken
+                cur.append(seq_ids[i])
+        left = [where[s][taken[s]:] for s in cur]
+        k = min(min(map(len, left)), max(1, n_ubatch // len(cur)))   # the loop's stop: (k + 1) * len(cur) > n_ubatch
+        ub = []
+        for s, idx in zip(cur, left):
+            ub += idx[:k]
+            taken[s] += k
+        for i in ub:
+            used[i] = True
+        out.append(ub)
 
 
 def in_batch_order(seq_ids, n_ubatch: int) -> bool:

@@ -6,6 +6,7 @@ cells sit at index = position in its slot's own stream."""
 
 from __future__ import annotations
 
+import random
 
 import pytest
 
@@ -182,6 +183,43 @@ def test_ubatches_model_llama_cpps_split_of_a_batch_into_streams():
     assert ubatches([0, 0, 0, 1, 1, 1], 4) == [[0, 1, 3, 4], [2, 5]]     # two chunks share ubatches: out of order
     assert ubatches([3] * 5, 2) == [[0, 1], [2, 3], [4]]
     assert in_batch_order([0, 1, 2, 3], 2) and in_batch_order([2, 0, 1], 512)
+
+
+def _split_equal(seq_ids, n_ubatch):
+    """llama_batch_allocr::split_equal(n_ubatch, sequential=true), transcribed loop for loop (the oracle of
+    ggpipe.runs.ubatches)."""
+    used, out = [False] * len(seq_ids), []
+    while not all(used):
+        cur = []
+        for i, s in enumerate(seq_ids):
+            if used[i]:
+                continue
+            add = s not in cur and (not cur or s == cur[-1] + 1)
+            if add:
+                cur.append(s)
+                if len(cur) > n_ubatch:
+                    break
+        idx = [[i for i, t in enumerate(seq_ids) if t == s and not used[i]] for s in cur]
+        per = [[] for _ in cur]
+        while all(len(p) < len(x) for p, x in zip(per, idx)):
+            for p, x in zip(per, idx):
+                p.append(x[len(p)])
+                used[p[-1]] = True
+            if (len(per[0]) + 1) * len(cur) > n_ubatch:
+                break
+        out.append([i for p in per for i in p])
+    return out
+
+
+def test_ubatches_agree_with_split_equal_on_random_batches():
+    rng = random.Random(7)
+    for _ in range(3000):
+        if rng.random() < 0.5:     # each sequence's tokens together (what the scheduler sends)
+            ids = [s for s in rng.sample(range(10), rng.randint(1, 6)) for _ in range(rng.randint(1, 7))]
+        else:                      # interleaved
+            ids = [rng.randrange(5) for _ in range(rng.randint(1, 30))]
+        n_ubatch = rng.randint(1, 24)
+        assert ubatches(ids, n_ubatch) == _split_equal(ids, n_ubatch), (ids, n_ubatch)
 
 
 def _groups(generating, n, depth):
