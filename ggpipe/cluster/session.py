@@ -111,12 +111,14 @@ class Session:
                     threads=self.stage.spec.n_threads, **self.memory.report())
         return info
 
-    def serve(self) -> None:
+    def serve(self, mid_run_cancels: bool = True) -> None:
         """Worker ranks: serve the pipeline until the head shuts it down, then
-        send this rank's statistics to the head."""
+        send this rank's statistics to the head. ``mid_run_cancels``: the
+        head may cancel runs (ggpipe.pipeline.worker.Worker)."""
         from ggpipe.pipeline.worker import Worker  # noqa: PLC0415
 
-        w = Worker(self.stage, self.transport, max_tokens=self.config.ubatch, **self.roles.links(self.rank))
+        w = Worker(self.stage, self.transport, max_tokens=self.config.ubatch, mid_run_cancels=mid_run_cancels,
+                   **self.roles.links(self.rank))
         if self.activity is not None:
             self.activity.set(f"serving {describe_role(self.roles, self.rank, self.layers)}")
         stats = w.serve()  # between transactions, as long as the head's heartbeats come

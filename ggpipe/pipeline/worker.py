@@ -54,10 +54,18 @@ class Worker:
             for the last stage); None: this pipeline is never cancelled.
         cancel_fwd: rank to pass cancellations on to (the previous stage),
             or None.
+        mid_run_cancels: probe for cancellations while a run computes (a
+            helper thread, every 1 ms: PipeInfer's early cancellation,
+            §IV.C), so that a cancelled run stops at its next layer. False
+            where the head never cancels a run (iterative decoding, the
+            ``--parallel`` scheduler): cancellations and prunes are still
+            taken before each run, and the helper's wake-ups no longer
+            take time from the computation on a host whose cores the
+            stages fill (docs/BENCHMARKS.md §27).
     """
 
     def __init__(self, stage: Stage, transport, prev: int, next: int | None, head: int, max_tokens: int,
-                 cancel_src: int | None = None, cancel_fwd: int | None = None):
+                 cancel_src: int | None = None, cancel_fwd: int | None = None, mid_run_cancels: bool = True):
         self.stage = stage
         self.t = transport
         self.prev = prev
@@ -66,6 +74,7 @@ class Worker:
         self.max_tokens = max_tokens
         self.cancel_src = cancel_src
         self.cancel_fwd = cancel_fwd
+        self.mid_run_cancels = mid_run_cancels
         self.cancelled: set[int] = set()
         self.pruned = PruneBook()
         self.current: int | None = None
@@ -108,6 +117,11 @@ class Worker:
         self.cancelled.add(run_id)
         if run_id == self.current:
             self.stage.hooks.cancel()
+
+    def _mid_run_poll(self):
+        """What the transport's helper calls while a run computes: the
+        cancellation probe, or None (nothing but pending sends)."""
+        return self._take_cancels if self.cancel_src is not None and self.mid_run_cancels else None
 
     # -- loop ------------------------------------------------------------------
 
@@ -177,7 +191,7 @@ class Worker:
         t0 = time.perf_counter()
         aborted = False
         try:
-            with self.t.computing(self._take_cancels if self.cancel_src is not None else None):
+            with self.t.computing(self._mid_run_poll()):
                 out = self.stage.decode(**batch, **inputs)
         except Cancelled:
             self.stats["cancelled_mid_compute"] += 1

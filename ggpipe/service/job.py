@@ -30,8 +30,8 @@ class JobSpec:
         parallel: slots of the continuous-batching scheduler (``--parallel``;
             batch and serve); 1: one request at a time.
         micro_batches: the scheduler's micro-batches in flight
-            (``--micro-batches``); None: as many as target stages can compute
-            at once, at most two on a host whose CPUs their threads fill.
+            (``--micro-batches``); None: as many as the target's stages can
+            compute at once (per host, as many as its CPUs hold their threads).
     """
 
     config: ClusterConfig
@@ -40,6 +40,15 @@ class JobSpec:
     ignore_eos: bool = False
     parallel: int = 1
     micro_batches: int | None = None
+
+
+def cancels_runs(job: JobSpec) -> bool:
+    """Whether the head may cancel a run of this job: one request at a time
+    in a speculative mode with early cancellation on (``--no-cancel`` off;
+    ggpipe.decoding.speculative, pipedec). Iterative decoding and the
+    ``--parallel`` scheduler never cancel a run (a dropped row's cells are
+    removed after it instead)."""
+    return job.parallel == 1 and job.mode != "iterative" and job.spec.cancel
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -80,7 +89,7 @@ def run_job(job: JobSpec, head: Callable[[Engine], int],
     session = open_session(job.config, async_head=mode_class(job.mode).asynchronous or job.parallel > 1)
     try:
         if not session.is_head:
-            session.serve()
+            session.serve(mid_run_cancels=cancels_runs(job))
             return 0
         try:
             code = head(Engine(session, job.mode, job.spec, ignore_eos=job.ignore_eos, parallel=job.parallel,
