@@ -6,6 +6,14 @@ scheduler, the pipeline or MPI around it (docs/BENCHMARKS.md §25).
 
     python scripts/stage_decode_time.py -m smollm2-goliath-40l-f32 -t 1 --seqs 8
 
+``--layers A:B`` times one stage's slice instead (layers A..B-1, the slice
+file ``ggpipe.models.derive.stage_slice`` gives a rank; a stage after the
+first gets hidden states of random values, a stage before the last returns
+hidden states), and ``--start-at T`` (a time.time() value) holds the timed
+steps until then, so that two such processes started together time their
+steps beside each other, as a pipeline's stages compute on one host
+(docs/BENCHMARKS.md §27: the goal configuration's ceiling).
+
 Prints the median and the fastest step (milliseconds) after a prompt of
 ``--prompt`` tokens per sequence; steps after the first 8 count.
 """
@@ -17,6 +25,7 @@ import time
 
 import numpy as np
 
+from ggpipe.models.derive import stage_slice
 from ggpipe.models.registry import resolve
 from ggpipe.runtime.stage import Stage, StageSpec
 from ggpipe.models.gguf_info import read_model_info
@@ -30,27 +39,50 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens per sequence")
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("-c", "--ctx", type=int, default=0, help="KV cells in all (default: 2048 per sequence)")
+    ap.add_argument("--slots", type=int, default=0,
+                    help="sequences in the context (default --seqs); a multiple of --seqs: the steps take the "
+                         "groups of --seqs consecutive ids in turn, as --parallel's micro-batches do")
+    ap.add_argument("--layers", default="", help="A:B, one stage's slice (default: the whole model)")
+    ap.add_argument("--start-at", type=float, default=0.0, help="time.time() at which the timed steps start")
     a = ap.parse_args()
-    path = resolve(a.model)
-    n_ctx = a.ctx or 2048 * a.seqs
-    st = Stage(StageSpec(model_path=path, n_layer=read_model_info(path).n_layer, first=True, last=True, n_ctx=n_ctx,
-                         n_threads=a.threads, n_seq_max=a.seqs, kv_unified=False))
+    whole = resolve(a.model)
+    n_all = read_model_info(whole).n_layer
+    start, stop = (int(x) for x in a.layers.split(":")) if a.layers else (0, n_all)
+    path = stage_slice(whole, start, stop)
+    slots = a.slots or a.seqs
+    if slots % a.seqs:
+        raise SystemExit("--slots must be a multiple of --seqs")
+    n_ctx = a.ctx or 2048 * slots
+    first, last = start == 0, stop == n_all
+    st = Stage(StageSpec(model_path=path, n_layer=stop - start, first=first, last=last, n_ctx=n_ctx,
+                         n_threads=a.threads, n_seq_max=slots, kv_unified=False))
+    rng = np.random.default_rng(0)
+
+    def inputs(n: int, base: int) -> dict:
+        if first:
+            return {"tokens": np.arange(base, base + n, dtype=np.int32)}
+        return {"embd": rng.standard_normal((n, st.n_embd), dtype=np.float32)}
+
     pp = a.prompt
-    for s in range(a.seqs):
+    for s in range(slots):
         st.decode(pos=np.arange(pp, dtype=np.int32), n_seq_id=np.ones(pp, np.int32),
-                  seq_ids=np.full(pp, s, np.int32), outputs=np.zeros(pp, np.int8),
-                  tokens=np.arange(100 + s, 100 + s + pp, dtype=np.int32))
+                  seq_ids=np.full(pp, s, np.int32), outputs=np.zeros(pp, np.int8), **inputs(pp, 100 + s))
+    steps = [inputs(a.seqs, 200 + i) for i in range(a.steps)]
+    if a.start_at:
+        time.sleep(max(0.0, a.start_at - time.time()))
     times = []
+    groups = slots // a.seqs
     for i in range(a.steps):
+        g = i % groups
         t0 = time.perf_counter()
-        st.decode(pos=np.full(a.seqs, pp + i, np.int32), n_seq_id=np.ones(a.seqs, np.int32),
-                  seq_ids=np.arange(a.seqs, dtype=np.int32), outputs=np.ones(a.seqs, np.int8),
-                  tokens=np.full(a.seqs, 200 + i, np.int32))
+        st.decode(pos=np.full(a.seqs, pp + i // groups, np.int32), n_seq_id=np.ones(a.seqs, np.int32),
+                  seq_ids=np.arange(g * a.seqs, (g + 1) * a.seqs, dtype=np.int32), outputs=np.ones(a.seqs, np.int8),
+                  **steps[i])
         times.append(time.perf_counter() - t0)
     st.close()
     ms = 1000 * np.array(times[8:])
-    print(f"{a.seqs} sequences, {a.threads} thread(s), n_ctx {n_ctx}: median {np.median(ms):.1f} ms, "
-          f"fastest {ms.min():.1f} ms per step")
+    print(f"layers {start}-{stop - 1} of {n_all}, {a.seqs} of {slots} sequences a step, {a.threads} thread(s), n_ctx {n_ctx}: "
+          f"median {np.median(ms):.1f} ms, fastest {ms.min():.1f} ms per step")
 
 
 if __name__ == "__main__":
