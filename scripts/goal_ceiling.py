@@ -74,7 +74,8 @@ def batched_bench(model: str) -> dict[int, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-m", "--model", default="smollm2-goliath-40l-f32")
-    ap.add_argument("--split", default="0:24,24:40", help="the two stages' layer ranges A:B,B:C")
+    ap.add_argument("--split", default="0:24,24:40", help="the two stages' layer ranges A:B,B:C (the default is the goliath's at 2 ranks; "
+                    "`ggpipe plan -n 2 -m MODEL` prints another model's)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=80)
     a = ap.parse_args()

@@ -21,6 +21,9 @@ head's receipt to its next submission.
 from __future__ import annotations
 
 import argparse
+import bisect
+
+import numpy as np
 
 from ggpipe.bench.timeline import load_traces
 
@@ -44,7 +47,7 @@ def summary(trace_dir: str) -> dict:
 
 
 def _pct(v: list[float], q: float) -> float:
-    return sorted(v)[int(q * (len(v) - 1))] if v else float("nan")
+    return float(np.quantile(v, q, method="lower")) if v else float("nan")
 
 
 def detail(trace_dir: str, group: int = 8) -> list[str]:
@@ -81,8 +84,7 @@ def detail(trace_dir: str, group: int = 8) -> list[str]:
                    f"{1e3 * _pct(hop, .9):.2f} ms (with its queue), last stage's end -> head's receipt "
                    f"{1e3 * _pct(back, .5):.2f}/{1e3 * _pct(back, .9):.2f} ms")
     subs = sorted(sub.values())
-    turn = [min((s for s in subs if s >= t), default=None) for t in sorted(head.values())]
-    turn = [s - t for s, t in zip(turn, sorted(head.values())) if s is not None]
+    turn = [subs[i] - t for t in head.values() if (i := bisect.bisect_left(subs, t)) < len(subs)]
     out.append(f"head: receipt -> its next submission p50 {1e3 * _pct(turn, .5):.2f} ms")
     return out
 
