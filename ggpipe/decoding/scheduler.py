@@ -232,7 +232,7 @@ class Scheduler:
         tokens, pos, seqs, outputs, reply = [], [], [], [], []
         for row, chunk in rows:
             slot, n = row.slot, len(chunk)
-            row.root = row.p0 + n - 1 - len(row.chain)
+            row.n = n
             tokens += chunk
             pos += range(row.p0, row.p0 + n)
             seqs += [slot.seq] * n

@@ -101,9 +101,14 @@ class _Row:
     logits: bool   # this row asked for logits
     chain: list[int] = field(default_factory=list)   # drafted tokens after the row's token (a logit row each)
     p0: int = 0    # the position of the row's first token in the slot's stream
-    root: int = 0  # the position of its last token before the chain (whose logits decide the next token)
+    n: int = 0     # the tokens it sent (set when its micro-batch goes): a prompt chunk, or a token and its chain
     guess: int | None = None   # a look-ahead row: its first token, a guess of the target's next token
     stale: bool = False        # a look-ahead row whose guess or base was refused: its logits are dropped
+
+    @property
+    def root(self) -> int:
+        """The position of its last token before the chain (whose logits decide the next token)."""
+        return self.p0 + self.n - 1 - len(self.chain)
 
 
 def decode_groups(slots: list[Slot], depth: int, max_size: int | None = None) -> list[list[Slot]]:
