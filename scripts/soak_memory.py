@@ -37,6 +37,7 @@ MODES = {
     "iterative": ["--mode", "iterative"],
     "speculative": ["--mode", "speculative", "--branches", "2"],
     "pipeinfer": ["--mode", "pipeinfer", "--branches", "2"],
+    "pipeinfer-chain": ["--mode", "pipeinfer"],      # its defaults: a chain (--branches 1)
     "pipedec": ["--mode", "pipedec", "--tree-width", "3"],
 }
 
@@ -169,7 +170,7 @@ def soak_toy(mode: str, temp: float, n: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-n", type=int, default=20000, help="tokens per run")
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--modes", default=",".join(m for m in MODES if m != "pipeinfer-chain"))
     ap.add_argument("--temps", default="0,0.8", help="temperatures (0: greedy)")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--interval", type=float, default=1.0, help="seconds between RSS samples")
