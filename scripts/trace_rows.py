@@ -28,21 +28,28 @@ import numpy as np
 from ggpipe.bench.timeline import load_traces
 
 
-def summary(trace_dir: str) -> dict:
-    """``{"rows", "seconds", "rows_per_s", "busy": [share per rank]}``.
+def _runs(events: dict[int, list[dict]]) -> dict[int, list[tuple]]:
+    """Each rank's runs as sorted (start, duration, rows, run id)."""
+    return {r: sorted((e["t"], e["dur"], e.get("n") or 0, e.get("run")) for e in evs if e["name"] == "run")
+            for r, evs in events.items()}
+
+
+def summary(trace_dir: str, events: dict[int, list[dict]] | None = None) -> dict:
+    """``{"rows", "seconds", "rows_per_s", "busy": [share per rank]}``;
+    ``events``: the directory's traces already loaded (load_traces).
 
     Raises:
         ConfigError: the directory holds no traces (ggpipe.bench.timeline.load_traces).
     """
-    _, events, _ = load_traces(trace_dir)
-    runs = {r: sorted((e["t"], e["dur"], e.get("n") or 0) for e in evs if e["name"] == "run")
-            for r, evs in events.items()}
+    if events is None:
+        _, events, _ = load_traces(trace_dir)
+    runs = _runs(events)
     first, last = min(runs), max(runs)
     t0 = runs[first][0][0]
-    t1 = max(t + d for t, d, _ in runs[last])
-    rows = sum(n for _, _, n in runs[first])
+    t1 = max(t + d for t, d, _, _ in runs[last])
+    rows = sum(n for _, _, n, _ in runs[first])
     a, b = t0 + 0.2 * (t1 - t0), t0 + 0.8 * (t1 - t0)
-    busy = [sum(d for t, d, _ in runs[r] if a <= t <= b) / (b - a) for r in sorted(runs)]
+    busy = [sum(d for t, d, _, _ in runs[r] if a <= t <= b) / (b - a) for r in sorted(runs)]
     return {"rows": rows, "seconds": t1 - t0, "rows_per_s": rows / (t1 - t0), "busy": busy}
 
 
@@ -50,11 +57,11 @@ def _pct(v: list[float], q: float) -> float:
     return float(np.quantile(v, q, method="lower")) if v else float("nan")
 
 
-def detail(trace_dir: str, group: int = 8) -> list[str]:
-    """Lines of ``--detail`` (the module docstring)."""
-    _, events, _ = load_traces(trace_dir)
-    runs = {r: sorted((e["t"], e["dur"], e.get("n") or 0, e.get("run")) for e in evs if e["name"] == "run")
-            for r, evs in events.items()}
+def detail(trace_dir: str, group: int = 8, events: dict[int, list[dict]] | None = None) -> list[str]:
+    """Lines of ``--detail`` (the module docstring); ``events`` as for :func:`summary`."""
+    if events is None:
+        _, events, _ = load_traces(trace_dir)
+    runs = _runs(events)
     first, last = min(runs), max(runs)
     out = []
     big = [t + d for t, d, n, _ in runs[first] if n > group]
@@ -95,11 +102,12 @@ def main() -> None:
     ap.add_argument("--detail", action="store_true", help="where the time went (see the module docstring)")
     ap.add_argument("--group", type=int, default=8, help="runs above this many rows count as prefill (--detail)")
     a = ap.parse_args()
-    s = summary(a.trace_dir)
+    _, events, _ = load_traces(a.trace_dir)
+    s = summary(a.trace_dir, events)
     print(f"rows {s['rows']} in {s['seconds']:.2f} s: {s['rows_per_s']:.1f} rows/s; busy "
           + " ".join(f"{x:.0%}" for x in s["busy"]))
     if a.detail:
-        print("\n".join(detail(a.trace_dir, a.group)))
+        print("\n".join(detail(a.trace_dir, a.group, events)))
 
 
 if __name__ == "__main__":
