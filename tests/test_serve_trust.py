@@ -364,6 +364,7 @@ def test_a_template_that_changes_contents_refuses_special_text_only():
 
 
 def test_chat_tokens_linear_in_the_messages():
+    import gc
     import time
 
     from ggpipe.service.chat_prompt import chat_tokens
@@ -371,12 +372,25 @@ def test_chat_tokens_linear_in_the_messages():
     v = CharVocab("{% for m in messages %}<|s|>{{ m.role }}\n{{ m.content }}<|e|>\n{% endfor %}")
 
     def cost(n):
-        t0 = time.perf_counter()
-        chat_tokens(v, [{"role": "user", "content": f"word {i}"} for i in range(n)], specials=_specials())
-        return time.perf_counter() - t0
+        msgs = [{"role": "user", "content": f"word {i}"} for i in range(n)]
+        best = float("inf")
+        for _ in range(3):   # the least of 3: a busy host only ever adds time
+            t0 = time.perf_counter()
+            chat_tokens(v, msgs, specials=_specials())
+            best = min(best, time.perf_counter() - t0)
+        return best
 
-    cost(500)
-    small, big = cost(2000), cost(16000)
+    # The garbage collector's full passes cost the whole heap's size, which in
+    # a full test run (thousands of tests' objects) made the big case 25x the
+    # small one on CI while this code stayed linear (8.5x here): measure the
+    # algorithm, not the collector.
+    gc.collect()
+    gc.disable()
+    try:
+        cost(500)
+        small, big = cost(2000), cost(16000)
+    finally:
+        gc.enable()
     assert big < 20 * small, (small, big)   # linear: 8x; quadratic: 64x
 
 
