@@ -3,7 +3,8 @@
 # each --parallel of PARALLEL, and, with BEFORE=DIR (a worktree of an earlier commit holding ggpipe/ and its
 # _native*.so), that tree at the same values. Prints one line per run: variant, generated tokens, tokens/s over the
 # trace's span (first stage's first run to the last stage's last run, scripts/trace_rows.py) and over the wall
-# time with start-up, TTFT p50/p90 over the records (ttft_wall_s), a hash of every record's tokens.
+# time with start-up, at most (generated tokens over the busiest stage's run seconds: the rate if that stage had never
+# waited, BENCHMARKS §28), TTFT p50/p90 over the records (ttft_wall_s), a hash of every record's tokens.
 #   [BEFORE=DIR] [PARALLEL="8"] [MODEL=...] [EXTRA="--ignore-eos"] bash scripts/bench_batch_ab.sh IN.jsonl ROUNDS [RANKS] [THREADS]
 set -euo pipefail
 IN=$1; R=$2; N=${3:-2}; T=${4:-1}; M=${MODEL:-smollm2-goliath-40l-f32}; W=$(mktemp -d)
@@ -27,7 +28,8 @@ tt = sorted(x["metrics"]["ttft_wall_s"] for x in recs)
 h = hashlib.sha1(json.dumps(sorted((x["id"], x["tokens"]) for x in recs)).encode()).hexdigest()[:8]
 sm = summary(f"{w}/tr")
 print(f"{name}: {gen} tokens, {gen / sm['seconds']:.1f} tok/s over {sm['seconds']:.2f} s of runs, "
-      f"{gen / (e - s):.1f} with start-up ({e - s:.1f} s), TTFT p50 {1e3 * statistics.median(tt):.0f} ms "
+      f"{gen / (e - s):.1f} with start-up ({e - s:.1f} s), at most {gen / max(sm['work_s']):.1f} "
+      f"(runs {'/'.join(f'{x:.2f}' for x in sm['work_s'])} s), TTFT p50 {1e3 * statistics.median(tt):.0f} ms "
       f"p90 {1e3 * tt[int(0.9 * (len(tt) - 1))]:.0f} ms, tokens {h}", flush=True)
 PY
 done; done; done

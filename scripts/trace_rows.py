@@ -8,6 +8,9 @@ trace of a job (ggpipe/trace.py), the start-up left out.
 Rows: the tokens the first stage computed (prompt and generated), over the
 seconds from its first run's start to the last stage's last run's end.
 Busy: each stage's share of the middle 60% of that span spent in runs.
+Bound: the rows per second the job would make if its busiest stage never
+waited, every run as long as it took (rows over that stage's run seconds,
+the whole trace): no schedule of the same runs beats it (docs/BENCHMARKS.md §28).
 
 ``--detail`` adds where the time went (docs/BENCHMARKS.md §27): per rank the
 runs by size (count, seconds, median milliseconds); the prefill phase (up to
@@ -35,7 +38,8 @@ def _runs(events: dict[int, list[dict]]) -> dict[int, list[tuple]]:
 
 
 def summary(trace_dir: str, events: dict[int, list[dict]] | None = None) -> dict:
-    """``{"rows", "seconds", "rows_per_s", "busy": [share per rank]}``;
+    """``{"rows", "seconds", "rows_per_s", "busy": [share per rank],
+    "work_s": [seconds in runs per rank], "bound_rows_per_s"}``;
     ``events``: the directory's traces already loaded (load_traces).
 
     Raises:
@@ -50,7 +54,9 @@ def summary(trace_dir: str, events: dict[int, list[dict]] | None = None) -> dict
     rows = sum(n for _, _, n, _ in runs[first])
     a, b = t0 + 0.2 * (t1 - t0), t0 + 0.8 * (t1 - t0)
     busy = [sum(d for t, d, _, _ in runs[r] if a <= t <= b) / (b - a) for r in sorted(runs)]
-    return {"rows": rows, "seconds": t1 - t0, "rows_per_s": rows / (t1 - t0), "busy": busy}
+    work = [sum(d for _, d, _, _ in runs[r]) for r in sorted(runs)]
+    return {"rows": rows, "seconds": t1 - t0, "rows_per_s": rows / (t1 - t0), "busy": busy, "work_s": work,
+            "bound_rows_per_s": rows / max(work)}
 
 
 def _pct(v: list[float], q: float) -> float:
@@ -105,7 +111,8 @@ def main() -> None:
     _, events, _ = load_traces(a.trace_dir)
     s = summary(a.trace_dir, events)
     print(f"rows {s['rows']} in {s['seconds']:.2f} s: {s['rows_per_s']:.1f} rows/s; busy "
-          + " ".join(f"{x:.0%}" for x in s["busy"]))
+          + " ".join(f"{x:.0%}" for x in s["busy"])
+          + f"; bound {s['bound_rows_per_s']:.1f} rows/s (runs " + " ".join(f"{x:.2f}" for x in s["work_s"]) + " s)")
     if a.detail:
         print("\n".join(detail(a.trace_dir, a.group, events)))
 

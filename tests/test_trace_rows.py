@@ -39,6 +39,8 @@ def test_rows_per_second_and_busy_shares(tmp_path):
     assert s["seconds"] == pytest.approx(0.097)          # first run's start to the last stage's last end
     assert s["rows_per_s"] == pytest.approx(40 / 0.097)
     assert s["busy"][0] == pytest.approx(0.8, abs=0.15) and s["busy"][1] == pytest.approx(0.5, abs=0.15)
+    assert s["work_s"] == pytest.approx([0.080, 0.050])     # the idle span is no run
+    assert s["bound_rows_per_s"] == pytest.approx(40 / 0.080)   # the busiest stage, never waiting
 
 
 def test_detail_names_the_prefill_phase_the_hops_and_the_heads_turn(tmp_path):
