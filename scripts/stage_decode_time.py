@@ -15,7 +15,9 @@ steps beside each other, as a pipeline's stages compute on one host
 (docs/BENCHMARKS.md §27: the goal configuration's ceiling).
 
 Prints the median and the fastest step (milliseconds) after a prompt of
-``--prompt`` tokens per sequence; steps after the first 8 count.
+``--prompt`` tokens per sequence; steps after the first 8 count. Also the
+prompts' cost per row, with ``--prompt-seqs K`` sequences' prompts in one
+run (K * --prompt rows, at most the ubatch of 512: docs/BENCHMARKS.md §28).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def main() -> None:
                     help="sequences in the context (default --seqs); a multiple of --seqs: the steps take the "
                          "groups of --seqs consecutive ids in turn, as --parallel's micro-batches do")
     ap.add_argument("--layers", default="", help="A:B, one stage's slice (default: the whole model)")
+    ap.add_argument("--prompt-seqs", type=int, default=1, help="sequences whose prompts share one run")
     ap.add_argument("--start-at", type=float, default=0.0, help="time.time() at which the timed steps start")
     a = ap.parse_args()
     whole = resolve(a.model)
@@ -63,10 +66,16 @@ def main() -> None:
             return {"tokens": np.arange(base, base + n, dtype=np.int32)}
         return {"embd": rng.standard_normal((n, st.n_embd), dtype=np.float32)}
 
-    pp = a.prompt
-    for s in range(slots):
-        st.decode(pos=np.arange(pp, dtype=np.int32), n_seq_id=np.ones(pp, np.int32),
-                  seq_ids=np.full(pp, s, np.int32), outputs=np.zeros(pp, np.int8), **inputs(pp, 100 + s))
+    pp, k = a.prompt, a.prompt_seqs
+    if slots % k or k * pp > 512:
+        raise SystemExit("--prompt-seqs must divide the sequences and --prompt-seqs x --prompt be at most 512")
+    prompt_s = []
+    for s in range(0, slots, k):
+        t0 = time.perf_counter()
+        st.decode(pos=np.tile(np.arange(pp, dtype=np.int32), k), n_seq_id=np.ones(k * pp, np.int32),
+                  seq_ids=np.repeat(np.arange(s, s + k, dtype=np.int32), pp), outputs=np.zeros(k * pp, np.int8),
+                  **inputs(k * pp, 100 + s))
+        prompt_s.append(time.perf_counter() - t0)
     steps = [inputs(a.seqs, 200 + i) for i in range(a.steps)]
     if a.start_at:
         time.sleep(max(0.0, a.start_at - time.time()))
@@ -82,7 +91,8 @@ def main() -> None:
     st.close()
     ms = 1000 * np.array(times[8:])
     print(f"layers {start}-{stop - 1} of {n_all}, {a.seqs} of {slots} sequences a step, {a.threads} thread(s), n_ctx {n_ctx}: "
-          f"median {np.median(ms):.1f} ms, fastest {ms.min():.1f} ms per step")
+          f"median {np.median(ms):.1f} ms, fastest {ms.min():.1f} ms per step; prompts in runs of {k * pp} rows: "
+          f"{1000 * np.median(prompt_s) / (k * pp):.2f} ms a row (median)")
 
 
 if __name__ == "__main__":
