@@ -35,7 +35,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from peer_llamacpp import bin_path  # noqa: E402
+import bench_parallel  # noqa: E402
 
 from ggpipe.models.registry import resolve  # noqa: E402
 
@@ -59,16 +59,10 @@ def median_ms(p: subprocess.Popen) -> float:
 
 
 def batched_bench(model: str) -> dict[int, float]:
-    """S_TG (generated tokens/s) of llama-batched-bench at 1 and 8 sequences, 2 threads."""
-    out = subprocess.run([str(bin_path("llama-batched-bench", llamafile=False)), "-m", str(resolve(model)),
-                          "-c", "4096", "-b", "512", "-ub", "512", "-npp", "64", "-ntg", "128", "-npl", "1,8",
-                          "-t", "2", "-fa", "off"], capture_output=True, text=True, timeout=900, check=True).stdout
-    rows = {}
-    for line in out.splitlines():
-        cells = [c.strip() for c in line.split("|")]
-        if len(cells) > 9 and cells[1].isdigit():  # | PP | TG | B | N_KV | T_PP | S_PP | T_TG | S_TG | T | S |
-            rows[int(cells[3])] = float(cells[8])
-    return rows
+    """S_TG (generated tokens/s) of llama-batched-bench at 1 and 8 sequences of 64 + 128 tokens, 2 threads,
+    llamafile off: bench_parallel.py's run of it (the goals table's)."""
+    rows = bench_parallel.batched_bench(str(resolve(model)), [1, 8], 128, 2, 64, llamafile=False)
+    return {b: r["gen_tokens_per_s"] for b, r in rows.items()}
 
 
 def main() -> None:
