@@ -13,6 +13,7 @@ from ggpipe.cli.parallel import micro_batches_option, parallel_option, with_para
 from ggpipe.cli.strategies import JobCommand
 from ggpipe.cli.types import Finite
 from ggpipe.frontends.http_guard import Access
+from ggpipe.frontends.http_limits import READ_TIMEOUT_S, RESERVED_FDS
 
 
 @click.command(cls=JobCommand)
@@ -93,6 +94,12 @@ def batch(ctx, prompts, output, progress, parallel, micro_batches, **kw):
               "http://localhost:3000; none by default.")
 @click.option("--max-body-bytes", default=Access.max_body_bytes, show_default=True, type=click.IntRange(1024),
               help="Largest request body (bytes); larger gets HTTP 413.")
+@click.option("--max-connections", default=None, type=click.IntRange(1),
+              help=f"Most open connections; beyond it the oldest one that has not sent a whole request is closed, "
+                   f"or, when every one is busy, the new one gets HTTP 503. Default: the open-file limit "
+                   f"(ulimit -n) less {RESERVED_FDS}.")
+@click.option("--read-timeout", default=READ_TIMEOUT_S, show_default=True, type=Finite(0.1),
+              help="Seconds a request's headers and body may take to arrive; then the connection is closed.")
 @click.option("--model-alias", default=None, help="Model name clients see (default: the GGUF file name).")
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(1),
               help="Most requests waiting for the pipeline; more get HTTP 503.")
@@ -104,10 +111,11 @@ def batch(ctx, prompts, output, progress, parallel, micro_batches, **kw):
 @parallel_option
 @micro_batches_option
 @click.pass_context
-def serve(ctx, host, port, api_key, api_key_file, allowed_hosts, allowed_origins, max_body_bytes, model_alias,
-          max_queue, shutdown_grace, allow_special_in_messages, parallel, micro_batches, **kw):
+def serve(ctx, host, port, api_key, api_key_file, allowed_hosts, allowed_origins, max_body_bytes, max_connections,
+          read_timeout, model_alias, max_queue, shutdown_grace, allow_special_in_messages, parallel, micro_batches, **kw):
     """OpenAI-compatible HTTP server on the head rank (/v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics, /slots). --parallel requests run at once; -n and --temp etc. are the request defaults."""
+    from ggpipe.frontends.http_limits import ConnectionLimits, default_max_connections
     from ggpipe.frontends.serve import read_api_key, run_serve
 
     job, sampling, n_predict = split_job_options(kw)
@@ -119,5 +127,6 @@ def serve(ctx, host, port, api_key, api_key_file, allowed_hosts, allowed_origins
 
     access = Access(names(allowed_hosts), names(allowed_origins), max_body_bytes)
     sys.exit(run_serve(job, host, port, key, n_predict, sampling, model_alias, max_queue, shutdown_grace, access,
-                       special_in_messages=allow_special_in_messages))
+                       special_in_messages=allow_special_in_messages,
+                       limits=ConnectionLimits(max_connections or default_max_connections(), read_timeout)))
 

@@ -32,6 +32,12 @@ Access: besides the API key (``--api-key-file`` or ``GGPIPE_API_KEY``; an
 ``--allowed-origins`` (CORS; none by default), POST bodies must be
 ``application/json`` and at most ``--max-body-bytes`` (ggpipe.frontends.http_guard).
 
+Floods: at most ``--max-connections`` connections are open (beyond it the
+oldest one without a whole request is closed, or the new one gets 503), a
+request's headers and body must arrive within ``--read-timeout`` seconds,
+and refused connections make one log line a second at most
+(ggpipe.frontends.http_limits).
+
 While no request comes, the head sends a no-op KV operation down every
 pipeline now and then, so that worker ranks, whose wait between
 transactions is bounded, know the head is alive.
@@ -51,6 +57,8 @@ from ggpipe.errors import ConfigError, GGPipeError
 from ggpipe.service.engine import Engine
 from ggpipe.service.job import JobSpec, head_signals, ignore_signals, run_job
 from ggpipe.frontends.http_guard import Access
+from ggpipe.frontends.http_limits import ConnectionLimits, default_max_connections
+from ggpipe.frontends.http_protocol import GuardedServer, guarded_config
 from ggpipe.frontends.serve_app import create_app
 from ggpipe.frontends.serve_bodies import APIError, answer, internal_error, log_error, pipeline_failed
 from ggpipe.frontends.serve_state import ServerState
@@ -127,12 +135,16 @@ class Server:
             shutdown signal.
         special_in_messages: special-token text in a chat message becomes
             special tokens (the old behaviour; by default it stays text).
+        limits: the connection cap and read time limit
+            (ggpipe.frontends.http_limits; default: its defaults).
     """
 
     def __init__(self, engine: Engine, host: str, port: int, api_key: str | None, n_predict: int,
                  sampling: SamplingParams, model_id: str | None = None, max_queue: int = 64,
-                 shutdown_grace_s: float = 30.0, access: Access | None = None, special_in_messages: bool = False):
+                 shutdown_grace_s: float = 30.0, access: Access | None = None, special_in_messages: bool = False,
+                 limits: ConnectionLimits | None = None):
         self.engine = engine
+        self.limits = limits or ConnectionLimits(default_max_connections())
         self.host = host
         self.sock = bind_socket(host, port)
         self.port = self.sock.getsockname()[1]
@@ -191,11 +203,9 @@ class Server:
         Raises:
             ConfigError: uvicorn did not start within ``timeout_s``.
         """
-        import uvicorn  # noqa: PLC0415
-
-        cfg = uvicorn.Config(create_app(self.state), log_level="warning", lifespan="off",
+        cfg = guarded_config(create_app(self.state), self.limits, log_level="warning", lifespan="off",
                              timeout_graceful_shutdown=int(self.shutdown_grace_s) + 10, access_log=False)
-        self.http = uvicorn.Server(cfg)
+        self.http = GuardedServer(cfg, self.limits)
         self.thread = threading.Thread(target=self.http.run, kwargs={"sockets": [self.sock]}, name="ggpipe-http",
                                        daemon=True)
         self.thread.start()
@@ -321,9 +331,10 @@ def _url_host(host: str) -> str:
 
 def run_serve(job: JobSpec, host: str, port: int, api_key: str | None, n_predict: int, sampling: SamplingParams,
               model_id: str | None = None, max_queue: int = 64, shutdown_grace_s: float = 30.0,
-              access: Access | None = None, special_in_messages: bool = False) -> int:
+              access: Access | None = None, special_in_messages: bool = False,
+              limits: ConnectionLimits | None = None) -> int:
     """Entry point of every rank; returns the exit code (0 after a signal).
-    ``special_in_messages``: see :class:`Server`.
+    ``special_in_messages``, ``limits``: see :class:`Server`.
 
     Raises:
         ConfigError: the address cannot be bound; bad settings.
@@ -332,7 +343,7 @@ def run_serve(job: JobSpec, host: str, port: int, api_key: str | None, n_predict
 
     def head(engine: Engine) -> int:
         server = Server(engine, host, port, api_key, n_predict, sampling, model_id, max_queue, shutdown_grace_s,
-                        access, special_in_messages)
+                        access, special_in_messages, limits)
         with head_signals(server.on_signal):
             return server.serve()
 
