@@ -124,8 +124,9 @@ def test_documented_bad_input(row, files):
               if ln.strip() and "ggpipe: error: " not in ln and not re.match(r"^(deriving|Writing|cutting)", ln)]
     assert not others, p.stderr
     assert row["message"] in errors[0], errors[0]
-    if row["id"] in ("batch-foreign-output", "calibrate-foreign-output"):
+    if "notes" in row["command"]:
         assert files["notes"].read_text() == "precious data"
+    assert not (files["out"] / "newdir").exists()   # outputs are checked before any folder is made
     if row["id"] == "batch-disk-full":
         data = (files["out"] / "results.jsonl").read_bytes()
         assert data == b"", data  # the first record does not fit in 200 bytes: cut back, no half record

@@ -176,6 +176,32 @@ def rows_head(rows: list[tuple[int, str]], rank: int) -> str | None:
     return lanes[0] if lanes else None
 
 
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def not_a_png(path: Path) -> str | None:
+    """Why the existing file ``path`` is not a chart :func:`draw` may
+    replace (it is not a PNG), or None."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(PNG_SIGNATURE))
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    return None if head == PNG_SIGNATURE else "exists and is not a PNG image: not overwriting it"
+
+
+def not_a_chrome_trace(path: Path) -> str | None:
+    """Why the existing file ``path`` is not a trace :func:`chrome_trace`
+    may replace (not JSON with ``traceEvents``), or None."""
+    try:
+        obj = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        obj = None
+    if isinstance(obj, dict) and "traceEvents" in obj:
+        return None
+    return "exists and is not a Chrome trace: not overwriting it"
+
+
 def chrome_trace(trace_dir: str | Path, out_json: str | Path) -> Path:
     """Export the traces as Chrome trace JSON (µs, one pid per rank, one tid per lane)."""
     _, events, meta = load_traces(trace_dir)

@@ -79,7 +79,9 @@ def bench_command(target, draft, modes, ranks, prompt_set, n, repeat, links, thr
     from ggpipe.bench.prompts import load_prompts
     from ggpipe.bench.results import finish_report, read_csv, spec_title, title_from_rows
     from ggpipe.bench.sweep import run_bench
+    from ggpipe.output_paths import check_output
 
+    output = check_output(output, directory=True, what="the results folder")
     if plots_only:
         csv_path = output / "results.csv"
         if not csv_path.is_file():
@@ -118,8 +120,12 @@ def bench_command(target, draft, modes, ranks, prompt_set, n, repeat, links, thr
 def timeline_command(trace_dir, output, chrome, start_ms, end_ms):
     """Draw a per-rank Gantt chart (PipeInfer Fig. 3) from a GGPIPE_TRACE_DIR trace directory."""
     from ggpipe.bench import timeline
+    from ggpipe.output_paths import check_output
 
-    png = timeline.draw(trace_dir, output or trace_dir / "timeline.png", start_ms, end_ms)
+    png_path = check_output(output or trace_dir / "timeline.png", foreign=timeline.not_a_png, what="the chart")
+    chrome = chrome and check_output(chrome, inputs=(png_path,), foreign=timeline.not_a_chrome_trace,
+                                     what="the Chrome trace")
+    png = timeline.draw(trace_dir, png_path, start_ms, end_ms)
     click.echo(f"wrote {png}")
     if chrome:
         click.echo(f"wrote {timeline.chrome_trace(trace_dir, chrome)}")

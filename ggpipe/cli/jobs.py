@@ -72,7 +72,9 @@ def batch(ctx, prompts, output, progress, parallel, micro_batches, **kw):
     Each result is written (and fsync'd) as it finishes; rerunning the same
     command resumes where a killed job stopped."""
     from ggpipe.frontends.batch import run_batch
+    from ggpipe.frontends.batch_output import check_output_path
 
+    output = check_output_path(output, prompts)   # resolved: newdir/../in.jsonl is the input
     job, sampling, n_predict = split_job_options(kw)
     job = with_parallel(job, parallel, ctx, micro_batches)
     sys.exit(run_batch(job, prompts, output, n_predict, sampling, progress))

@@ -141,7 +141,9 @@ def split_command(model: str, split_text: str | None, stages: int | None, out_di
     Writes DIR/<stem>.stage<i>-L<start>-<stop>.gguf (layers [start, stop))."""
     from ggpipe.cluster.loading import layer_ranges
     from ggpipe.cluster.split import parse_split
+    from ggpipe.output_paths import check_output
 
+    out_dir = check_output(out_dir, directory=True, what="the output folder")
     spec = parse_split(split_text)
     if spec.draft is not None:
         raise GGPipeError("split takes one model's weights: give --split without '/' and draft weights")

@@ -48,18 +48,17 @@ def calibrate_command(model, draft, threads, reps, concurrent, output, timeout_s
     from ggpipe.models.registry import resolve
     from ggpipe.models.sizes import model_sizes
     from ggpipe.sim.calibrate import calibrate_job
-    from ggpipe.sim.profile import Profile
+    from ggpipe.output_paths import check_output, make_parent
+    from ggpipe.transport.launcher_signal import launched_rank
     from ggpipe.transport.mpi import Transport, mpi_world
 
-    if output.exists():
-        try:
-            Profile.load(output)
-        except ConfigError:
-            raise ConfigError(f"{output} exists and is not a ggpipe profile: not overwriting it") from None
+    output = check_output(output, foreign=_not_a_profile, what="the profile")   # before any measuring
     for name in (model, draft):  # every rank checks its inputs before the ranks meet
         if name is not None:
             resolve(name)
             model_sizes(name)
+    if launched_rank() in (None, 0):
+        make_parent(output, "the profile")   # only the head writes it
     world = mpi_world()
     if world is None or world[2] == 1:
         transport = _Solo()
@@ -75,7 +74,10 @@ def calibrate_command(model, draft, threads, reps, concurrent, output, timeout_s
     if prof is None:
         return
     prof.meta["command"] = " ".join(sys.argv)
-    prof.save(output)
+    try:
+        prof.save(output)
+    except OSError as e:
+        raise ConfigError(f"cannot write the profile {output}: {e.strerror or e}") from None
     _say(f"wrote {output} ({len(prof.hosts)} rank(s), {len(prof.links)} link(s))")
     h = prof.hosts[0]
     click.echo(json.dumps({"output": str(output), "layer_ms_b1": round(1e3 * h.layer_s[0], 4),
@@ -84,6 +86,17 @@ def calibrate_command(model, draft, threads, reps, concurrent, output, timeout_s
                            "overhead_ms": round(1e3 * h.overhead_s, 4),
                            "links": [[ln.src, ln.dst, round(1e6 * ln.latency_s, 1), round(ln.bandwidth_Bps / 1e6, 1)]
                                      for ln in prof.links]}))
+
+
+def _not_a_profile(path: Path) -> str | None:
+    """Why an existing ``path`` is not a profile ggpipe may replace, or None."""
+    from ggpipe.sim.profile import Profile  # noqa: PLC0415
+
+    try:
+        Profile.load(path)
+    except ConfigError:
+        return "exists and is not a ggpipe profile: not overwriting it"
+    return None
 
 
 class _Solo:

@@ -29,10 +29,10 @@ from __future__ import annotations
 import errno
 import json
 import os
-import stat
 from pathlib import Path
 
 from ggpipe.errors import ConfigError
+from ggpipe.output_paths import check_output
 
 #: Keys of a batch record: always / sometimes present.
 RECORD_KEYS = frozenset({"id", "text", "tokens", "finish_reason"})
@@ -67,32 +67,16 @@ def is_record(obj) -> bool:
             and (isinstance(obj["id"], (str, int)) and not isinstance(obj["id"], bool)))
 
 
-def check_output_path(output: str | os.PathLike, input_path: str | os.PathLike | None = None) -> None:
-    """Refuse an output that batch must not read or append to.
+def check_output_path(output: str | os.PathLike, input_path: str | os.PathLike | None = None) -> Path:
+    """Refuse an output that batch must not read or append to; returns it
+    resolved (``..`` and symlinks, also through folders not made yet:
+    :func:`ggpipe.output_paths.check_output`), the path to write to.
 
     Raises:
         ConfigError: the output is not a regular file (device, FIFO, socket,
-            directory), or is the input file itself.
+            directory), is the input file itself, or lies under a file.
     """
-    out = Path(output)
-    try:
-        st = out.stat()
-    except FileNotFoundError:
-        return
-    except OSError as e:
-        raise ConfigError(f"cannot use the output file {out}: {e.strerror or e}") from None
-    if stat.S_ISDIR(st.st_mode):
-        raise ConfigError(f"the output {out} is a directory; give a file path with -o")
-    if not stat.S_ISREG(st.st_mode):
-        raise ConfigError(f"the output {out} is not a regular file (a device, pipe or terminal); batch appends "
-                          f"records to a file it can resume from: give a file path with -o and read it from there")
-    if input_path is not None:
-        try:
-            same = os.path.samefile(out, input_path)
-        except OSError:
-            same = False
-        if same:
-            raise ConfigError(f"the output {out} is the input file; give another file with -o")
+    return check_output(output, inputs=(input_path,))
 
 
 def scan_output(path: str | os.PathLike) -> tuple[set[str], int | None]:
@@ -107,8 +91,8 @@ def scan_output(path: str | os.PathLike) -> tuple[set[str], int | None]:
         ConfigError: the file cannot be read, or holds anything that is not a
             ggpipe batch record (naming the first such line).
     """
+    check_output_path(path)
     p = Path(path)
-    check_output_path(p)
     try:
         data = p.read_bytes()
     except FileNotFoundError:
