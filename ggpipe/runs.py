@@ -14,19 +14,38 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ggpipe.errors import ConfigError
 from ggpipe.logits import TopLogits
 
 RUN_ID_MODULUS = 2**31   # run ids travel in int32 message fields (ggpipe.transport.messages): 0..2^31-1
 _HALF = RUN_ID_MODULUS // 2
 
 
-def _first_run_id() -> int:
-    """The first run id: 1, or ``GGPIPE_FIRST_RUN_ID`` (tests start near the wrap-around)."""
-    v = os.environ.get("GGPIPE_FIRST_RUN_ID", "").strip()
-    return int(v) % RUN_ID_MODULUS if v else 1
+def parse_first_run_id(text: str) -> int:
+    """The first run id that ``GGPIPE_FIRST_RUN_ID``'s ``text`` asks for
+    (tests start near the wrap-around): a whole number, taken modulo 2^31;
+    1 when empty.
+
+    Raises:
+        ConfigError: not a whole number.
+    """
+    v = text.strip()
+    if not v:
+        return 1
+    try:
+        return int(v) % RUN_ID_MODULUS
+    except ValueError:
+        raise ConfigError(f"GGPIPE_FIRST_RUN_ID={text!r}: give a whole number (the first run id)") from None
 
 
-_next_id = _first_run_id()
+def _initial_run_id() -> int:
+    try:
+        return parse_first_run_id(os.environ.get("GGPIPE_FIRST_RUN_ID", ""))
+    except ConfigError:
+        return 1   # refused when the command starts (ggpipe.env_check), after this module is imported
+
+
+_next_id = _initial_run_id()
 _id_lock = threading.Lock()
 
 

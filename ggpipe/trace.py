@@ -29,6 +29,7 @@ import atexit
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -87,11 +88,26 @@ def _init() -> Tracer | None:
     if not d:
         return None
     t = Tracer(d)
-    atexit.register(t.write)
+    atexit.register(_write_at_exit, t)
     return t
 
 
+def _write_at_exit(t: Tracer) -> None:
+    """Write the trace at exit; a folder that went away or filled up since
+    the start-up check (ggpipe.env_check) is one line, not a traceback."""
+    try:
+        t.write()
+    except OSError as e:
+        sys.stderr.write(f"ggpipe: warning: rank {t.rank}: cannot write the trace into {t.dir} "
+                         f"({e.strerror or e})\n")
+
+
 _TRACER = _init()
+
+
+def discard() -> None:
+    """Write no trace at exit (the folder was refused at start-up)."""
+    atexit.unregister(_write_at_exit)
 
 
 def tracer() -> Tracer | None:

@@ -32,6 +32,7 @@ from ggpipe.cli.jobs import batch, chat, generate, serve
 from ggpipe.cli.models import models_group, split_command
 from ggpipe.cli.plan import plan
 from ggpipe.cli.sim import calibrate_command, simulate_command
+from ggpipe.env_check import check_environment
 from ggpipe.errors import GGPipeError, RankFailedError
 from ggpipe.transport.launcher_signal import launched_rank
 
@@ -48,6 +49,7 @@ WORKER_INTERRUPT_GRACE_S = 3.0
 def cli(verbose: int) -> None:
     """Pipeline-parallel GGUF inference over MPI (PipeInfer)."""
     _state["verbose"] = verbose
+    check_environment()   # every GGPIPE_* variable, before any work (one line from the head under MPI)
     if verbose:
         os.environ["GGPIPE_VERBOSE"] = "1"  # per-rank details (CPU affinity) at start-up
     from ggpipe.runtime import llama  # noqa: PLC0415

@@ -88,7 +88,7 @@ def report_startup_error(message: str, timeout_s: float | None = None,
     if world is None or world[2] == 1:
         return message, exit_code
     comm, rank, size = world
-    transport = Transport(comm, timeout_s=timeout_s)
+    transport = Transport(comm, timeout_s=timeout_s, emulate_link=False)
     transport.interrupt = check_launcher_signal
     me = rank_info(rank)
     hello = {"digest": None, "error": message, "code": exit_code, "host": me["host"], "pid": me["pid"],

@@ -12,12 +12,30 @@ micro-batch almost for free. No MPI.
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
+from ggpipe.errors import ConfigError
 from ggpipe.decoding.slots import Slot, _Row
 from ggpipe.runs import RunResult
 from ggpipe.speculation.adaptive import PassCost
 from ggpipe.speculation.gate import DraftGate
+
+
+#: The variable that turns pipeinfer's look-ahead rows under ``--parallel`` on or off.
+LOOKAHEAD_ENV = "GGPIPE_LOOKAHEAD"
+
+
+def lookahead_setting(env=None) -> str:
+    """``GGPIPE_LOOKAHEAD`` in ``env`` (default: the process's): ``on``,
+    ``off`` or ``auto`` (unset or empty: ``auto``).
+
+    Raises:
+        ConfigError: another value."""
+    v = (os.environ if env is None else env).get(LOOKAHEAD_ENV, "").strip().lower() or "auto"
+    if v not in ("on", "off", "auto"):
+        raise ConfigError(f"{LOOKAHEAD_ENV}={v!r}: use on, off or auto")
+    return v
 
 
 class LoneDrafts:

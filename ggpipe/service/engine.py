@@ -40,7 +40,7 @@ from ggpipe.runtime import llama as _llama
 from ggpipe.service.chat_prompt import chat_tokens
 from ggpipe.service.text import TextStream
 
-LOOKAHEAD_ENV = "GGPIPE_LOOKAHEAD"
+from ggpipe.decoding.lone_drafts import LOOKAHEAD_ENV, lookahead_setting  # noqa: E402,F401 (LOOKAHEAD_ENV: its old home)
 
 
 def lookahead_wanted(session: Session) -> bool:
@@ -55,9 +55,7 @@ def lookahead_wanted(session: Session) -> bool:
 
     Raises:
         ConfigError: another value."""
-    v = os.environ.get(LOOKAHEAD_ENV, "").strip().lower() or "auto"
-    if v not in ("on", "off", "auto"):
-        raise ConfigError(f"{LOOKAHEAD_ENV}={v!r}: use on, off or auto")
+    v = lookahead_setting()
     if v != "auto":
         return v == "on"
     hosts = session.target_hosts

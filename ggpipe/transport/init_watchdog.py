@@ -34,13 +34,28 @@ from ggpipe.transport.rank_guard import mark_reported
 DEFAULT_TIMEOUT_S = 30.0  # room for ranks that start seconds apart (ssh launch, Python on NFS)
 
 
-def init_timeout_s() -> float:
-    """``GGPIPE_INIT_TIMEOUT`` (seconds, > 0), else the default 30 s."""
-    try:
-        v = float(os.environ.get("GGPIPE_INIT_TIMEOUT", DEFAULT_TIMEOUT_S))
-    except ValueError:
+def init_timeout_s(env=None, strict: bool = False) -> float:
+    """``GGPIPE_INIT_TIMEOUT`` in ``env`` (default: the process's; seconds, a
+    finite number > 0), else the default 30 s. A bad value gives the default,
+    or with ``strict`` (the start-up check, ggpipe.env_check) an error.
+
+    Raises:
+        ConfigError: with ``strict``, a value that is not a number > 0.
+    """
+    text = (os.environ if env is None else env).get("GGPIPE_INIT_TIMEOUT", "").strip()
+    if not text:
         return DEFAULT_TIMEOUT_S
-    return v if math.isfinite(v) and v > 0 else DEFAULT_TIMEOUT_S
+    try:
+        v = float(text)
+    except ValueError:
+        v = math.nan
+    if math.isfinite(v) and v > 0:
+        return v
+    if strict:
+        from ggpipe.errors import ConfigError  # noqa: PLC0415
+
+        raise ConfigError(f"GGPIPE_INIT_TIMEOUT={text!r}: give the seconds the ranks may take to meet, a number > 0")
+    return DEFAULT_TIMEOUT_S
 
 
 def _child(r: int, parent: int, rank: int | None, timeout_s: float) -> None:

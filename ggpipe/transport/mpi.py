@@ -135,11 +135,16 @@ class Transport:
         idle_after_s, poll_idle_s: a wait longer than ``idle_after_s`` (an
             idle rank, not a pipeline hop) sleeps ``poll_idle_s`` between probes.
         max_pending: sends in flight before :meth:`send` waits for the oldest.
+        emulate_link: delay messages as ``GGPIPE_LINK`` asks (False: never).
+
+    Raises:
+        ConfigError: ``GGPIPE_LINK`` is malformed (with ``emulate_link``).
     """
 
     def __init__(self, comm, hosts=None, timeout_s: float = 60.0, spin_s: float = 50e-6,
                  poll_min_s: float = 10e-6, poll_max_s: float = 100e-6, idle_after_s: float = 0.1,
-                 poll_idle_s: float = 1e-3, max_pending: int = 256, poll_compute_s: float = 1e-3):
+                 poll_idle_s: float = 1e-3, max_pending: int = 256, poll_compute_s: float = 1e-3,
+                 emulate_link: bool = True):
         from mpi4py import MPI  # noqa: PLC0415
 
         self.MPI = MPI
@@ -160,7 +165,9 @@ class Transport:
         self._helpers: list[PollingHelper] = []   # idle progress threads (computing() may run in two threads)
         self.bytes_sent = 0
         self.messages_sent = 0
-        self._link = _link.from_env()  # GGPIPE_LINK: emulated interconnect (ggpipe/transport/link.py), or None
+        # GGPIPE_LINK: emulated interconnect (ggpipe/transport/link.py), or None; never for the exchange
+        # that carries a start-up error (emulate_link False), which may be GGPIPE_LINK's own
+        self._link = _link.from_env() if emulate_link else None
         self.interrupt: Callable[[], None] | None = None  # called while a wait sleeps; may raise to end it
         _tight_timer_slack()
 
