@@ -36,6 +36,14 @@ class ConfigError(GGPipeError):
     ranks started with different arguments, bad thread list, ..."""
 
 
+class BuildError(ConfigError):
+    """A setting this llama.cpp build cannot give (``--exact`` on a build with
+    llamafile's sgemm): a usage error, exit code 2, reported before any rank
+    loads weights; the message names the install line that fixes it."""
+
+    exit_code = 2
+
+
 class ProtocolError(GGPipeError):
     """A message between ranks that does not match its documented layout."""
 

@@ -43,12 +43,13 @@ def top_k_sorted(x: np.ndarray, k: int) -> np.ndarray:
 
 def reply_k_for(greedy: bool, top_k: int, width: int = 1) -> int:
     """The smallest reply that decides like the full row: greedy reads the
-    ``width`` best tokens and the next (a tree of that width; 1 for a chain or
-    the target's argmax), top-k sampling the top ``top_k``; 0 (full rows)
-    when sampling keeps more than MAX_REPLY_K tokens or is not top-k
-    limited."""
+    ``width`` best tokens and the next (a tree of that width; 2 for a chain or
+    the target's argmax: the argmax and the runner-up, whose gap is the
+    decision's margin, :func:`top2_margin`), top-k sampling the top
+    ``top_k``; 0 (full rows) when sampling keeps more than MAX_REPLY_K
+    tokens or is not top-k limited."""
     if greedy:
-        return width + 1 if width > 1 else 1
+        return width + 1
     return top_k if 0 < top_k <= MAX_REPLY_K else 0
 
 
@@ -92,6 +93,16 @@ class TopLogits:
 
     def __getitem__(self, i: int) -> TopRow:
         return TopRow(self.ids[i], self.values[i], float(self.lse[i]), self.n_vocab)
+
+
+def top2_margin(row) -> float | None:
+    """The best logit minus the runner-up's (logit units, >= 0) of a full
+    float32 (n_vocab,) row or a :class:`TopRow` with k >= 2; None for a
+    compact row of one. How close a greedy decision came to a tie."""
+    if isinstance(row, TopRow):
+        return float(row.values[0] - row.values[1]) if row.values.size >= 2 else None
+    top2 = np.partition(np.asarray(row), -2)[-2:]
+    return float(top2[1] - top2[0])
 
 
 def top_k(logits: np.ndarray, k: int) -> TopLogits:

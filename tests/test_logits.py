@@ -103,7 +103,7 @@ def test_sampling_refuses_a_compact_row_that_holds_too_little():
     with pytest.raises(ValueError, match="ask for full rows"):
         s.sample(top_k(rows(3), 4)[0])
     assert reply_k_for(False, 0) == 0 and reply_k_for(False, MAX_REPLY_K + 1) == 0  # full rows then
-    assert reply_k_for(True, 40) == 1 and reply_k_for(True, 40, width=3) == 4
+    assert reply_k_for(True, 40) == 2 and reply_k_for(True, 40, width=3) == 4
 
 
 def test_messages_carry_reply_k_and_top_k():

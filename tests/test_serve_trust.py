@@ -93,6 +93,7 @@ class FakeEngine:
         self.session = SimpleNamespace(model_path="m.gguf", stage=SimpleNamespace(n_vocab=100), size=1,
                                        hosts=["h"], liveness=None, pipeline=pipe, draft_pipelines=[], activity=None)
         self.n_ctx, self.mode, self.parallel, self.scheduler = 64, "iterative", 1, None
+        self.kernels = {"batch_rows_exact": True}
         self.vocab = SimpleNamespace(chat_template=lambda: None)
         self.fail = fail
         self.calls: list[str] = []

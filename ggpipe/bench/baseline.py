@@ -4,9 +4,11 @@ model, one context, no ggpipe code.
 The prompt is decoded in one batch, then one token per ``llama_decode``;
 greedy = argmax of the logits. This is the reference the exactness tests
 compare every mode and split with, and the baseline of the benchmarks.
-``use_extra_bufts=False`` only avoids the AMX crash on multi-token batches of
-Q4_1 models (NOTES-llamacpp); flash attention is off, as in
-llama-cpp-python's ``Llama`` default (and in ggpipe's stages).
+The weights take the same kernels as ggpipe's stages: llama.cpp's extra
+buffer types (repacking) unless ``extra_bufts=False`` (``--exact``,
+``--no-repack``), the AMX one left out (ggpipe.runtime.kernels); flash
+attention is off, as in llama-cpp-python's ``Llama`` default (and in
+ggpipe's stages).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ggpipe.runtime.kernels import use_extra_bufts
 from ggpipe.runtime.llama import flash_attn_type, kv_cache_type
 
 
@@ -40,9 +43,9 @@ class BaselineResult:
 
 
 def _open(L, model_path, n_ctx: int, n_threads: int, flash_attn: str = "off", type_k: str = "f16",
-          type_v: str = "f16"):
+          type_v: str = "f16", extra_bufts: bool = True):
     mp = L.llama_model_default_params()
-    mp.use_extra_bufts = False
+    mp.use_extra_bufts = use_extra_bufts(extra_bufts)
     model = L.llama_model_load_from_file(str(model_path).encode(), mp)
     if not model:
         raise RuntimeError(f"llama.cpp could not load {model_path}")
@@ -97,18 +100,19 @@ def _greedy_after(L, ctx, vocab, tokens: list[int], n_predict: int, ignore_eos: 
 
 def greedy(model_path: str | Path, prompt: str, n_predict: int, n_threads: int = 1, n_ctx: int = 2048,
            ignore_eos: bool = False, flash_attn: str = "off", margins: list[float] | None = None,
-           type_k: str = "f16", type_v: str = "f16") -> BaselineResult:
+           type_k: str = "f16", type_v: str = "f16", extra_bufts: bool = True) -> BaselineResult:
     """Greedy generation of up to ``n_predict`` tokens after ``prompt``
     (tokenized with BOS per the model and special tokens parsed, as ggpipe);
     ``flash_attn``: "off" (the reference configuration), "on" or "auto";
     ``type_k``/``type_v``: the KV cache types (llama.cpp's ``-ctk``/``-ctv``
-    names; f16, its default, is the reference configuration).
+    names; f16, its default, is the reference configuration);
+    ``extra_bufts``: llama.cpp's extra buffer types (False: ``--exact``).
     With ``margins``, appends each step's top-1 minus top-2 logit (how close
     the greedy choice was to a tie)."""
     from ggpipe.runtime.llama import lib
 
     L = lib()
-    model, ctx = _open(L, model_path, n_ctx, n_threads, flash_attn, type_k, type_v)
+    model, ctx = _open(L, model_path, n_ctx, n_threads, flash_attn, type_k, type_v, extra_bufts)
     vocab = L.llama_model_get_vocab(model)
     try:
         toks = _tokenize(L, vocab, prompt)
@@ -123,7 +127,7 @@ def greedy(model_path: str | Path, prompt: str, n_predict: int, n_threads: int =
 
 
 def greedy_turns(model_path: str | Path, prompts: list[str], n_predict: int, n_ctx: int = 2048,
-                 margins: list[list[float]] | None = None) -> list[list[int]]:
+                 margins: list[list[float]] | None = None, extra_bufts: bool = True) -> list[list[int]]:
     """Greedy replies to successive prompts in one context, keeping the KV
     cache's common prefix between them (as llama-cpp-python's ``Llama`` and
     llama.cpp's server do): cells from the first differing token on are
@@ -134,7 +138,7 @@ def greedy_turns(model_path: str | Path, prompts: list[str], n_predict: int, n_c
     from ggpipe.runtime.llama import lib
 
     L = lib()
-    model, ctx = _open(L, model_path, n_ctx, 1)
+    model, ctx = _open(L, model_path, n_ctx, 1, extra_bufts=extra_bufts)
     vocab = L.llama_model_get_vocab(model)
     mem = L.llama_get_memory(ctx)
     kv: list[int] = []

@@ -107,7 +107,9 @@ def models_info(model: str) -> None:
     experts = f"{n_expert}, {n_used} per token" if n_expert else "none (dense)"
     from ggpipe.runtime.llama import file_is_recurrent  # noqa: PLC0415 (loads llama.cpp)
 
-    speculative = "no: a recurrent state per sequence (--mode iterative)" if file_is_recurrent(info.path) else "yes"
+    recurrent = file_is_recurrent(info.path)
+    speculative = "no: a recurrent state per sequence (--mode iterative)" if recurrent else "yes"
+    from ggpipe.models.row_probe import describe_rows  # noqa: PLC0415 (loads the model once, then cached)
     rows = [
         ("path", str(info.path)),
         ("arch", info.arch),
@@ -122,6 +124,7 @@ def models_info(model: str) -> None:
         ("experts", experts),
         ("can be split", sliceable),
         ("speculative modes", speculative),
+        ("batch rows", "not used (no speculation)" if recurrent else describe_rows(info.path)),
     ]
     w = max(len(k) for k, _ in rows)
     for k, v in rows:

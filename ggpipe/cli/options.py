@@ -58,6 +58,13 @@ def cluster_options(f):
                                                    "RLIMIT_MEMLOCK room, llama.cpp warns if it fails)."),
         click.option("--no-mmap", is_flag=True, help="Read the weights into memory instead of mapping them "
                                                      "(llama.cpp's --no-mmap)."),
+        click.option("--exact", is_flag=True, envvar="GGPIPE_EXACT",
+                     help="Bit-exact speculation: verified rows equal lone-token rows bit for bit, so every "
+                          "mode gives iterative's tokens in every run, also at near-ties. Needs llama-cpp-python "
+                          "built with -DGGML_LLAMAFILE=OFF (README \"Exactness\"); turns repacking off."),
+        click.option("-nr", "--no-repack", is_flag=True,
+                     help="llama.cpp's --no-repack: no extra buffer types (repacked Q4_0/Q4_K/IQ4_NL/Q8_0 "
+                          "weights) for the weights."),
         click.option("--numa", type=click.Choice(list(NUMA)), default=None,
                      help="llama.cpp's NUMA optimisations (llama_numa_init), per rank: distribute, isolate "
                           "(threads on the rank's starting node), numactl (numactl's CPU map)."),
@@ -190,6 +197,7 @@ def job_options(f):
 
 _JOB_KEYS = ("model", "draft_model", "split", "threads", "ctx_size", "ubatch", "n_seq_max", "timeout", "flash_attn",
              "cache_type_k", "cache_type_v", "cache_type_k_draft", "cache_type_v_draft", "mlock", "no_mmap", "numa",
+             "exact", "no_repack",
              "liveness_timeout", "mode", "spec_type",
              "n_draft", "p_accept", "p_split", "p_recovery", "p_decay", "branches", "max_inflight", "no_continuous",
              "no_cancel", "no_wait_draft", "tree_width", "max_children", "n_predict", "temp", "top_k", "top_p", "seed",
@@ -256,8 +264,10 @@ def split_job_options(kw: dict):
                         liveness_timeout_s=o["liveness_timeout"], flash_attn=o["flash_attn"],
                         cache_type_k=o["cache_type_k"], cache_type_v=o["cache_type_v"],
                         cache_type_k_draft=o["cache_type_k_draft"], cache_type_v_draft=o["cache_type_v_draft"],
-                        mlock=o["mlock"], no_mmap=o["no_mmap"], numa=o["numa"])
+                        mlock=o["mlock"], no_mmap=o["no_mmap"], numa=o["numa"], exact=o["exact"],
+                        repack=not o["no_repack"])
     cfg.check_cache_types()
+    cfg.check_build()
     mode_class(o["mode"]).check(spec, len(cfg.draft_models))
     return JobSpec(cfg, o["mode"], spec, o["ignore_eos"]), sampling, o["n_predict"]
 

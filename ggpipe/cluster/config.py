@@ -48,6 +48,11 @@ class ClusterConfig:
         mlock: ``--mlock``, keep the weights in RAM.
         no_mmap: ``--no-mmap``, read the weights instead of mapping them.
         numa: ``--numa`` (distribute, isolate, numactl) or None.
+        exact: ``--exact``: bit-exact speculation; needs a llama.cpp built
+            without llamafile's sgemm and turns the extra buffer types off
+            (:meth:`check_build`).
+        repack: llama.cpp's extra buffer types (repacked weights) on; False:
+            ``--no-repack``, llama.cpp's option of that name.
     """
 
     model: str
@@ -69,6 +74,30 @@ class ClusterConfig:
     mlock: bool = False
     no_mmap: bool = False
     numa: str | None = None
+    exact: bool = False
+    repack: bool = True
+
+    @property
+    def extra_bufts(self) -> bool:
+        """Whether stages load their weights with llama.cpp's extra buffer
+        types (ggpipe.runtime.kernels): ``repack`` and not ``exact``."""
+        return self.repack and not self.exact
+
+    def check_build(self) -> None:
+        """Refuse ``--exact`` on a llama.cpp build that cannot give it, in
+        one line naming the fix, before any weights load.
+
+        Raises:
+            BuildError: ``exact`` and the build has llamafile's sgemm.
+        """
+        from ggpipe.runtime.llama import EXACT_INSTALL, llamafile_sgemm  # noqa: PLC0415
+
+        if self.exact and llamafile_sgemm():
+            from ggpipe.errors import BuildError  # noqa: PLC0415
+
+            raise BuildError(f"--exact needs llama-cpp-python built without llamafile's sgemm (this one has it, "
+                             f"so a batch's rows and a lone token's differ in their last bits); install it with: "
+                             f"{EXACT_INSTALL}")
 
     @property
     def draft_cache_types(self) -> tuple[str, str]:

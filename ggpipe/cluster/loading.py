@@ -77,7 +77,8 @@ def load_rank(config: ClusterConfig, rank: int, size: int) -> Loaded:
     n_threads, warnings = _check_resources(config, rank, where, describe_role(roles, rank, (start, stop)), m_info,
                                  (start, stop), draft_info if rank == 0 and roles.has_draft and roles.n_draft == 0
                                  else None, threads[rank], info, types, draft_rank=model != "target")
-    load = dict(flash_attn=config.flash_attn, mlock=config.mlock, no_mmap=config.no_mmap, numa=config.numa)
+    load = dict(flash_attn=config.flash_attn, mlock=config.mlock, no_mmap=config.no_mmap, numa=config.numa,
+                extra_bufts=config.extra_bufts)
     d_ctx, d_seqs, d_unified = config.draft_context
     n_ctx, n_seqs, unified = ((config.ctx_size, config.n_seq_max, config.kv_unified) if model == "target"
                               else (d_ctx, d_seqs, d_unified))

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 from ggpipe.service.engine import Engine
 from ggpipe.service.job import JobSpec, run_job
-from ggpipe.runtime.llama import llamafile_sgemm
 from ggpipe.sampling import SamplingParams
 
 
@@ -42,9 +41,8 @@ def generate_on_head(engine: Engine, req: GenerateRequest, stream=None) -> dict:
     done = engine.generate(tokens, req.n_predict, req.sampling, on_text=write if stream is not None else None)
     if stream is not None:
         write("\n")
-    # llamafile_sgemm: whether this llama.cpp build computes batches with another kernel than single
-    # tokens (then speculative greedy output may differ from the reference at near-ties: README "Exactness")
-    return {"mode": engine.mode, "model": engine.session.model_path, "llamafile_sgemm": llamafile_sgemm(),
+    # kernels: the build, the buffer types and whether a batch's rows equal a lone token's (README "Exactness")
+    return {"mode": engine.mode, "model": engine.session.model_path, "kernels": engine.kernels,
             **done.as_dict()}
 
 

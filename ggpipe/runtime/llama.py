@@ -144,6 +144,11 @@ def file_is_recurrent(path) -> bool:
         L.llama_model_free(model)
 
 
+#: The one line that installs the build ``--exact`` needs (README "Exactness").
+EXACT_INSTALL = ('CMAKE_ARGS="-DGGML_LLAMAFILE=OFF" pip install --no-cache-dir --force-reinstall --no-deps '
+                 'llama-cpp-python==0.3.36')
+
+
 def llamafile_sgemm() -> bool:
     """Whether the loaded llama.cpp was built with llamafile's sgemm
     (``GGML_LLAMAFILE``, on by default; ``ggml_cpu_has_llamafile``).
@@ -153,8 +158,8 @@ def llamafile_sgemm() -> bool:
     declines one-column products), so F16/F32 logits differ in the last bits
     between a speculative verification batch and the single-token reference
     (NOTES-llamacpp "Batched vs single-token rows"); quantized weights such
-    as Q4_1 agree either way. Built with ``CMAKE_ARGS=-DGGML_LLAMAFILE=OFF``
-    (README "Install"), both use ``ggml_vec_dot`` and agree bit for bit."""
+    as Q4_1 agree either way. Built as :data:`EXACT_INSTALL` builds it, both
+    use ``ggml_vec_dot`` and agree bit for bit (what ``--exact`` needs)."""
     L = lib()
     fn = getattr(L.llama_cpp._lib, "ggml_cpu_has_llamafile", None)
     if fn is None:

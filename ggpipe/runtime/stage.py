@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from ggpipe.errors import ConfigError, GGPipeError, ModelError, NonFiniteError
-from ggpipe.runtime import faults
+from ggpipe.runtime import faults, kernels
 from ggpipe.runtime import llama as _llama
 
 
@@ -66,6 +66,9 @@ class StageSpec:
         no_mmap: read the weights into memory instead of mapping them
             (``--no-mmap``).
         numa: ``--numa`` strategy (distribute, isolate, numactl) or None.
+        extra_bufts: llama.cpp's extra buffer types for the weights
+            (repacked kernels; :mod:`ggpipe.runtime.kernels`): False with
+            ``--exact`` or ``--no-repack``.
         rank: the MPI rank that holds the stage (0 without MPI).
         label: which stage this is, for messages: rank, host, model and
             layers, e.g. "rank 1 (node2), target layers 15-29 of m.gguf".
@@ -90,6 +93,7 @@ class StageSpec:
     mlock: bool = False
     no_mmap: bool = False
     numa: str | None = None
+    extra_bufts: bool = True
     rank: int = 0
     label: str = ""
     layer_output: str = "l_out"
@@ -138,9 +142,7 @@ class Stage:
         mparams = L.llama_model_default_params()
         mparams.n_gpu_layers = 0
         mparams.load_mode = _llama.load_mode(spec.mlock, spec.no_mmap)
-        # NOTES-llamacpp "Known trouble": AMX extra buffer types crash on
-        # multi-token batches of Q4_1 models on this CPU family.
-        mparams.use_extra_bufts = False
+        mparams.use_extra_bufts = kernels.use_extra_bufts(spec.extra_bufts)
         self.model = L.llama_model_load_from_file(str(spec.model_path).encode(), mparams)
         if not self.model:
             raise ModelError(f"llama.cpp could not load {spec.model_path} (run with -v to see its log)")

@@ -91,6 +91,28 @@ class Completion:
                     n_reused=self.n_reused, metrics=self.metrics, decoder=self.decoder)
 
 
+def kernels_report(session: Session) -> dict:
+    """Which kernels the job runs and what that means for exactness
+    (``--json``'s and ``/v1/models``' ``kernels``): ``llamafile_sgemm``
+    (the build), ``extra_bufts`` (the extra buffer types in use, e.g.
+    ``["CPU_REPACK"]``; [] with ``--exact``/``--no-repack``), ``exact``
+    (``--exact``), and ``batch_rows_exact``: whether a verification batch's
+    rows equal lone-token rows bit for bit, measured on the head's own stage
+    with its settings (ggpipe.models.row_probe; cached per model, build and
+    setting). Where it is False, speculative greedy output is still the
+    target's argmax on every verified row, but can differ from iterative
+    decoding's at a near-tie."""
+    from ggpipe.models.row_probe import RowSetting, batch_rows_exact  # noqa: PLC0415
+    from ggpipe.runtime.kernels import extra_buffer_types  # noqa: PLC0415
+
+    spec = session.stage.spec
+    probe = batch_rows_exact(spec.model_path, RowSetting(spec.n_threads, spec.flash_attn, spec.cache_type_k,
+                                                         spec.cache_type_v, spec.extra_bufts))
+    return {"llamafile_sgemm": _llama.llamafile_sgemm(), "exact": session.config.exact,
+            "extra_bufts": extra_buffer_types() if spec.extra_bufts else [],
+            "batch_rows_exact": probe["batch_rows_exact"], "batch_rows_max_diff": probe["max_abs_diff"]}
+
+
 def _recurrent_models(session: Session) -> dict[str, bool]:
     """Model file name -> recurrent or hybrid (llama.cpp's answer) for the
     target (the head's own stage) and each draft model."""
@@ -161,6 +183,14 @@ class Engine:
                                          more_drafts=drafts[1:], n_ubatch=cfg.ubatch, n_seq_max=cfg.n_seq_max,
                                          is_eog=self.is_eog, timeout_s=cfg.timeout_s, idle=self.waiter)
         self.last: Completion | None = None
+        self._kernels: dict | None = None
+
+    @property
+    def kernels(self) -> dict:
+        """:func:`kernels_report` of this job, measured on first use."""
+        if self._kernels is None:
+            self._kernels = kernels_report(self.session)
+        return self._kernels
 
     # -- tokens ------------------------------------------------------------------
 

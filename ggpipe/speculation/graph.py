@@ -28,6 +28,7 @@ import numpy as np
 
 from ggpipe.sampling import Sampler
 from ggpipe.speculation.tree import SpecTree
+from ggpipe.logits import top2_margin
 from ggpipe.speculation.verify import verify_step
 
 PENDING, ACCEPTED, DEAD = 0, 1, 2
@@ -92,6 +93,7 @@ class SpecGraph:
         self.swap_ops: list[tuple[int, int, int]] = []   # (seq, p0, p1) to copy into seq 0
         self.n_drafted = 0
         self.n_draft_accepted = 0
+        self.min_accepted_margin: float | None = None  # greedy: smallest top-1 minus top-2 logit of an accepted draft
         self.verified: list[tuple[float, bool]] = []   # (draft probability, accepted) per verified child
 
     # -- building --------------------------------------------------------------
@@ -218,7 +220,7 @@ class SpecGraph:
                 raise ValueError(f"node {self.committed}: children both drawn from the draft and chosen by it")
             t, k = verify_step(c.logits, [self.nodes[j].token for j in kids],
                                [self.nodes[j].q for j in kids], self.sampler, chosen=any(by_choice))
-            c.logits = None  # consumed; frees memory
+            c_logits, c.logits = c.logits, None  # consumed; frees memory
             chosen = kids[k] if k is not None else None
             for j in kids:
                 self.nodes[j].q = None  # verified: its draft distribution (float64 (n_vocab,)) is not needed again
@@ -232,6 +234,10 @@ class SpecGraph:
             n = self.nodes[chosen]
             n.state = ACCEPTED
             self.n_draft_accepted += 1
+            if self.sampler.params.greedy:
+                m = top2_margin(c_logits)
+                if m is not None and (self.min_accepted_margin is None or m < self.min_accepted_margin):
+                    self.min_accepted_margin = m
             self.swap_ops.append((n.seq, n.pos, n.pos + 1))
             self._commit(chosen)
         return out

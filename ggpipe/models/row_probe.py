@@ -1,0 +1,177 @@
+"""Are a batch's rows bit-identical to single-token rows? Measured, once per
+model, llama.cpp build and setting, and remembered.
+
+A speculative mode verifies drafted tokens in a batch; iterative decoding
+(and single-node llama.cpp) computes each token alone. Greedy speculation
+is lossless either way (every accepted token is the target's argmax on its
+verified row), but it gives *the same tokens as iterative decoding in every
+run* only where the verified row's logits equal the single-token row's bit
+for bit. Whether they do depends on the kernels: llamafile's sgemm (llama.cpp's
+default build) declines one-column products, so F16/F32 weights use another
+kernel for a lone token than inside a batch; repacked Q4_0/Q8_0 weights use a
+GEMM kernel for groups of 4 rows and the GEMV kernel for the rest; Q4_1 runs
+``ggml_vec_dot`` either way (NOTES on llama.cpp's numerics).
+
+:func:`probe` measures it on the model itself: after a short prompt, 5 tokens
+decoded one by one (``llama_decode`` of one token each), then the same 5
+tokens decoded again as one batch at the same positions and cells; it
+compares the 5 rows of logits bit for bit. :func:`batch_rows_exact` caches
+the answer beside the model's other remembered facts (ggpipe.models.cache),
+keyed by the llama.cpp libraries loaded and the settings that choose kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import pathlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ggpipe.models.cache import remembered
+from ggpipe.runtime import kernels
+from ggpipe.runtime import llama as _llama
+
+PROBE_TEXT = "The three laws of thermodynamics are"
+N_ROWS = 5  # one more than the repacked GEMM's group of 4: both of its kernels are in the batch
+
+
+@dataclass(frozen=True)
+class RowSetting:
+    """What chooses the kernels of a probe: threads, flash attention
+    (``off``/``on``/``auto``), KV cache types (llama.cpp's names), and
+    whether the extra buffer types are on (:func:`ggpipe.runtime.kernels.use_extra_bufts`)."""
+
+    n_threads: int = 1
+    flash_attn: str = "off"
+    type_k: str = "f16"
+    type_v: str = "f16"
+    extra_bufts: bool = True
+
+
+def _build_id() -> str:
+    """A short hash of the llama.cpp libraries this process loaded (paths,
+    sizes, modification times) and of whether llamafile's sgemm is in."""
+    L = _llama.lib()
+    import llama_cpp._ggml as ggml_mod  # noqa: PLC0415
+
+    libdir = pathlib.Path(ggml_mod.libggml_base_path)
+    facts = [str(_llama.llamafile_sgemm()), kernels.LEFT_OUT.__repr__()]
+    for f in sorted(libdir.glob("lib*.so*")):
+        st = f.stat()
+        facts.append(f"{f}:{st.st_size}:{st.st_mtime_ns}")
+    del L
+    return hashlib.sha256("|".join(facts).encode()).hexdigest()[:16]
+
+
+def _decode(L, ctx, batch, tokens: list[int], pos0: int, n_vocab: int) -> np.ndarray:
+    n = len(tokens)
+    for i, t in enumerate(tokens):
+        batch.token[i] = t
+        batch.pos[i] = pos0 + i
+        batch.n_seq_id[i] = 1
+        batch.seq_id[i][0] = 0
+        batch.logits[i] = 1
+    batch.n_tokens = n
+    rc = L.llama_decode(ctx, batch)
+    if rc != 0:
+        raise RuntimeError(f"llama_decode returned {rc} in the row probe")
+    return np.ctypeslib.as_array(L.llama_get_logits(ctx), shape=(n, n_vocab)).copy()
+
+
+def probe(model_path: str | Path, setting: RowSetting = RowSetting()) -> dict:
+    """Measure whether batch rows equal single-token rows for this model.
+
+    Loads the whole model (mmap), decodes :data:`PROBE_TEXT`, then
+    :data:`N_ROWS` greedy tokens one by one, removes their cells
+    (``llama_memory_seq_rm``) and decodes them again as one batch.
+
+    Returns:
+        {"batch_rows_exact": bool, "max_abs_diff": float (logit units),
+        "rows": int}.
+
+    Raises:
+        RuntimeError: llama.cpp cannot load the model or decode.
+    """
+    L = _llama.lib()
+    mp = L.llama_model_default_params()
+    mp.n_gpu_layers = 0
+    mp.use_extra_bufts = kernels.use_extra_bufts(setting.extra_bufts)
+    model = L.llama_model_load_from_file(str(model_path).encode(), mp)
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {model_path}")
+    ctx = None
+    batch = None
+    try:
+        cp = L.llama_context_default_params()
+        cp.n_ctx = 256
+        cp.n_batch = cp.n_ubatch = 64
+        cp.n_threads = cp.n_threads_batch = setting.n_threads
+        cp.flash_attn_type = _llama.flash_attn_type(setting.flash_attn)
+        cp.type_k, cp.type_v = _llama.kv_cache_type(setting.type_k), _llama.kv_cache_type(setting.type_v)
+        cp.no_perf = True
+        ctx = L.llama_init_from_model(model, cp)
+        if not ctx:
+            raise RuntimeError(f"llama.cpp could not create a context for {model_path}")
+        vocab = L.llama_model_get_vocab(model)
+        n_vocab = int(L.llama_vocab_n_tokens(vocab))
+        data = PROBE_TEXT.encode()
+        buf = (ctypes.c_int32 * (len(data) + 16))()
+        n = L.llama_tokenize(vocab, data, len(data), buf, len(buf), True, True)
+        prompt = list(buf[:n]) if n >= 2 else [i % n_vocab for i in range(1, 9)]
+        batch = L.llama_batch_init(64, 0, 1)
+        last = _decode(L, ctx, batch, prompt, 0, n_vocab)[-1]
+        p0 = len(prompt)
+        toks, single = [], []
+        for i in range(N_ROWS):
+            toks.append(int(np.argmax(last)))
+            last = _decode(L, ctx, batch, [toks[-1]], p0 + i, n_vocab)[0]
+            single.append(last)
+        L.llama_memory_seq_rm(L.llama_get_memory(ctx), 0, p0, -1)
+        rows = _decode(L, ctx, batch, toks, p0, n_vocab)
+        single = np.stack(single)
+        diff = float(np.max(np.abs(rows.astype(np.float64) - single.astype(np.float64))))
+        exact = bool(np.array_equal(rows.view(np.uint32), single.view(np.uint32)))
+        return {"batch_rows_exact": exact, "max_abs_diff": diff, "rows": N_ROWS}
+    finally:
+        if batch is not None:
+            L.llama_batch_free(batch)
+        if ctx is not None:
+            L.llama_free(ctx)
+        L.llama_model_free(model)
+
+
+def describe_rows(model_path: str | Path) -> str:
+    """One line for ``ggpipe models info``: whether this build's batch rows
+    equal lone-token rows for the model (1 thread, flash attention off, f16
+    KV, repacking on: ggpipe's defaults), and with ``--exact``'s settings
+    where the build allows it."""
+    try:
+        r = batch_rows_exact(model_path)
+    except RuntimeError as e:
+        return f"not measured ({e})"
+    if r["batch_rows_exact"]:
+        return "bit-identical to lone-token rows: speculation gives iterative's tokens in every run"
+    line = (f"differ from lone-token rows by up to {r['max_abs_diff']:.3g} in the logits: speculation is lossless "
+            f"(the target's argmax) but may differ from iterative at near-ties")
+    if _llama.llamafile_sgemm():
+        return line + "; --exact needs the build without llamafile's sgemm"
+    ex = batch_rows_exact(model_path, RowSetting(extra_bufts=False))
+    return line + ("; bit-identical with --exact" if ex["batch_rows_exact"] else "; also with --exact")
+
+
+def batch_rows_exact(model_path: str | Path, setting: RowSetting = RowSetting()) -> dict:
+    """:func:`probe`'s answer, computed once per (model file, llama.cpp
+    build, setting) and remembered in ggpipe's cache (a cache that cannot
+    be written means probing again, never an error).
+
+    Raises:
+        RuntimeError: as :func:`probe`.
+    """
+    key = hashlib.sha256(json.dumps([_build_id(), setting.__dict__], sort_keys=True).encode()).hexdigest()[:16]
+    return remembered(Path(os.path.realpath(model_path)), f"rows-{key}", lambda: probe(model_path, setting),
+                      valid=lambda v: isinstance(v, dict) and "batch_rows_exact" in v, strict=False)

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The exactness tests in the exact build: a virtual environment of its own with
+# llama-cpp-python built without llamafile's sgemm (scripts/install_exact.sh),
+# every job run with --exact (GGPIPE_EXACT=1) and the single-node reference with
+# the same kernels. There, every speculative mode's greedy output equals the
+# reference in every run, also at near-ties (tests/test_exact_every_run.py).
+#   bash scripts/test_exact_build.sh        # venv in $GGPIPE_EXACT_VENV or a temporary directory
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${GGPIPE_EXACT_VENV:-$(mktemp -d)/venv-exact}"
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+# shellcheck disable=SC1091
+source "$VENV/bin/activate"
+python -m pip install --quiet --upgrade pip
+bash scripts/install_exact.sh -e ".[mpich,test]"
+GGPIPE_EXACT=1 python -m pytest -q -rs --full tests/test_row_probe.py tests/test_exact_every_run.py \
+  tests/test_exactness.py tests/test_speculation_modes.py tests/test_chat.py
