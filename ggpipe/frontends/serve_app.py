@@ -225,8 +225,6 @@ async def _tokenize(state: ServerState, prompt: str | None, messages: list | Non
 
 
 def _enqueue(state: ServerState, body: _Body, tokens: np.ndarray, max_tokens: int | None) -> Job:
-    if body.logprobs not in (None, False, 0):
-        raise APIError(400, "logprobs are not supported", param="logprobs")
     n_prompt = int(tokens.shape[0])
     if n_prompt == 0:
         raise APIError(400, "the prompt is empty", param="prompt")

@@ -3,7 +3,8 @@
 :class:`APIError` is the error every endpoint answers with (an OpenAI-style
 ``{"error": {"message", "type", "param", "code"}}`` body); the pydantic models
 are the bodies of ``/v1/chat/completions`` and ``/v1/completions`` (strict
-types, unknown fields ignored); :func:`parse_body` reads a request's body,
+types; a field ggpipe does not implement is refused with 400 naming it,
+unless its value asks for nothing: :data:`NOT_IMPLEMENTED`); :func:`parse_body` reads a request's body,
 bounded by ``--max-body-bytes``, and validates it, turning pydantic's report
 into one line.
 """
@@ -18,7 +19,7 @@ from typing import Annotated, Any, Literal
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
 
 from ggpipe.frontends.request_limits import MESSAGES_MAX, ROLES, STOP_MAX, TEMPERATURE_MAX, template_role
 from ggpipe.frontends.serve_state import Job, ServerState, state_of
@@ -79,10 +80,59 @@ def pipeline_failed(rid: str, status: int = 503) -> APIError:
 
 PosInt = Annotated[StrictInt, Field(ge=1)]
 
+#: Request fields of the OpenAI and llama-server APIs that ggpipe does not
+#: implement, with the values that ask for nothing (what clients send by
+#: default; ``null`` too): such a value is accepted, any other is refused
+#: with 400 naming the field, never silently ignored.
+NOT_IMPLEMENTED: dict[str, tuple] = {
+    "frequency_penalty": (0,), "presence_penalty": (0,), "repeat_penalty": (1,), "min_p": (0,),
+    "typical_p": (1,), "tfs_z": (1,), "mirostat": (0,), "logit_bias": ({},), "best_of": (1,),
+    "logprobs": (False, 0), "top_logprobs": (0,), "n_probs": (0,), "tools": ([],), "tool_choice": ("none",),
+    "functions": ([],), "function_call": ("none",), "parallel_tool_calls": (False, True),
+    "response_format": ({"type": "text"},), "grammar": ("",), "json_schema": ({},), "suffix": ("",),
+}
+#: Fields accepted that do not change the output: ``user`` (OpenAI's end-user
+#: id, metadata) and ``model`` (one model is served; its name is echoed).
+METADATA = ("user",)
+
+
+def _neutral(value, neutral: tuple) -> bool:
+    return value is None or any(type(value) is type(n) and value == n or
+                                (isinstance(n, int) and not isinstance(n, bool) and isinstance(value, (int, float))
+                                 and not isinstance(value, bool) and value == n) for n in neutral)
+
 
 class _Body(BaseModel):
-    # strict: "0.5" is not a temperature; unknown OpenAI fields are ignored
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # strict: "0.5" is not a temperature; a field ggpipe does not implement is refused by name (_check_fields)
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_fields(cls, data):
+        """Refuse, naming it, a field ggpipe does not implement unless its
+        value asks for nothing (then drop it), and any unknown field.
+
+        Raises:
+            APIError: 400 naming the field.
+        """
+        if not isinstance(data, dict):
+            return data
+        out = {}
+        for k, v in data.items():
+            if k in cls.model_fields:
+                out[k] = v
+            elif k in NOT_IMPLEMENTED:
+                if not _neutral(v, NOT_IMPLEMENTED[k]):
+                    shown = " or ".join(json.dumps(n) for n in NOT_IMPLEMENTED[k])
+                    raise APIError(400, f"{k}: ggpipe does not implement it; leave it out or send {shown} "
+                                   f"(asks for nothing)", param=k, code="unsupported_parameter")
+            elif k in METADATA:
+                if v is not None and not isinstance(v, str):
+                    raise APIError(400, f"{k}: Input should be a valid string", param=k)
+            else:
+                raise APIError(400, f"unknown field {str(k)[:64]!r}: ggpipe does not implement it", param=str(k)[:64],
+                               code="unsupported_parameter")
+        return out
 
     model: StrictStr | None = None
     max_tokens: PosInt | None = None
@@ -94,7 +144,6 @@ class _Body(BaseModel):
     stream: StrictBool = False
     stream_options: dict[str, Any] | None = None
     n: Annotated[StrictInt, Field(ge=1, le=1)] = 1
-    logprobs: Any = None
     echo: StrictBool = False
 
     def stops(self) -> list[str]:
