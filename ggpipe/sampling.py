@@ -92,8 +92,8 @@ class SamplingParams:
         if isinstance(p, bool) or not isinstance(p, numbers.Real) or not (0 < p <= 1):
             raise ConfigError(f"top_p must be in (0, 1], 1 disables it (got {p!r})")
         s = self.seed
-        if s is not None and (isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 0):
-            raise ConfigError(f"seed must be a non-negative integer or unset (got {s!r})")
+        if s is not None and (isinstance(s, bool) or not isinstance(s, numbers.Integral) or not 0 <= s < 2**63):
+            raise ConfigError(f"seed must be an integer in [0, 2^63) or unset, as the server's (got {s!r})")
         return self
 
 

@@ -60,7 +60,8 @@ def test_launcher_beside_the_interpreter(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--timeout", "0"], "'--timeout': 0.0 is not in the range x>0"),
+    (["--timeout", "0"], "'--timeout': 0.0 is not in the range x>=0.01"),
+    (["--timeout", "1e-9"], "'--timeout': 1e-09 is not in the range x>=0.01"),
     (["--timeout", "-1"], "'--timeout'"),
     (["--timeout", "nan"], "'nan' is not a finite number"),
     (["--temp", "nan"], "'--temp': 'nan' is not a finite number"),

@@ -99,6 +99,16 @@ def test_configured_origins_and_hosts():
     assert c.get("/v1/models", headers={"Host": "node1:8080"}).status_code == 200
 
 
+def test_a_long_host_header_is_not_echoed_in_full():
+    c = app_client()
+    r = c.get("/v1/models", headers={"Host": "e" * 5000})
+    msg = r.json()["error"]["message"]
+    assert r.status_code == 403 and "(5000 characters)" in msg and len(msg) < 400, msg
+    r = c.get("/v1/models", headers={"Origin": "http://" + "o" * 5000})
+    msg = r.json()["error"]["message"]
+    assert r.status_code == 403 and len(msg) < 400, msg
+
+
 def test_body_size_is_bounded():
     c = app_client(access=Access(max_body_bytes=2048))
     big = json.dumps({"prompt": "x" * 5000})

@@ -23,8 +23,9 @@ class Finite(click.FloatRange):
         return rv
 
 
-#: Seconds a wait may last: a finite number > 0.
-SECONDS = Finite(min=0, min_open=True)
+#: Seconds a wait may last: a finite number >= 0.01 (a shorter wait cannot see
+#: another rank's answer, and the job would blame that rank).
+SECONDS = Finite(min=0.01)
 
 
 class NumberOrAuto(click.ParamType):

@@ -57,14 +57,26 @@ FINISH = {"stop": "stop", "length": "length", "interrupted": "length"}
 _ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/slots"}
 
 
+#: Most characters of a client's header value an error message repeats.
+SHOWN_MAX = 100
+
+
+def _shown(value: str | None) -> str:
+    """``value`` quoted for a message, cut to SHOWN_MAX characters (a
+    5,000-character Host header is not echoed back in full)."""
+    if value is None or len(value) <= SHOWN_MAX:
+        return repr(value)
+    return repr(value[:SHOWN_MAX]) + f"... ({len(value)} characters)"
+
+
 def _refuse(request: Request, state: ServerState) -> APIError | None:
     """The Host / Origin / Content-Type / size checks (ggpipe.frontends.http_guard)."""
     if not host_allowed(request.headers.get("host"), state.access.allowed_hosts):
-        return APIError(403, f"Host {request.headers.get('host')!r} is not allowed (a DNS-rebinding guard): "
+        return APIError(403, f"Host {_shown(request.headers.get('host'))} is not allowed (a DNS-rebinding guard): "
                         f"connect by IP address or localhost, or start ggpipe serve with --allowed-hosts NAME",
                         code="host_not_allowed")
     if not origin_allowed(request.headers.get("origin"), state.access.allowed_origins):
-        return APIError(403, f"cross-origin requests from {request.headers.get('origin')!r} are refused: start "
+        return APIError(403, f"cross-origin requests from {_shown(request.headers.get('origin'))} are refused: start "
                         f"ggpipe serve with --allowed-origins ORIGIN to allow a web page", code="origin_not_allowed")
     if request.method == "POST":
         if not is_json_content_type(request.headers.get("content-type")):

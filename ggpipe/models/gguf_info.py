@@ -80,6 +80,8 @@ def load_gguf(path: str | os.PathLike[str], keep: bool = False) -> GGUFReader:
         raise ModelError(f"model file not found: {p}")
     if p.is_dir():
         raise ModelError(f"{p} is a directory, not a GGUF model file")
+    if not p.is_file():
+        raise ModelError(f"{p} is not a regular file (a device, pipe or socket), not a GGUF model file")
     try:
         with open(p, "rb") as f:
             st = os.fstat(f.fileno())

@@ -309,6 +309,8 @@ def resolve(name_or_path: str | os.PathLike[str], fetch_missing: bool = True, pr
     if _looks_like_path(s) or isinstance(name_or_path, os.PathLike):
         if p.is_dir():
             raise ModelError(f"{p} is a directory, not a GGUF model file")
+        if p.exists():
+            raise ModelError(f"{p} is not a regular file (a device, pipe or socket), not a GGUF model file")
         raise ModelError(f"model file not found: {p}")
     entries = load_registry()
     if s not in entries:
