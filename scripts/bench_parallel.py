@@ -190,7 +190,7 @@ def ggpipe_server(model: str, ranks: int, parallel: int, n: int, port: int, befo
 
 def llama_server(model: str, parallel: int, n: int, threads: int, port: int, llamafile: bool = True) -> Server:
     cmd = [str(bin_path("llama-server", llamafile)), "-m", model, "--port", str(port), "-np", str(parallel),
-           "-c", str(2048 * parallel), "-t", str(threads), "-tb", str(threads), "-fa", "off", "--no-repack",
+           "-c", str(2048 * parallel), "-t", str(threads), "-tb", str(threads), "-fa", "off",
            "-n", str(n), "--no-warmup", "--host", "127.0.0.1"]
     return Server(cmd, port)
 
@@ -204,7 +204,7 @@ def batched_bench(model: str, cs: list[int], n: int, threads: int, npp: int,
     """llama-batched-bench's S_TG and S per parallel sequence count."""
     cmd = [str(bin_path("llama-batched-bench", llamafile)), "-m", model, "-c", str(max(cs) * (npp + n) + 256), "-b", "2048",
            "-ub", "512", "-npp", str(npp), "-ntg", str(n), "-npl", ",".join(map(str, cs)), "-t", str(threads),
-           "-fa", "off", "--no-repack"]
+           "-fa", "off"]
     p = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=3600)
     if p.returncode != 0:
         raise SystemExit(f"llama-batched-bench failed:\n{p.stderr[-3000:]}")
@@ -241,7 +241,7 @@ def main() -> None:
                     "(git worktree add DIR COMMIT; copy ggpipe/_native*.so into it) at each --ranks")
     ap.add_argument("--alt-python", metavar="PY", help="also run ggpipe with this venv's python at each --ranks "
                     "(e.g. one whose llama-cpp-python has llamafile's sgemm: pip install without "
-                    "scripts/pip_install.sh)")
+                    "scripts/install_exact.sh)")
     ap.add_argument("--draft-model", metavar="MD", help="also run ggpipe --mode speculative -md MD at each --ranks "
                     "(the draft model takes one of the ranks; it drafts while a request generates alone)")
     ap.add_argument("--micro-batches", metavar="M,...", default="",

@@ -106,7 +106,7 @@ class Rows:
 
     def _common(self, pf: Path, threads: int) -> list[str]:
         return ["-f", str(pf), "-n", str(self.a.n), "--ignore-eos", "--temp", "0", "-t", str(threads), "-c", "4096",
-                "--no-repack", "-s", "1"]
+                "-s", "1"]
 
     def _completion(self, pf: Path, threads: int, extra: list[str]) -> list[str]:
         return [str(peer.bin_path("llama-completion")), "-m", self.target, *self._common(pf, threads), "-no-cnv",

@@ -18,14 +18,15 @@ NOTES-llamacpp), in a cache directory outside the repository
 finished build is reused. ``build`` alone is llama.cpp's default build
 (llamafile's sgemm on: faster F32/F16 batches), in ``build/``; ``build
 --llamafile off`` builds ggpipe's reference configuration
-(``-DGGML_LLAMAFILE=OFF``, the kernels ggpipe's own llama-cpp-python runs)
-into ``build-llamafile-off/``. ``run`` uses the default build.
+(``-DGGML_LLAMAFILE=OFF``, the kernels of ggpipe's ``--exact`` build)
+into ``build-llamafile-off/``. ``run`` uses the default build, the kernels
+ggpipe's default install runs.
 
 ``run`` renders each prompt of the prompt set with the target's chat template
 (exactly the text ``ggpipe bench`` feeds ggpipe), writes it to a file and runs
 
 * ``llama-completion -m TARGET -f PROMPT -n N --ignore-eos --temp 0 -t T
-  -no-cnv --no-repack --no-warmup`` (plain single-node decoding); tokens/s is
+  -no-cnv --no-warmup`` (plain single-node decoding); tokens/s is
   llama.cpp's "eval time" figure (generated tokens after the first, per
   second of decoding: the same definition as ggpipe's tokens/s);
 * ``llama-speculative-simple -m TARGET -md DRAFT ... --spec-type draft-simple
@@ -38,8 +39,8 @@ into ``build-llamafile-off/``. ``run`` uses the default build.
   processes x T threads, the last half of the layers on the server (mode
   ``llama.cpp rpc``, ``ranks`` 2; ``--no-rpc`` skips it).
 
-``--no-repack`` disables the extra (AMX/repacked) buffer types, as ggpipe
-does (``use_extra_bufts=False``). The rows go to ``peer.csv`` in the bench's
+The extra buffer types stay on (repacked weights), as in ggpipe's stages;
+the build has no AMX, which ggpipe leaves out too. The rows go to ``peer.csv`` in the bench's
 results directory with the same columns as ``results.csv``, ``mode``
 ``llama.cpp`` / ``llama.cpp speculative``, ``ranks`` 1 and ``threads`` T;
 ``ggpipe bench --plots-only -o DIR`` draws them beside ggpipe's.
@@ -58,7 +59,8 @@ import time
 from pathlib import Path
 
 VERSION = "0.3.36"
-TARGETS = ("llama-completion", "llama-speculative-simple", "ggml-rpc-server", "llama-batched-bench", "llama-server")
+TARGETS = ("llama-completion", "llama-speculative-simple", "ggml-rpc-server", "llama-batched-bench", "llama-server",
+           "llama-bench")
 CMAKE_FLAGS = [
     "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
     "-DGGML_AMX_BF16=OFF", "-DGGML_RPC=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=ON",
@@ -74,7 +76,7 @@ def peer_dir() -> Path:
 def build_dir(llamafile: bool = True) -> Path:
     """Where a build lives: ``build`` for llama.cpp's default (llamafile's
     sgemm on), ``build-llamafile-off`` for ggpipe's reference configuration
-    (``-DGGML_LLAMAFILE=OFF``, as scripts/pip_install.sh builds llama-cpp-python)."""
+    (``-DGGML_LLAMAFILE=OFF``, as scripts/install_exact.sh builds llama-cpp-python)."""
     return peer_dir() / ("build" if llamafile else "build-llamafile-off")
 
 
@@ -192,7 +194,7 @@ def _run_thread_count(a, target, draft, prompts, texts, out, t, rpc, n_layer, ro
         pf = out / "peer" / f"prompt-{p['id']}.txt"
         pf.write_text(text, encoding="utf-8")
         common = ["-f", str(pf), "-n", str(a.n), "--ignore-eos", "--temp", "0", "-t", str(t), "-c", "2048",
-                  "--no-repack", "-s", "1"]
+                  "-s", "1"]
         progs = [("llama.cpp", [str(bin_path("llama-completion")), "-m", target, *common, "-no-cnv",
                                 "--no-display-prompt", "--no-warmup"], parse_completion)]
         if rpc is not None:  # 2 processes x t threads: the last half of the layers on the RPC server
@@ -238,7 +240,7 @@ def main() -> None:
     b.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 2)
     b.add_argument("--llamafile", choices=("on", "off"), default="on",
                    help="llamafile's sgemm: on (llama.cpp's default build, in build/) or off (ggpipe's reference "
-                   "configuration, as scripts/pip_install.sh builds llama-cpp-python; in build-llamafile-off/)")
+                   "configuration, as scripts/install_exact.sh builds llama-cpp-python; in build-llamafile-off/)")
     r = sub.add_parser("run", help="run the peers and write DIR/peer.csv")
     r.add_argument("-m", "--model", required=True)
     r.add_argument("-md", "--draft-model", default=None)

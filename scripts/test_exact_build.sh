@@ -13,5 +13,5 @@ VENV="${GGPIPE_EXACT_VENV:-$(mktemp -d)/venv-exact}"
 source "$VENV/bin/activate"
 python -m pip install --quiet --upgrade pip
 bash scripts/install_exact.sh -e ".[mpich,test]"
-GGPIPE_EXACT=1 python -m pytest -q -rs --full tests/test_row_probe.py tests/test_exact_every_run.py \
+GGPIPE_EXACT=1 python -m pytest -q -rs --full tests/test_kernels.py tests/test_exact_every_run.py \
   tests/test_exactness.py tests/test_speculation_modes.py tests/test_chat.py

@@ -32,6 +32,7 @@ import numpy as np
 from ggpipe.errors import ProtocolError, RankTimeoutError
 from ggpipe.logits import unpack
 from ggpipe.pipeline.head_stage import HeadStage, send_decode
+from ggpipe.pipeline.prefill import prefill_chunks
 from ggpipe.runtime.stage import KV_CLEAR, KV_SEQ_CP, KV_SEQ_RM, Stage
 from ggpipe.runs import Run, RunResult
 from ggpipe.trace import tracer
@@ -158,13 +159,15 @@ class Pipeline:
         """Start ``tokens`` (int (n,)) at positions start_pos.. of sequence
         ``seq`` as runs of at most ``n_ubatch`` tokens, back to back, so stage
         k works on chunk i while stage k-1 works on chunk i+1 (pipelined
-        prefill); with ``want_logits`` the last chunk asks for logits of its
-        last token. Returns the number of runs started (nothing is waited for)."""
-        n = len(tokens)
-        for i in range(0, n, n_ubatch):
-            last = i + n_ubatch >= n
-            self.decode(tokens[i:i + n_ubatch], start_pos + i, seq=seq, logits_last=want_logits and last)
-        return -(-n // n_ubatch)
+        prefill; the chunks' sizes: ggpipe.pipeline.prefill); with
+        ``want_logits`` the last chunk asks for logits of its last token.
+        Returns the number of runs started (nothing is waited for)."""
+        chunks = prefill_chunks(len(tokens), n_ubatch, self.n_stages)
+        i = 0
+        for k, size in enumerate(chunks):
+            self.decode(tokens[i:i + size], start_pos + i, seq=seq, logits_last=want_logits and k == len(chunks) - 1)
+            i += size
+        return len(chunks)
 
     def prefill(self, tokens, start_pos: int, n_ubatch: int, seq: int = 0) -> np.ndarray:
         """:meth:`submit_prompt`, then wait (bounded by the transport's

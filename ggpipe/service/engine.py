@@ -101,16 +101,24 @@ def kernels_report(session: Session) -> dict:
     with its settings (ggpipe.models.row_probe; cached per model, build and
     setting). Where it is False, speculative greedy output is still the
     target's argmax on every verified row, but can differ from iterative
-    decoding's at a near-tie."""
+    decoding's at a near-tie. None where it was not measured: a recurrent
+    or hybrid model (no speculation), or a stage llama.cpp could not probe
+    (``batch_rows_error`` says why)."""
     from ggpipe.models.row_probe import RowSetting, batch_rows_exact  # noqa: PLC0415
     from ggpipe.runtime.kernels import extra_buffer_types  # noqa: PLC0415
 
     spec = session.stage.spec
-    probe = batch_rows_exact(spec.model_path, RowSetting(spec.n_threads, spec.flash_attn, spec.cache_type_k,
-                                                         spec.cache_type_v, spec.extra_bufts))
-    return {"llamafile_sgemm": _llama.llamafile_sgemm(), "exact": session.config.exact,
-            "extra_bufts": extra_buffer_types() if spec.extra_bufts else [],
-            "batch_rows_exact": probe["batch_rows_exact"], "batch_rows_max_diff": probe["max_abs_diff"]}
+    out = {"llamafile_sgemm": _llama.llamafile_sgemm(), "exact": session.config.exact,
+           "extra_bufts": extra_buffer_types() if spec.extra_bufts else [],
+           "batch_rows_exact": None, "batch_rows_max_diff": None}
+    if _llama.is_recurrent(session.stage.model):
+        return out
+    try:
+        probe = batch_rows_exact(spec.model_path, RowSetting(spec.n_threads, spec.flash_attn, spec.cache_type_k,
+                                                             spec.cache_type_v, spec.extra_bufts))
+    except RuntimeError as e:
+        return {**out, "batch_rows_error": str(e)}
+    return {**out, "batch_rows_exact": probe["batch_rows_exact"], "batch_rows_max_diff": probe["max_abs_diff"]}
 
 
 def _recurrent_models(session: Session) -> dict[str, bool]:

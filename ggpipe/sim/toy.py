@@ -20,6 +20,7 @@ import numpy as np
 
 from ggpipe.logits import TopLogits, top_k
 from ggpipe.pipeline.masking import rows_in
+from ggpipe.pipeline.prefill import prefill_chunks
 from ggpipe.runs import Run, RunResult, in_batch_order, ubatches
 from ggpipe.sim.kv_model import KvCells, KvStreams
 
@@ -122,10 +123,12 @@ class ToyPipeline:
         self.submit(Run.linear(tokens, start_pos, seq=seq, output_last=logits_last, output_all=logits_all))
 
     def submit_prompt(self, tokens, start_pos: int, n_ubatch: int, seq: int = 0, want_logits: bool = True) -> int:
-        n = len(tokens)
-        for i in range(0, n, n_ubatch):
-            self.decode(tokens[i:i + n_ubatch], start_pos + i, seq, want_logits and i + n_ubatch >= n)
-        return -(-n // n_ubatch)
+        chunks = prefill_chunks(len(tokens), n_ubatch, self.n_stages)
+        i = 0
+        for k, size in enumerate(chunks):
+            self.decode(tokens[i:i + size], start_pos + i, seq, want_logits and k == len(chunks) - 1)
+            i += size
+        return len(chunks)
 
     def prefill(self, tokens, start_pos: int, n_ubatch: int, seq: int = 0) -> np.ndarray:
         self.submit_prompt(tokens, start_pos, n_ubatch, seq)

@@ -132,3 +132,21 @@ def test_greedy_speculation_reports_its_smallest_margin(goliath, smollm2, refere
     assert d["draft_accepted"] == 0 or d["min_accepted_margin"] >= 0
     assert out["kernels"]["batch_rows_exact"] == (EXACT or not llamafile_sgemm())
     assert out["tokens"] == reference(goliath, prompt, 32)
+
+
+@pytest.mark.mpi
+@pytest.mark.full
+@pytest.mark.parametrize("ubatch", ["24", "512"])
+def test_iterative_equals_single_node_at_any_prompt_chunking(quantized, goliath, ubatch):
+    """A 300-token prompt through 2 stages in chunks of at most --ubatch
+    (ggpipe.pipeline.prefill: 8 even chunks at 512, 13 at 24): the same
+    tokens as single-node llama.cpp, which decodes it in one batch, on
+    repacked Q4_0 weights and on F16 (llamafile's sgemm in the default
+    build)."""
+    tiny_prompt = " ".join(f"tok_{(7 * i) % 120}" for i in range(300))
+    model = quantized["Q4_0"]
+    ref = baseline.greedy(model, tiny_prompt, 16, ignore_eos=True, extra_bufts=not EXACT).tokens
+    assert generate_json(model, tiny_prompt, 16, 2, ["--ignore-eos", "--ubatch", ubatch])["tokens"] == ref
+    text = " ".join(["The pipeline keeps every node busy while the prompt streams through its stages."] * 20)
+    ref = baseline.greedy(goliath, text, 16, ignore_eos=True, extra_bufts=not EXACT).tokens
+    assert generate_json(goliath, text, 16, 2, ["--ignore-eos", "--ubatch", ubatch])["tokens"] == ref
