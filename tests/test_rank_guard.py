@@ -66,6 +66,16 @@ def test_a_rank_killed_by_a_signal_is_named_by_its_guard():
                         r"while decoding run 7 \(4 tokens at positions 12\.\.\); the job stops", lines[0]), lines[0]
 
 
+def test_a_rank_that_crashes_while_decoding_is_told_the_workaround():
+    """A crash in native code (SIGSEGV) while decoding: the line says so and
+    names --no-repack (llama.cpp's plain kernels); a kill does not."""
+    p = _run("os.kill(os.getpid(), signal.SIGSEGV)")
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "died (killed by SIGSEGV)" in lines[0], p.stderr
+    assert lines[0].endswith("run with --no-repack for its plain kernels)")
+    assert "--no-repack" not in _run("os.kill(os.getpid(), signal.SIGKILL)").stderr
+
+
 def test_a_rank_killed_the_instant_it_exists_is_named_while_starting():
     """What the guard says is in place before the fork: an Open MPI CI run once
     killed a rank before its first set_doing, and the line lacked "while"."""

@@ -223,7 +223,7 @@ def _load_when_all_can(config: ClusterConfig, rank: int, size: int, transport: T
         err = str(exc)
     role = None if loaded is None else describe_role(loaded.roles, rank, loaded.layers)
     if role is not None:
-        rank_guard.set_role(role)
+        rank_guard.set_role(f"{role}, {loaded.stage.weights} weights")
     if transport is not None:
         stop = ready(transport, rank, size, err, role, config.load_timeout_s, described)
         if stop is not None:

@@ -147,6 +147,10 @@ class Stage:
         if not self.model:
             raise ModelError(f"llama.cpp could not load {spec.model_path} (run with -v to see its log)")
         self.vocab = L.llama_model_get_vocab(self.model)
+        desc = ctypes.create_string_buffer(128)
+        L.llama_model_desc(self.model, desc, len(desc))
+        #: the weights' type as llama.cpp names it (``llama_model_desc``'s last word: Q4_1, F16, Q4_K - Medium)
+        self.weights = desc.value.decode("utf-8", "replace").split(" ", 2)[-1] or "unknown"
         self.n_embd = int(L.llama_model_n_embd(self.model))
         self.n_vocab = int(L.llama_vocab_n_tokens(self.vocab))
 

@@ -266,8 +266,14 @@ def death_line(rank: int, host: str, pid: int, sig: int, role: str, doing: str) 
     except ValueError:
         name = f"signal {sig}"
     who = "the head, rank 0" if rank == 0 else f"rank {rank}"
+    crash = (" (a crash inside llama.cpp: where its kernels crash on these weights, run with --no-repack for its "
+             "plain kernels)" if sig in CRASH_SIGNALS and doing.startswith("decoding") else "")
     return (f"ggpipe: error: {who} ({host}, pid {pid}{', ' + role if role else ''}) died (killed by {name})"
-            f"{' while ' + doing if doing else ''}; the job stops")
+            f"{' while ' + doing if doing else ''}; the job stops{crash}")
+
+
+#: Signals of a crash in native code (not a kill): the guard's line then names --no-repack.
+CRASH_SIGNALS = (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT)
 
 
 RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")  # MPICH/hydra, Open MPI, PMIx launchers
