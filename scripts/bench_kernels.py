@@ -17,7 +17,7 @@ Rows, per model and round (the order rotates each round):
   generation tok/s its ``tokens_per_s``, medians over the requests.
 * ``ggpipe --exact``: the same with ``--exact``, run by another venv's python
   whose llama-cpp-python is built without llamafile's sgemm.
-* ``llama-bench``: ``llama-bench -m M -t THREADS -p P -n N -r 2 -o json``
+* ``llama-bench``: ``llama-bench -m M -t THREADS -p P -n N -fa FA -r 2 -o json``
   (its pp and tg averages; P: the ggpipe prompts' median token count).
 * with ``--long``: one ``--long-tokens`` prompt (default 1,700) through
   ``mpiexec -n 2 ggpipe batch -t 1`` and through one rank with ``-t 2``
@@ -103,9 +103,9 @@ def run_batch(python: str, model: Path, texts: list[str], threads: int, gen: int
             "n_prompt": statistics.median(r["n_prompt"] for r in recs), "tokens": [r["tokens"] for r in recs]}
 
 
-def run_llama_bench(model: Path, threads: int, p: int, n: int) -> dict:
+def run_llama_bench(model: Path, threads: int, p: int, n: int, fa: str) -> dict:
     cmd = [str(bin_path("llama-bench")), "-m", str(model), "-t", str(threads), "-p", str(p), "-n", str(n),
-           "-r", "2", "-o", "json"]
+           "-fa", fa, "-r", "2", "-o", "json"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=True).stdout
     rows = json.loads(out)
     pp = next(r["avg_ts"] for r in rows if r["n_prompt"] > 0)
@@ -125,6 +125,8 @@ def main() -> int:
     ap.add_argument("--long", action="store_true", help="also a long prompt at 2 ranks x 1 thread vs 1 x 2")
     ap.add_argument("--long-tokens", type=int, default=1700)
     ap.add_argument("--no-llama-bench", action="store_true")
+    ap.add_argument("-fa", "--flash-attn", default="off", choices=["off", "on", "auto"],
+                    help="flash attention in every row (ggpipe's default off; llama-bench's own default is auto)")
     ap.add_argument("-o", "--out", type=Path, default=Path("results/kernels"))
     a = ap.parse_args()
 
@@ -137,6 +139,7 @@ def main() -> int:
         wd = Path(td)
         texts = {m: prompts(m, a.requests, a.prompt_tokens) for m in models}
         long = {m: prompts(m, 3, a.long_tokens)[0] for m in models} if a.long else {}
+        fa = ["-fa", a.flash_attn]
         kinds = ["ggpipe"] + ([] if a.no_llama_bench else ["llama-bench"])
         if a.exact_python:
             kinds.append("ggpipe --exact")
@@ -147,16 +150,16 @@ def main() -> int:
                 order = kinds[r % len(kinds):] + kinds[:r % len(kinds)]
                 for kind in order:
                     if kind == "ggpipe":
-                        res = run_batch(sys.executable, m, texts[m][0], a.threads, a.gen_tokens, None, [], wd)
+                        res = run_batch(sys.executable, m, texts[m][0], a.threads, a.gen_tokens, None, fa, wd)
                     elif kind == "ggpipe --exact":
-                        res = run_batch(a.exact_python, m, texts[m][0], a.threads, a.gen_tokens, None, ["--exact"],
-                                        wd)
+                        res = run_batch(a.exact_python, m, texts[m][0], a.threads, a.gen_tokens, None,
+                                        [*fa, "--exact"], wd)
                     elif kind == "llama-bench":
-                        res = run_llama_bench(m, a.threads, texts[m][1], a.gen_tokens)
+                        res = run_llama_bench(m, a.threads, texts[m][1], a.gen_tokens, a.flash_attn)
                     elif kind == "long 1x2":
-                        res = run_batch(sys.executable, m, long[m], 2, 4, None, [], wd)
+                        res = run_batch(sys.executable, m, long[m], 2, 4, None, fa, wd)
                     else:
-                        res = run_batch(sys.executable, m, long[m], 1, 4, 2, [], wd)
+                        res = run_batch(sys.executable, m, long[m], 1, 4, 2, fa, wd)
                     row = {"round": r, "model": m.name, "kind": kind, "pp": res["pp"], "tg": res.get("tg")}
                     rows.append(row)
                     print(json.dumps(row), flush=True)
