@@ -21,6 +21,7 @@ import queue
 import signal
 import sys
 import threading
+from dataclasses import dataclass
 
 from ggpipe.errors import ConfigError
 from ggpipe.service.engine import Engine
@@ -51,12 +52,80 @@ def format_stats(engine: Engine) -> str:
     return ", ".join(parts)
 
 
+#: The longest chat line read, in bytes (its newline not counted): a longer one is counted while
+#: it is read, not kept, and answered with one note (:class:`OverlongLine`).
+LINE_MAX_BYTES = 1 << 20
+#: The most bytes of read lines waiting for the chat loop; beyond it the reader waits for the loop.
+QUEUE_MAX_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class OverlongLine:
+    """A line of more than :data:`LINE_MAX_BYTES`, read and dropped.
+
+    Attributes:
+        n_bytes: its length in bytes, newline not counted.
+    """
+
+    n_bytes: int
+
+
+class LineSplitter:
+    """Cuts a byte stream into lines (at ``\n`` only), each with its newline;
+    a line longer than ``max_bytes`` becomes an :class:`OverlongLine`, and
+    at most ``max_bytes`` of it is held at any time.
+
+    Args:
+        max_bytes: the longest line kept, in bytes, newline not counted.
+    """
+
+    def __init__(self, max_bytes: int = LINE_MAX_BYTES):
+        self.max_bytes = max_bytes
+        self.pending = bytearray()  # the line being read
+        self.dropped = 0            # bytes of the over-long line being read (0: none)
+
+    def feed(self, data: bytes) -> list[bytes | OverlongLine]:
+        """The lines that ``data`` completes, in order."""
+        out: list[bytes | OverlongLine] = []
+        start = 0
+        while start < len(data):
+            nl = data.find(b"\n", start)
+            end = len(data) if nl < 0 else nl
+            if self.dropped or len(self.pending) + end - start > self.max_bytes:
+                self.dropped += len(self.pending) + end - start
+                self.pending.clear()
+            else:
+                self.pending += data[start:end]
+            if nl < 0:
+                break
+            out.append(self._line(b"\n"))
+            start = nl + 1
+        return out
+
+    def end(self) -> list[bytes | OverlongLine]:
+        """The last line, if the stream did not end with a newline."""
+        return [self._line(b"")] if self.pending or self.dropped else []
+
+    def _line(self, newline: bytes) -> bytes | OverlongLine:
+        line: bytes | OverlongLine = OverlongLine(self.dropped) if self.dropped else bytes(self.pending) + newline
+        self.pending.clear()
+        self.dropped = 0
+        return line
+
+
 class StdinReader:
     """Reads stdin's lines (bytes) on a thread from the moment it starts, so
     the pipe is always drained: MPICH's hydra forwards a rank's stdin without
     back-pressure and aborts the job ("process reading stdin too slowly;
-    can't keep up", exit 141) when a burst (a 200 KB line, a scripted
-    conversation) does not fit the pipe while the head is loading or replying.
+    can't keep up") when a burst (a 200 KB line, a scripted conversation)
+    does not fit the pipe while the head is loading or replying. What reaches
+    mpiexec before any rank runs, beyond the pipe's 64 KiB, overruns it
+    before any program could read it (``chat -i FILE`` then; see the README).
+
+    Lines of up to :data:`LINE_MAX_BYTES` are queued as they are read; a
+    longer one is queued as an :class:`OverlongLine`. At most
+    :data:`QUEUE_MAX_BYTES` of lines wait for :meth:`readline`; beyond that
+    the reader waits for it.
 
     It reads the file descriptor with ``os.read`` (no Python file object: a
     daemon thread blocked inside ``sys.stdin.buffer`` holds its lock, and the
@@ -64,38 +133,55 @@ class StdinReader:
 
     Args:
         fd: the file descriptor to read (0 for stdin).
+        max_line_bytes: the longest line queued, in bytes.
+        max_queued_bytes: the most bytes of lines queued at once.
     """
 
-    def __init__(self, fd: int = 0):
+    def __init__(self, fd: int = 0, max_line_bytes: int = LINE_MAX_BYTES, max_queued_bytes: int = QUEUE_MAX_BYTES):
         self.interactive = os.isatty(fd)  # a terminal: show the prompt and the banner
-        self.lines: queue.Queue[bytes] = queue.Queue()
+        self.lines: queue.Queue[bytes | OverlongLine] = queue.Queue()
+        self.max_line_bytes = max_line_bytes
+        self.max_queued_bytes = max_queued_bytes
+        self.queued_bytes = 0
+        self.room = threading.Condition()
         self.thread = threading.Thread(target=self._run, args=(fd,), name="ggpipe-stdin", daemon=True)
         self.thread.start()
 
     def _run(self, fd: int) -> None:
-        pending = b""
+        splitter = LineSplitter(self.max_line_bytes)
         try:
             while True:
                 data = os.read(fd, 1 << 16)
                 if not data:
                     break
-                pending += data
-                *lines, pending = pending.split(b"\n")
-                for ln in lines:
-                    self.lines.put(ln + b"\n")
+                for line in splitter.feed(data):
+                    self._put(line)
         except OSError:
             pass
-        if pending:
-            self.lines.put(pending)
-        self.lines.put(b"")  # end of input
+        for line in splitter.end():
+            self._put(line)
+        self._put(b"")  # end of input
 
-    def readline(self) -> bytes:
-        """The next line with its newline; b"" at end of input."""
+    def _put(self, line: bytes | OverlongLine) -> None:
+        size = len(line) if isinstance(line, bytes) else 0
+        with self.room:
+            while self.queued_bytes and self.queued_bytes + size > self.max_queued_bytes:
+                self.room.wait()
+            self.queued_bytes += size
+        self.lines.put(line)
+
+    def readline(self) -> bytes | OverlongLine:
+        """The next line with its newline, or an :class:`OverlongLine`; b"" at end of input."""
         while True:
             try:
-                return self.lines.get(timeout=0.5)  # a timed wait: Ctrl-C still reaches the main thread
+                line = self.lines.get(timeout=0.5)  # a timed wait: Ctrl-C still reaches the main thread
             except queue.Empty:
                 continue
+            if isinstance(line, bytes) and line:
+                with self.room:
+                    self.queued_bytes -= len(line)
+                    self.room.notify()
+            return line
 
 
 class ChatLoop:
@@ -139,10 +225,15 @@ class ChatLoop:
 
     def read(self) -> str | None:
         """The next line of stdin without its newline; None at end of input.
-        A line that is not valid UTF-8 is not sent: one note, and "" (skipped)."""
+        A line that is not valid UTF-8, or longer than the reader's limit, is
+        not sent: one note, and "" (skipped)."""
         if self.interactive:
             self.say("> ")
         raw = self.reader.readline()
+        if isinstance(raw, OverlongLine):
+            self.say(f"[that line is {raw.n_bytes:,} bytes long, over the {self.reader.max_line_bytes:,} bytes "
+                     "a chat line may have; it was not sent]\n")
+            return ""
         if raw == b"":
             return None
         try:
