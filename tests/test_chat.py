@@ -1,7 +1,8 @@
 """``ggpipe chat`` on real ranks: a piped multi-turn conversation whose
 replies equal single-node greedy generation of the same templated
 conversation, KV reuse between turns, /reset, /stats, a conversation that
-outgrows the context, and Ctrl-C under a pseudo-terminal."""
+outgrows the context, long lines piped while the model loads, and Ctrl-C
+under a pseudo-terminal."""
 
 from __future__ import annotations
 
@@ -11,14 +12,17 @@ import pty
 import re
 import select
 import signal
+import stat
 import subprocess
 import termios
 import time
 
+import psutil
 import pytest
 from llama_cpp import Llama
 
 from ggpipe.bench import baseline
+from ggpipe.frontends.chat import LINE_MAX_BYTES
 from tests.conftest import ROOT, ggpipe_cmd, run_ggpipe
 
 pytestmark = pytest.mark.full  # the fast tier runs the one case marked smoke
@@ -92,6 +96,97 @@ def test_unknown_command_and_eof(smollm2):
     p = run_ggpipe(["chat", "-m", str(smollm2), "-n", "4"], None, input="/frobnicate\n")
     assert p.returncode == 0, p.stderr
     assert "unknown command /frobnicate" in p.stdout
+
+
+F_GETPIPE_SZ = getattr(fcntl, "F_GETPIPE_SZ", 1032)
+
+
+def _pipe_max_size() -> int:
+    with open("/proc/sys/fs/pipe-max-size") as f:
+        return int(f.read())
+
+
+def _stdin_pipe_enlarged(pid: int, size: int) -> bool:
+    """Whether a process under ``pid`` (rank 0, the one the launcher feeds
+    stdin to) has enlarged its stdin pipe to ``size`` bytes, which it does
+    first thing, before its imports and the model load (ggpipe/__main__.py)."""
+    for proc in psutil.Process(pid).children(recursive=True):
+        try:
+            fd = os.open(f"/proc/{proc.pid}/fd/0", os.O_RDONLY | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            if stat.S_ISFIFO(os.fstat(fd).st_mode) and fcntl.fcntl(fd, F_GETPIPE_SZ) >= size:
+                return True
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return False
+
+
+def _kill_job(p: subprocess.Popen) -> None:
+    """End a job still running (its ranks too: hydra puts each in its own session)."""
+    if p.poll() is None:
+        ranks = psutil.Process(p.pid).children(recursive=True)
+        os.killpg(p.pid, signal.SIGKILL)
+        for c in ranks:
+            try:
+                c.kill()
+            except psutil.Error:
+                pass
+        p.wait(30)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n_bytes", [200_000, 1_000_000])
+def test_a_long_line_piped_while_the_model_loads(smollm2, n_bytes):
+    """A line of 200 KB or 1 MB, then /quit, piped as soon as rank 0 runs
+    (before its imports, MPI start-up and the model load): hydra forwards it
+    without back-pressure, the head's enlarged pipe and reader thread take
+    it, and the chat answers it as too long for the context, exit 0."""
+    data = ("word " * (n_bytes // 5)).encode()[:n_bytes] + b"\n/quit\n"
+    if _pipe_max_size() < len(data):
+        pytest.skip("the stdin pipe cannot hold the line before the reader runs (fs.pipe-max-size)")
+    cmd = ggpipe_cmd(["chat", "-m", str(smollm2), "-n", "4"], 2)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
+                         env=env, start_new_session=True)
+    try:
+        end = time.monotonic() + 60
+        while p.poll() is None and time.monotonic() < end and not _stdin_pipe_enlarged(p.pid, _pipe_max_size()):
+            time.sleep(0.01)
+        out, err = p.communicate(data, timeout=240)
+    finally:
+        _kill_job(p)
+    assert p.returncode == 0, err.decode()[-3000:]
+    lines = chat_lines(out.decode())
+    assert len(lines) == 1 and "no longer fits the context" in lines[0], out[-2000:]
+    assert b"Traceback" not in err
+
+
+@pytest.mark.mpi
+def test_a_line_over_the_limit_is_noted_and_the_chat_goes_on(smollm2):
+    """A line longer than LINE_MAX_BYTES is read (hydra's forwarding never
+    stalls), not kept and not sent: one note; the chat answers the next turn."""
+    cmd = ggpipe_cmd(["chat", "-m", str(smollm2), "-n", "4"], 2)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
+                         env=env, start_new_session=True)
+    n = 2 * LINE_MAX_BYTES + 5
+    try:
+        p.stdin.write(b"hi\n")
+        p.stdin.flush()
+        first = p.stdout.readline()  # the reply: the head is reading
+        out, err = p.communicate(b"x" * n + f"\n{Q1}\n/quit\n".encode(), timeout=240)
+    finally:
+        _kill_job(p)
+    assert p.returncode == 0, err.decode()[-3000:]
+    lines = chat_lines((first + out).decode())
+    assert len(lines) == 3, lines
+    assert lines[1] == (f"[that line is {n:,} bytes long, over the {LINE_MAX_BYTES:,} bytes a chat line may have; "
+                        "it was not sent]")
+    assert "[" not in lines[2][:1]  # the next turn is answered
 
 
 def _read_until(fd: int, pattern: str, timeout: float, buf: list[str]) -> bool:
