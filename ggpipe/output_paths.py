@@ -54,12 +54,17 @@ def check_output(path: str | os.PathLike, *, inputs: Iterable[str | os.PathLike 
     for inp in inputs:
         if inp is not None and _same(out, Path(inp)):
             raise ConfigError(f"{what} {shown} is the input file; give another path with -o")
-    try:
-        st = out.stat()
-    except (FileNotFoundError, NotADirectoryError):   # not there yet (or under a file: said below)
-        st = None
-    except OSError as e:
-        raise ConfigError(f"cannot use {what} {shown}: {e.strerror or e}") from None
+    st = None
+    # the path as given first: the kernel follows /dev/stdout's magic link to the pipe itself, where the
+    # resolved name (/proc/PID/fd/pipe:[N]) is no file; then as resolved (newdir/../x, newdir not made yet)
+    for candidate in (given.expanduser(), out):
+        try:
+            st = candidate.stat()
+            break
+        except (FileNotFoundError, NotADirectoryError):   # not there (or under a file: said below)
+            continue
+        except OSError as e:
+            raise ConfigError(f"cannot use {what} {shown}: {e.strerror or e}") from None
     if st is not None:
         if directory and not stat.S_ISDIR(st.st_mode):
             raise ConfigError(f"{what} {shown} exists and is not a folder; give a folder with -o")
