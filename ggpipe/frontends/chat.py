@@ -151,7 +151,7 @@ class StdinReader:
         splitter = LineSplitter(self.max_line_bytes)
         try:
             while True:
-                data = os.read(fd, 1 << 16)
+                data = os.read(fd, 1 << 20)  # up to a whole enlarged pipe at once
                 if not data:
                     break
                 for line in splitter.feed(data):
