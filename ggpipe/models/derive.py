@@ -158,6 +158,40 @@ def _plan_tensors(reader: GGUFReader, src: Path, layers: Sequence[int], n_layer:
     return out
 
 
+def field_types(reader: GGUFReader, key: str, src: Path) -> tuple[GGUFValueType, GGUFValueType | None]:
+    """(value type, element type of an array else None) of metadata ``key``
+    of ``reader`` (read from ``src``).
+
+    Raises:
+        ModelError: an array of arrays, which ggpipe cannot copy."""
+    field = reader.fields[key]
+    vtype = field.types[0]
+    if vtype == GGUFValueType.ARRAY and len(field.types) != 2:
+        raise ModelError(f"GGUF file {src} has metadata {key} that is an array of arrays, which ggpipe cannot copy")
+    return vtype, field.types[-1] if vtype == GGUFValueType.ARRAY else None
+
+
+def add_field(writer: GGUFWriter, src: Path, key: str, value: Any, vtype: GGUFValueType,
+              sub_type: GGUFValueType | None) -> None:
+    """Write metadata ``key`` (copied from ``src``) with ``writer``.
+
+    Raises:
+        ModelError: an empty array, which the gguf package cannot write."""
+    if vtype == GGUFValueType.ARRAY and not value:
+        raise ModelError(
+            f"GGUF file {src} has metadata {key} that is an empty array, which the gguf package cannot write"
+        )
+    writer.add_key_value(key, value, vtype, sub_type=sub_type)
+
+
+def copy_fields(reader: GGUFReader, writer: GGUFWriter, src: Path, prefix: str) -> None:
+    """Copy every metadata entry of ``reader`` whose key starts with ``prefix``
+    (e.g. ``"tokenizer."``), in its order, types and values kept."""
+    for key in reader.fields:
+        if key.startswith(prefix):
+            add_field(writer, src, key, field_value(reader, key, src), *field_types(reader, key, src))
+
+
 def _copy_metadata(
     reader: GGUFReader, writer: GGUFWriter, src: Path, info: ModelInfo, layers: Sequence[int], out_type: str
 ) -> None:
@@ -171,13 +205,10 @@ def _copy_metadata(
     file_type = None
     if out_type != "keep":
         file_type = int(LlamaFileType.MOSTLY_F16 if out_type == "f16" else LlamaFileType.ALL_F32)
-    for key, field in reader.fields.items():
+    for key in reader.fields:
         if key.startswith("GGUF.") or key == Keys.General.ARCHITECTURE:
             continue
-        vtype = field.types[0]
-        sub_type = field.types[-1] if vtype == GGUFValueType.ARRAY else None
-        if vtype == GGUFValueType.ARRAY and len(field.types) != 2:
-            raise ModelError(f"GGUF file {src} has metadata {key} that is an array of arrays, which ggpipe cannot copy")
+        vtype, sub_type = field_types(reader, key, src)
         if key == Keys.General.ALIGNMENT:
             writer.add_custom_alignment(int(field_value(reader, key, src)))
             continue
@@ -192,11 +223,7 @@ def _copy_metadata(
             value = [values[i] for i in layers]
         else:
             value = field_value(reader, key, src)
-        if vtype == GGUFValueType.ARRAY and not value:
-            raise ModelError(
-                f"GGUF file {src} has metadata {key} that is an empty array, which the gguf package cannot write"
-            )
-        writer.add_key_value(key, value, vtype, sub_type=sub_type)
+        add_field(writer, src, key, value, vtype, sub_type)
     for key, (value, vtype, sub_type) in extra.items():  # what the slice needs beyond the source's entries
         writer.add_key_value(key, value, vtype, sub_type=sub_type)
     if file_type is not None and Keys.General.FILE_TYPE not in reader.fields:

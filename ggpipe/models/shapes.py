@@ -91,6 +91,10 @@ ARCHITECTURES = {
                                 n_ff_exp=2880),
     "gpt-oss-120b": Architecture(36, 2880, 2880, 64, 8, 201088, head_dim=64, n_expert=128, n_expert_used=4,
                                  n_ff_exp=2880),
+    # the random-weight models of the registry (ggpipe.models.random_model): Llama-3-8B's and
+    # Llama-3.2-1B's shapes with SmolLM2's vocabulary (its tokenizer is what they carry)
+    "llama-7b-shape": Architecture(32, 4096, 14336, 32, 8, 49152),
+    "llama-1b-shape": Architecture(16, 2048, 8192, 32, 8, 49152, tied=True),
     # MLA: kv_lora_rank 512 + qk_rope_head_dim 64 cached per layer
     "deepseek-v2-lite": Architecture(27, 2048, 10944, 16, 16, 102400, head_dim=128, n_expert=64, n_expert_used=6,
                                      n_ff_exp=1408, n_expert_shared=2, n_layer_dense_lead=1, kv_latent=576),
