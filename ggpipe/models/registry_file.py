@@ -1,8 +1,9 @@
 """Reading ``models.toml``: where it is, its entries and their checks.
 
 Every entry is one of: a PyPI model (``pypi`` + ``member``), a derived one
-(``base`` + ``layers`` + ``type``), or a described one (``shape`` + ``url``,
-no source: see :mod:`ggpipe.models.registry`). :func:`load_registry` refuses
+(``base`` + ``layers`` + ``type``), a random-weight one (``base`` + ``random``
++ ``seed``: :mod:`ggpipe.models.random_model`), or a described one (``shape``
++ ``url``, no source: see :mod:`ggpipe.models.registry`). :func:`load_registry` refuses
 a bad file in one line naming the entry and the field."""
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ import tomllib
 
 from ggpipe.errors import GGPipeError, ModelError
 from ggpipe.models.derive import OUT_TYPES, parse_layer_list
+from ggpipe.models.random_model import check_random_shape
 from ggpipe.models.shapes import parse_shape
 
 MODELS_ENV = "GGPIPE_MODELS"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
-_FIELDS = {"description", "arch", "size", "sha256", "pypi", "member", "base", "layers", "type", "shape", "url"}
+_FIELDS = {"description", "arch", "size", "sha256", "pypi", "member", "base", "layers", "type", "shape", "url",
+           "random", "seed"}
 
 
 def registry_path() -> Path:
@@ -55,10 +58,18 @@ class ModelEntry:
     type: str = "keep"
     shape: str | None = None
     url: str | None = None
+    random: str | None = None
+    seed: int | None = None
 
     @property
     def is_derived(self) -> bool:
         return self.base is not None
+
+    @property
+    def is_random(self) -> bool:
+        """Random weights of shape ``random`` ("ARCH:Q4_K_M") from ``seed``,
+        the tokenizer of ``base``: for speed and memory, never acceptance."""
+        return self.random is not None
 
     @property
     def is_described(self) -> bool:
@@ -71,6 +82,8 @@ class ModelEntry:
             return f"pypi:{self.pypi}"
         if self.shape is not None:
             return f"download: {self.url}"
+        if self.random is not None:
+            return f"random {self.random} seed {self.seed}, tokenizer of {self.base}"
         return f"{self.base}[{self.layers}] {self.type}"
 
 
@@ -107,8 +120,11 @@ def _entry(path: Path, name: str, raw: object) -> ModelEntry:
         raise ModelError(f"{where}: field 'sha256' must be 64 lowercase hex digits, got {sha!r}")
     pypi, member, base, layers = text("pypi", False), text("member", False), text("base", False), text("layers", False)
     typ = text("type", False)
+    random, seed = text("random", False), raw.get("seed")
+    if random is None and seed is not None:
+        raise ModelError(f"{where}: field 'seed' only applies to random-weight models (with 'random')")
     if described:
-        given = [f for f in ("pypi", "member", "base", "layers", "type") if raw.get(f) is not None]
+        given = [f for f in ("pypi", "member", "base", "layers", "type", "random") if raw.get(f) is not None]
         if given:
             raise ModelError(f"{where}: field '{given[0]}' does not go with 'shape': a described model has no "
                              f"source ggpipe can fetch from (give a source or a shape, not both)")
@@ -122,6 +138,18 @@ def _entry(path: Path, name: str, raw: object) -> ModelEntry:
             raise ModelError(f"{where}: field 'url' must be an http(s) URL, got {url!r}")
     elif url is not None:
         raise ModelError(f"{where}: field 'url' only applies to described models (with 'shape')")
+    elif random is not None:
+        if base is None:
+            raise ModelError(f"{where}: field 'random' needs 'base' (the model whose tokenizer it carries)")
+        given = [f for f in ("pypi", "member", "layers", "type") if raw.get(f) is not None]
+        if given:
+            raise ModelError(f"{where}: field '{given[0]}' does not go with 'random'")
+        try:
+            check_random_shape(random)
+        except ModelError as e:
+            raise ModelError(f"{where}: field 'random': {e}") from None
+        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+            raise ModelError(f"{where}: field 'seed' must be an integer >= 0 (random weights need one), got {seed!r}")
     elif (pypi is None) == (base is None):
         raise ModelError(f"{where}: give either 'pypi' (with 'member') or 'base' (with 'layers'), not "
                          + ("both" if pypi else "neither (or 'shape' and 'url' for a described model)"))
@@ -155,6 +183,8 @@ def _entry(path: Path, name: str, raw: object) -> ModelEntry:
         type=typ or "keep",
         shape=shape,
         url=url,
+        random=random,
+        seed=seed,
     )
 
 
