@@ -12,10 +12,12 @@ kernel for a lone token than inside a batch; repacked Q4_0/Q8_0 weights use a
 GEMM kernel for groups of 4 rows and the GEMV kernel for the rest; Q4_1 runs
 ``ggml_vec_dot`` either way (NOTES on llama.cpp's numerics).
 
-:func:`probe` measures it on the model itself: after a short prompt, 5 tokens
+:func:`probe` measures it on the model itself: after a prompt, 5 tokens
 decoded one by one (``llama_decode`` of one token each), then the same 5
 tokens decoded again as one batch at the same positions and cells; it
-compares the 5 rows of logits bit for bit. :func:`batch_rows_exact` caches
+compares the 5 rows of logits bit for bit, after a short prompt (about 40
+tokens) and after a longer one (about 300): attention's own products take
+llamafile's sgemm only from some context length on. :func:`batch_rows_exact` caches
 the answer beside the model's other remembered facts (ggpipe.models.cache),
 keyed by the llama.cpp libraries loaded and the settings that choose kernels.
 """
@@ -36,7 +38,10 @@ from ggpipe.models.cache import remembered
 from ggpipe.runtime import kernels
 from ggpipe.runtime import llama as _llama
 
-PROBE_TEXT = "The three laws of thermodynamics are"
+PROBE_TEXT = ("The three laws of thermodynamics are the rules that every engine, refrigerator and living cell obeys. "
+              "They were found in the nineteenth century by engineers who wanted better steam engines. ")
+PROBE_CONTEXTS = (1, 8)  # the probe text repeated: about 40 and about 300 tokens of context before the rows
+PROBE_VERSION = 2  # part of the cache key: a changed probe measures again
 N_ROWS = 5  # one more than the repacked GEMM's group of 4: both of its kernels are in the batch
 
 
@@ -68,18 +73,22 @@ def _build_id() -> str:
     return hashlib.sha256("|".join(facts).encode()).hexdigest()[:16]
 
 
-def _decode(L, ctx, batch, tokens: list[int], pos0: int, n_vocab: int) -> np.ndarray:
+def _decode(L, ctx, batch, tokens: list[int], pos0: int, n_vocab: int, every_row: bool = True) -> np.ndarray:
+    """Decode ``tokens`` at positions pos0.. of sequence 0; float32 logits
+    (n, n_vocab) of every row, or (1, n_vocab) of the last one."""
     n = len(tokens)
     for i, t in enumerate(tokens):
         batch.token[i] = t
         batch.pos[i] = pos0 + i
         batch.n_seq_id[i] = 1
         batch.seq_id[i][0] = 0
-        batch.logits[i] = 1
+        batch.logits[i] = 1 if every_row or i == n - 1 else 0
     batch.n_tokens = n
     rc = L.llama_decode(ctx, batch)
     if rc != 0:
         raise RuntimeError(f"llama_decode returned {rc} in the row probe")
+    if not every_row:
+        return np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, -1), shape=(1, n_vocab)).copy()
     return np.ctypeslib.as_array(L.llama_get_logits(ctx), shape=(n, n_vocab)).copy()
 
 
@@ -108,8 +117,8 @@ def probe(model_path: str | Path, setting: RowSetting = RowSetting()) -> dict:
     batch = None
     try:
         cp = L.llama_context_default_params()
-        cp.n_ctx = 256
-        cp.n_batch = cp.n_ubatch = 64
+        cp.n_ctx = 1024
+        cp.n_batch = cp.n_ubatch = 512
         cp.n_threads = cp.n_threads_batch = setting.n_threads
         cp.flash_attn_type = _llama.flash_attn_type(setting.flash_attn)
         cp.type_k, cp.type_v = _llama.kv_cache_type(setting.type_k), _llama.kv_cache_type(setting.type_v)
@@ -119,23 +128,27 @@ def probe(model_path: str | Path, setting: RowSetting = RowSetting()) -> dict:
             raise RuntimeError(f"llama.cpp could not create a context for {model_path}")
         vocab = L.llama_model_get_vocab(model)
         n_vocab = int(L.llama_vocab_n_tokens(vocab))
-        data = PROBE_TEXT.encode()
-        buf = (ctypes.c_int32 * (len(data) + 16))()
-        n = L.llama_tokenize(vocab, data, len(data), buf, len(buf), True, True)
-        prompt = list(buf[:n]) if n >= 2 else [i % n_vocab for i in range(1, 9)]
-        batch = L.llama_batch_init(64, 0, 1)
-        last = _decode(L, ctx, batch, prompt, 0, n_vocab)[-1]
-        p0 = len(prompt)
-        toks, single = [], []
-        for i in range(N_ROWS):
-            toks.append(int(np.argmax(last)))
-            last = _decode(L, ctx, batch, [toks[-1]], p0 + i, n_vocab)[0]
-            single.append(last)
-        L.llama_memory_seq_rm(L.llama_get_memory(ctx), 0, p0, -1)
-        rows = _decode(L, ctx, batch, toks, p0, n_vocab)
-        single = np.stack(single)
-        diff = float(np.max(np.abs(rows.astype(np.float64) - single.astype(np.float64))))
-        exact = bool(np.array_equal(rows.view(np.uint32), single.view(np.uint32)))
+        batch = L.llama_batch_init(512, 0, 1)
+        mem = L.llama_get_memory(ctx)
+        diff, exact = 0.0, True
+        for reps in PROBE_CONTEXTS:
+            data = (PROBE_TEXT * reps).encode()
+            buf = (ctypes.c_int32 * (len(data) + 16))()
+            n = L.llama_tokenize(vocab, data, len(data), buf, len(buf), True, True)
+            prompt = list(buf[:min(n, 400)]) if n >= 2 else [i % n_vocab for i in range(1, 9 * reps)]
+            L.llama_memory_clear(mem, True)
+            last = _decode(L, ctx, batch, prompt, 0, n_vocab, every_row=False)[0]
+            p0 = len(prompt)
+            toks, single = [], []
+            for i in range(N_ROWS):
+                toks.append(int(np.argmax(last)))
+                last = _decode(L, ctx, batch, [toks[-1]], p0 + i, n_vocab)[0]
+                single.append(last)
+            L.llama_memory_seq_rm(mem, 0, p0, -1)
+            rows = _decode(L, ctx, batch, toks, p0, n_vocab)
+            single = np.stack(single)
+            diff = max(diff, float(np.max(np.abs(rows.astype(np.float64) - single.astype(np.float64)))))
+            exact = exact and bool(np.array_equal(rows.view(np.uint32), single.view(np.uint32)))
         return {"batch_rows_exact": exact, "max_abs_diff": diff, "rows": N_ROWS}
     finally:
         if batch is not None:
@@ -172,6 +185,7 @@ def batch_rows_exact(model_path: str | Path, setting: RowSetting = RowSetting())
     Raises:
         RuntimeError: as :func:`probe`.
     """
-    key = hashlib.sha256(json.dumps([_build_id(), setting.__dict__], sort_keys=True).encode()).hexdigest()[:16]
+    key = hashlib.sha256(json.dumps([PROBE_VERSION, _build_id(), setting.__dict__], sort_keys=True).encode()
+                         ).hexdigest()[:16]
     return remembered(Path(os.path.realpath(model_path)), f"rows-{key}", lambda: probe(model_path, setting),
                       valid=lambda v: isinstance(v, dict) and "batch_rows_exact" in v, strict=False)
