@@ -17,7 +17,7 @@ import pytest
 
 from ggpipe.bench import baseline
 from ggpipe.runtime.llama import llamafile_sgemm
-from tests.conftest import EXACT, generate_json, run_ggpipe, stderr_lines
+from tests.conftest import assert_greedy, EXACT, generate_json, run_ggpipe, stderr_lines
 from tests.tiny_models import load_recipe, write_tiny_model
 
 QUANTS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K_M")
@@ -80,14 +80,17 @@ def test_a_buffer_type_left_out_is_not_used_by_later_loads(quantized):
 
 @pytest.mark.full
 def test_the_probe_measures_the_build(goliath, smollm2):
-    """Q4_1 rows agree in every build; F16 rows only without llamafile's sgemm."""
+    """Rows agree bit for bit without llamafile's sgemm, for Q4_1 and F16
+    weights, with and without repacking; with it they differ (the weights'
+    products for F16, attention's for both at a few hundred tokens of
+    context)."""
     from ggpipe.models.row_probe import RowSetting, probe
 
-    q41 = probe(smollm2)
-    f16 = probe(goliath, RowSetting(extra_bufts=False))
-    assert q41["batch_rows_exact"] and q41["max_abs_diff"] == 0.0
-    assert f16["batch_rows_exact"] == (not llamafile_sgemm())
-    assert (f16["max_abs_diff"] > 0) == llamafile_sgemm()
+    for model in (smollm2, goliath):
+        for extra in (True, False):
+            r = probe(model, RowSetting(extra_bufts=extra))
+            assert r["batch_rows_exact"] == (not llamafile_sgemm()), (model, extra, r)
+            assert (r["max_abs_diff"] > 0) == llamafile_sgemm()
 
 
 def test_exact_on_a_build_with_sgemm_is_one_line_before_loading(smollm2):
@@ -131,7 +134,7 @@ def test_greedy_speculation_reports_its_smallest_margin(goliath, smollm2, refere
     d = out["decoder"]
     assert d["draft_accepted"] == 0 or d["min_accepted_margin"] >= 0
     assert out["kernels"]["batch_rows_exact"] == (EXACT or not llamafile_sgemm())
-    assert out["tokens"] == reference(goliath, prompt, 32)
+    assert_greedy(out["tokens"], goliath, prompt, 32)
 
 
 @pytest.mark.mpi

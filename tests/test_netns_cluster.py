@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 from ggpipe.bench.prompts import load_prompts, render_prompts
-from tests.conftest import ROOT, guard_line, kill_and_wait, mpiexec, wait_for_ranks
+from tests.conftest import assert_greedy, ROOT, guard_line, kill_and_wait, mpiexec, wait_for_ranks
 
 pytestmark = [pytest.mark.mpi, pytest.mark.full]
 
@@ -97,7 +97,7 @@ def test_across_hosts_greedy_equals_single_node(cluster, goliath, smollm2, refer
                              "--ignore-eos", "--json"])
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout)  # fails on anything else on stdout
-    assert out["tokens"] == reference(goliath, text, n)
+    assert_greedy(out["tokens"], goliath, text, n)
     assert [r["host"] for r in out["ranks"]] == [h["namespace"] for h in cluster["hosts"]]
     after = link_bytes(cluster)
     sent = {h: after[h][0] - before[h][0] for h in after}
@@ -124,9 +124,10 @@ def test_a_link_shaped_to_1_gbit(cluster, goliath, smollm2, reference, near_tie,
         r = run(cluster, 3, ["batch", str(requests), "-m", str(goliath), "-md", str(smollm2), "--mode", "pipeinfer",
                              "-c", "4096", "-o", str(out)])
         assert r.returncode == 0, r.stderr[-3000:]
-        ref = reference(goliath, text, n)
         got = [json.loads(ln)["tokens"] for ln in out.read_text().splitlines()]
-        assert got == [ref] * 3
+        assert len(got) == 3
+        for tokens in got:
+            assert_greedy(tokens, goliath, text, n)
     finally:
         cluster_cmd("shape", "--name", cluster["name"], "--dir", cluster["dir"], "2", "none")
 

@@ -95,7 +95,7 @@ def test_two_ranks_across_the_wrap_stay_exact_and_cancel(goliath, reference):
     rank 1 (the target's second stage) honours the cancellations of runs
     issued after the wrap: every run the head cancelled came back cancelled
     from it (before the fix, every cancel after the wrap was dropped)."""
-    from conftest import PROMPTS, run_ggpipe
+    from conftest import assert_greedy, PROMPTS, run_ggpipe
 
     prompt, n = PROMPTS[1], 64
     p = run_ggpipe(["generate", "-m", str(goliath), "-p", prompt, "-n", str(n), "--json", "--mode", "pipeinfer",
@@ -104,7 +104,7 @@ def test_two_ranks_across_the_wrap_stay_exact_and_cancel(goliath, reference):
     import json
 
     got = json.loads(p.stdout)
-    assert got["tokens"] == reference(goliath, prompt, n)
+    assert_greedy(got["tokens"], goliath, prompt, n)
     dec = got["decoder"]
     assert dec["target_runs"] > 10           # the ids wrapped during the job
     assert dec["cancel_sent"] > 0, dec

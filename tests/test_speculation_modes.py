@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import PROMPTS, generate_json, run_ggpipe, stderr_lines
+from conftest import assert_greedy, rows_exact, PROMPTS, generate_json, run_ggpipe, stderr_lines
 
 pytestmark = [pytest.mark.mpi, pytest.mark.full]  # the fast tier runs the one case marked smoke
 
@@ -41,8 +41,7 @@ def test_greedy_speculation_equals_single_node_target(goliath, smollm2, referenc
     accepted = 0
     for prompt in PROMPTS:
         got = generate_json(goliath, prompt, N_TOKENS, ranks, args)
-        want = reference(goliath, prompt, N_TOKENS)
-        assert got["tokens"] == want, f"{mode} {extra} ranks={ranks} prompt={prompt!r}"
+        assert_greedy(got["tokens"], goliath, prompt, N_TOKENS, msg=f"{mode} {extra} ranks={ranks} prompt={prompt!r}")
         dec = got["decoder"]
         if "--no-continuous" not in extra:
             # (asynchronous speculation alone rarely finishes a tree before this fast
@@ -65,7 +64,7 @@ def test_cancellation_aborts_a_run_mid_compute_on_a_middle_stage(goliath, smollm
     args = ["-md", str(smollm2), "--mode", "pipeinfer", "--split", "0.05,0.9,0.05/1.0",
             "--p-accept", "0", "--p-recovery", "0", "--draft", "4"]
     got = generate_json(goliath, prompt, N_TOKENS, 4, args)
-    assert got["tokens"] == reference(goliath, prompt, N_TOKENS)
+    assert_greedy(got["tokens"], goliath, prompt, N_TOKENS)
     middle = got["ranks"][1]
     assert middle["model"] == "target" and middle["layers"][1] - middle["layers"][0] >= 30
     assert got["decoder"]["cancel_sent"] > 0
@@ -134,7 +133,7 @@ def test_greedy_ngram_speculation_equals_single_node_target(goliath, reference, 
     drafted = 0
     for prompt in PROMPTS:
         got = generate_json(goliath, prompt, N_TOKENS, ranks, ["--mode", mode, "--spec-type", "ngram"])
-        assert got["tokens"] == reference(goliath, prompt, N_TOKENS), f"ngram {mode} ranks={ranks} {prompt!r}"
+        assert_greedy(got["tokens"], goliath, prompt, N_TOKENS, msg=f"ngram {mode} ranks={ranks} {prompt!r}")
         dec = got["decoder"]
         assert dec["spec_type"] == "ngram" and dec["ngram_lookups"] > 0, dec
         drafted += dec["drafted"]
@@ -165,7 +164,7 @@ def test_greedy_vote_equals_single_node_target(goliath, smollm2, reference, rank
     proposed = {"draft": 0, "ngram": 0}
     for prompt in PROMPTS:
         got = generate_json(goliath, prompt, N_TOKENS, ranks, args)
-        assert got["tokens"] == reference(goliath, prompt, N_TOKENS), f"vote {mode} ranks={ranks} {prompt!r}"
+        assert_greedy(got["tokens"], goliath, prompt, N_TOKENS, msg=f"vote {mode} ranks={ranks} {prompt!r}")
         dec = got["decoder"]
         assert dec["spec_type"] == "vote" and dec["drafted"] > 0, dec
         for m in proposed:
@@ -188,7 +187,7 @@ def test_greedy_vote_over_two_draft_models_equals_single_node_target(goliath, sm
     proposed = {"draft": 0, "draft2": 0, "ngram": 0}
     for prompt in PROMPTS[:1]:
         got = generate_json(goliath, prompt, N_TOKENS, ranks, args)
-        assert got["tokens"] == reference(goliath, prompt, N_TOKENS), f"two drafts {mode} {prompt!r}"
+        assert_greedy(got["tokens"], goliath, prompt, N_TOKENS, msg=f"two drafts {mode} {prompt!r}")
         dec = got["decoder"]
         assert dec["spec_type"] == "vote" and dec["drafted"] > 0, dec
         for m in proposed:
@@ -246,7 +245,7 @@ def test_greedy_staged_equals_single_node_target(goliath, smollm2, reference, ra
         ["--split", split] if split else [])
     for prompt in PROMPTS:
         got = generate_json(goliath, prompt, N_TOKENS, ranks, args)
-        assert got["tokens"] == reference(goliath, prompt, N_TOKENS), f"staged {mode} ranks={ranks} {prompt!r}"
+        assert_greedy(got["tokens"], goliath, prompt, N_TOKENS, msg=f"staged {mode} ranks={ranks} {prompt!r}")
         dec = got["decoder"]
         assert dec["spec_type"] == "staged" and dec["drafted"] > 0, dec
 
@@ -268,7 +267,7 @@ def test_greedy_pipedec_equals_single_node_target(goliath, smollm2, reference, r
     accepted = 0
     for prompt in PROMPTS[:1] if ranks == 4 else PROMPTS:   # the wide tree: one prompt (CI time)
         got = generate_json(goliath, prompt, N_TOKENS, ranks, args)
-        assert got["tokens"] == reference(goliath, prompt, N_TOKENS), f"pipedec ranks={ranks} {extra} {prompt!r}"
+        assert_greedy(got["tokens"], goliath, prompt, N_TOKENS, msg=f"pipedec ranks={ranks} {extra} {prompt!r}")
         dec = got["decoder"]
         assert dec["spec_type"] == "pipedec" and dec["tree_layers"] > 0, dec
         accepted += dec["draft_accepted"]
@@ -287,6 +286,9 @@ def test_sampled_pipedec_gives_iterative_tokens_for_the_seed(goliath, smollm2, r
     single-node iterative sampling with that seed (the chain: logits agree
     bit for bit). Trees: same draws, same tokens on this prompt (the
     near-tie caveat of trees applies)."""
+    if not rows_exact(goliath):
+        pytest.skip("this build's batch rows differ from lone-token rows (llamafile's sgemm): a seeded draw can "
+                    "land on the other side of a shifted boundary; exact with --exact in the exact build")
     sampling = ["--temp", "0.8", "--seed", "11", "--ignore-eos"]
     want = generate_json(goliath, PROMPTS[1], 64, None, sampling)["tokens"]
     args = ["-md", str(smollm2), "--mode", "pipedec", *sampling, *extra] + (["--split", split] if split else [])

@@ -126,6 +126,40 @@ def greedy(model_path: str | Path, prompt: str, n_predict: int, n_threads: int =
         L.llama_model_free(model)
 
 
+def forced_gaps(model_path: str | Path, prompt: str, tokens: list[int], n_threads: int = 1, n_ctx: int = 2048,
+                flash_attn: str = "off", type_k: str = "f16", type_v: str = "f16",
+                extra_bufts: bool = True) -> list[float]:
+    """How far each of ``tokens`` was from single-node llama.cpp's greedy
+    choice, with the tokens themselves as the context (teacher forcing):
+    after ``prompt`` (one batch), for each token its gap below the best
+    logit of its step (logit units, 0.0 where it is the argmax), then the
+    token is decoded alone. A lossless greedy run has gaps of 0, or below
+    the build's row difference (ggpipe.models.row_probe) at near-ties."""
+    from ggpipe.runtime.llama import lib
+
+    L = lib()
+    model, ctx = _open(L, model_path, n_ctx, n_threads, flash_attn, type_k, type_v, extra_bufts)
+    vocab = L.llama_model_get_vocab(model)
+    n_vocab = L.llama_vocab_n_tokens(vocab)
+    try:
+        toks = _tokenize(L, vocab, prompt)
+        arr = (ctypes.c_int32 * len(toks))(*toks)
+        if L.llama_decode(ctx, L.llama_batch_get_one(arr, len(toks))) != 0:
+            raise RuntimeError("prompt decode failed")
+        one = (ctypes.c_int32 * 1)()
+        gaps = []
+        for tok in tokens:
+            logits = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, -1), shape=(n_vocab,))
+            gaps.append(float(np.max(logits) - logits[tok]))
+            one[0] = tok
+            if L.llama_decode(ctx, L.llama_batch_get_one(one, 1)) != 0:
+                raise RuntimeError("decode failed")
+        return gaps
+    finally:
+        L.llama_free(ctx)
+        L.llama_model_free(model)
+
+
 def greedy_turns(model_path: str | Path, prompts: list[str], n_predict: int, n_ctx: int = 2048,
                  margins: list[list[float]] | None = None, extra_bufts: bool = True) -> list[list[int]]:
     """Greedy replies to successive prompts in one context, keeping the KV
