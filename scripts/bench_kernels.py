@@ -46,6 +46,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from peer_llamacpp import bin_path  # noqa: E402
 
+from ggpipe.child_process import child_env, ggpipe_command  # noqa: E402
+
 
 def _texts() -> list[str]:
     out = []
@@ -89,11 +91,11 @@ def run_batch(python: str, model: Path, texts: list[str], threads: int, gen: int
     out = workdir / "out.jsonl"
     out.unlink(missing_ok=True)
     req.write_text("".join(json.dumps({"id": i, "prompt": t, "n": gen}) + "\n" for i, t in enumerate(texts)))
-    cmd = [python, "-m", "ggpipe", "batch", str(req), "-o", str(out), "-m", str(model), "-t", str(threads),
+    cmd = [*ggpipe_command(python), "batch", str(req), "-o", str(out), "-m", str(model), "-t", str(threads),
            "-c", "4096", "--ignore-eos", "--no-progress", *extra]
     if ranks:
         cmd = [str(Path(python).parent / "mpiexec"), "-n", str(ranks), *cmd]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=workdir)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=workdir, env=child_env())
     if p.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{p.stderr[-2000:]}")
     recs = [json.loads(ln) for ln in out.read_text().splitlines()][1:]
