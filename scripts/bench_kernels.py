@@ -9,7 +9,7 @@ on the same models, threads and prompt length; and a long prompt through
 
 Rows, per model and round (the order rotates each round):
 
-* ``ggpipe``: ``ggpipe batch`` in one process (``-t THREADS``) over
+* ``ggpipe``: ``ggpipe batch --parallel 1`` (one request at a time) in one process (``-t THREADS``) over
   ``--requests`` prompts of about ``--prompt-tokens`` tokens each (distinct
   beginnings, so no KV cells are reused), ``-n --gen-tokens`` greedy tokens
   each, ``--ignore-eos``. The first request warms the page cache and is left
@@ -92,7 +92,7 @@ def run_batch(python: str, model: Path, texts: list[str], threads: int, gen: int
     out.unlink(missing_ok=True)
     req.write_text("".join(json.dumps({"id": i, "prompt": t, "n": gen}) + "\n" for i, t in enumerate(texts)))
     cmd = [*ggpipe_command(python), "batch", str(req), "-o", str(out), "-m", str(model), "-t", str(threads),
-           "-c", "4096", "--ignore-eos", "--no-progress", *extra]
+           "-c", "4096", "--parallel", "1", "--ignore-eos", "--no-progress", *extra]
     if ranks:
         cmd = [str(Path(python).parent / "mpiexec"), "-n", str(ranks), *cmd]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=workdir, env=child_env())
@@ -126,6 +126,7 @@ def main() -> int:
     ap.add_argument("--exact-python", help="a python whose llama-cpp-python is built without llamafile's sgemm")
     ap.add_argument("--long", action="store_true", help="also a long prompt at 2 ranks x 1 thread vs 1 x 2")
     ap.add_argument("--long-tokens", type=int, default=1700)
+    ap.add_argument("--long-only", action="store_true", help="only the long-prompt rows")
     ap.add_argument("--no-llama-bench", action="store_true")
     ap.add_argument("-fa", "--flash-attn", default="off", choices=["off", "on", "auto"],
                     help="flash attention in every row (ggpipe's default off; llama-bench's own default is auto)")
@@ -140,12 +141,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as td:
         wd = Path(td)
         texts = {m: prompts(m, a.requests, a.prompt_tokens) for m in models}
-        long = {m: prompts(m, 3, a.long_tokens)[0] for m in models} if a.long else {}
+        long = {m: prompts(m, 3, a.long_tokens)[0] for m in models} if a.long or a.long_only else {}
         fa = ["-fa", a.flash_attn]
-        kinds = ["ggpipe"] + ([] if a.no_llama_bench else ["llama-bench"])
-        if a.exact_python:
+        kinds = ([] if a.long_only else ["ggpipe"]) + ([] if a.no_llama_bench or a.long_only else ["llama-bench"])
+        if a.exact_python and not a.long_only:
             kinds.append("ggpipe --exact")
-        if a.long:
+        if a.long or a.long_only:
             kinds += ["long 1x2", "long 2x1"]
         for r in range(a.rounds):
             for m in models:

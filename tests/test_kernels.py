@@ -142,7 +142,7 @@ def test_greedy_speculation_reports_its_smallest_margin(goliath, smollm2, refere
 @pytest.mark.parametrize("ubatch", ["24", "512"])
 def test_iterative_equals_single_node_at_any_prompt_chunking(quantized, goliath, ubatch):
     """A 300-token prompt through 2 stages in chunks of at most --ubatch
-    (ggpipe.pipeline.prefill: 8 even chunks at 512, 13 at 24): the same
+    (ggpipe.pipeline.prefill: 4 even chunks at 512, 13 at 24): the same
     tokens as single-node llama.cpp, which decodes it in one batch, on
     repacked Q4_0 weights and on F16 (llamafile's sgemm in the default
     build)."""

@@ -8,7 +8,9 @@ after the first stage is done. With k = ceil(n / n_ubatch) chunks of
 ``--ubatch`` (512) tokens, a 1,700-token prompt on 2 stages is 4 chunks, and
 a stage waits for one chunk-step in five. More, smaller chunks keep the
 stages busy together, but each chunk streams the stage's weights once and
-pays a hop, so chunks stay at least :data:`MIN_CHUNK` tokens.
+pays a hop, so chunks stay at least :data:`MIN_CHUNK` tokens. Measured at
+2 ranks x 1 thread on a 1,700-token F16 prompt (docs/benchmarks/kernels.md):
+chunks of 512, 128 and 64 tokens gave 251, 260 and 269 prompt tok/s.
 
 :func:`prefill_chunks`: with more than one stage, at least
 :data:`CHUNKS_PER_STAGE` chunks per stage where the prompt allows chunks of
@@ -21,7 +23,7 @@ batch's). One stage: chunks of ``n_ubatch``, as llama.cpp decodes a prompt.
 from __future__ import annotations
 
 MIN_CHUNK = 64
-CHUNKS_PER_STAGE = 4
+CHUNKS_PER_STAGE = 16
 
 
 def prefill_chunks(n: int, n_ubatch: int, n_stages: int) -> list[int]:
