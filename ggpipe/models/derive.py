@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -288,19 +288,37 @@ def _derive(
     if not out_path.parent.is_dir():
         raise ModelError(f"cannot write {out_path}: directory {out_path.parent} does not exist")
 
-    tmp = temp_path_for(out_path)
-    writer = GGUFWriter(tmp, info.arch)
-    try:
+    def fill(writer: GGUFWriter) -> None:
         _copy_metadata(reader, writer, src, info, layers, out_type)
         for name, t in _plan_tensors(reader, src, layers, n):
             _add_tensor(writer, src, name, t, out_type)
+
+    return write_gguf(out_path, info.arch, fill, progress, desc)
+
+
+def write_gguf(out_path: Path, arch: str, fill: Callable[[GGUFWriter], None], progress: bool = False,
+               desc: str | None = None, hash_progress: bool = False) -> tuple[Path, str]:
+    """Write a GGUF of architecture ``arch`` whose metadata and tensors
+    ``fill(writer)`` adds, under a temporary name in ``out_path``'s folder,
+    hash it, then move it to ``out_path`` (a file with the final name is
+    always complete). ``progress``: tqdm bars while writing (after the line
+    ``desc``), and while hashing with ``hash_progress``. Returns
+    (``out_path``, sha256 in hex).
+
+    Raises:
+        ModelError: the file cannot be written."""
+    tmp = temp_path_for(out_path)
+    writer = GGUFWriter(tmp, arch)
+    try:
+        fill(writer)
         if progress and desc:
             print(desc, file=sys.stderr, flush=True)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file(progress=progress)
         writer.close()
-        sha = sha256_file(tmp)
+        sha = (sha256_file(tmp, progress=progress, desc=f"hashing {out_path.name}") if hash_progress
+               else sha256_file(tmp))
         os.replace(tmp, out_path)
     except OSError as e:
         raise ModelError(f"cannot write {out_path}: {e.strerror or e}") from None

@@ -20,7 +20,6 @@ throughput, never acceptance or text quality.
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO
@@ -30,8 +29,7 @@ from gguf import GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
 from ggpipe.errors import GGPipeError, ModelError
-from ggpipe.models.cache import remove_quietly, sha256_file, temp_path_for
-from ggpipe.models.derive import copy_fields
+from ggpipe.models.derive import copy_fields, write_gguf
 from ggpipe.models.gguf_info import load_gguf, read_model_info
 from ggpipe.models.quant_plan import QK_K, q4_k_m_types
 from ggpipe.models.shapes import Architecture, parse_shape
@@ -197,24 +195,11 @@ def write_random_gguf(
         raise ModelError(f"cannot write {out_path}: directory {out_path.parent} does not exist")
     tensors = random_tensors(arch)
     types = q4_k_m_types(tensors, arch.n_layer, arch.n_head, arch.n_head_kv)
-    tmp = temp_path_for(out_path)
-    writer = GGUFWriter(tmp, "llama")
-    try:
+
+    def fill(writer: GGUFWriter) -> None:
         _add_metadata(writer, arch, name, base)
         for i, ((tname, ne), qtype) in enumerate(zip(tensors, types)):
             data = _RandomTensor(qtype, ne, seed, i)
             writer.add_tensor(tname, data, raw_shape=data.shape, raw_dtype=qtype)  # type: ignore[arg-type]
-        if progress and desc:
-            print(desc, file=sys.stderr, flush=True)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file(progress=progress)
-        writer.close()
-        sha = sha256_file(tmp, progress=progress, desc=f"hashing {out_path.name}")
-        os.replace(tmp, out_path)
-    except OSError as e:
-        raise ModelError(f"cannot write {out_path}: {e.strerror or e}") from None
-    finally:
-        writer.close()
-        remove_quietly(tmp)
-    return out_path, sha
+
+    return write_gguf(out_path, "llama", fill, progress, desc, hash_progress=True)
