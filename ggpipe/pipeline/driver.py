@@ -32,7 +32,7 @@ import numpy as np
 from ggpipe.errors import ProtocolError, RankTimeoutError
 from ggpipe.logits import unpack
 from ggpipe.pipeline.head_stage import HeadStage, send_decode
-from ggpipe.pipeline.prefill import prefill_chunks
+from ggpipe.pipeline.prefill import submit_chunks
 from ggpipe.runtime.stage import KV_CLEAR, KV_SEQ_CP, KV_SEQ_RM, Stage
 from ggpipe.runs import Run, RunResult
 from ggpipe.trace import tracer
@@ -162,12 +162,7 @@ class Pipeline:
         prefill; the chunks' sizes: ggpipe.pipeline.prefill); with
         ``want_logits`` the last chunk asks for logits of its last token.
         Returns the number of runs started (nothing is waited for)."""
-        chunks = prefill_chunks(len(tokens), n_ubatch, self.n_stages)
-        i = 0
-        for k, size in enumerate(chunks):
-            self.decode(tokens[i:i + size], start_pos + i, seq=seq, logits_last=want_logits and k == len(chunks) - 1)
-            i += size
-        return len(chunks)
+        return submit_chunks(self, tokens, start_pos, n_ubatch, seq, want_logits)
 
     def prefill(self, tokens, start_pos: int, n_ubatch: int, seq: int = 0) -> np.ndarray:
         """:meth:`submit_prompt`, then wait (bounded by the transport's

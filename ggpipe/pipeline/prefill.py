@@ -42,3 +42,17 @@ def prefill_chunks(n: int, n_ubatch: int, n_stages: int) -> list[int]:
     k = max(-(-n // n_ubatch), min(n // MIN_CHUNK, CHUNKS_PER_STAGE * n_stages), 1)
     base, extra = divmod(n, k)
     return [base + 1] * extra + [base] * (k - extra)
+
+
+def submit_chunks(backend, tokens, start_pos: int, n_ubatch: int, seq: int = 0, want_logits: bool = True) -> int:
+    """Start ``tokens`` (int (n,)) at positions start_pos.. of sequence
+    ``seq`` on ``backend`` (its ``decode(tokens, start_pos, seq=, logits_last=)``
+    and ``n_stages``) as the runs :func:`prefill_chunks` sizes, back to back;
+    with ``want_logits`` the last asks for its last token's logits. Returns
+    the number of runs started (nothing is waited for)."""
+    chunks = prefill_chunks(len(tokens), n_ubatch, backend.n_stages)
+    i = 0
+    for k, size in enumerate(chunks):
+        backend.decode(tokens[i:i + size], start_pos + i, seq=seq, logits_last=want_logits and k == len(chunks) - 1)
+        i += size
+    return len(chunks)

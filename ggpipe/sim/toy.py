@@ -20,7 +20,7 @@ import numpy as np
 
 from ggpipe.logits import TopLogits, top_k
 from ggpipe.pipeline.masking import rows_in
-from ggpipe.pipeline.prefill import prefill_chunks
+from ggpipe.pipeline.prefill import submit_chunks
 from ggpipe.runs import Run, RunResult, in_batch_order, ubatches
 from ggpipe.sim.kv_model import KvCells, KvStreams
 
@@ -123,12 +123,7 @@ class ToyPipeline:
         self.submit(Run.linear(tokens, start_pos, seq=seq, output_last=logits_last, output_all=logits_all))
 
     def submit_prompt(self, tokens, start_pos: int, n_ubatch: int, seq: int = 0, want_logits: bool = True) -> int:
-        chunks = prefill_chunks(len(tokens), n_ubatch, self.n_stages)
-        i = 0
-        for k, size in enumerate(chunks):
-            self.decode(tokens[i:i + size], start_pos + i, seq, want_logits and k == len(chunks) - 1)
-            i += size
-        return len(chunks)
+        return submit_chunks(self, tokens, start_pos, n_ubatch, seq, want_logits)
 
     def prefill(self, tokens, start_pos: int, n_ubatch: int, seq: int = 0) -> np.ndarray:
         self.submit_prompt(tokens, start_pos, n_ubatch, seq)
