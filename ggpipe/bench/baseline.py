@@ -70,15 +70,23 @@ def _tokenize(L, vocab, text: str) -> list[int]:
     return list(buf[:n])
 
 
+def _decode(L, ctx, arr, n: int, what: str = "decode") -> None:
+    """``llama_decode`` of the first ``n`` ids of ctypes int32 array ``arr``
+    at the end of sequence 0.
+
+    Raises:
+        RuntimeError: llama.cpp refused the batch ("``what`` failed")."""
+    if L.llama_decode(ctx, L.llama_batch_get_one(arr, n)) != 0:
+        raise RuntimeError(f"{what} failed")
+
+
 def _greedy_after(L, ctx, vocab, tokens: list[int], n_predict: int, ignore_eos: bool,
                   t_prompt: list[float] | None = None, margins: list[float] | None = None) -> list[int]:
     """Decode ``tokens`` (one batch, at the end of sequence 0), then greedy
     one token per llama_decode. Appends the time the prompt was done to
     ``t_prompt`` (perf_counter seconds), and each step's top-1 minus top-2
     logit to ``margins``, if given."""
-    arr = (ctypes.c_int32 * len(tokens))(*tokens)
-    if L.llama_decode(ctx, L.llama_batch_get_one(arr, len(tokens))) != 0:
-        raise RuntimeError("prompt decode failed")
+    _decode(L, ctx, (ctypes.c_int32 * len(tokens))(*tokens), len(tokens), "prompt decode")
     if t_prompt is not None:
         t_prompt.append(time.perf_counter())
     n_vocab = L.llama_vocab_n_tokens(vocab)
@@ -94,8 +102,7 @@ def _greedy_after(L, ctx, vocab, tokens: list[int], n_predict: int, ignore_eos: 
         if len(out) >= n_predict or (not ignore_eos and L.llama_vocab_is_eog(vocab, tok)):
             return out
         one[0] = tok
-        if L.llama_decode(ctx, L.llama_batch_get_one(one, 1)) != 0:
-            raise RuntimeError("decode failed")
+        _decode(L, ctx, one, 1)
 
 
 def greedy(model_path: str | Path, prompt: str, n_predict: int, n_threads: int = 1, n_ctx: int = 2048,
@@ -143,17 +150,14 @@ def forced_gaps(model_path: str | Path, prompt: str, tokens: list[int], n_thread
     n_vocab = L.llama_vocab_n_tokens(vocab)
     try:
         toks = _tokenize(L, vocab, prompt)
-        arr = (ctypes.c_int32 * len(toks))(*toks)
-        if L.llama_decode(ctx, L.llama_batch_get_one(arr, len(toks))) != 0:
-            raise RuntimeError("prompt decode failed")
+        _decode(L, ctx, (ctypes.c_int32 * len(toks))(*toks), len(toks), "prompt decode")
         one = (ctypes.c_int32 * 1)()
         gaps = []
         for tok in tokens:
             logits = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, -1), shape=(n_vocab,))
             gaps.append(float(np.max(logits) - logits[tok]))
             one[0] = tok
-            if L.llama_decode(ctx, L.llama_batch_get_one(one, 1)) != 0:
-                raise RuntimeError("decode failed")
+            _decode(L, ctx, one, 1)
         return gaps
     finally:
         L.llama_free(ctx)

@@ -61,15 +61,14 @@ class RowSetting:
 def _build_id() -> str:
     """A short hash of the llama.cpp libraries this process loaded (paths,
     sizes, modification times) and of whether llamafile's sgemm is in."""
-    L = _llama.lib()
+    _llama.lib()
     import llama_cpp._ggml as ggml_mod  # noqa: PLC0415
 
     libdir = pathlib.Path(ggml_mod.libggml_base_path)
-    facts = [str(_llama.llamafile_sgemm()), kernels.LEFT_OUT.__repr__()]
+    facts = [str(_llama.llamafile_sgemm()), repr(kernels.LEFT_OUT)]
     for f in sorted(libdir.glob("lib*.so*")):
         st = f.stat()
         facts.append(f"{f}:{st.st_size}:{st.st_mtime_ns}")
-    del L
     return hashlib.sha256("|".join(facts).encode()).hexdigest()[:16]
 
 
