@@ -63,14 +63,21 @@ _REF_CACHE: dict = {}
 EXACT = os.environ.get("GGPIPE_EXACT", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def rows_exact(model_path: Path) -> bool:
-    """Whether this build's verification rows equal lone-token rows for the
-    model with the tests' settings (ggpipe.models.row_probe): where they do,
-    every speculative mode's greedy output equals the reference in every
-    run; where not, only away from near-ties."""
+def _rows(model_path: Path, flash_attn: str = "off", type_k: str = "f16", type_v: str = "f16") -> dict:
+    """The row probe (ggpipe.models.row_probe) of the model with the tests'
+    kernels, 1 thread (as each rank), and the given attention settings."""
     from ggpipe.models.row_probe import RowSetting, batch_rows_exact
 
-    return batch_rows_exact(model_path, RowSetting(extra_bufts=not EXACT))["batch_rows_exact"]
+    return batch_rows_exact(model_path, RowSetting(1, flash_attn, type_k, type_v, extra_bufts=not EXACT))
+
+
+def rows_exact(model_path: Path, *setting: str) -> bool:
+    """Whether this build's verification rows equal lone-token rows for the
+    model with the tests' settings (flash attention, K and V cache types:
+    llama.cpp's names; f16 without flash attention by default): where they
+    do, every speculative mode's greedy output equals the reference in every
+    run; where not, only away from near-ties."""
+    return _rows(model_path, *setting)["batch_rows_exact"]
 
 
 def reference_tokens(model_path: Path, prompt: str, n: int, flash_attn: str = "off", type_k: str = "f16",
@@ -83,12 +90,11 @@ def reference_tokens(model_path: Path, prompt: str, n: int, flash_attn: str = "o
     return _REF_CACHE[key]
 
 
-def row_difference(model_path: Path) -> float:
+def row_difference(model_path: Path, *setting: str) -> float:
     """The largest logit difference the row probe measured between a batch
-    row and a lone-token row for the model (0.0 where they are bit-identical)."""
-    from ggpipe.models.row_probe import RowSetting, batch_rows_exact
-
-    return batch_rows_exact(model_path, RowSetting(extra_bufts=not EXACT))["max_abs_diff"]
+    row and a lone-token row for the model with the settings of
+    :func:`rows_exact` (0.0 where they are bit-identical)."""
+    return _rows(model_path, *setting)["max_abs_diff"]
 
 
 def assert_greedy(got: list[int], model_path: Path, prompt: str, n: int, *ref_args, msg: str = "") -> None:
@@ -105,10 +111,10 @@ def assert_greedy(got: list[int], model_path: Path, prompt: str, n: int, *ref_ar
         return
     first = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
     where = f"{msg} differs from the reference at token {first} of {len(ref)}"
-    assert not rows_exact(model_path), f"{where}, and this build's batch rows are bit-identical to lone ones"
     fa, tk, tv = (list(ref_args) + ["off", "f16", "f16"][len(ref_args):])[:3]
+    assert not rows_exact(model_path, fa, tk, tv), f"{where}, and this build's batch rows are bit-identical to lone ones"
     gaps = baseline.forced_gaps(model_path, prompt, got, flash_attn=fa, type_k=tk, type_v=tv, extra_bufts=not EXACT)
-    tie = 2 * row_difference(model_path)
+    tie = 2 * row_difference(model_path, fa, tk, tv)
     worst = max(range(len(gaps)), key=gaps.__getitem__)
     assert gaps[worst] <= tie, (f"{where}: its token {worst} is {gaps[worst]:.4g} below the reference's best logit "
                                 f"there, beyond twice the build's row difference ({tie:.4g}): not a near-tie")

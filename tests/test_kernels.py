@@ -93,6 +93,20 @@ def test_the_probe_measures_the_build(goliath, smollm2):
             assert (r["max_abs_diff"] > 0) == llamafile_sgemm()
 
 
+def test_the_probe_runs_apart_from_the_asking_process(smollm2, tmp_path):
+    """The cached probe runs in a child process: its answer is the probe's,
+    and a file llama.cpp cannot load is a RuntimeError naming it, never a
+    crash of the rank that asked."""
+    from ggpipe.models.row_probe import RowSetting, probe_in_child
+
+    r = probe_in_child(smollm2, RowSetting())
+    assert set(r) == {"batch_rows_exact", "max_abs_diff", "rows"} and r["rows"] == 5
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    with pytest.raises(RuntimeError, match=r"row probe of .*bad\.gguf failed: llama\.cpp could not load"):
+        probe_in_child(bad, RowSetting())
+
+
 def test_exact_on_a_build_with_sgemm_is_one_line_before_loading(smollm2):
     if not llamafile_sgemm():
         pytest.skip("this build has no llamafile sgemm: --exact runs")

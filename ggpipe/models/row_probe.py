@@ -20,6 +20,9 @@ tokens) and after a longer one (about 300): attention's own products take
 llamafile's sgemm only from some context length on. :func:`batch_rows_exact` caches
 the answer beside the model's other remembered facts (ggpipe.models.cache),
 keyed by the llama.cpp libraries loaded and the settings that choose kernels.
+It probes in a child process (:func:`probe_in_child`): the model the probe
+loads, its KV cache, llama.cpp's log lines and a crash stay out of the
+rank that asked, whose peak memory and log report only its own work.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import hashlib
 import json
 import os
 import pathlib
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -157,6 +162,36 @@ def probe(model_path: str | Path, setting: RowSetting = RowSetting()) -> dict:
         L.llama_model_free(model)
 
 
+#: Seconds a child probe may take: loading the model (or the stage's slice) and
+#: decoding about 350 tokens with it.
+CHILD_TIMEOUT = 1800.0
+#: Launcher variables the child does not inherit: it is no MPI rank.
+_RANK_ENV = ("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID")
+
+
+def probe_in_child(model_path: str | Path, setting: RowSetting = RowSetting(),
+                   timeout: float = CHILD_TIMEOUT) -> dict:
+    """:func:`probe` in a fresh Python process (``python -m
+    ggpipe.models.row_probe``), so that its model load, KV cache and log
+    stay out of this process; same return value.
+
+    Raises:
+        RuntimeError: the child failed, crashed or ran past ``timeout``
+            seconds (the message carries the last line it printed).
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_RANK_ENV)}
+    cmd = [sys.executable, "-m", "ggpipe.models.row_probe", str(model_path), json.dumps(setting.__dict__)]
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"the row probe of {model_path} took more than {timeout:.0f} s") from None
+    lines = p.stdout.strip().splitlines()
+    if p.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    why = (p.stderr.strip().splitlines() or [f"exit status {p.returncode}"])[-1]
+    raise RuntimeError(f"the row probe of {model_path} failed: {why}")
+
+
 def describe_rows(model_path: str | Path) -> str:
     """One line for ``ggpipe models info``: whether this build's batch rows
     equal lone-token rows for the model (1 thread, flash attention off, f16
@@ -186,5 +221,21 @@ def batch_rows_exact(model_path: str | Path, setting: RowSetting = RowSetting())
     """
     key = hashlib.sha256(json.dumps([PROBE_VERSION, _build_id(), setting.__dict__], sort_keys=True).encode()
                          ).hexdigest()[:16]
-    return remembered(Path(os.path.realpath(model_path)), f"rows-{key}", lambda: probe(model_path, setting),
+    return remembered(Path(os.path.realpath(model_path)), f"rows-{key}", lambda: probe_in_child(model_path, setting),
                       valid=lambda v: isinstance(v, dict) and "batch_rows_exact" in v, strict=False)
+
+
+def _main(argv: list[str]) -> int:
+    """``python -m ggpipe.models.row_probe MODEL SETTING_JSON``: print
+    :func:`probe`'s answer as one JSON line (:func:`probe_in_child`)."""
+    try:
+        out = probe(argv[0], RowSetting(**json.loads(argv[1])))
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        return 1
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
