@@ -1,7 +1,7 @@
 """Which worker ranks probe for cancellations while a run computes
 (ggpipe.pipeline.worker.Worker.mid_run_cancels, ggpipe.service.job.cancels_runs):
 only jobs whose head may cancel a run; the others' helper thread stays asleep
-(docs/BENCHMARKS.md §27). MPI-free."""
+(the mode's declaration, ``Mode.may_cancel``). MPI-free."""
 
 from types import SimpleNamespace
 
@@ -31,8 +31,10 @@ def test_the_probe_runs_mid_run_only_where_cancels_can_come():
     ("pipeinfer", 1, True, True),       # one request, asynchronous speculation: early cancellation
     ("pipeinfer", 1, False, False),     # --no-cancel
     ("pipeinfer", 8, True, False),      # the --parallel scheduler removes dropped rows' cells instead
-    ("speculative", 1, True, True),     # kept on (harmless) where a mode may cancel
+    ("speculative", 1, True, False),    # synchronous speculation: one run at a time, none to cancel
     ("speculative", 4, True, False),
+    ("pipedec", 1, True, True),         # runs overlap: early cancellation
+    ("pipedec", 1, False, False),
 ])
 def test_cancels_runs(mode, parallel, cancel, expected):
     job = JobSpec(ClusterConfig(model="m.gguf"), mode=mode, spec=SpecSettings(cancel=cancel), parallel=parallel)

@@ -551,14 +551,14 @@ def test_lookahead_stops_when_another_request_arrives_and_both_stay_exact():
 def test_no_lookahead_with_a_draft_that_follows_the_request():
     """Look-ahead drafts on the spot, so only an instant draft (the n-gram
     lookup) gets it; a ChainDrafter (its own ranks) keeps synchronous chains."""
-    class Follows:
-        follow = staticmethod(lambda ctx: None)
+    from ggpipe.decoding.chain_draft import LookupDrafter
 
-        def __call__(self, ctx, k):
-            return []
+    class Follows(LookupDrafter):
+        has_ranks = True
 
     target = FakePipeline(ToyLM(V), latency=3)
-    assert not Scheduler(target, 2, 64, 8, lambda t: False, draft=Follows(), lookahead=True).spec.lookahead
+    assert not Scheduler(target, 2, 64, 8, lambda t: False, draft=Follows(lambda c, k: []),
+                         lookahead=True).spec.lookahead
     assert Scheduler(target, 2, 64, 8, lambda t: False, draft=_ngram, lookahead=True).spec.lookahead
     assert not Scheduler(target, 2, 64, 8, lambda t: False, draft=None, lookahead=True).spec.lookahead
 

@@ -150,7 +150,9 @@ def test_derive_writes_what_the_slice_needs(tmp_path):
 
 
 def test_speculation_refuses_recurrent_models():
-    check_speculation("iterative", {"lfm2.gguf": True})
+    from ggpipe.decoding.mode import mode_class
+
+    assert not mode_class("iterative").speculates  # the engine checks speculating modes only
     check_speculation("pipeinfer", {"a.gguf": False, "b.gguf": False})
     with pytest.raises(ConfigError, match=r"^--mode pipeinfer cannot run lfm2.gguf: .*recurrent.*--mode iterative$"):
         check_speculation("pipeinfer", {"t.gguf": False, "lfm2.gguf": True})

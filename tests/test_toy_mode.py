@@ -103,3 +103,46 @@ def test_the_cli_offers_a_registered_mode(echo_registered):
     assert shown.exit_code == 0 and "pipedec|echo]" in shown.output
     refused = CliRunner().invoke(cli, ["generate", "--mode", "nope", "-p", "x"])
     assert refused.exit_code == 2 and "'nope' is not one of 'iterative'" in refused.output
+
+
+def test_the_simulator_placement_and_bench_read_the_modes_declarations(echo_registered):
+    """The rest of the program asks the mode's declarations, never its
+    name: the simulator runs echo on simulated ranks (its two sequences
+    included) and gets the toy model's greedy tokens' speed; the placement
+    balances its stages for one token per pass without a draft rank; the
+    bench offers it as a row that needs no draft model."""
+    from ggpipe.bench.grid import mode_args, variant_speculates
+    from ggpipe.sim.placement import place
+    from ggpipe.sim.model import ModelDesc
+    from ggpipe.sim.profile import HostProfile, LayerShape, LinkProfile, Profile
+    from ggpipe.sim.run import SimConfig, simulate
+
+    host = HostProfile("h", layer_s=[1e-3] * 6, layer_bytes=1000, head_s=[2e-3] * 6, head_bytes=1000)
+    prof = Profile("toy", None, [host], [LinkProfile(0, 1, 0.5e-3, 0.0)])
+    model = ModelDesc("toy", (LayerShape(1000, 250),) * 4, LayerShape(1000, 250), n_embd=8, n_vocab=64)
+    r = simulate(SimConfig(prof, model, mode="echo", ranks=2, n_prompt=8, n_predict=10, prompts=1))
+    assert r["mode"] == "echo" and r["records"][0]["target_passes"] >= 10
+    p = place(prof, model, model, 2, "echo")
+    assert p.draft is None and len(p.target) == 2
+    assert mode_args()["echo"] == ["--mode", "echo"] and not variant_speculates("echo")
+    assert variant_speculates("pipeinfer-no-cancel") and "vote" in mode_args()
+
+
+def test_no_code_outside_the_modes_and_strategies_compares_their_names():
+    """A mode or a strategy is one module: no module outside
+    ``ggpipe/decoding/`` and ``ggpipe/speculation/`` compares a registered
+    mode's or strategy's name (``mode == "pipeinfer"``, ``spec_type !=
+    "ngram"``, ``in ("iterative", ...)``); they ask the declarations."""
+    import re
+    from pathlib import Path
+
+    from ggpipe.speculation.proposers.base import REGISTRY
+
+    names = "|".join(sorted(set(MODES) | set(REGISTRY)))
+    quoted = rf"[\"']({names})[\"']"
+    compare = re.compile(rf"(==|!=|\bin\b)\s*[(\[{{]?\s*{quoted}|{quoted}\s*(==|!=|\bin\b)|{quoted}\s*,\s*{quoted}\s*[)\]}}]\s*:?$")
+    root = Path(__file__).resolve().parents[1] / "ggpipe"
+    found = [f"{p.relative_to(root)}:{i}: {line.strip()}" for p in sorted(root.rglob("*.py"))
+             if p.relative_to(root).parts[0] not in ("decoding", "speculation")
+             for i, line in enumerate(p.read_text().splitlines(), 1) if compare.search(line)]
+    assert not found, "\n".join(found)

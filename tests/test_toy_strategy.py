@@ -34,6 +34,13 @@ class RepeatProposer(InstantProposer):
     name = "repeat"
     summary = "the anchor token, again and again"
     p_accept_auto_in = ("speculative",)
+    bench_variants = {"repeat": ["--mode", "pipeinfer", "--spec-type", "repeat"]}
+
+    @classmethod
+    def chain_lookup(cls, options):
+        """From the context alone: the anchor, ``times`` times at most."""
+        times = options.of(cls).times
+        return lambda context, k: [context[-1]] * min(times, k)
 
     @dataclass(frozen=True)
     class Options:
@@ -108,6 +115,29 @@ def test_the_factory_builds_it_and_greedy_output_is_exact(repeat):
     assert out == ToyLM(V).greedy(list(PROMPT), 30)
     assert dec.stats["spec_type"] == "repeat" and dec.stats["repeat_drafts"] > 0
     assert dec.stats["repeat_tokens"] <= 2 * dec.stats["repeat_drafts"]   # its option reached it
+
+
+def test_the_scheduler_slots_and_bench_read_its_declarations(repeat):
+    """It drafts from the context alone (``chain_lookup``): ``--parallel
+    auto`` gives a speculative job many slots, the scheduler drafts with it
+    (greedy tokens stay the target's), and the bench offers its row."""
+    from ggpipe.bench.grid import mode_args, variant_speculates
+    from ggpipe.cli.parallel import slots
+    from ggpipe.decoding.factory import build_chain_drafter
+    from ggpipe.decoding.scheduler import Scheduler
+    from ggpipe.decoding.slots import Job
+
+    assert slots(None, "pipeinfer", "repeat", 2) == 8 and slots(None, "pipeinfer", "draft", 2) == 1
+    assert mode_args()["repeat"] == ["--mode", "pipeinfer", "--spec-type", "repeat"] and variant_speculates("repeat")
+    lm = ToyLM(V)
+    target = FakePipeline(lm, latency=2, cell_order=True, streams=True)
+    draft = build_chain_drafter("pipeinfer", SpecSettings(spec_type="repeat"), target, None, n_ubatch=8, timeout_s=5)
+    assert not draft.has_ranks
+    sched = Scheduler(target, 2, n_ctx_slot=256, n_ubatch=16, is_eog=lambda t: False, draft=draft, draft_max=4)
+    job = Job(list(PROMPT), 24, Sampler(SamplingParams()))
+    sched.submit(job)
+    sched.run()
+    assert job.request.out == lm.greedy(PROMPT, 24)
 
 
 def test_it_implements_the_core_and_no_capability(repeat):

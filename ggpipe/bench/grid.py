@@ -13,21 +13,33 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ggpipe.child_process import ggpipe_command
+from ggpipe.decoding.mode import MODES, mode_class
 from ggpipe.errors import ConfigError
+from ggpipe.speculation.proposers.base import proposer_classes
 from ggpipe.transport.launcher_path import find_launcher
 from ggpipe.transport.link import format_link, parse_link
 
-# mode name -> ggpipe generate arguments
-MODE_ARGS = {
-    "iterative": ["--mode", "iterative"],
-    "speculative": ["--mode", "speculative"],
-    "pipeinfer": ["--mode", "pipeinfer"],
-    "pipeinfer-no-cancel": ["--mode", "pipeinfer", "--no-cancel"],
-    "pipeinfer-no-continuous": ["--mode", "pipeinfer", "--no-continuous"],
-    "pipedec": ["--mode", "pipedec"],
-    "pipedec-tree": ["--mode", "pipedec", "--tree-width", "4", "--max-children", "4"],
-    "vote": ["--mode", "pipeinfer", "--spec-type", "vote"],
-}
+def mode_args() -> dict[str, list[str]]:
+    """``--modes`` name -> ``ggpipe generate`` arguments: the rows every
+    registered mode (:meth:`ggpipe.decoding.mode.Mode.bench_variants`) and
+    drafting strategy (``ProposerBase.bench_variants``) declares, in
+    registration order."""
+    out: dict[str, list[str]] = {}
+    for name in MODES:
+        out.update(mode_class(name).bench_variants())
+    for cls in proposer_classes().values():
+        out.update(cls.bench_variants)
+    return out
+
+
+def variant_speculates(name: str, default: bool = True) -> bool:
+    """Whether the ``--modes`` row ``name`` runs a speculative mode (it
+    takes the draft model); ``default`` for a name no longer registered
+    (a stored result's)."""
+    args = mode_args().get(name)
+    if not args or "--mode" not in args:
+        return default
+    return mode_class(args[args.index("--mode") + 1]).speculates
 
 
 @dataclass(frozen=True)
@@ -52,7 +64,7 @@ class BenchSpec:
 
     Attributes:
         target, draft: model names or paths (draft None: only iterative).
-        modes: mode names (keys of MODE_ARGS); the first is the exactness reference.
+        modes: row names (keys of :func:`mode_args`); the first is the exactness reference.
         ranks: rank counts.
         links: link texts (``shm``, ``1gbit,200us``, ...).
         prompts: dicts with id/category/prompt (ggpipe.bench.prompts).
@@ -86,10 +98,11 @@ class BenchSpec:
         draft, bad rank counts, bad links, or a launcher without {ranks}."""
         if not self.modes:
             raise ConfigError("give at least one mode with --modes")
+        known = mode_args()
         for m in self.modes:
-            if m not in MODE_ARGS:
-                raise ConfigError(f"unknown mode {m!r}: choose from {', '.join(MODE_ARGS)}")
-            if m != "iterative" and not self.draft:
+            if m not in known:
+                raise ConfigError(f"unknown mode {m!r}: choose from {', '.join(known)}")
+            if variant_speculates(m) and not self.draft:
                 raise ConfigError(f"mode {m} needs a draft model: give one with -md (e.g. -md smollm2-135m)")
         if len(set(self.modes)) != len(self.modes):
             raise ConfigError("a mode is listed twice in --modes")
@@ -128,8 +141,8 @@ def generate_args(spec: BenchSpec, cfg: Config, prompt_file: Path) -> list[str]:
     from 3 ranks on; the ggpipe default at 2 ranks; sharing the head's
     process at 1 rank)."""
     args = ["generate", "-m", spec.target, "-f", str(prompt_file), "-n", str(spec.n), "--ignore-eos", "--json",
-            "-t", spec.threads, *MODE_ARGS[cfg.mode]]
-    if cfg.mode != "iterative":
+            "-t", spec.threads, *mode_args()[cfg.mode]]
+    if variant_speculates(cfg.mode):
         args += ["-md", spec.draft]
         if cfg.ranks >= 3:
             args += ["--split", ",".join(["1"] * (cfg.ranks - 1)) + "/1"]

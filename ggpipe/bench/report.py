@@ -14,6 +14,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from ggpipe.bench.grid import variant_speculates
 from ggpipe.transport.link import parse_link
 
 
@@ -93,7 +94,7 @@ def markdown_table(agg: list[dict], peers: list[dict] = (), ref_mode: str | None
         exact = "yes" if a["n_inexact"] == 0 else f"**NO: {a['n_inexact']} run(s) DIFFER**"
         if a["n_failed"]:
             exact += f" ({a['n_failed']} failed)"
-        cancelled = "-" if a["mode"] == "iterative" else \
+        cancelled = "-" if not variant_speculates(a["mode"]) else \
             f"{_f(a['runs_cancelled'], '.0f')} ({_f(a['aborted_mid_compute'], '.0f')})"
         speed = _f(a["tokens_per_s"])
         if a.get("tokens_per_s_repeats"):

@@ -9,7 +9,7 @@ import csv
 import re
 from pathlib import Path
 
-from ggpipe.bench.grid import BenchSpec, Config
+from ggpipe.bench.grid import BenchSpec, Config, variant_speculates
 
 COLUMNS = [
     "mode", "ranks", "link", "prompt", "repeat", "status", "exact", "first_diff", "n_prompt", "n_gen_tokens",
@@ -32,10 +32,11 @@ def _ms(x):
 def row_of(rec: dict) -> dict:
     """The results.csv row of one run record (metrics empty when it failed)."""
     c = rec["config"]
+    speculates = variant_speculates(c["mode"], default=bool(rec.get("draft")))
     row = {k: None for k in COLUMNS}
     row.update(mode=c["mode"], ranks=c["ranks"], link=c["link"], prompt=c["prompt"], repeat=c["repeat"],
                status=rec["status"], wall_s=round(rec.get("wall_s", 0.0), 2), threads=rec["threads"],
-               target=rec["target"], draft=rec["draft"] if c["mode"] != "iterative" else None, n=rec["n"],
+               target=rec["target"], draft=rec["draft"] if speculates else None, n=rec["n"],
                key=c["key"], exact=rec.get("exact"), first_diff=rec.get("first_diff"))
     res = rec.get("result")
     if rec["status"] != "ok" or not res:
@@ -48,7 +49,7 @@ def row_of(rec: dict) -> dict:
         n_prompt=res.get("n_prompt"), n_gen_tokens=m.get("n_gen_tokens"), tokens_per_s=tps,
         ttft_ms=_ms(m.get("ttft_s")), itl_mean_ms=_ms(m.get("itl_mean_s")), itl_p50_ms=_ms(m.get("itl_p50_s")),
         itl_p90_ms=_ms(m.get("itl_p90_s")), acceptance_rate=d.get("acceptance_rate"),
-        accepted_per_pass=d.get("accepted_per_pass", 1.0 if c["mode"] == "iterative" else None),
+        accepted_per_pass=d.get("accepted_per_pass", None if speculates else 1.0),
         runs_cancelled=d.get("cancel_sent", 0),
         aborted_mid_compute=sum(r.get("cancelled_mid_compute", 0) for r in ranks),
         skipped_before_start=sum(r.get("cancelled_before_start", 0) for r in ranks),

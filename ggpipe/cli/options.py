@@ -159,6 +159,7 @@ def _spec_settings(o: Mapping[str, Any]):
     Raises:
         ValueError: an unknown ``spec_type``."""
     from ggpipe.cli.strategies import strategy_options  # noqa: PLC0415
+    from ggpipe.decoding.mode import mode_class  # noqa: PLC0415
     from ggpipe.decoding.settings import SpecSettings  # noqa: PLC0415
     from ggpipe.speculation.proposers.base import canonical_name, proposer_class  # noqa: PLC0415
 
@@ -172,8 +173,8 @@ def _spec_settings(o: Mapping[str, Any]):
     kw.update({field: not o[flag] for flag, field in _NEGATED.items() if flag in o})
     if "n_draft" in o:
         kw["draft_max"] = o["n_draft"]
-    return SpecSettings(mode=mode if mode != "iterative" else "pipeinfer", spec_type=spec_type, p_accept=p_accept,
-                        strategy_options=options, **kw)
+    return SpecSettings(mode=mode if mode_class(mode).speculates else SpecSettings.mode, spec_type=spec_type,
+                        p_accept=p_accept, strategy_options=options, **kw)
 
 
 def sampling_options(f):

@@ -102,10 +102,18 @@ def given_ctx_size(ctx: click.Context) -> bool:
 
 
 def slots(parallel: int | None, mode: str, spec_type: str, n_ranks: int) -> int:
-    """``--parallel`` (None: ``auto``) -> slots, for a job of ``n_ranks``."""
+    """``--parallel`` (None: ``auto``) -> slots, for a job of ``n_ranks``:
+    many where drafting costs nothing (a mode that does not speculate, or a
+    strategy that drafts by lookup: ``chain_lookup``), else one, so that a
+    request gets its mode's own speculation."""
     if parallel is not None:
         return parallel
-    return 1 if mode != "iterative" and spec_type != "ngram" else max(8, 4 * n_ranks)
+    from ggpipe.decoding.mode import mode_class  # noqa: PLC0415
+    from ggpipe.speculation.proposers.base import proposer_class  # noqa: PLC0415
+    from ggpipe.speculation.proposers.options import StrategyOptions  # noqa: PLC0415
+
+    costly = mode_class(mode).speculates and proposer_class(spec_type).chain_lookup(StrategyOptions()) is None
+    return 1 if costly else max(8, 4 * n_ranks)
 
 
 def slot_config(config, n: int, given_c: bool):

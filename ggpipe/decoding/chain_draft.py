@@ -5,10 +5,11 @@ target has nothing else to compute for that request meanwhile).
 
 The scheduler (ggpipe.decoding.scheduler) runs one request's tokens beside
 many; while a greedy request generates alone it may send a drafted chain
-below its next token, verified in a micro-batch of its own. An n-gram lookup
-is instant and needs no wrapper (``ggpipe.speculation.proposers.ngram.
-ngram_lookup``); any other ``--spec-type`` strategy, the draft model among
-them, speaks the :class:`~ggpipe.speculation.proposers.base.Proposer`
+below its next token, verified in a micro-batch of its own. What it asks of
+a drafter is :class:`SlotDrafter`: a lookup from the context alone (an
+n-gram lookup: ``chain_lookup`` of its strategy) is instant and wrapped in
+:class:`LookupDrafter`; any other ``--spec-type`` strategy, the draft model
+among them, speaks the :class:`~ggpipe.speculation.proposers.base.Proposer`
 protocol (``begin`` / ``ready`` / ``poll``), and :class:`ChainDrafter` drives
 it: ``begin`` below the context, wait (bounded) for the proposer's results,
 take the tree's first-child chain (a tree's first child of a node is the
@@ -32,13 +33,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from typing import Callable, Protocol, runtime_checkable
+
 from ggpipe.kv_reuse import reusable_prefix
 from ggpipe.pipeline.waiting import Wait, poll_wait
 from ggpipe.sampling import SamplingParams
 from ggpipe.speculation.proposers.base import Proposer
 from ggpipe.speculation.tree import SpecTree
 
-__all__ = ["CATCH_UP_MAX", "ChainDrafter", "first_child_chain"]
+__all__ = ["CATCH_UP_MAX", "ChainDrafter", "LookupDrafter", "SlotDrafter", "as_slot_drafter", "first_child_chain"]
 
 CATCH_UP_MAX = 8   # tokens the draft may lack when a chain starts: one short batch, about a draft step
 
@@ -53,6 +56,68 @@ def first_child_chain(tree: SpecTree) -> list[int]:
             return out
         node = kids[0]
         out.append(tree.tokens[node])
+
+
+@runtime_checkable
+class SlotDrafter(Protocol):
+    """What the scheduler asks of a drafter (ggpipe.decoding.lone_drafts).
+
+    Attributes:
+        has_ranks: drafts on ranks of its own (a draft model's pipeline),
+            so a chain is waited for and the draft follows the request
+            between chains; False: instant, from the context alone.
+        step_s: seconds per drafted token (None until measured; 0.0 for an
+            instant drafter), what the scheduler's gate charges.
+    """
+
+    has_ranks: bool
+
+    @property
+    def step_s(self) -> float | None: ...
+
+    def __call__(self, context: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens that may follow ``context`` (token ids)."""
+
+    def follow(self, context: list[int]) -> None:
+        """Let the draft's KV follow ``context`` without waiting."""
+
+    def caught_up(self, context: list[int]) -> bool:
+        """A chain below ``context`` would wait for little more than its own steps."""
+
+    def settle(self) -> None:
+        """Consume the draft's work still in flight (before a shutdown)."""
+
+
+class LookupDrafter:
+    """An instant :class:`SlotDrafter` over ``lookup(context, k) -> tokens``
+    (prompt lookup: ``NgramProposer.chain_lookup``): no ranks, nothing to
+    follow or settle."""
+
+    has_ranks = False
+    step_s = 0.0
+
+    def __init__(self, lookup: Callable[[list[int], int], list[int]]):
+        self.lookup = lookup
+
+    def __call__(self, context: list[int], k: int) -> list[int]:
+        return self.lookup(context, k)
+
+    def follow(self, context: list[int]) -> None:
+        """Nothing to follow."""
+
+    def caught_up(self, context: list[int]) -> bool:
+        return True
+
+    def settle(self) -> None:
+        """Nothing in flight."""
+
+
+def as_slot_drafter(draft) -> SlotDrafter | None:
+    """``draft`` as a :class:`SlotDrafter`: None stays None, a plain
+    function ``draft(context, k)`` is an instant :class:`LookupDrafter`."""
+    if draft is None or isinstance(draft, SlotDrafter):
+        return draft
+    return LookupDrafter(draft)
 
 
 class ChainDrafter:
@@ -81,6 +146,8 @@ class ChainDrafter:
             ``timeout_s`` (the wait names it); errors of the draft's ranks
             (ProtocolError, RankFailedError) as its pipeline raises them.
     """
+
+    has_ranks = True
 
     def __init__(self, proposer: Proposer, cutoff: float, idle: Wait | None = None, timeout_s: float = 60.0):
         self.proposer = proposer

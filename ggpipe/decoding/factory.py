@@ -10,7 +10,7 @@ from ggpipe.decoding.mode import BuildContext, Mode, mode_class
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.errors import ConfigError
 from ggpipe.pipeline.waiting import Wait
-from ggpipe.speculation.proposers.base import Proposer, ProposerConfig, make_proposer
+from ggpipe.speculation.proposers.base import Proposer, ProposerConfig, make_proposer, proposer_class
 
 
 def build_decoder(mode: str, spec: SpecSettings, target, draft, *, n_ubatch: int, n_seq_max: int,
@@ -45,24 +45,22 @@ def build_decoder(mode: str, spec: SpecSettings, target, draft, *, n_ubatch: int
 
 
 def build_chain_drafter(mode: str, spec: SpecSettings, target, draft, *, n_ubatch: int, timeout_s: float,
-                        idle: Wait | None = None, more_drafts: Sequence = ()) -> Callable[[list[int], int], list[int]]:
+                        idle: Wait | None = None, more_drafts: Sequence = ()):
     """The continuous-batching scheduler's drafting (``--parallel`` > 1 in a
     speculative mode): ``draft(context, k) -> tokens``, a chain below a
-    request that generates alone (ggpipe.decoding.scheduler). With
-    ``--spec-type ngram``, prompt lookup with the strategy's n-gram sizes
-    (instant); with any other strategy (the draft model, ...), a
+    request that generates alone (ggpipe.decoding.scheduler). A strategy
+    that drafts from the context alone (``chain_lookup``: ``--spec-type
+    ngram``'s prompt lookup) drafts instantly; any other (the draft model, ...), a
     :class:`~ggpipe.decoding.chain_draft.ChainDrafter` over the proposer
     :func:`build_proposer` makes, cut at ``--p-accept`` (with ``auto``, the
     adaptive depth's starting threshold).
 
     Raises:
         ConfigError: as :func:`build_proposer`."""
-    from ggpipe.decoding.chain_draft import ChainDrafter  # noqa: PLC0415
-    from ggpipe.speculation.proposers.ngram import NgramProposer, ngram_lookup  # noqa: PLC0415
-
-    if spec.spec_type == "ngram":
-        opts = spec.strategy_options.of(NgramProposer)
-        return lambda context, k: ngram_lookup(context, opts.ngram_min, opts.ngram_max, k)
+    from ggpipe.decoding.chain_draft import ChainDrafter, LookupDrafter  # noqa: PLC0415
+    lookup = proposer_class(spec.spec_type).chain_lookup(spec.strategy_options)
+    if lookup is not None:
+        return LookupDrafter(lookup)
     mode_class(mode).check(spec, 1 + len(more_drafts))
     ctx = BuildContext(target=target, draft=draft, more_drafts=tuple(more_drafts), spec=spec, n_ubatch=n_ubatch,
                        n_seq_max=1, is_eog=lambda t: False, timeout_s=timeout_s, idle=idle)

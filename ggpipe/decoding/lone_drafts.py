@@ -16,6 +16,7 @@ import os
 from typing import Callable
 
 from ggpipe.errors import ConfigError
+from ggpipe.decoding.chain_draft import SlotDrafter, as_slot_drafter
 from ggpipe.decoding.slots import Slot, _Row
 from ggpipe.runs import RunResult
 from ggpipe.speculation.adaptive import PassCost
@@ -42,11 +43,11 @@ class LoneDrafts:
     """Args:
         target: the target pipeline (``seq_rm`` of refused cells, pipelined
             behind the runs sent).
-        draft: ``draft(context, k) -> tokens`` (see
-            :class:`~ggpipe.decoding.scheduler.Scheduler`), or None.
+        draft: a :class:`~ggpipe.decoding.chain_draft.SlotDrafter` (a plain
+            ``draft(context, k) -> tokens`` is an instant lookup), or None.
         draft_max: most drafted tokens per chain.
         lookahead: send look-ahead rows (an instant ``draft`` only: one
-            with ranks of its own, ``follow``, is waited for).
+            with ranks of its own, ``has_ranks``, is waited for).
         n_ctx_slot: KV cells of one slot.
         stats: the scheduler's counters ("drafted", "draft_accepted",
             "draft_skipped", "lookahead", "lookahead_kept"), updated here.
@@ -58,11 +59,11 @@ class LoneDrafts:
             scheduler sets it).
     """
 
-    def __init__(self, target, draft: Callable[[list[int], int], list[int]] | None, draft_max: int,
+    def __init__(self, target, draft: SlotDrafter | Callable[[list[int], int], list[int]] | None, draft_max: int,
                  lookahead: bool, n_ctx_slot: int, stats: dict):
         self.target = target
-        self.draft, self.draft_max = draft, draft_max
-        self.lookahead = lookahead and draft is not None and getattr(draft, "follow", None) is None
+        self.draft, self.draft_max = as_slot_drafter(draft), draft_max
+        self.lookahead = lookahead and self.draft is not None and not self.draft.has_ranks
         self.n_ctx_slot = n_ctx_slot
         self.stats = stats
         self.gate = DraftGate()
@@ -161,9 +162,8 @@ class LoneDrafts:
         now = self.clock
         self.gate.root(slot.job, now, len(r.out))     # the request's last root, alone: its tokens per second
         chain = []
-        follow = getattr(self.draft, "follow", None)      # a drafter with ranks of its own (ChainDrafter)
-        attempt = self.gate.pays_at(getattr(self.draft, "step_s", 0.0), self.pass_cost)
-        if attempt and follow is not None and not self.draft.caught_up(r.context):
+        attempt = self.gate.pays_at(self.draft.step_s, self.pass_cost)
+        if attempt and not self.draft.caught_up(r.context):
             attempt = False                 # the draft is still decoding the context: this root goes plainly
         if attempt:
             chain = self.draft(r.context, room)
@@ -171,8 +171,7 @@ class LoneDrafts:
                 self.gate.observe(0, 0)     # an attempt that drafted nothing (it cost the draft's step)
         else:
             self.stats["draft_skipped"] += 1
-            if follow is not None:
-                follow(r.context)           # the draft follows the request meanwhile, not waited for
+            self.draft.follow(r.context)    # a draft with ranks follows the request meanwhile, not waited for
         self.gate.rooted(slot.job, now, len(r.out), attempt)
         self._drafting = slot.job if attempt else None
         self.stats["drafted"] += len(chain)
@@ -191,6 +190,5 @@ class LoneDrafts:
 
     def finish(self) -> None:
         """Shutdown: the draft's runs that followed a request are waited for."""
-        settle = getattr(self.draft, "settle", None)
-        if settle is not None:
-            settle()
+        if self.draft is not None:
+            self.draft.settle()

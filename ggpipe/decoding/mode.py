@@ -6,7 +6,12 @@ registered in :data:`MODES` as ``"module:Class"`` (imported on first use):
 
 * it declares itself: ``name``, ``asynchronous`` (the head's own target
   stage runs on an executor thread beside the loop, so the head can draft,
-  verify and probe while it computes), ``seq_ids(spec)`` (the KV sequence
+  verify and probe while it computes), ``speculates`` (it drafts tokens
+  and verifies them: a draft rank, the speculative overhead, the checks of
+  recurrent models), ``tokens_per_pass`` and ``pace`` (what the placement
+  balances the stages for), ``lookahead_in_slots`` (under ``--parallel``),
+  ``may_cancel(spec)`` (the workers listen for cancellations),
+  ``bench_variants()`` (its rows in ``ggpipe bench``), ``seq_ids(spec)`` (the KV sequence
   ids its target contexts need), ``check(spec, n_draft_models)`` (refuse
   settings it cannot run) and ``build(ctx)`` (its instance over the
   target, the draft pipelines and the settings of :class:`BuildContext`);
@@ -15,9 +20,10 @@ registered in :data:`MODES` as ``"module:Class"`` (imported on first use):
   ``close`` (the end of a request: runs drained, statistics);
   :meth:`Mode.generate` runs them.
 
-The CLI's ``--mode`` choices, ``ggpipe simulate`` and the session (does the
-head's stage need its own thread?) read the registry; a new mode is one new
-module plus :func:`register_mode` (``tests/test_toy_mode.py`` adds one).
+The CLI's ``--mode`` choices, ``ggpipe simulate``, ``plan --balance``,
+``bench`` and the session (does the head's stage need its own thread?) read
+the registry and these declarations, never a mode's name; a new mode is one
+new module plus :func:`register_mode` (``tests/test_toy_mode.py`` adds one).
 """
 
 from __future__ import annotations
@@ -80,11 +86,27 @@ class Mode:
     Attributes:
         name: the ``--mode`` name.
         asynchronous: the head's own target stage runs on an executor thread.
+        speculates: drafts tokens and verifies them in target passes (a draft
+            model's rank, the speculative per-token overhead in the simulator,
+            the refusal of recurrent models); False: one token per pass.
+        tokens_per_pass: the tokens a target pass carries, as the placement
+            (``plan --balance``) costs a stage.
+        pace: what sets the time of a token when the placement balances the
+            stages: ``"latency"`` (the stages' sum: one run at a time) or
+            ``"bottleneck"`` (the slowest stage: runs overlap, PipeInfer
+            section IV).
+        lookahead_in_slots: under ``--parallel``, a request alone keeps the
+            stages busy with look-ahead rows (the scheduler's form of the
+            mode's asynchronous speculation).
         stats: the last request's statistics (``--json``'s ``decoder``).
     """
 
     name = ""
     asynchronous = False
+    speculates = False
+    tokens_per_pass = 1
+    pace = "latency"
+    lookahead_in_slots = False
 
     def __init__(self) -> None:
         self.stats: dict = {}
@@ -103,6 +125,18 @@ class Mode:
         if n_draft_models > 1:
             raise ConfigError(f"{n_draft_models} draft models (-md a,b) draft only in a vote that has a draft "
                               "member: --mode pipeinfer --spec-type vote --spec-vote draft,ngram")
+
+    @classmethod
+    def may_cancel(cls, spec: SpecSettings) -> bool:
+        """Whether the head may cancel a run it submitted, one request at a
+        time (the workers then listen for cancellations mid-run)."""
+        return False
+
+    @classmethod
+    def bench_variants(cls) -> dict[str, list[str]]:
+        """``ggpipe bench --modes`` name -> ``ggpipe generate`` arguments of
+        this mode's rows (its name alone by default)."""
+        return {cls.name: ["--mode", cls.name]}
 
     @classmethod
     def build(cls, ctx: BuildContext) -> "Mode":  # pragma: no cover - abstract

@@ -62,6 +62,18 @@ class PipeDec(Mode):
 
     name = "pipedec"
     asynchronous = True
+    speculates = True
+    tokens_per_pass = 4
+
+    @classmethod
+    def may_cancel(cls, spec: SpecSettings) -> bool:
+        return spec.cancel
+
+    @classmethod
+    def bench_variants(cls) -> dict[str, list[str]]:
+        """A chain (tree width 1), and a tree of 4 x 4."""
+        return {"pipedec": ["--mode", "pipedec"],
+                "pipedec-tree": ["--mode", "pipedec", "--tree-width", "4", "--max-children", "4"]}
 
     def __init__(self, core: SpecCore, drafter: LayerDrafter):
         super().__init__()
@@ -90,7 +102,7 @@ class PipeDec(Mode):
             raise ConfigError(f"{exc} (--n-seq-max)") from None
         pool = PartitionPool(ctx.n_seq_max, max(1, min(spec.tree_width, ctx.n_seq_max - 1)))
         core = SpecCore(ctx.target, spec, pool, ctx.n_ubatch, ctx.is_eog, timeout_s=ctx.timeout_s, idle=ctx.idle,
-                        cancels=spec.cancel, n_cells=ctx.n_cells)
+                        cancels=cls.may_cancel(spec), n_cells=ctx.n_cells)
         # the draft's context has the target's -c (ggpipe.cluster.loading) unless its pipeline says
         drafter.n_cells = kv_cells_of(ctx.draft) or ctx.n_cells
         return cls(core, drafter)

@@ -31,6 +31,15 @@ class PipeInfer(Drafting):
 
     name = "pipeinfer"
     asynchronous = True
+    pace = "bottleneck"  # runs overlap: the slowest stage sets the pace (section IV)
+    lookahead_in_slots = True
+
+    @classmethod
+    def bench_variants(cls) -> dict[str, list[str]]:
+        """Itself, and without early cancellation or continuous speculation
+        (the ablations of section V)."""
+        return {"pipeinfer": ["--mode", "pipeinfer"], "pipeinfer-no-cancel": ["--mode", "pipeinfer", "--no-cancel"],
+                "pipeinfer-no-continuous": ["--mode", "pipeinfer", "--no-continuous"]}
 
     @classmethod
     def runs_in_flight(cls, spec: SpecSettings) -> int:

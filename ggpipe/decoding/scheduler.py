@@ -50,6 +50,7 @@ from typing import Callable
 import numpy as np
 
 from ggpipe.backend import TargetBackend
+from ggpipe.decoding.chain_draft import SlotDrafter
 from ggpipe.decoding.lone_drafts import LoneDrafts
 from ggpipe.decoding.request import Request
 from ggpipe.decoding.slots import Job, Slot, _Row, plan_microbatch
@@ -73,12 +74,14 @@ class Scheduler:
         timeout_s: bound of every wait for a result (seconds).
         idle: the wait when nothing is ready (``idle(ready, timeout_s)``);
             None: back-off polling.
-        draft: ``draft(context, k) -> tokens``: up to ``k`` drafted tokens
-            that may follow ``context`` (an n-gram lookup, instant, or a
-            :class:`~ggpipe.decoding.chain_draft.ChainDrafter` over the
-            draft model, waited for; its ``step_s``, seconds per drafted
-            token, is what the gate charges, 0 when absent), or None: no
-            speculation. Used while one greedy request is generating
+        draft: a :class:`~ggpipe.decoding.chain_draft.SlotDrafter`: up to
+            ``k`` drafted tokens that may follow ``context`` (a
+            :class:`~ggpipe.decoding.chain_draft.LookupDrafter`, instant,
+            or a :class:`~ggpipe.decoding.chain_draft.ChainDrafter` over
+            the draft model, waited for; its ``step_s``, seconds per
+            drafted token, is what the gate charges; a plain function
+            ``draft(context, k) -> tokens`` is an instant lookup), or None:
+            no speculation. Used while one greedy request is generating
             (:class:`~ggpipe.decoding.lone_drafts.LoneDrafts`).
         draft_max: most drafted tokens per chain.
         lookahead: PipeInfer's continuation for a request that generates
@@ -101,7 +104,7 @@ class Scheduler:
 
     def __init__(self, target: TargetBackend, n_slots: int, n_ctx_slot: int, n_ubatch: int,
                  is_eog: Callable[[int], bool], depth: int | None = None, timeout_s: float = 60.0,
-                 idle: Wait | None = None, draft: Callable[[list[int], int], list[int]] | None = None,
+                 idle: Wait | None = None, draft: SlotDrafter | Callable[[list[int], int], list[int]] | None = None,
                  draft_max: int = 6, lookahead: bool = False):
         if n_slots < 1:
             raise ConfigError(f"--parallel must be at least 1, got {n_slots}")

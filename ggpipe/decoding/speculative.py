@@ -56,6 +56,15 @@ class Drafting(Mode):
 
     # -- declarations ---------------------------------------------------------------
 
+    speculates = True
+    tokens_per_pass = 4  # a root and its drafted tokens (--draft-max 4 drafts about this many on average)
+
+    @classmethod
+    def may_cancel(cls, spec: SpecSettings) -> bool:
+        """Early cancellation (PipeInfer section IV.C): only where runs
+        overlap (asynchronous modes) and ``--no-cancel`` is not given."""
+        return cls.asynchronous and spec.cancel
+
     @classmethod
     def seq_ids(cls, spec: SpecSettings) -> int:
         """Sequence 0 plus one partition of ``--branches`` ids per speculative
@@ -90,7 +99,7 @@ class Drafting(Mode):
         ``n_seq_max``; ``n_cells``: the target's KV cells, by default
         what ggpipe.speculation.kv_room.kv_cells_of finds)."""
         core = SpecCore(target, spec, PartitionPool(n_seq_max, spec.branches), n_ubatch, is_eog,
-                        timeout_s=timeout_s, idle=idle, cancels=cls.asynchronous and spec.cancel,
+                        timeout_s=timeout_s, idle=idle, cancels=cls.may_cancel(spec),
                         n_cells=kv_cells_of(target) if n_cells is None else n_cells)
         return cls(core, proposer)
 

@@ -173,14 +173,17 @@ def probe_in_child(model_path: str | Path, setting: RowSetting = RowSetting(),
                    timeout: float = CHILD_TIMEOUT) -> dict:
     """:func:`probe` in a fresh Python process (``python -m
     ggpipe.models.row_probe``), so that its model load, KV cache and log
-    stay out of this process; same return value.
+    stay out of this process; same return value. The child is started
+    the way ggpipe starts its children (ggpipe.child_process).
 
     Raises:
         RuntimeError: the child failed, crashed or ran past ``timeout``
             seconds (the message carries the last line it printed).
     """
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_RANK_ENV)}
-    cmd = [sys.executable, "-m", "ggpipe.models.row_probe", str(model_path), json.dumps(setting.__dict__)]
+    from ggpipe.child_process import child_env, python_command  # noqa: PLC0415
+
+    env = {k: v for k, v in child_env().items() if not k.startswith(_RANK_ENV)}
+    cmd = [*python_command(), "-m", __name__, str(model_path), json.dumps(setting.__dict__)]
     try:
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
@@ -226,7 +229,7 @@ def batch_rows_exact(model_path: str | Path, setting: RowSetting = RowSetting())
 
 
 def _main(argv: list[str]) -> int:
-    """``python -m ggpipe.models.row_probe MODEL SETTING_JSON``: print
+    """``python -P -m ggpipe.models.row_probe MODEL SETTING_JSON``: print
     :func:`probe`'s answer as one JSON line (:func:`probe_in_child`)."""
     try:
         out = probe(argv[0], RowSetting(**json.loads(argv[1])))

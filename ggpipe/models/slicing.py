@@ -330,15 +330,14 @@ def check_speculation(mode: str, recurrent: dict[str, bool]) -> None:
     """Refuse a speculative mode over a recurrent or hybrid model.
 
     Args:
-        mode: the decoding mode (``iterative`` never speculates).
+        mode: the name of a decoding mode that speculates (the caller asks
+            the mode's declaration; ggpipe.decoding.mode).
         recurrent: model file name -> llama.cpp's ``llama_model_is_recurrent
             or llama_model_is_hybrid`` for the target and each draft.
 
     Raises:
         ConfigError: one line naming the model and what works.
     """
-    if mode == "iterative":
-        return
     for name, flag in recurrent.items():
         if flag:
             raise ConfigError(

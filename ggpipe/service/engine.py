@@ -29,6 +29,7 @@ from ggpipe.kv_reuse import reusable_prefix
 from ggpipe.sampling import Sampler, SamplingParams
 from ggpipe.cluster.session import Session
 from ggpipe.decoding.factory import build_chain_drafter, build_decoder
+from ggpipe.decoding.mode import mode_class
 from ggpipe.decoding.scheduler import Scheduler
 from ggpipe.decoding.slots import Job
 from ggpipe.decoding.settings import SpecSettings
@@ -169,7 +170,8 @@ class Engine:
         self.waiter = EventWait([session.pipeline, *drafts])
         self.parallel = parallel
         self.decoder = self.scheduler = None
-        if mode != "iterative":
+        declared = mode_class(mode)
+        if declared.speculates:
             check_speculation(mode, _recurrent_models(session))
         if parallel > 1:
             self.n_ctx = session.stage.n_ctx_seq    # the cells of one slot
@@ -179,13 +181,13 @@ class Engine:
                                        depth=micro_batches or session.micro_batches_in_flight(),
                                        timeout_s=cfg.timeout_s,
                                        idle=self.waiter,
-                                       draft=None if mode == "iterative" else build_chain_drafter(
+                                       draft=None if not declared.speculates else build_chain_drafter(
                                            mode, spec, session.pipeline, drafts[0] if drafts else None,
                                            more_drafts=drafts[1:], n_ubatch=cfg.ubatch, timeout_s=cfg.timeout_s,
                                            idle=self.waiter),
                                        draft_max=spec.draft_max,
                                        # pipeinfer: a request alone keeps the stages busy with look-ahead rows
-                                       lookahead=mode == "pipeinfer" and lookahead_wanted(session))
+                                       lookahead=declared.lookahead_in_slots and lookahead_wanted(session))
         else:
             self.decoder = build_decoder(mode, spec, session.pipeline, drafts[0] if drafts else None,
                                          more_drafts=drafts[1:], n_ubatch=cfg.ubatch, n_seq_max=cfg.n_seq_max,

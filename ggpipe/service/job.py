@@ -44,11 +44,11 @@ class JobSpec:
 
 def cancels_runs(job: JobSpec) -> bool:
     """Whether the head may cancel a run of this job: one request at a time
-    in a speculative mode with early cancellation on (``--no-cancel`` off;
-    ggpipe.decoding.speculative, pipedec). Iterative decoding and the
+    in a mode that declares it may (``Mode.may_cancel``: the asynchronous
+    speculative modes with ``--no-cancel`` off). Iterative decoding and the
     ``--parallel`` scheduler never cancel a run (a dropped row's cells are
     removed after it instead)."""
-    return job.parallel == 1 and job.mode != "iterative" and job.spec.cancel
+    return job.parallel == 1 and mode_class(job.mode).may_cancel(job.spec)
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)

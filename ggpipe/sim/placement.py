@@ -11,6 +11,7 @@ from typing import Callable
 
 from ggpipe.cluster.balance import balance_layers, stage_times
 from ggpipe.cluster.split import parse_split
+from ggpipe.decoding.mode import mode_class
 from ggpipe.errors import ConfigError, SplitError
 from ggpipe.models.sizes import model_sizes
 from ggpipe.sim.model import ModelDesc, from_gguf
@@ -68,16 +69,15 @@ def place(profile: Profile, target: ModelDesc, draft: ModelDesc | None, n_ranks:
 
     Raises:
         SplitError: no split fits."""
-    n_tok = 1 if mode == "iterative" else 4
-    # runs overlap only in pipeinfer: there the slowest stage sets the pace; else the stages' sum does
-    objective = "bottleneck" if mode == "pipeinfer" else "latency"
+    declared = mode_class(mode)  # what the mode's target passes carry and what sets their pace
+    n_tok, objective = declared.tokens_per_pass, declared.pace
 
     def balanced(n_target: int):
         ranks = list(range(n_target))
         fits = None if fits_target is None else (lambda s, a, b: fits_target(ranks[s], a, b, n_target))
         return balance_model(profile, target, ranks, n_tok, fits, objective)
 
-    if draft is None or mode == "iterative" or n_ranks == 1:
+    if draft is None or not declared.speculates or n_ranks == 1:
         t, st = balanced(n_ranks)
         return Placement(split_text(t), t, None, st)
     best, tried = None, {}
@@ -139,7 +139,7 @@ def balanced_placement(profile_path, params: dict, n_ranks: int, hosts: list[str
         return need <= mem / on_host.get(hosts[rank], 1)
 
     cfg = None
-    if draft is not None and mode != "iterative" and simulate_draft:
+    if draft is not None and mode_class(mode).speculates and simulate_draft:
         cfg = SimConfig(prof, target, draft, mode=mode, ranks=n_ranks, acceptance=acceptance, prompts=1,
                         n_predict=64)
     return place(prof, target, draft, n_ranks, mode, fits, cfg)

@@ -133,7 +133,7 @@ def _roles(cfg: SimConfig) -> Roles:
 
     Raises:
         ConfigError, SplitError: as ``ggpipe generate`` would for this job."""
-    has_draft = cfg.draft is not None and cfg.mode != "iterative" and cfg.spec.uses_draft_model
+    has_draft = cfg.draft is not None and mode_class(cfg.mode).speculates and cfg.spec.uses_draft_model
     roles = Roles.plan(cfg.ranks, cfg.split if has_draft or cfg.split.draft is None else SplitSpec(
         cfg.split.target, None), has_draft)
     if has_draft and roles.n_draft == 0:
@@ -153,7 +153,7 @@ def build(cfg: SimConfig, factors: dict | None = None, trace: dict | None = None
     busy: dict = {}
     link = _links(cfg)
     h0 = cfg.profile.host(0)
-    overhead = h0.overhead_s if cfg.mode == "iterative" else h0.spec_overhead_s
+    overhead = h0.spec_overhead_s if mode_class(cfg.mode).speculates else h0.overhead_s
     tgt_ranges = plan_layers(cfg.target.n_layer, roles.n_target, cfg.split.target,
                              layer_bytes=[s.bytes for s in cfg.target.layers], head_bytes=cfg.target.head.bytes)
     f = factors or {}
@@ -236,7 +236,7 @@ def _simulate_once(cfg: SimConfig, factors: dict, trace: dict | None = None) -> 
     if cfg.parallel > 1:
         return _simulate_parallel(cfg, clock, target, busy)
     pipes = [p for p in (target, draft) if p is not None]
-    spec = replace(cfg.spec, mode=cfg.mode) if cfg.mode != "iterative" else cfg.spec
+    spec = replace(cfg.spec, mode=cfg.mode) if mode_class(cfg.mode).speculates else cfg.spec
     n_seq_max = seq_ids_needed(cfg.mode, spec)
     dec = build_decoder(cfg.mode, spec, target, draft, n_ubatch=cfg.ubatch, n_seq_max=n_seq_max,
                         is_eog=lambda t: False, timeout_s=3600.0, idle=idle_until_next(clock, pipes))
@@ -279,7 +279,7 @@ def _simulate_parallel(cfg: SimConfig, clock: SimClock, target: SimPipeline, bus
 
     Raises:
         ConfigError: a speculative mode (the scheduler decodes plainly)."""
-    if cfg.mode != "iterative":
+    if mode_class(cfg.mode).speculates:
         raise ConfigError(f"--parallel {cfg.parallel}: the scheduler runs --mode iterative; the speculative modes "
                           "serve one request at a time")
     sched = Scheduler(target, cfg.parallel, n_ctx_slot=1 << 30, n_ubatch=cfg.ubatch, is_eog=lambda t: False,

@@ -52,6 +52,9 @@ class ProposerBase:
             (``SpecSettings.p_accept``). :data:`EVERY_MODE`: everywhere.
         iid_children: every child a tree offers is an independent draw from
             the distribution it carries (stochastic verification stays exact).
+        bench_variants: ``ggpipe bench --modes`` name -> ``ggpipe generate``
+            arguments of the rows this strategy adds to the benchmark (none
+            by default: the modes' rows draft with the default strategy).
     """
 
     name: ClassVar[str] = ""
@@ -61,6 +64,7 @@ class ProposerBase:
     Options: ClassVar[type] = NoOptions
     p_accept_auto_in: ClassVar[Container[str]] = ()
     iid_children = True
+    bench_variants: ClassVar[dict[str, list[str]]] = {}
 
     # -- declarations that depend on the settings (a vote asks its members) -----
 
@@ -68,6 +72,15 @@ class ProposerBase:
     def uses_draft_model(cls, options: StrategyOptions) -> bool:
         """Drafting with these settings needs the draft model (``-md``)."""
         return cls.needs_draft_model
+
+    @classmethod
+    def chain_lookup(cls, options: StrategyOptions):
+        """``draft(context, k) -> tokens`` where this strategy drafts a
+        chain from the request's own tokens alone, in microseconds (the
+        ``--parallel`` scheduler then drafts for many slots at no cost, and
+        ``--parallel auto`` gives a speculative job many slots); None where
+        drafting takes a model's passes (the default)."""
+        return None
 
     @classmethod
     def p_accept_auto(cls, mode: str, options: StrategyOptions) -> bool:

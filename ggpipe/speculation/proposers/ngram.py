@@ -112,6 +112,12 @@ class NgramProposer(InstantProposer):
         ngram_max: int = option(4, flag="--spec-ngram-max", range=(1, 64),
                                 help="Longest suffix the n-gram proposer matches (tokens).")
 
+    @classmethod
+    def chain_lookup(cls, options):
+        """Prompt lookup (:func:`ngram_lookup`) with these n-gram sizes."""
+        opts = options.of(cls)
+        return lambda context, k: ngram_lookup(context, opts.ngram_min, opts.ngram_max, k)
+
     def __init__(self, cfg: ProposerConfig):
         super().__init__()
         opts = cfg.options.of(NgramProposer)

@@ -100,6 +100,7 @@ class VoteProposer(ProposerBase):
     name = "vote"
     summary = "Minions' weighted majority vote of the --spec-vote proposers"
     iid_children = True
+    bench_variants = {"vote": ["--mode", "pipeinfer", "--spec-type", "vote"]}
 
     @dataclass(frozen=True)
     class Options:
