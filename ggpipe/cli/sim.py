@@ -80,7 +80,13 @@ def calibrate_command(model, draft, threads, reps, concurrent, output, timeout_s
         raise ConfigError(f"cannot write the profile {output}: {e.strerror or e}") from None
     _say(f"wrote {output} ({len(prof.hosts)} rank(s), {len(prof.links)} link(s))")
     h = prof.hosts[0]
+    if h.cached_layer_s:
+        _say(f"a block at batch 1: {1e3 * h.layer_s[0]:.3f} ms streamed from memory ({h.stream_layers} blocks in "
+             f"sequence, as a job's stage), {1e3 * h.cached_layer_s:.3f} ms timed alone from the cache "
+             f"({h.layer_s[0] / h.cached_layer_s:.2f}x): the profile uses the streamed cost")
     click.echo(json.dumps({"output": str(output), "layer_ms_b1": round(1e3 * h.layer_s[0], 4),
+                           "layer_ms_b1_cached": None if h.cached_layer_s is None else round(1e3 * h.cached_layer_s, 4),
+                           "stream_layers": h.stream_layers,
                            "head_ms_b1": round(1e3 * h.head_s[0], 4),
                            "draft_ms_b1": None if h.draft_s is None else round(1e3 * h.draft_s[0], 4),
                            "overhead_ms": round(1e3 * h.overhead_s, 4),

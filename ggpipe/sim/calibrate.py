@@ -6,7 +6,11 @@ Per rank (on its own host and thread count):
 
 * ``layer_s``: a middle stage of ``k`` layers (hidden states in, hidden
   states out, as ``ggpipe.runtime.stage`` runs it) against batch size
-  1..32, divided by k, at KV length ``kv_ref``;
+  1..32, divided by k, at KV length ``kv_ref``; k is large enough that the
+  stage's weights are twice the last-level cache (ggpipe.sim.measure.
+  stream_layers), so every decode streams them from memory as a job's
+  stage does (one block timed alone stays in the cache and runs faster:
+  ``cached_layer_s`` records it, and calibrate prints both);
 * ``head_s``: a last stage of the same k layers minus the middle stage:
   the output norm and LM head for one logit row per token;
 * ``kv_s_per_cell``: the middle stage at batch 8 with ``kv_long`` cells

@@ -67,12 +67,45 @@ def _fill(stage, n_cells: int, tokens: bool) -> None:
                      embd=None if tokens else rng.standard_normal((n, stage.n_embd)).astype(np.float32))
 
 
-def _layer_ranges(n_layer: int, k_layers: int = 4) -> tuple[int, tuple[int, int], tuple[int, int]]:
-    """(k, middle range, last range): the k layers a middle stage and a last
-    stage of the calibration hold (the middle one skips layer 0, the first
-    stage's, when the model has 3 layers or more)."""
-    k = max(1, min(k_layers, n_layer - 2)) if n_layer >= 3 else 1
-    return k, ((1, 1 + k) if n_layer >= 3 else (0, 1)), (n_layer - k, n_layer)
+#: Weight bytes the timed middle stage streams at least, where the last-level
+#: cache's size is unknown (larger than any CPU's cache).
+STREAM_BYTES_UNKNOWN_CACHE = 256 << 20
+
+
+def last_level_cache_bytes(cpu: int = 0) -> int | None:
+    """The size of the largest CPU cache of ``cpu`` (bytes), from Linux's
+    ``/sys/devices/system/cpu/cpuN/cache/index*/size``; None where unknown."""
+    best = None
+    for d in Path(f"/sys/devices/system/cpu/cpu{cpu}/cache").glob("index*"):
+        try:
+            text = (d / "size").read_text().strip()
+        except OSError:
+            continue
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:].upper(), 1)
+        digits = text.rstrip("KMGkmg")
+        if digits.isdigit():
+            best = max(best or 0, int(digits) * mult)
+    return best
+
+
+def stream_layers(layer_bytes: int, n_layer: int, llc_bytes: int | None, k_min: int = 4) -> int:
+    """Blocks the calibration's middle stage holds: at least ``k_min``, and
+    enough that their weights are twice the last-level cache (or
+    :data:`STREAM_BYTES_UNKNOWN_CACHE`), so that every token streams them
+    from memory as a job's stage does; at most the model's blocks but the
+    first and the last (a model of 3 blocks or fewer: 1)."""
+    if n_layer < 3:
+        return 1
+    need = 2 * llc_bytes if llc_bytes else STREAM_BYTES_UNKNOWN_CACHE
+    k = max(k_min, -(-need // max(1, layer_bytes)))
+    return max(1, min(k, n_layer - 2))
+
+
+def _layer_ranges(n_layer: int, k: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(middle range, last range): the k layers of the calibration's middle
+    stage (skipping layer 0, the first stage's, when the model has 3 layers
+    or more) and of its last stage, before the output head."""
+    return ((1, 1 + k) if n_layer >= 3 else (0, 1)), (n_layer - k, n_layer)
 
 
 def _stage(model: str, layers: tuple[int, int], first: bool, last: bool, threads: int, n_ctx: int = 1024,
@@ -88,10 +121,19 @@ def _stage(model: str, layers: tuple[int, int], first: bool, last: bool, threads
                            n_seq_max=1, n_ubatch=n_ubatch))
 
 
-def measure_host(model: str, draft: str | None, threads: int, k_layers: int = 4, reps: int = 5,
+def measure_host(model: str, draft: str | None, threads: int, k_layers: int | None = None, reps: int = 5,
                  kv_ref: int = 64, kv_long: int = 512, batch_sizes=BATCH_SIZES,
                  say: Callable[[str], None] = lambda s: None) -> HostProfile:
     """Measure this process's host (see the module docstring).
+
+    The blocks' costs come from a middle stage of ``k_layers`` blocks run in
+    sequence (None: :func:`stream_layers`: weights of twice the last-level
+    cache, as a job's stage streams them every token); one block timed alone
+    again and again (its weights cached) is recorded beside them as the check
+    (``cached_layer_s``). The head's cost is a last stage of as many blocks
+    and the output head, less the middle stage: after that many blocks its
+    weights come from memory too, as in a job (after one block, part of a
+    small model's head would still be cached).
 
     Raises:
         ModelError: a model cannot be read or sliced.
@@ -99,23 +141,33 @@ def measure_host(model: str, draft: str | None, threads: int, k_layers: int = 4,
     from ggpipe.models.sizes import model_sizes
 
     sizes = model_sizes(model)
-    k, mid_range, last_range = _layer_ranges(sizes.n_layer, k_layers)
+    mean_layer = int(np.mean(sizes.layer_bytes)) if len(sizes.layer_bytes) else 0
+    k = k_layers or stream_layers(mean_layer, sizes.n_layer, last_level_cache_bytes())
+    mid_range, last_range = _layer_ranges(sizes.n_layer, k)
+    k = mid_range[1] - mid_range[0]
     ctx = {"threads": threads, "n_ctx": max(1024, kv_long + 2 * max(batch_sizes)),
            "n_ubatch": max(64, max(batch_sizes))}
 
-    say(f"middle stage, {k} layers")
+    say(f"middle stage, {k} layers ({k * mean_layer / 2**20:.0f} MiB of weights, streamed)")
     with _stage(model, mid_range, mid_range[0] == 0, False, **ctx) as mid:
         tok = mid.spec.first
         _fill(mid, kv_ref, tok)
         mid_s = [decode_cost(mid, n, kv_ref, reps, tok) for n in batch_sizes]
         _fill(mid, kv_long, tok)
         long_s = decode_cost(mid, 8, kv_long, reps, tok)
-    say(f"last stage, {k} layers + output head")
-    with _stage(model, last_range, False, True, **ctx) as last:
-        _fill(last, kv_ref, False)
-        last_s = [decode_cost(last, n, kv_ref, reps, False) for n in batch_sizes]
-    i8 = list(batch_sizes).index(8) if 8 in batch_sizes else len(batch_sizes) - 1
     layer_s = [t / k for t in mid_s]
+    cached = None
+    if k > 1:
+        say("one block, cached (the check)")
+        one = (mid_range[0], mid_range[0] + 1)
+        with _stage(model, one, one[0] == 0, False, **ctx) as st:
+            _fill(st, kv_ref, st.spec.first)
+            cached = decode_cost(st, batch_sizes[0], kv_ref, reps, st.spec.first)
+    say(f"last stage, {k} layers + output head")
+    with _stage(model, last_range, last_range[0] == 0, True, **ctx) as last:
+        _fill(last, kv_ref, last.spec.first)
+        last_s = [decode_cost(last, n, kv_ref, reps, last.spec.first) for n in batch_sizes]
+    i8 = list(batch_sizes).index(8) if 8 in batch_sizes else len(batch_sizes) - 1
     head_s = [max(1e-7, b - a) for a, b in zip(mid_s, last_s)]
     kv_slope = max(0.0, (long_s - mid_s[i8]) / k / batch_sizes[i8] / (kv_long - kv_ref))
     draft_s = None
@@ -128,9 +180,9 @@ def measure_host(model: str, draft: str | None, threads: int, k_layers: int = 4,
 
     return HostProfile(
         host=socket.gethostname(), threads=threads, batch_sizes=list(batch_sizes), layer_s=layer_s,
-        layer_bytes=int(np.mean(sizes.layer_bytes[last_range[0]:last_range[1]])), head_s=head_s,
+        layer_bytes=int(np.mean(sizes.layer_bytes[mid_range[0]:mid_range[1]])), head_s=head_s,
         head_bytes=sizes.head_bytes, kv_s_per_cell=kv_slope, kv_ref=kv_ref, draft_s=draft_s, draft_name=draft,
-        mem_bytes=int(psutil.virtual_memory().total))
+        mem_bytes=int(psutil.virtual_memory().total), stream_layers=k, cached_layer_s=cached)
 
 
 def measure_overhead(mode: str, n_tokens: int = 256) -> float:
@@ -173,11 +225,12 @@ def measure_overhead(mode: str, n_tokens: int = 256) -> float:
     return max(0.0, (wall - spent[0]) / max(1, pipe.n_runs - runs0))
 
 
-def middle_stage(model: str, threads: int):
-    """The middle stage :func:`measure_host` times, KV filled to 64 cells."""
+def middle_stage(model: str, threads: int, k: int = 4):
+    """A middle stage of ``k`` blocks (the contention measurement's), KV
+    filled to 64 cells."""
     from ggpipe.models.sizes import model_sizes
 
-    _, mid, _ = _layer_ranges(model_sizes(model).n_layer)
+    mid, _ = _layer_ranges(model_sizes(model).n_layer, min(k, max(1, model_sizes(model).n_layer - 2)))
     st = _stage(model, mid, mid[0] == 0, False, threads)
     _fill(st, 64, st.spec.first)
     return st

@@ -112,6 +112,13 @@ class HostProfile:
             memory bandwidth); empty: measured alone.
         wait_slowdown: the same while j other ranks wait for a message
             (an idle MPI rank polls).
+        stream_layers: blocks of the middle stage ``layer_s`` was measured
+            on (enough that their weights exceed the last-level cache, as a
+            job's stage streams them from memory every token); 0: unknown.
+        cached_layer_s: seconds of one block at batch 1 timed alone, again
+            and again (its weights in the cache): the check that
+            ``layer_s`` streams (``layer_s[0]`` / this is how much a cached
+            measurement would have overstated the speed); None: not measured.
     """
 
     host: str
@@ -133,6 +140,8 @@ class HostProfile:
     mem_bytes: int = 0
     busy_slowdown: list[float] = field(default_factory=list)
     wait_slowdown: list[float] = field(default_factory=list)
+    stream_layers: int = 0
+    cached_layer_s: float | None = None
 
     @property
     def described(self) -> bool:

@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""The simulator against the jobs it predicts, in one run: calibrate, then for
+each configuration ``ggpipe simulate`` and the measured job side by side.
+
+    python scripts/sim_check.py -o OUT [--rounds 3] [--quick]
+
+Configurations (2 ranks x 1 thread, and 3 ranks where given): the goliath
+(SmolLM2's blocks x 40, F16) in iterative and pipeinfer mode with SmolLM2-135M
+as the draft; the 7B shape (``llama-7b-shape-q4_k_m``, random weights: speed
+only) in iterative mode and as 8 requests at once (``batch --parallel 8``,
+aggregate tokens/s). A round calibrates the model at the job's rank count
+(``mpiexec -n R ggpipe calibrate``), then simulates and measures each of its
+configurations, one right after the other: this machine's speed moves by a
+fifth within minutes, so a prediction is compared only with the job measured
+next to its calibration, and the rounds (``--rounds``) give the spread. The pipeinfer simulation takes the
+measured run's acceptance rate (``--acceptance``): acceptance is a property
+of the models and prompt, not of the cluster, and the random-weight 7B shape
+has none to speak of.
+
+Writes OUT/sim_check.jsonl (one record per configuration and round:
+simulated and measured tokens/s, the error) and prints a Markdown table of the
+median error per configuration and its range over the rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ggpipe.child_process import child_env, ggpipe_command
+
+PROMPT = ("The history of the steam engine begins with simple devices that used heat to move water. Engineers in "
+          "the eighteenth century improved them step by step, adding separate condensers, valves and governors, "
+          "until engines drove mills, ships and railways across the world. ") * 2
+
+
+def run(args: list[str], ranks: int | None = None, timeout: float = 1800) -> str:
+    cmd = ([*["mpiexec", "-n", str(ranks)]] if ranks else []) + ggpipe_command() + args
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env(), check=False)
+    if p.returncode != 0:
+        sys.exit(f"sim_check: {' '.join(cmd)} failed:\n{p.stderr[-3000:]}")
+    return p.stdout
+
+
+def simulate(profile: Path, model: str, draft: str | None, mode: str, ranks: int, n: int, n_prompt: int,
+             parallel: int = 1, acceptance: float | None = None) -> dict:
+    args = ["simulate", "--profile", str(profile), "-m", model, "--modes", mode, "--ranks", str(ranks), "-n", str(n),
+            "--n-prompt", str(n_prompt), "--json", "--prompts", str(8 if parallel > 1 else 1),
+            "--parallel", str(parallel)]
+    if draft:
+        args += ["-md", draft]
+    if acceptance is not None:
+        args += ["--acceptance", f"{min(0.99, max(0.01, acceptance)):.3f}"]
+    rec = json.loads(run(args).strip().splitlines()[-1])
+    return {"tokens_per_s": rec.get("aggregate_tokens_per_s") if parallel > 1 else rec["tokens_per_s"]}
+
+
+def measure_one(model: str, draft: str | None, mode: str, ranks: int, n: int, prompt_file: Path) -> dict:
+    args = ["generate", "-m", model, "-f", str(prompt_file), "-n", str(n), "-t", "1", "--ignore-eos", "--json",
+            "--mode", mode]
+    if draft:
+        args += ["-md", draft]
+    d = json.loads(run(args, ranks))
+    return {"tokens_per_s": d["metrics"]["tokens_per_s"], "n_prompt": d["n_prompt"],
+            "acceptance": (d.get("decoder") or {}).get("acceptance_rate")}
+
+
+def measure_parallel(model: str, ranks: int, n: int, work: Path) -> dict:
+    items = work / "items.jsonl"
+    short = PROMPT.split(". ")[0] + "."   # about 20 tokens: the 8 prompts' prefill stays short beside generation
+    items.write_text("".join(json.dumps({"id": f"r{i}", "prompt": f"Request {i}: " + short}) + "\n"
+                             for i in range(8)))
+    out = work / f"out-{time.monotonic_ns()}.jsonl"
+    t0 = time.monotonic()
+    run(["batch", str(items), "-m", model, "-o", str(out), "-n", str(n), "-t", "1", "--ignore-eos",
+         "--parallel", "8", "--no-progress"], ranks)
+    wall = time.monotonic() - t0
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    tokens = sum(len(r.get("tokens") or []) or (r.get("metrics") or {}).get("n_gen_tokens", 0) for r in recs)
+    span = max((r.get("metrics") or {}).get("total_s") or 0 for r in recs) or wall
+    return {"tokens_per_s": tokens / span, "n_prompt": round(statistics.mean(r["n_prompt"] for r in recs)),
+            "acceptance": None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-o", "--out", type=Path, required=True)
+    ap.add_argument("--quick", action="store_true", help="the goliath only, 2 ranks")
+    ap.add_argument("--rounds", type=int, default=3, help="calibrate-and-measure rounds per model and rank count")
+    a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="sim_check."))
+    prompt_file = work / "prompt.txt"
+    prompt_file.write_text(PROMPT)
+    goliath, small, big, big_draft = "smollm2-goliath-40l", "smollm2-135m", "llama-7b-shape-q4_k_m", None
+    # (model, draft or None, mode, ranks, tokens, slots); a model's profile is measured with its job's draft
+    plan = [(goliath, None, "iterative", 2, 128, 1), (goliath, small, "pipeinfer", 2, 128, 1)]
+    if not a.quick:
+        plan += [(goliath, None, "iterative", 3, 128, 1), (goliath, small, "pipeinfer", 3, 128, 1),
+                 (big, big_draft, "iterative", 2, 32, 1), (big, big_draft, "iterative", 2, 48, 8)]
+    drafts = {m: d for m, d, *_ in plan if d}
+    records = []
+    groups: dict[tuple, list] = {}
+    for entry in plan:
+        groups.setdefault((entry[0], entry[3]), []).append(entry)
+    for rnd in range(a.rounds):
+        for (model, ranks), entries in groups.items():
+            prof = a.out / f"profile-{model}-{ranks}r-{rnd}.json"
+            run(["calibrate", "-m", model, "-t", "1", "-o", str(prof)] + (["-md", drafts[model]] if model in drafts
+                                                                          else []), ranks)
+            for _, draft, mode, _, n, parallel in entries:
+                if parallel > 1:
+                    meas = measure_parallel(model, ranks, n, work)
+                    sim = simulate(prof, model, None, mode, ranks, n, meas["n_prompt"], parallel)
+                else:
+                    meas = measure_one(model, draft, mode, ranks, n, prompt_file)
+                    sim = simulate(prof, model, draft, mode, ranks, n, meas["n_prompt"], 1, meas["acceptance"])
+                rec = {"model": model, "mode": mode, "ranks": ranks, "parallel": parallel, "n": n, "round": rnd,
+                       "simulated_tokens_per_s": round(sim["tokens_per_s"], 2),
+                       "measured_tokens_per_s": round(meas["tokens_per_s"], 2),
+                       "error": round(sim["tokens_per_s"] / meas["tokens_per_s"] - 1, 3),
+                       "acceptance": meas["acceptance"]}
+                records.append(rec)
+                print(json.dumps(rec), file=sys.stderr, flush=True)
+    (a.out / "sim_check.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    print("| model | mode | ranks | parallel | simulated tok/s | measured tok/s | error, median (range) |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for model, draft, mode, ranks, n, parallel in plan:
+        rs = [r for r in records if (r["model"], r["mode"], r["ranks"], r["parallel"]) == (model, mode, ranks, parallel)]
+        errs = [100 * r["error"] for r in rs]
+        print(f"| {model} | {mode} | {ranks} | {parallel} "
+              f"| {statistics.median(r['simulated_tokens_per_s'] for r in rs):.1f} "
+              f"| {statistics.median(r['measured_tokens_per_s'] for r in rs):.1f} "
+              f"| {statistics.median(errs):+.0f}% ({min(errs):+.0f}% to {max(errs):+.0f}%) |")
+
+
+if __name__ == "__main__":
+    main()
