@@ -84,20 +84,3 @@ def test_split_auto_without_a_profile_is_one_clear_error(smollm2):
     p = run_ggpipe(["generate", "-m", str(smollm2), "--split", "auto", "-p", "x", "-n", "2"], ranks=2, timeout=120)
     assert p.returncode != 0
     assert "--split auto needs the profile" in p.stderr and "Traceback" not in p.stderr
-
-
-def test_the_timed_stage_streams_its_weights_from_memory():
-    """The calibration's middle stage holds enough blocks that their weights
-    are twice the last-level cache (as a job's stage streams them every
-    token); 256 MiB where the cache size is unknown; within the model."""
-    from ggpipe.sim.measure import last_level_cache_bytes, stream_layers
-
-    mib = 1 << 20
-    assert stream_layers(17 * mib, 40, 32 * mib) == 4          # 68 MiB >= 64 MiB
-    assert stream_layers(8 * mib, 40, 32 * mib) == 8
-    assert stream_layers(2 * mib, 40, 105 * mib) == 38         # capped: all blocks but the first and last
-    assert stream_layers(130 * mib, 32, 32 * mib) == 4         # a 7B block: the minimum already streams
-    assert stream_layers(1 * mib, 30, None) == 28              # unknown cache: 256 MiB, capped
-    assert stream_layers(64 * mib, 2, 32 * mib) == 1
-    llc = last_level_cache_bytes()
-    assert llc is None or llc >= 1 << 16

@@ -502,3 +502,20 @@ def test_simulated_parallel_requests_share_the_pipeline():
     assert all(r["tokens_per_s"] > 0 for r in many["records"])
     with pytest.raises(ConfigError, match="scheduler runs --mode iterative"):
         simulate(SimConfig(prof, toy_model(), toy_model(2), mode="speculative", ranks=2, parallel=4), rounds=1)
+
+
+def test_the_timed_stage_streams_its_weights_from_memory():
+    """The calibration's middle stage holds enough blocks that their weights
+    are twice the last-level cache (as a job's stage streams them every
+    token); 256 MiB where the cache size is unknown; within the model."""
+    from ggpipe.sim.measure import last_level_cache_bytes, stream_layers
+
+    mib = 1 << 20
+    assert stream_layers(17 * mib, 40, 32 * mib) == 4          # 68 MiB >= 64 MiB
+    assert stream_layers(8 * mib, 40, 32 * mib) == 8
+    assert stream_layers(2 * mib, 40, 105 * mib) == 38         # capped: all blocks but the first and last
+    assert stream_layers(130 * mib, 32, 32 * mib) == 4         # a 7B block: the minimum already streams
+    assert stream_layers(1 * mib, 30, None) == 28              # unknown cache: 256 MiB, capped
+    assert stream_layers(64 * mib, 2, 32 * mib) == 1
+    llc = last_level_cache_bytes()
+    assert llc is None or llc >= 1 << 16
