@@ -586,3 +586,30 @@ def test_lookahead_is_on_where_the_target_stages_have_hosts_of_their_own(monkeyp
     monkeypatch.setenv("GGPIPE_LOOKAHEAD", "sometimes")
     with pytest.raises(ConfigError, match="GGPIPE_LOOKAHEAD"):
         lookahead_wanted(session(["a", "b"], 2))
+
+
+def test_a_slot_goes_through_its_states_in_order():
+    """idle -> prompt -> generating -> done -> idle (ggpipe.decoding.slots.
+    SlotState), as /slots shows them, for a request alone in its slot."""
+    from ggpipe.decoding.slots import SlotState
+
+    target = FakePipeline(ToyLM(V), latency=2, cell_order=True, streams=True)
+    sched = Scheduler(target, 2, n_ctx_slot=256, n_ubatch=4, is_eog=lambda t: False)
+    seen = []
+
+    def note():
+        st = sched.slots[0].state
+        if not seen or seen[-1] != st:
+            seen.append(st)
+
+    note()
+    job = Job(list(PROMPTS[0]) * 3, 6, Sampler(SamplingParams()))
+    sched.submit(job)
+    while sched.busy:
+        sched.step()
+        note()
+    for _ in range(5):
+        sched.step()
+        note()
+    assert [s.value for s in seen if s is not SlotState.DONE] == ["idle", "prompt", "generating", "idle"]
+    assert sched.view()[0]["state"] == "idle" and sched.slots[1].state is SlotState.IDLE

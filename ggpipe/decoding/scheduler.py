@@ -318,12 +318,14 @@ class Scheduler:
 
     def view(self) -> list[dict]:
         """One dict per slot (llama-server's ``/slots``): id, KV cells, busy,
-        prompt tokens, tokens generated, cells cached."""
+        its state (:class:`~ggpipe.decoding.slots.SlotState`'s value), prompt
+        tokens, tokens generated, cells cached."""
         out = []
         for s in list(self.slots):
             job = s.job
             r = job.request if job is not None else None
             out.append({"id": s.seq, "n_ctx": self.n_ctx_slot, "is_processing": job is not None,
+                        "state": s.state.value,
                         "n_prompt_tokens": len(job.tokens) if job is not None else 0,
                         "n_decoded": len(r.out) if r is not None else 0, "n_cached": len(s.kv)})
         return out

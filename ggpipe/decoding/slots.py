@@ -1,12 +1,14 @@
 """The scheduler's pure parts: a request handed to it (:class:`Job`), a
-slot (:class:`Slot`: a KV sequence and the request that holds it), and which
-slots send what in the next micro-batch (:func:`plan_microbatch`). No
-pipeline, no MPI; ggpipe.decoding.scheduler drives them."""
+slot (:class:`Slot`: a KV sequence and the request that holds it, in one of
+the states of :class:`SlotState`), and which slots send what in the next
+micro-batch (:func:`plan_microbatch`). No pipeline, no MPI;
+ggpipe.decoding.scheduler drives them."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Callable
 
 from ggpipe.decoding.request import Emit, Request, _never_stop
@@ -55,6 +57,31 @@ class Job:
     error: Exception | None = None
 
 
+class SlotState(str, Enum):
+    """A slot's state (``/slots``' ``state``; llama-server's slot states).
+
+    Transitions (ggpipe.decoding.scheduler):
+
+    * ``idle`` -> ``prompt``: a queued request takes the free slot; the
+      cells of the longest common prefix with what the slot held are kept,
+      the rest removed, and the prompt's other tokens go in chunks.
+    * ``prompt`` -> ``generating``: the last chunk's logits arrive and the
+      request's first token is sampled.
+    * ``prompt`` or ``generating`` -> ``done``: the request ends
+      (end-of-generation token, ``n_predict``, a stop string, a client that
+      left, its own sampling error); its rows still in flight are dropped
+      as they return.
+    * ``done`` -> ``idle``: the request has left the slot and no
+      micro-batch holding its rows is in flight; its cells stay for the
+      next request's common prefix.
+    """
+
+    IDLE = "idle"
+    PROMPT = "prompt"
+    GENERATING = "generating"
+    DONE = "done"
+
+
 @dataclass(eq=False)
 class Slot:
     """A KV sequence and the request that holds it.
@@ -92,6 +119,17 @@ class Slot:
     def free(self) -> bool:
         """No request, and nothing of an earlier one in flight."""
         return self.job is None and self.in_flight == 0
+
+    @property
+    def state(self) -> SlotState:
+        """The slot's :class:`SlotState`."""
+        job = self.job
+        if job is None:
+            return SlotState.IDLE if self.in_flight == 0 else SlotState.DONE
+        r = job.request
+        if r is not None and r.done:
+            return SlotState.DONE
+        return SlotState.GENERATING if r is not None and r.out else SlotState.PROMPT
 
 
 @dataclass

@@ -170,7 +170,8 @@ async def slots(request: Request):
     """llama-server's view of the slots: what each one holds now."""
     state = state_of(request)
     if state.slots is None:
-        return [{"id": 0, "n_ctx": state.n_ctx, "is_processing": bool(state.running)}]
+        return [{"id": 0, "n_ctx": state.n_ctx, "is_processing": bool(state.running),
+                 "state": "generating" if state.running else "idle"}]
     return state.slots()
 
 
