@@ -126,3 +126,19 @@ def test_a_compact_row_is_small():
     x = np.zeros((1, 49152), np.float32)
     assert pack(top_k(x, 1)).nbytes == 12 and x.nbytes == 196_608
     assert isinstance(top_k(x, 1)[0], TopRow)
+
+
+def test_small_k_takes_argmaxes_and_keeps_the_order_of_ties():
+    """Up to SMALL_K, top_k_sorted takes k argmaxes one by one: the same
+    indices as the partition (value descending, ties by index), also with
+    -inf in the row (where it falls back to the partition)."""
+    import ggpipe.logits as L
+
+    rng = np.random.default_rng(1)
+    for trial in range(2000):
+        n = int(rng.integers(2, 60))
+        x = rng.integers(-3, 4, n).astype(np.float32)   # many ties
+        if trial % 5 == 0:
+            x[rng.integers(0, n, 2)] = -np.inf
+        k = int(rng.integers(1, min(n, L.SMALL_K + 2) + 1))
+        assert list(L.top_k_sorted(x, k)) == sorted(range(n), key=lambda i: (-x[i], i))[:k], (x, k)

@@ -155,7 +155,8 @@ class Server:
             api_key=api_key, max_queue=max_queue, access=access or Access(),
             info={"mode": engine.mode, "ranks": session.size, "hosts": session.hosts,
                   "chat_template": bool(engine.vocab.chat_template()),
-                  "micro_batches": engine.scheduler.depth if engine.scheduler else 1, "kernels": engine.kernels},
+                  "micro_batches": engine.scheduler.depth if engine.scheduler else 1,
+                  "kernels": lambda: engine.kernels},   # the row probe: on the first /v1/models, not at start-up
             parallel=engine.parallel, slots=engine.scheduler.view if engine.scheduler else None,
             tokens_per_s=engine.scheduler.tokens_per_s if engine.scheduler else None)
         self.shutdown_grace_s = shutdown_grace_s

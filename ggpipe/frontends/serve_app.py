@@ -176,8 +176,12 @@ async def slots(request: Request):
 
 
 async def models(request: Request):
+    """The model and the job's facts; a fact given as a function (the
+    kernels' row probe, measured on first use and then cached) is asked in
+    a worker thread, so the event loop keeps answering meanwhile."""
     state = state_of(request)
-    meta = dict(state.info, n_ctx=state.n_ctx, scheduling=scheduling(state.parallel, state.n_ctx),
+    info = {k: (await run_in_threadpool(v)) if callable(v) else v for k, v in state.info.items()}
+    meta = dict(info, n_ctx=state.n_ctx, scheduling=scheduling(state.parallel, state.n_ctx),
                 parallel=state.parallel, queue_depth=state.jobs.qsize(), max_queue=state.max_queue)
     return {"object": "list", "data": [{"id": state.model_id, "object": "model", "created": state.created,
                                         "owned_by": "ggpipe", "meta": meta}]}

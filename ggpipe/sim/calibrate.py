@@ -6,8 +6,9 @@ Per rank (on its own host and thread count):
 
 * ``layer_s``: a middle stage of ``k`` layers (hidden states in, hidden
   states out, as ``ggpipe.runtime.stage`` runs it) against batch size
-  1..32, divided by k, at KV length ``kv_ref``; k is large enough that the
-  stage's weights are twice the last-level cache (ggpipe.sim.measure.
+  1..32, divided by k, at KV length ``kv_ref``; k is the layers of a stage
+  of this job (the model's layers over its ranks), and at least enough that
+  the stage's weights are twice the last-level cache (ggpipe.sim.measure.
   stream_layers), so every decode streams them from memory as a job's
   stage does (one block timed alone stays in the cache and runs faster:
   ``cached_layer_s`` records it, and calibrate prints both);
@@ -174,7 +175,7 @@ def calibrate_job(transport, model: str, draft: str | None, threads: int, concur
     def said(s: str) -> None:
         say(f"rank {rank} ({host}): {s}")
 
-    rec = measure_host(model, draft, threads, reps=reps, say=said)
+    rec = measure_host(model, draft, threads, reps=reps, say=said, job_ranks=size)
     rec.rank = rank
     if rank == 0:
         said("decoding loop overhead")

@@ -123,12 +123,14 @@ def _stage(model: str, layers: tuple[int, int], first: bool, last: bool, threads
 
 def measure_host(model: str, draft: str | None, threads: int, k_layers: int | None = None, reps: int = 5,
                  kv_ref: int = 64, kv_long: int = 512, batch_sizes=BATCH_SIZES,
-                 say: Callable[[str], None] = lambda s: None) -> HostProfile:
+                 say: Callable[[str], None] = lambda s: None, job_ranks: int = 1) -> HostProfile:
     """Measure this process's host (see the module docstring).
 
     The blocks' costs come from a middle stage of ``k_layers`` blocks run in
-    sequence (None: :func:`stream_layers`: weights of twice the last-level
-    cache, as a job's stage streams them every token); one block timed alone
+    sequence (None: as many as a stage of a job of ``job_ranks`` ranks holds,
+    and at least :func:`stream_layers`: weights of twice the last-level
+    cache, as a job's stage streams them every token; a block costs more in
+    a long stage than in a short one that already streams); one block timed alone
     again and again (its weights cached) is recorded beside them as the check
     (``cached_layer_s``). The head's cost is a last stage of as many blocks
     and the output head, less the middle stage: after that many blocks its
@@ -142,7 +144,8 @@ def measure_host(model: str, draft: str | None, threads: int, k_layers: int | No
 
     sizes = model_sizes(model)
     mean_layer = int(np.mean(sizes.layer_bytes)) if len(sizes.layer_bytes) else 0
-    k = k_layers or stream_layers(mean_layer, sizes.n_layer, last_level_cache_bytes())
+    k = k_layers or max(stream_layers(mean_layer, sizes.n_layer, last_level_cache_bytes()),
+                        min(sizes.n_layer - 2, -(-sizes.n_layer // max(1, job_ranks))))
     mid_range, last_range = _layer_ranges(sizes.n_layer, k)
     k = mid_range[1] - mid_range[0]
     ctx = {"threads": threads, "n_ctx": max(1024, kv_long + 2 * max(batch_sizes)),
