@@ -1,23 +1,32 @@
 """ggpipe: pipeline-parallel GGUF inference over MPI with PipeInfer-style
 asynchronous pipelined speculation.
 
-Layout (data flows top to bottom):
+Layout (upper folders use lower ones, never the reverse):
 
-    frontends/   click CLI (entry point: ggpipe/__main__.py), generate, chat,
-                 batch, OpenAI-compatible server, plan, bench; one Engine
-    cluster/     session start-up, rank roles, layer split planning
-    decoding/    modes: iterative; the speculative loop (speculative,
-                 pipeinfer), which knows proposers only by their protocol
+    cli/         the click commands (entry point: ggpipe/__main__.py) and
+                 their options
+    frontends/   generate, chat, batch, the OpenAI-compatible server
+    service/     the head's Engine (one request at a time, or the
+                 continuous-batching scheduler with --parallel) and a job's
+                 start and end on every rank
+    bench/       ggpipe bench: sweeps, baselines, reports, timelines
+    sim/         calibrate, simulate, balanced placement: the real decoding
+                 loops against measured costs on a virtual clock
+    cluster/     session start-up, rank roles, layer split planning, memory
+    decoding/    the modes (iterative, speculative, pipeinfer, pipedec), each
+                 one module that declares itself (mode.py), and the
+                 scheduler of --parallel (slots, micro-batches)
     speculation/ MPI-free speculation logic: speculation tree and graph,
-                 verification, KV partitions, cutoff; proposers/ (drafting
-                 strategies: draft model, n-gram) behind one protocol
-    pipeline/    the head's Pipeline driver, the worker serve loop, run records
+                 verification, KV partitions, cutoff, the draft gate;
+                 proposers/ (drafting strategies: draft model, n-gram,
+                 staged, vote) behind one protocol
+    pipeline/    the head's Pipeline driver, the worker serve loop, prefill chunks
     transport/   MPI transactions: message layouts, the Transport, link
                  emulation, heartbeats (liveness), launcher signals
-    runtime/     llama.cpp stage (slice + native hooks), vocabulary
-    models/      models.toml registry, fetching, GGUF slicing and derivation
-    bench/       ggpipe bench: sweeps, baselines, reports, timelines
-    sampling.py, kv_reuse.py, metrics.py, trace.py, errors.py: shared, pure helpers
+    runtime/     llama.cpp stage (slice + native hooks), kernels, vocabulary
+    models/      models.toml registry, fetching, GGUF slicing and derivation,
+                 the batch-row probe
+    sampling.py, logits.py, kv_reuse.py, metrics.py, trace.py, errors.py: shared, pure helpers
 """
 
 __version__ = "0.1.0"
