@@ -23,9 +23,9 @@ Layout (upper folders use lower ones, never the reverse):
     pipeline/    the head's Pipeline driver, the worker serve loop, prefill chunks
     transport/   MPI transactions: message layouts, the Transport, link
                  emulation, heartbeats (liveness), launcher signals
-    runtime/     llama.cpp stage (slice + native hooks), kernels, vocabulary
     models/      models.toml registry, fetching, GGUF slicing and derivation,
                  the batch-row probe
+    runtime/     llama.cpp stage (slice + native hooks), kernels, vocabulary
     sampling.py, logits.py, kv_reuse.py, metrics.py, trace.py, errors.py: shared, pure helpers
 """
 
