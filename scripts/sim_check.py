@@ -2,7 +2,7 @@
 """The simulator against the jobs it predicts, in one run: calibrate, then for
 each configuration ``ggpipe simulate`` and the measured job side by side.
 
-    python scripts/sim_check.py -o OUT [--rounds 3] [--quick]
+    python scripts/sim_check.py -o OUT [--rounds 3] [--quick] [--plot PNG]
 
 Configurations (2 ranks x 1 thread, and 3 ranks where given): the goliath
 (SmolLM2's blocks x 40, F16) in iterative and pipeinfer mode with SmolLM2-135M
@@ -19,7 +19,9 @@ has none to speak of.
 
 Writes OUT/sim_check.jsonl (one record per configuration and round:
 simulated and measured tokens/s, the error) and prints a Markdown table of the
-median error per configuration and its range over the rounds.
+median error per configuration and its range over the rounds; with
+``--plot``, a scatter of predicted against measured tokens/s (matplotlib).
+``--from-jsonl FILE`` redraws the table and the plot from earlier records.
 """
 
 from __future__ import annotations
@@ -93,6 +95,8 @@ def main() -> None:
     ap.add_argument("-o", "--out", type=Path, required=True)
     ap.add_argument("--quick", action="store_true", help="the goliath only, 2 ranks")
     ap.add_argument("--rounds", type=int, default=3, help="calibrate-and-measure rounds per model and rank count")
+    ap.add_argument("--plot", type=Path, help="write a scatter of simulated against measured tokens/s (PNG)")
+    ap.add_argument("--from-jsonl", type=Path, help="report earlier records instead of measuring")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="sim_check."))
@@ -105,6 +109,10 @@ def main() -> None:
         plan += [(goliath, None, "iterative", 3, 128, 1), (goliath, small, "pipeinfer", 3, 128, 1),
                  (big, big_draft, "iterative", 2, 32, 1), (big, big_draft, "iterative", 2, 48, 8)]
     drafts = {m: d for m, d, *_ in plan if d}
+    if a.from_jsonl:
+        records = [json.loads(line) for line in a.from_jsonl.read_text().splitlines() if line.strip()]
+        report(records, a.plot)
+        return
     records = []
     groups: dict[tuple, list] = {}
     for entry in plan:
@@ -129,15 +137,50 @@ def main() -> None:
                 records.append(rec)
                 print(json.dumps(rec), file=sys.stderr, flush=True)
     (a.out / "sim_check.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    report(records, a.plot)
+
+
+def report(records: list[dict], plot: Path | None) -> None:
+    """The Markdown table (median over rounds per configuration) and the scatter."""
+    configs = list(dict.fromkeys((r["model"], r["mode"], r["ranks"], r["parallel"]) for r in records))
     print("| model | mode | ranks | parallel | simulated tok/s | measured tok/s | error, median (range) |")
     print("|---|---|---:|---:|---:|---:|---:|")
-    for model, draft, mode, ranks, n, parallel in plan:
+    for model, mode, ranks, parallel in configs:
         rs = [r for r in records if (r["model"], r["mode"], r["ranks"], r["parallel"]) == (model, mode, ranks, parallel)]
         errs = [100 * r["error"] for r in rs]
         print(f"| {model} | {mode} | {ranks} | {parallel} "
               f"| {statistics.median(r['simulated_tokens_per_s'] for r in rs):.1f} "
               f"| {statistics.median(r['measured_tokens_per_s'] for r in rs):.1f} "
               f"| {statistics.median(errs):+.0f}% ({min(errs):+.0f}% to {max(errs):+.0f}%) |")
+    if plot is None:
+        return
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    for model, mode, ranks, parallel in configs:
+        rs = [r for r in records if (r["model"], r["mode"], r["ranks"], r["parallel"]) == (model, mode, ranks, parallel)]
+        label = f"{model.split('-q4')[0]} {mode}{' x8' if parallel > 1 else ''}, {ranks} ranks"
+        ax.scatter([r["measured_tokens_per_s"] for r in rs], [r["simulated_tokens_per_s"] for r in rs], label=label)
+    hi = 1.1 * max(max(r["measured_tokens_per_s"], r["simulated_tokens_per_s"]) for r in records)
+    lo = 0.8 * min(min(r["measured_tokens_per_s"], r["simulated_tokens_per_s"]) for r in records)
+    for f, style in ((1.0, "-"), (1.15, ":"), (0.85, ":")):
+        ax.plot([lo, hi], [lo * f, hi * f], "k" + style, linewidth=0.8)
+    from matplotlib.ticker import NullFormatter, ScalarFormatter  # noqa: PLC0415
+
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_formatter(ScalarFormatter())
+        axis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("measured tokens/s")
+    ax.set_ylabel("simulated tokens/s")
+    ax.set_title("simulated against measured (dotted: +-15%)", fontsize=10)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(plot, dpi=120)
 
 
 if __name__ == "__main__":

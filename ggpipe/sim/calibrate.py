@@ -25,8 +25,11 @@ Per rank (on its own host and thread count):
 
 Per link between neighbours (ranks i, i+1 and the last back to 0): a
 ping-pong of the sizes a job sends (a header, one and 32 hidden states, a
-full logit row) through ggpipe's Transport: latency is the smallest
-message's one-way time, bandwidth the slope up to the largest.
+full logit row) through ggpipe's Transport: bandwidth is the slope from the
+smallest message to the largest; latency the smallest message's one-way time
+to a rank that has waited as long as a job's rank waits for its next run
+(``IDLE_GAP_S``: its waits have backed off to their longest sleep, so a
+message is noticed later than in a tight ping-pong).
 
 Ranks that share a host measure one at a time (a token passed in rank
 order), so they do not slow each other down; ``concurrent=True`` measures
@@ -125,13 +128,22 @@ def fit_link(sizes: list[int], one_way: list[float]) -> tuple[float, float]:
     return max(0.0, float(one_way[0])), float(bw)
 
 
-def ping(transport, peer: int, initiator: bool, nbytes: int, iters: int) -> float | None:
+#: Seconds the initiator of an idle ping waits before each ping: about a stage's
+#: compute time, long enough for the echoing rank's waits to back off fully.
+IDLE_GAP_S = 0.003
+
+
+def ping(transport, peer: int, initiator: bool, nbytes: int, iters: int, gap_s: float = 0.0) -> float | None:
     """Median one-way seconds of ``iters`` ping-pongs of ``nbytes`` with
-    ``peer``; None on the echoing side."""
+    ``peer`` (the round trip halved); None on the echoing side. ``gap_s``:
+    the initiator waits that long before each ping (the round trip then
+    holds the echoing rank's late notice of the ping once)."""
     msg = np.zeros(nbytes, dtype=np.int8)
     out = []
     for i in range(iters + 3):
         if initiator:
+            if gap_s:
+                time.sleep(gap_s)
             t0 = time.perf_counter()
             transport.send(peer, TAG_PING, msg)
             transport.recv(peer, TAG_PING, np.int8, "the calibration pong")
@@ -216,10 +228,13 @@ def calibrate_job(transport, model: str, draft: str | None, threads: int, concur
             if rank in (a, b):
                 if rank == a:
                     said(f"link to rank {b}")
-                times = [ping(jobwait, b if rank == a else a, rank == a, n, iters) for n in sizes]
+                peer = b if rank == a else a
+                times = [ping(jobwait, peer, rank == a, n, iters) for n in sizes]
+                idle = ping(transport, peer, rank == a, sizes[0], iters, gap_s=IDLE_GAP_S)
                 if rank == a:
                     lat, bw = fit_link(sizes, times)
-                    links.append(LinkProfile(a, b, lat, bw))
+                    # the round trip to an idle rank: its late notice once, then a tight reply
+                    links.append(LinkProfile(a, b, max(lat, 2 * idle - lat), bw))
             # everyone waits for the pair to finish: a token through rank 0
             if rank == 0:
                 for r in range(1, size):
