@@ -4,8 +4,8 @@ GGUFs (periods instead of per-layer arrays, Granite's embedding scale, ...),
 then every split at 1-4 ranks must give the whole model's greedy tokens in
 llama-cpp-python, token for token, in iterative mode and in pipeinfer with
 the model drafting for itself; recurrent and hybrid models refuse the
-speculative modes in one line; Gemma 2 refuses to be cut. The README's
-architecture table is checked against the same facts
+speculative modes in one line; Gemma 2 refuses to be cut. The architecture
+table of docs/user-guide/models.md is checked against the same facts
 (``test_readme_table``)."""
 
 from __future__ import annotations
@@ -218,9 +218,9 @@ def test_mla_needs_one_cache_type(tiny_models):
 
 
 def test_readme_table(tiny_models):
-    """README "Architectures": one row per family, in FAMILIES order, its
+    """The architecture table (docs/user-guide/models.md, "Architectures"): one row per family, in FAMILIES order, its
     speculative column from llama.cpp's recurrent/hybrid flag."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    text = (ROOT / "docs" / "user-guide" / "models.md").read_text(encoding="utf-8")
     rows = re.findall(r"^\| `([\w.-]+)` \| ([^|]+) \| ([^|]+) \|", text, flags=re.M)
     table = {arch: (split.strip(), spec.strip()) for arch, split, spec in rows}
     for arch, fam in FAMILIES.items():
