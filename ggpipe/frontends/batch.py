@@ -258,22 +258,14 @@ class BatchRunner:
     def _stopping(self) -> bool:
         return self.signal is not None
 
-    def _run_one_at_a_time(self, todo, finished) -> None:
-        for item, tokens in todo:
-            if self._stopping():
-                return
-            done = self.engine.generate(tokens, item.n_predict, item.sampling, stop=item.stop,
-                                        should_stop=self._stopping)
-            finished(item, done)
-
-    def _run_concurrent(self, todo, finished) -> None:
-        """``--parallel`` > 1: requests are queued as slots free up (at most
-        ``--parallel`` waiting), and records are written in the order the
-        requests finish. A signal drops the queued ones and stops the
-        running ones at their next token."""
+    def _run(self, todo, finished) -> None:
+        """Requests are queued as slots free up (at most ``--parallel``
+        waiting; one at a time with one slot), and records are written in
+        the order the requests finish. A signal drops the queued ones and
+        stops the running ones at their next token."""
         engine, pending, queued = self.engine, iter(todo), []
         while True:
-            while not self._stopping() and len(engine.scheduler.queue) < engine.parallel:
+            while not self._stopping() and engine.queued < engine.parallel:
                 item, tokens = next(pending, (None, None))
                 if item is None:
                     break
@@ -314,10 +306,7 @@ class BatchRunner:
             bar.update(1)
 
         try:
-            if self.engine.scheduler is not None:
-                self._run_concurrent(todo, finished)
-            else:
-                self._run_one_at_a_time(todo, finished)
+            self._run(todo, finished)
         finally:
             bar.close()
             out.close()

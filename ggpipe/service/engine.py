@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Callable
@@ -194,6 +195,7 @@ class Engine:
                                          is_eog=self.is_eog, timeout_s=cfg.timeout_s, idle=self.waiter)
         self.last: Completion | None = None
         self._kernels: dict | None = None
+        self._queue: deque = deque()   # one request at a time: (job, generate's settings) not started
 
     @property
     def kernels(self) -> dict:
@@ -294,24 +296,32 @@ class Engine:
                                decoder={**self.decoder.stats, **self._head_stats(waits0, cpu0)})
         return self.last
 
-    # -- many requests at once (--parallel > 1) ----------------------------------------
+    # -- requests through one loop: submit, step ------------------------------------------
 
     def submit(self, tokens: np.ndarray, n_predict: int, sampling: SamplingParams = SamplingParams(),
                on_text: Callable[[str], None] | None = None, stop: list[str] | tuple = (),
                should_stop: Callable[[], bool] | None = None,
                on_done: Callable[[Completion | None], None] = lambda c: None,
                on_error: Callable[[Exception], None] | None = None) -> Job:
-        """Queue a request for the scheduler (``--parallel`` > 1); it runs
-        as :meth:`step` is called. ``on_text``, ``stop`` and ``should_stop``
-        as :meth:`generate`; ``on_done`` gets the :class:`Completion` when
-        the request ends, or None for a job cancelled while queued
-        (``job.cancelled``); ``on_error`` gets the exception that ended the
-        request alone (its sampling failed: ``job.error``), instead of
-        :meth:`step` raising it (without ``on_error``).
+        """Queue a request; it runs as :meth:`step` is called: in the
+        continuous-batching scheduler (``--parallel`` > 1) beside others, or
+        alone through the mode's decoder, one request per :meth:`step`.
+        ``on_text``, ``stop`` and ``should_stop`` as :meth:`generate`;
+        ``on_done`` gets the :class:`Completion` when the request ends, or
+        None for a job cancelled while queued (``job.cancelled``);
+        ``on_error`` gets the exception that ended the request alone (its
+        sampling failed: ``job.error``), instead of :meth:`step` raising it
+        (without ``on_error``).
 
         Raises:
-            ConfigError: the prompt is empty or does not fit one slot."""
+            ConfigError: the prompt is empty or does not fit (one slot)."""
         toks = [int(t) for t in tokens]
+        if self.scheduler is None:
+            self.check_fits(len(toks), n_predict)
+            job = Job(toks, n_predict, Sampler(sampling))
+            job.on_done = lambda j: on_done(None if j.cancelled else self.last)
+            self._queue.append((job, dict(sampling=sampling, on_text=on_text, stop=stop, should_stop=should_stop)))
+            return job
         stream = TextStream(self.vocab, on_text, stop, should_stop)
 
         def done(job: Job) -> None:
@@ -337,14 +347,34 @@ class Engine:
         return job
 
     @property
+    def queued(self) -> int:
+        """Requests submitted and not started."""
+        if self.scheduler is None:
+            return sum(1 for job, _ in self._queue if not job.cancelled)
+        return len(self.scheduler.queue)
+
+    @property
     def busy(self) -> bool:
-        """Requests queued or running in the scheduler."""
-        return self.scheduler is not None and self.scheduler.busy
+        """Requests queued or running."""
+        if self.scheduler is None:
+            return bool(self._queue)
+        return self.scheduler.busy
 
     def step(self, wake: Callable[[], bool] = lambda: False) -> None:
-        """One turn of the scheduler (:meth:`Scheduler.step`); ``wake``:
-        stop waiting when it is true (new requests from another thread)."""
+        """One turn: of the scheduler (:meth:`Scheduler.step`; ``wake``:
+        stop waiting when it is true, new requests from another thread), or
+        the next queued request run to its end through the mode's decoder
+        (:meth:`generate`; a cancelled one is only reported)."""
         s = self.scheduler
+        if s is None:
+            if not self._queue:
+                return
+            job, kw = self._queue.popleft()
+            if not job.cancelled:
+                self.generate(np.asarray(job.tokens, dtype=np.int32), job.n_predict, **kw)
+                job.request = self.decoder.r
+            job.on_done(job)
+            return
         activity = self.session.activity
         if activity is not None:
             activity.set(f"answering {s.n_busy} requests ({len(s.queue)} queued, --parallel {self.parallel})")
