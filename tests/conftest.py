@@ -144,7 +144,7 @@ def _mpi_flavor() -> str:
 
 MPI_FLAVOR = _mpi_flavor()
 if MPI_FLAVOR == "openmpi":
-    # CI and these machines run as root, on 2 cores with up to 4 ranks: Open MPI
+    # CI runs as root, and the tests start up to 4 ranks on as few as 2 cores: Open MPI
     # refuses both unless told (the README's Open MPI launch line says the same)
     os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")

@@ -1,12 +1,11 @@
-"""Every architecture family ggpipe cuts, proven on a tiny random-weight model
-(issue 27): the model written in the form llama.cpp's converters give real
-GGUFs (periods instead of per-layer arrays, Granite's embedding scale, ...),
-then every split at 1-4 ranks must give the whole model's greedy tokens in
-llama-cpp-python, token for token, in iterative mode and in pipeinfer with
-the model drafting for itself; recurrent and hybrid models refuse the
-speculative modes in one line; Gemma 2 refuses to be cut. The architecture
-table of docs/user-guide/models.md is checked against the same facts
-(``test_readme_table``)."""
+"""Every architecture family ggpipe cuts, proven on a tiny random-weight model:
+the model written in the form llama.cpp's converters give real GGUFs (periods
+instead of per-layer arrays, Granite's embedding scale, ...), then every split
+at 1-4 ranks must give the whole model's greedy tokens in llama-cpp-python,
+token for token, in iterative mode and in pipeinfer with the model drafting for
+itself; recurrent and hybrid models refuse the speculative modes in one line;
+Gemma 2 refuses to be cut. The architecture table of docs/user-guide/models.md
+is checked against the same facts (``test_readme_table``)."""
 
 from __future__ import annotations
 

@@ -76,8 +76,8 @@ def test_no_evidence_of_a_torn_record_is_refused_untouched(tmp_path, content):
 
 
 def test_one_line_json_input_given_as_output_is_not_cut(tmp_path):
-    """Issue 29 item 2: a one-line file written by json.dump (no newline) was
-    taken for a torn record and cut to 0 bytes by the resume path."""
+    """A one-line file written by json.dump (no newline), given as the output,
+    is not taken for a torn record and cut to 0 bytes by the resume path."""
     from ggpipe.frontends.batch import done_ids
 
     out = tmp_path / "prompts.json"

@@ -78,8 +78,9 @@ def _generate(smollm2, *extra):
 @pytest.mark.mpi
 @pytest.mark.parametrize("ranks,bad_rank", [(2, 0), (2, 1), (3, 1), (3, 2)])
 def test_a_usage_error_on_one_rank_exits_2_as_on_every_rank(smollm2, ranks, bad_rank):
-    """Issue 29: the same usage error exits 2 on every rank but exited 3 on
-    one (hydra ORs the ranks' codes: the bad rank's 2, the others' 1)."""
+    """A usage error on one rank exits 2, as the same error on every rank
+    does (not 3: hydra ORs the ranks' codes, the bad rank's 2 and the
+    others' 1)."""
     import subprocess
 
     from conftest import ROOT, mpiexec, stderr_lines

@@ -1,4 +1,4 @@
-"""Described registry models (issue 27 item 6): models.toml entries with a
+"""Described registry models: models.toml entries with a
 shape (ARCH:QUANT) and a download URL instead of a source. ggpipe plan and
 simulate size and cost them from the shape while their GGUF is absent;
 anything that needs the weights refuses in one line saying where to get it;

@@ -42,8 +42,8 @@ def test_the_rule():
 
 def test_a_deep_chain_is_charged_a_step_per_drafted_token():
     """An attempt costs as deep as attempts have been: k draft steps and a
-    pass of k + 1 tokens (the one-token rule under-counted: the VM's 18 ms
-    draft steps for a 31 ms target kept 4-token chains that lost)."""
+    pass of k + 1 tokens (the one-token rule under-counted: with 18 ms draft
+    steps for a 31 ms target it kept 4-token chains that lost)."""
     g = DraftGate()
     for _ in range(4):
         g.observe(3, 4)

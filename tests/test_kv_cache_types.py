@@ -3,7 +3,7 @@ give every split and a speculative mode the tokens of single-node llama.cpp
 with the same type_k/type_v/flash_attn, and halve the KV cache of every rank
 (as llama.cpp's own log reports it); a quantized V cache without flash
 attention is refused in one line naming -fa on, as llama.cpp refuses it; the
-memory check counts the chosen types' bytes (issue 27 item 5)."""
+memory check counts the chosen types' bytes."""
 
 from __future__ import annotations
 

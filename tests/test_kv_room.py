@@ -1,4 +1,4 @@
-"""Trees near the end of the context (issue 29, item 4): with prompt + n =
+"""Trees near the end of the context: with prompt + n =
 the KV cache's cells, no mode may place more cells than the cache holds,
 however wide its trees (pipeinfer --branches, pipedec --tree-width) and
 however many runs are in flight; the output stays exact. The toy pipelines

@@ -1,6 +1,6 @@
 """Every command that starts ggpipe in a child process (``ggpipe bench``, the
 bench helpers, the scripts) starts the ggpipe the parent runs, from whatever
-directory it is started in (issue 29 item 7).
+directory it is started in.
 
 Started inside the clone after the README's non-editable install
 (``pip install ".[mpich]"``), ``python -m ggpipe`` put the working directory

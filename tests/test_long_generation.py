@@ -1,4 +1,4 @@
-"""A long request keeps its head-side state bounded (issue 29, item 8): the
+"""A long request keeps its head-side state bounded: the
 speculation graph is trimmed behind the committed prefix in every
 speculative mode, greedy and sampled, so memory stays flat however many
 tokens one request generates (scripts/soak_memory.py runs 20,000 tokens on

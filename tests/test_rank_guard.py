@@ -172,7 +172,7 @@ def test_switch_and_line():
 
 def test_a_killed_guard_is_named_by_its_rank():
     """kill -9 of the guard (the process the launcher started): the rank,
-    which dies with it, says so in one line (issue 29 item 9: was no line)."""
+    which dies with it, says so in one line (not silently)."""
     p, rank_pid = _start("")
     p.kill()
     _, err = p.communicate(timeout=10)

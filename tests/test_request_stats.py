@@ -1,4 +1,4 @@
-"""Per-request statistics (issue 29, item 8): the proposers' counters
+"""Per-request statistics: the proposers' counters
 (``draft_decodes``, ``ngram_lookups``, ``tree_layers``, ...) count one
 request's work, not every request's since the job started, so that
 ``serve``/``chat``/``batch`` report each request on its own."""

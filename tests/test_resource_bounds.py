@@ -48,7 +48,7 @@ def test_speculation_fills_the_context_to_its_last_cell(smollm2, goliath, extra)
     assert out["n_prompt"] + len(out["tokens"]) == 256
 
 
-# -- requests beyond the machine (issue 29 item 13) ---------------------------------------------------------------
+# -- requests beyond the machine (ggpipe.cluster.resources) -------------------------------------------------------
 
 def test_kv_bytes_and_caps_pure():
     from types import SimpleNamespace

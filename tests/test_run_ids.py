@@ -1,4 +1,4 @@
-"""Run ids across their wrap-around (issue 29, item 8): ids travel in int32
+"""Run ids across their wrap-around: ids travel in int32
 message fields and wrap after 2^31 runs; every rank compares them as serial
 numbers (ggpipe.runs.run_id_after), so cancellations and prune messages of
 runs issued after the wrap are still honoured by the workers and the

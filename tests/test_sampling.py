@@ -204,9 +204,9 @@ def test_chi_square_matches_target_probs():
 
 @pytest.mark.parametrize("t", [1e-320, 5e-324, 1e-300, 1e-12, 0.999e-6])
 def test_tiny_temperature_is_greedy(t):
-    """Issue 29: "temperature": 1e-320 divided the logits into inf/NaN and
-    sample_from raised ValueError, which ended the server's MPI job. Below
-    GREEDY_BELOW a temperature is greedy (first index among ties)."""
+    """Below GREEDY_BELOW a temperature is greedy (first index among ties):
+    "temperature": 1e-320 would divide the logits into inf/NaN, and
+    sample_from's ValueError would end the server's MPI job."""
     from ggpipe.sampling import GREEDY_BELOW
 
     x = np.array([30.0, -2.0, 30.0, 12.5, -np.inf], dtype=np.float32)

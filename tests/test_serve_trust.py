@@ -1,7 +1,7 @@
-"""``ggpipe serve`` under hostile requests (issue 29, "Trust under hostile
-requests"): the fast tests need no model and no ranks (the FastAPI app with a
-fake tokenizer, the request loop with a fake engine, pure logic); the ones
-marked ``full`` start real ranks or load real weights."""
+"""``ggpipe serve`` under hostile requests: the fast tests need no model and
+no ranks (the FastAPI app with a fake tokenizer, the request loop with a fake
+engine, pure logic); the ones marked ``full`` start real ranks or load real
+weights."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Mixture-of-experts models in the simulator (issue 27 item 4): shapes of
+"""Mixture-of-experts models in the simulator: shapes of
 the MoE models CPU clusters run, the weights a token reads (its experts
 only), and the default split balancing bytes when the first blocks are dense."""
 

@@ -431,7 +431,7 @@ def test_draft_distributions_are_freed_once_verified_or_dead():
 
 
 def test_graph_is_trimmed_behind_the_committed_prefix():
-    """Issue 29, item 8: a long request keeps a bounded graph. Nodes far
+    """A long request keeps a bounded graph. Nodes far
     behind the committed node that no run still holds are dropped
     (:meth:`SpecGraph.trim`, called by the core after each result); node
     ids stay unique and the recent nodes stay readable."""

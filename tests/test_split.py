@@ -35,7 +35,7 @@ def test_parse_several_draft_models():
 @pytest.mark.parametrize("text, needle", [
     ("0.3,abc", '"abc" is not a number'),
     ("0.3,,0.7", "the weight of target stage 1 is empty"),  # stages count from 0, as everywhere else
-    ("1,,1", "the weight of target stage 1 is empty"),      # issue 29: said "weight 2"
+    ("1,,1", "the weight of target stage 1 is empty"),      # stage 1, not "weight 2"
     ("0.3,0.7,", "the weight of target stage 2 is empty"),
     ("1,1/1,", "the weight of draft stage 1 is empty"),
     ("0.3,abc", 'target stage 1: "abc" is not a number'),
@@ -259,7 +259,7 @@ def test_waits_sleep_longer_where_the_ranks_oversubscribe_their_host():
 
 
 def test_plan_layers_names_a_bad_weight_by_its_stage():
-    """Stages count from 0 in every --split message (issue 29: 'weight 2')."""
+    """Stages count from 0 in every --split message (never 'weight 2')."""
     with pytest.raises(SplitError, match=r"draft stage 1's weight \(0.0\) must be a positive finite number"):
         plan_layers(30, 2, [1.0, 0.0], model="draft")
 

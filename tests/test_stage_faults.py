@@ -1,6 +1,6 @@
 """A stage that fails or computes non-finite values ends the job at once with
-one line naming the rank, its host and its layers (issue 29, items 3 and 12;
-docs/ERRORS.md "Ranks that fail").
+one line naming the rank, its host and its layers (docs/ERRORS.md, "Ranks
+that fail").
 
 * The head's own stage runs on an executor thread in the asynchronous modes
   and under ``--parallel``: an error there used to leave every wait to run

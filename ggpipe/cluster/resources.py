@@ -1,8 +1,8 @@
 """Resource requests checked before anything is allocated: the KV cache that
 ``-c`` asks of a rank against the memory it has, the context per sequence
 against what the model was trained on, ``-t`` against the rank's CPUs
-(issue 29 item 13: ``-c 100000000000`` grew the head to 12 GB until the
-kernel's OOM killer ended it; ``-t 1000`` started 1,003 threads per rank on
+(unchecked, ``-c 100000000000`` grew the head to 12 GB until the kernel's
+OOM killer ended it, and ``-t 1000`` started 1,003 threads per rank on
 2 cores).
 
 The KV cache of a stage is sized by ggpipe.models.kv_size (the one sizing
@@ -108,7 +108,7 @@ def cap_threads(n_threads: int, where: str, cpus: int | None = None) -> tuple[in
 # The longest sleep between a waiting rank's probes on a host whose ranks run more llama.cpp threads than it has
 # CPUs (seconds). There a probe's wake-up takes the core of a stage that computes; elsewhere a waiting rank's own
 # core is idle while it waits, and Transport.poll_max_s (100 us) keeps a hop's latency low.
-# docs/BENCHMARKS.md §21: 3 ranks x 1 thread on the 2-core VM, serve --parallel 8/16 +3-5%, batch +5%;
+# Measured with 3 ranks x 1 thread on a 2-core host: serve --parallel 8/16 +3-5%, batch +5%;
 # at 2 ranks x 1 thread (threads = CPUs) it cost serve 9% and is not applied.
 POLL_OVERSUBSCRIBED_S = 1e-3
 

@@ -44,7 +44,7 @@ from ggpipe.speculation.partitions import PartitionPool
 from ggpipe.speculation.tree import SpecTree
 
 ORPHAN = -2  # anchor of a tree cut from one that was never submitted
-ROOT_RESERVE = 1  # KV cells a speculative run leaves free: the next root's (issue 29, item 4)
+ROOT_RESERVE = 1  # KV cells a speculative run leaves free: the next root's (ggpipe.speculation.kv_room)
 
 
 class SpecCore:
@@ -216,7 +216,7 @@ class SpecCore:
                 self.seq_rm(seq)
             self.pool.release(info.partition)
 
-    # -- KV cells (issue 29, item 4) ------------------------------------------------
+    # -- KV cells (room for speculation: ggpipe.speculation.kv_room) ----------------
 
     def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
         """``seq_cp`` on the target, counted."""

@@ -81,7 +81,7 @@ ARCHITECTURES = {
     # PipeDec's pair (its section 4.1)
     "llama3.1-70b": Architecture(80, 8192, 28672, 64, 8, 128256),
     "llama3.2-1b": Architecture(16, 2048, 8192, 32, 8, 128256, tied=True),
-    # what CPU clusters run now (issue 27; shapes from the published config.json)
+    # what CPU clusters run now (shapes from the published config.json)
     "llama3.3-70b": Architecture(80, 8192, 28672, 64, 8, 128256),
     "qwen3-30b-a3b": Architecture(48, 2048, 6144, 32, 4, 151936, head_dim=128, n_expert=128, n_expert_used=8,
                                   n_ff_exp=768),

@@ -22,8 +22,7 @@ anything to hand them. Two kinds of results end such a wait:
 :func:`poll_wait` is the plain alternative (back-off polling, 20-200 us) for
 pipelines without those hooks, e.g. in-memory fakes.
 
-Source: issue "Speculation that pays", part 2 ("waits can be event-driven
-instead of polling every 200 us"). No MPI here; the pipelines probe.
+No MPI here; the pipelines probe.
 """
 
 from __future__ import annotations

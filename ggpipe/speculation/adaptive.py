@@ -223,11 +223,11 @@ def draft_threshold(cost: PassCost, default: float, lo: float = 0.05, hi: float 
 
 
 def wait_pays(chain_p: Sequence[float], wait_s: float, n_pass: int, cost: PassCost) -> bool:
-    """The per-pass decision of the pipelined loop (issue "Speculation that
-    pays", part 2): the head's target stage is idle and could take the
-    ``n_pass`` tokens drafted so far now, or idle ``wait_s`` seconds more for
-    the draft's next token and take ``n_pass + 1``. Waiting pays when it
-    gives more expected tokens per second of the target:
+    """The per-pass decision of the pipelined loop: the head's target stage
+    is idle and could take the ``n_pass`` tokens drafted so far now, or idle
+    ``wait_s`` seconds more for the draft's next token and take
+    ``n_pass + 1``. Waiting pays when it gives more expected tokens per
+    second of the target:
 
         (1 + E + P * p) / (wait_s + cost(n + 1))  >  (1 + E) / cost(n)
 

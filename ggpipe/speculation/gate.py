@@ -22,7 +22,7 @@ per drafted token (the first token's step decodes the anchor, each further
 one the token before it) and a verification pass of its tokens and the
 root. Until ``k`` is known (or where the caller has no cost for that pass)
 the rule is the one-token chain's, ``d + max(0, c(2) - c(1))``, which
-under-counts a deep chain: measured on this project's 2-core VM with the
+under-counts a deep chain: measured on a 2-core host with the
 SmolLM2-135M draft (18 ms a step) for the F32 goliath (31 ms a token), it
 kept drafting 4-token chains that took 170 ms for 4 tokens. An attempt is made anyway after
 ``explore_every`` roots in a row without one (the wait doubles after each

@@ -1,5 +1,5 @@
-"""Room in a KV cache for speculative cells (issue 29, item 4). Pure logic,
-no MPI.
+"""Room in a KV cache for speculative cells near the end of the context.
+Pure logic, no MPI.
 
 llama.cpp's unified KV cache holds ``n_ctx`` cells (``-c``, rounded up to a
 multiple of 256); a batch needs one free cell per token, or ``llama_decode``

@@ -118,7 +118,7 @@ class LayerDrafter:
         self.root: int | None = None
         self.sent_pos = -1                   # deepest position sent to the target
         self.max_pos = 1 << 30
-        self.n_cells: int | None = None      # the draft's KV cells (None: unbounded; issue 29, item 4)
+        self.n_cells: int | None = None      # the draft's KV cells (None: unbounded; ggpipe.speculation.kv_room)
         self._ids = itertools.count()
         self._free: deque[int] = deque(range(1, n_seq_max))
         self._runs: deque[list[int]] = deque()   # per in-flight draft run: the nodes its rows belong to
