@@ -33,7 +33,7 @@ Rows (``--rows`` picks a subset, by name):
   draft model and the n-gram lookup);
 * ``ggpipe pipedec``: ``--mode pipedec`` (PipeDec's prediction tree, its
   default chain), target on rank 0, draft on rank 1 (at 2 ranks it has one
-  target stage to fill: scripts/bench_pipedec.py compares 2-4 ranks);
+  target stage to fill: scripts/experiments/bench_pipedec.py compares 2-4 ranks);
 * ``ggpipe iterative fa-on``, ``ggpipe pipeinfer fa-on``: the same with
   ``-fa on`` (compared for exactness with ``ggpipe iterative fa-on``).
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Same tokens every run: many greedy runs of the speculative modes, compared
-token for token with the single-node reference (issue 13, part 1).
+token for token with the single-node reference.
 
     python scripts/exactness_stress.py -m smollm2-goliath-40l-f32 -md smollm2-135m \\
         --prompts goliath,encyclopedia --runs 50 --ranks 2,3,4 --load 1 -o results/exact

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Find near-ties: generated positions where the single-node reference's top
-two logits are closer than a margin (issue 13: where a speculative mode that
+two logits are closer than a margin (where a speculative mode that
 summed in another order, or used another matmul kernel, would pick another
 token). The exactness stress run (scripts/exactness_stress.py) uses prompts
 with such positions.

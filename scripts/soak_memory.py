@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Memory of a long generation on real ranks (issue 29, item 8): one
+"""Memory of a long generation on real ranks: one
 request of N tokens (default 20,000) per mode, greedy and sampled, with the
 head's and every rank's resident set size (RSS) sampled as it runs. After
 warm-up the RSS must stay flat: the head's speculation graph is trimmed

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Soak test of ``ggpipe serve`` (issue 29, "Soak and load"): the server at
+"""Soak test of ``ggpipe serve``: the server at
 2 ranks for a long time (default 30 minutes) under a bounded, mixed load,
 recording every minute each rank's resident memory, open file descriptors
 and threads, and every request's answer.

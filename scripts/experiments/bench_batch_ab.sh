@@ -5,10 +5,10 @@
 # trace's span (first stage's first run to the last stage's last run, scripts/trace_rows.py) and over the wall
 # time with start-up, at most (generated tokens over the busiest stage's run seconds: the rate if that stage had never
 # waited, BENCHMARKS §28), TTFT p50/p90 over the records (ttft_wall_s), a hash of every record's tokens.
-#   [BEFORE=DIR] [PARALLEL="8"] [MODEL=...] [EXTRA="--ignore-eos"] bash scripts/bench_batch_ab.sh IN.jsonl ROUNDS [RANKS] [THREADS]
+#   [BEFORE=DIR] [PARALLEL="8"] [MODEL=...] [EXTRA="--ignore-eos"] bash scripts/experiments/bench_batch_ab.sh IN.jsonl ROUNDS [RANKS] [THREADS]
 set -euo pipefail
 IN=$1; R=$2; N=${3:-2}; T=${4:-1}; M=${MODEL:-smollm2-goliath-40l-f32}; W=$(mktemp -d)
-HERE=$(cd "$(dirname "$0")" && pwd)
+HERE=$(cd "$(dirname "$0")/.." && pwd)   # scripts/: trace_rows.py
 for r in $(seq "$R"); do for p in ${PARALLEL:-8}; do for v in before after; do
   [ $v = before ] && [ -z "${BEFORE:-}" ] && continue
   pp=""; [ $v = before ] && pp=$BEFORE

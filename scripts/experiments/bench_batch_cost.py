@@ -2,7 +2,7 @@
 """Target pass cost against batch size (what a speculative verification pass
 costs), for one or two llama-cpp-python builds side by side.
 
-    python scripts/bench_batch_cost.py -m smollm2-goliath-40l-f32 --sizes 1,2,4,8 \\
+    python scripts/experiments/bench_batch_cost.py -m smollm2-goliath-40l-f32 --sizes 1,2,4,8 \\
         --compare /path/to/other-venv/bin/python --rounds 3
 
 Each measurement: the whole model in one llama.cpp context (1 thread, flash
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 

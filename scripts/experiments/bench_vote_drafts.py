@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Minions' vote over two draft models, each on a rank of its own, against
-each proposer alone (issue "Minions and PipeDec": acceptance and tokens per
-target pass of the vote against each proposer alone, on all bench prompts).
+each proposer alone (acceptance and tokens per target pass of the vote
+against each proposer alone, on all bench prompts).
 
 Rows, all interleaved and rotated each round, 1 thread per rank, greedy,
 ``--mode MODE`` (default pipeinfer):
@@ -16,7 +16,7 @@ Every row must give the same tokens. On a 2-core machine the 3-rank rows
 share the cores three ways: compare their acceptance and tokens per target
 pass with the others, not their tokens/s.
 
-    python scripts/bench_vote_drafts.py --rounds 2 -n 128 --md results.md
+    python scripts/experiments/bench_vote_drafts.py --rounds 2 -n 128 --md results.md
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from ggpipe.bench.prompts import load_prompts, render_prompts
 from ggpipe.bench.runner import ggpipe_run, median_of as med, publish
 from ggpipe.models.registry import fetch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXTRA = ROOT / "scripts" / "prompts" / "speculation.jsonl"
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Balanced vs even split, for real, with one rank slowed by a CPU quota.
 
-    sudo python scripts/balance_real.py [-m smollm2-goliath-40l-f32] [--quota 0.5] [-n 64] [--rounds 2] [--md OUT.md]
+    sudo python scripts/experiments/balance_real.py [-m smollm2-goliath-40l-f32] [--quota 0.5] [-n 64] [--rounds 2] [--md OUT.md]
 
 Rank 1 runs in a cgroup (v1 ``cpu`` controller) limited to ``--quota`` of
 one CPU, so the ranks' hosts differ as an old and a new node do. Then, in

@@ -1,4 +1,5 @@
-"""The throughput goals' ceiling on this host (issue 26, docs/BENCHMARKS.md §27).
+"""The ceiling of many-request throughput on one host: two pipeline stages'
+own compute, without ggpipe around them (docs/benchmarks/many-requests.md).
 
 How many generated tokens per second can a pipeline of two stages of one
 thread each make with 8 requests, at best, on the cores it shares, set beside
@@ -9,7 +10,7 @@ scheduler), interleaved round by round:
 
 * ``pair``: the two stages' slices (``--split``, ggpipe's default split of the
   model for 2 ranks) each decode 4 sequences a step, in two processes whose
-  timed steps run at the same time (``scripts/stage_decode_time.py
+  timed steps run at the same time (``scripts/experiments/stage_decode_time.py
   --start-at``): the two groups of 4 rows of a pipeline with two micro-batches
   in flight. Ceiling: 8 rows per ``t0 + t1`` (stages of equal cost, no hops,
   no head; the real cycle is ``2 * max(t0, t1)`` or more).
@@ -17,7 +18,7 @@ scheduler), interleaved round by round:
   one request through the pipeline at best takes ``t0 + t1`` a token.
 * ``llama-batched-bench -npp 64 -ntg 128 -npl 1,8 -t 2``: S_TG at 8 and 1.
 
-    python -P scripts/goal_ceiling.py -m smollm2-goliath-40l-f32 --rounds 2
+    python -P scripts/experiments/goal_ceiling.py -m smollm2-goliath-40l-f32 --rounds 2
 
 Needs ``python scripts/peer_llamacpp.py build --llamafile off`` (llama.cpp's
 tools built with the kernels of ggpipe's llama-cpp-python build).
@@ -34,8 +35,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import bench_parallel  # noqa: E402
+sys.path.insert(0, str(HERE.parent))
+import bench_parallel  # noqa: E402 (scripts/bench_parallel.py)
 
 from ggpipe.models.registry import resolve  # noqa: E402
 

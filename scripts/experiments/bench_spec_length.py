@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Adaptive speculation length against every fixed length, per prompt
-(Minions section 3.3's claim, issue "Minions and PipeDec"): does
+(Minions section 3.3's claim): does
 ``--p-accept auto`` (ggpipe/speculation/adaptive.py: drafting goes on while
 the calibrated probability that the whole path is accepted pays for the
 measured marginal cost of a token in a target pass) land within 5% of the
@@ -10,9 +10,9 @@ Rows: ``fixed L`` = ``--draft L --p-accept 0`` (always L draft tokens per
 verification), ``auto`` = ``--draft MAX --p-accept auto``, and ``default`` =
 the CLI's defaults. All rows interleaved, rotated each round.
 
-    python scripts/bench_spec_length.py --mode speculative --rounds 2 -n 128
-    python scripts/bench_spec_length.py --lengths 1,2,4,8 --prompts default --json out.json
-    python scripts/bench_spec_length.py --mode speculative --rounds 6 -n 128 --before /tmp/ggpipe-before
+    python scripts/experiments/bench_spec_length.py --mode speculative --rounds 2 -n 128
+    python scripts/experiments/bench_spec_length.py --lengths 1,2,4,8 --prompts default --json out.json
+    python scripts/experiments/bench_spec_length.py --mode speculative --rounds 6 -n 128 --before /tmp/ggpipe-before
 
 ``--before DIR`` adds an ``auto (before)`` row: the auto row of another
 ggpipe checkout (its ``PYTHONPATH``), e.g. ``git worktree add --detach
@@ -34,7 +34,7 @@ from ggpipe.bench.prompts import load_prompts, render_prompts
 from ggpipe.bench.runner import ggpipe_run
 from ggpipe.models.registry import fetch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def main() -> int:

@@ -1,8 +1,7 @@
 #!/usr/bin/env python3
-"""Minions' vote against each of its members alone (issue "Minions and
-PipeDec": acceptance and tokens per target pass of the vote against each
-proposer alone, on all bench prompts), and Staged SD's draft-of-draft
-against the plain draft (issue "Speculation that pays", part 3).
+"""Minions' vote against each of its members alone (acceptance and tokens
+per target pass of the vote against each proposer alone, on all bench
+prompts), and Staged SD's draft-of-draft against the plain draft.
 
 Rows, all interleaved and rotated each round, 2 ranks x 1 thread (target on
 rank 0, draft on rank 1): ``draft`` (--spec-type draft), ``ngram``
@@ -14,8 +13,8 @@ same tokens (greedy). ``--rows`` runs a subset; ``--before DIR`` adds a
 (``git worktree add /tmp/ggpipe-before REV`` with the built
 ``ggpipe/_native*.so`` copied in), in the same interleaved rounds.
 
-    python scripts/bench_vote.py --modes speculative,pipeinfer --rounds 2 -n 128 --md docs/vote.md
-    python scripts/bench_vote.py --rows draft,staged --before /tmp/ggpipe-before --rounds 3
+    python scripts/experiments/bench_vote.py --modes speculative,pipeinfer --rounds 2 -n 128 --md docs/vote.md
+    python scripts/experiments/bench_vote.py --rows draft,staged --before /tmp/ggpipe-before --rounds 3
 
 Prints, per mode and prompt: tokens/s (median), tokens per target pass,
 acceptance; and for the vote, each member's counterfactual acceptance (what
@@ -33,7 +32,7 @@ from ggpipe.bench.prompts import load_prompts, render_prompts
 from ggpipe.bench.runner import ggpipe_run, median_of as med, publish
 from ggpipe.models.registry import fetch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXTRA = ROOT / "scripts" / "prompts" / "speculation.jsonl"
 ROWS = {"draft": ["--spec-type", "draft"], "ngram": ["--spec-type", "ngram"], "staged": ["--spec-type", "staged"],
         "vote": ["--spec-type", "vote", "--spec-vote", "draft,ngram"], "staged (before)": ["--spec-type", "staged"],

@@ -4,7 +4,7 @@
 # ("after") and with an earlier one ("before", BEFORE=a worktree holding ggpipe/ and its _native*.so), pipeinfer at
 # --parallel 1 ("p1"), and --mode iterative at --parallel 8 ("iterative"). Prints one line per run: variant, id,
 # the request's tokens/s (its metrics), acceptance, drafted tokens, a hash of its tokens.
-#   [BEFORE=DIR] [VARIANTS="before after p1 iterative"] [MODEL=...] bash scripts/bench_lone_request.sh PROMPTS.jsonl ROUNDS [RANKS] [THREADS]
+#   [BEFORE=DIR] [VARIANTS="before after p1 iterative"] [MODEL=...] bash scripts/experiments/bench_lone_request.sh PROMPTS.jsonl ROUNDS [RANKS] [THREADS]
 set -euo pipefail
 P=$1; R=$2; N=${3:-2}; T=${4:-1}; M=${MODEL:-smollm2-goliath-40l-f32}; W=$(mktemp -d)
 python - "$P" "$W" <<'PY'

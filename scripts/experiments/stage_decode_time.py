@@ -4,7 +4,7 @@ under ``--parallel``: the per-step cost to set beside
 ``llama-batched-bench``'s T_TG / ntg on the same cores, without the
 scheduler, the pipeline or MPI around it (docs/BENCHMARKS.md §25).
 
-    python scripts/stage_decode_time.py -m smollm2-goliath-40l-f32 -t 1 --seqs 8
+    python scripts/experiments/stage_decode_time.py -m smollm2-goliath-40l-f32 -t 1 --seqs 8
 
 ``--layers A:B`` times one stage's slice instead (layers A..B-1, the slice
 file ``ggpipe.models.derive.stage_slice`` gives a rank; a stage after the

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""PipeDec against the other modes at 2, 3 and 4 ranks (issue "Minions and
-PipeDec", Benchmarks): tokens/s, tokens per target pass, acceptance, TTFT and
-per-rank busy share, all rows interleaved and rotated each round.
+"""PipeDec against the other modes at 2, 3 and 4 ranks: tokens/s, tokens per
+target pass, acceptance, TTFT and per-rank busy share, all rows interleaved
+and rotated each round.
 
 Rows per rank count R (1 thread per rank):
 
@@ -15,7 +15,7 @@ Every row must give the same tokens for a prompt (greedy; exactness). On a
 2-core machine, 3 and 4 busy ranks share 2 cores: those rows measure the
 schedule under contention, not a cluster.
 
-    python scripts/bench_pipedec.py --ranks 2,3,4 --rounds 2 -n 128 --md docs/pipedec.md
+    python scripts/experiments/bench_pipedec.py --ranks 2,3,4 --rounds 2 -n 128 --md docs/pipedec.md
 
 ``--before DIR`` adds a ``<row> (before)`` twin of every tree row (``pipedec
 tree``, ``pipedec wide``) run from another ggpipe checkout (``git worktree add

@@ -1,6 +1,6 @@
 """How well does the draft's confidence predict acceptance?
 
-    python scripts/draft_calibration.py [-m TARGET] [-md DRAFT] [-n 128]
+    python scripts/experiments/draft_calibration.py [-m TARGET] [-md DRAFT] [-n 128]
 
 For each prompt of the bench set and scripts/prompts/speculation.jsonl: the
 target's greedy continuation (the single-node reference), then the draft
@@ -33,7 +33,8 @@ def main() -> None:
     from ggpipe.models.registry import resolve
 
     target, draft_path = str(resolve(a.model)), str(resolve(a.draft_model))
-    prompts = load_prompts("default") + load_prompts(str(Path(__file__).parent / "prompts" / "speculation.jsonl"))
+    extra = Path(__file__).resolve().parents[1] / "prompts" / "speculation.jsonl"   # scripts/prompts/
+    prompts = load_prompts("default") + load_prompts(str(extra))
     texts = render_prompts(target, prompts)
     draft = Llama(draft_path, n_ctx=4096, logits_all=True, verbose=False, n_threads=2)
     rows = []

@@ -1,8 +1,8 @@
 """Benchmark of the speculation modes (PipeInfer's evaluation, V.A), for
 docs/BENCHMARKS.md.
 
-    python scripts/bench_speculation.py [--n 128] [--ranks 2,3] [--json results/speculation.json]
-    python scripts/bench_speculation.py --sweep          # the sweep that chose the defaults
+    python scripts/experiments/bench_speculation.py [--n 128] [--ranks 2,3] [--json results/speculation.json]
+    python scripts/experiments/bench_speculation.py --sweep          # the sweep that chose the defaults
 
 Target ``smollm2-goliath-40l-f32`` (681 MB, memory-bandwidth bound), draft
 ``smollm2-135m``, greedy, exactly --n tokens (--ignore-eos) for each of the

@@ -3,7 +3,7 @@ grows between the moment the output holds ``--warm`` records and the end
 (docs/BENCHMARKS.md §21: the progress thread per run that leaked MPICH's
 per-thread state).
 
-    python scripts/rank_rss_growth.py --rank 1 -o out.jsonl -- \\
+    python scripts/experiments/rank_rss_growth.py --rank 1 -o out.jsonl -- \\
         mpiexec -n 2 ggpipe batch many.jsonl -o out.jsonl -m smollm2-135m -n 8 --ignore-eos --parallel 4
 
 The job's rank is found by its launcher's rank variable (``PMI_RANK``,
