@@ -27,6 +27,6 @@ if [ "${1:-}" = "--ci" ]; then
     -rs -k "smollm2_pipeline_matches or (greedy_speculation and pipeinfer-R2) or (piped_conversation and pipeinfer) or chat_greedy_equals or killed_rank or netns_cluster"
 else
   python -m pytest -q --full -m mpi tests/test_exactness.py tests/test_speculation_modes.py tests/test_flash_attention.py \
-    tests/test_chat.py tests/test_serve.py tests/test_batch.py tests/test_hardening.py tests/test_launchers.py \
+    tests/test_chat.py tests/test_serve.py tests/test_batch.py tests/test_startup_and_input_errors.py tests/test_launchers.py \
     tests/test_netns_cluster.py -rs
 fi

@@ -2,8 +2,8 @@
 the scripts' ``-disable-auto-cleanup``, Open MPI's prte): a rank killed at
 start-up, mid-generation or while idle is named in one line by its guard
 within 10 s, the whole job ends non-zero, and nothing is left running.
-(tests/test_reliability.py checks what the surviving ranks add under hydra
-with -disable-auto-cleanup.)"""
+(tests/test_dead_and_stuck_ranks.py checks what the surviving ranks add
+under hydra with -disable-auto-cleanup.)"""
 
 from __future__ import annotations
 

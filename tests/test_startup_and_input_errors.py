@@ -1,6 +1,6 @@
-"""Adversarial inputs from the hardening issue that are not rows of the
-bad-input table: start-up errors on one rank under a real launcher, invalid
-UTF-8, non-finite option values, a launcher beside the interpreter."""
+"""Start-up errors and odd inputs that are not rows of the bad-input table:
+start-up errors on one rank under a real launcher, invalid UTF-8, non-finite
+option values, a launcher beside the interpreter."""
 
 from __future__ import annotations
 
@@ -101,8 +101,8 @@ def test_chat_skips_a_line_that_is_not_utf8(smollm2):
 @pytest.mark.parametrize("bad", [["generate", "-n", "0", "-p", "hi"], ["nosuch"], ["generate", "--temp", "nan",
                                                                                       "-p", "hi"]])
 def test_an_error_on_one_rank_before_start_up_ends_the_job(smollm2, bad, bad_rank):
-    """The issue's `mpiexec -n 1 ggpipe generate ... : -n 1 ggpipe generate -n 0 ...`:
-    the other rank used to spin in MPI_Init for ever."""
+    """`mpiexec -n 1 ggpipe generate ... : -n 1 ggpipe generate -n 0 ...` ends
+    at once with one line; the other rank does not spin in MPI_Init for ever."""
     good = ["generate", "-m", str(smollm2), "-n", "8", "-p", "hi"]
     parts = [good, bad] if bad_rank == 1 else [bad, good]
     cmd = [mpiexec(), "-n", "1", *PY, *parts[0], ":", "-n", "1", *PY, *parts[1]]
