@@ -496,7 +496,7 @@ class Runner:
         # from its launcher that outlives the job until the link returns counts as left running)
         nothing_left = not rec["left_running"] and not rec.get("left_running_while_fault_held")
         if name in ("link2", "link4", "stop5"):
-            # survives with identical output; for link2 a named error is also acceptable (the "either")
+            # survives with identical output; for link2 a named error is also acceptable (either outcome passes)
             ok = rec["exit"] == 0 and rec["output_identical"] and not errs
             if name in ("link2", "link4") and not ok:
                 ok = rec["exit"] not in (0, None) and bool(errs) and nothing_left

@@ -217,8 +217,9 @@ def test_bad_input_is_one_line_before_generating(tmp_path, smollm2):
 @pytest.mark.mpi
 @pytest.mark.full
 def test_never_destroys_or_skips_data_it_did_not_write(tmp_path, smollm2):
-    """The issue's cases, for real: each is one line, exit 1, and every file
-    is exactly as it was (the refusal comes before any generation)."""
+    """Outputs it must not write (another program's file, the input, a
+    device), for real: each refusal is one line, exit 1, and every file is
+    exactly as it was (the refusal comes before any generation)."""
     inp = tmp_path / "good.jsonl"
     write_jsonl(inp, [{"id": "a", "prompt": "hi"}, {"id": "b", "prompt": "MPI is"}])
     notes = tmp_path / "notes.txt"

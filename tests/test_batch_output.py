@@ -39,7 +39,7 @@ def test_own_records_are_read_and_a_torn_one_is_found(tmp_path):
 
 
 @pytest.mark.parametrize("content", [
-    "precious data",                                   # no newline, not ggpipe's: the notes.txt
+    "precious data",                                   # no newline, not ggpipe's: someone's notes.txt
     "precious data\n",
     lines(rec("a")) + "not json\n",                    # a last line that ends in a newline is never torn
     lines(rec("a")) + '{"id": "b", "prompt": "hi"}\n',  # an input line (unrelated JSON with an id)

@@ -40,7 +40,7 @@ def test_pipeinfer_2000_tokens_rss_does_not_grow(smollm2, temp):
 def test_speculation_fills_the_context_to_its_last_cell(smollm2, goliath, extra):
     """Prompt + -n = -c exactly: the speculative modes draft no further than
     the tokens left (SpecRequest.draft_room), so their KV cells never exceed
-    the context (the hardening issue expected "KV cache is full" here)."""
+    the context (no "KV cache is full" here)."""
     args = ["-md", str(smollm2), "--mode", "pipeinfer", "--ignore-eos", "-c", "256", *extra]
     prompt = "Write a Python function that returns the n-th Fibonacci number."  # 14 tokens
 

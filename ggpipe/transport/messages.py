@@ -35,7 +35,7 @@ T_STATS = 5      # any rank -> head: pickled per-rank statistics (after shutdown
 T_HELLO = 6      # worker -> head at start: config hash, host (pickled dict)
 T_READY = 7      # worker -> head after loading: ok / error text (pickled dict)
 T_GO = 8         # head -> worker: start serving, or abort (pickled dict)
-T_CANCEL = 9     # head -> stages (backwards): cancel a run (speculation issue)
+T_CANCEL = 9     # head -> stages (backwards): cancel a run (e.g. a rejected speculation)
 T_PRUNE = 10     # head -> stages (backwards): mask dead rows of runs in flight (PipeDec 3.3.4)
 
 TYPE_NAMES = {
