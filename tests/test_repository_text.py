@@ -19,7 +19,6 @@ from tests.conftest import ROOT
 #: Paths not checked yet: a file's path, or a folder's with a trailing "/".
 #: Shrink it as those files are rewritten; the goal is an empty tuple.
 EXCLUDED: tuple[str, ...] = (
-    "README.md", "docs/", "CHANGELOG.md",
     # one line each still to rewrite, in folders being restructured:
     "ggpipe/bench/__init__.py", "ggpipe/decoding/lone_drafts.py", "ggpipe/service/engine.py",
 )
@@ -126,8 +125,9 @@ def test_patterns_leave_the_product_alone(line):
 
 
 def test_excluded_set_is_the_shrinkable_one():
-    assert _excluded("README.md") and _excluded("docs/index.md") and _excluded(SELF)
+    assert _excluded(SELF)
     assert not _excluded("ggpipe/__init__.py") and not _excluded("docs.md")
+    assert not _excluded("README.md") and not _excluded("docs/index.md") and not _excluded("CHANGELOG.md")
 
 
 def test_no_tracked_file_speaks_of_issues_sessions_or_the_build_machine():
