@@ -1,2 +1,2 @@
-"""Benchmarks and baselines (``scripts/`` drives them; the bench issue adds
-``ggpipe bench``)."""
+"""Benchmarks and baselines: ``ggpipe bench`` (sweeps, reports, timelines)
+and the single-node references the exactness tests and ``scripts/`` use."""

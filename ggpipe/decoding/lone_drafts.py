@@ -82,9 +82,9 @@ class LoneDrafts:
         token (:meth:`settle`). Only while chains pay: where the gate let the
         request's last planned root draft. A look-ahead row is speculation
         too, and where stages share a host's cores, two that compute at
-        once slow each other (docs/BENCHMARKS.md §25: guesses sent at every
-        root lost up to 0.90x on this project's 2-core VM on prompts whose
-        guesses were seldom kept)."""
+        once slow each other (docs/benchmarks/many-requests.md, look-ahead
+        rows: guesses sent at every root lost up to 0.90x on 2 cores shared
+        by the stages, on prompts whose guesses were seldom kept)."""
         r = slot.job.request
         if not self.lookahead or self._drafting is not slot.job:   # (set by below() for greedy requests only)
             return None

@@ -51,9 +51,9 @@ def lookahead_wanted(session: Session) -> bool:
     (:class:`~ggpipe.decoding.lone_drafts.LoneDrafts`): ``GGPIPE_LOOKAHEAD``
     = ``on``, ``off`` or ``auto`` (the default: on where the target's stages
     each have a host of their own). Where stages share a host, two that
-    compute at once slow each other, and on this project's 2-core VM
+    compute at once slow each other: on 2 cores shared by the stages,
     look-ahead made 0.96x the scheduler without it on held-out prompts it
-    was not chosen on (docs/BENCHMARKS.md §25).
+    was not chosen on (docs/benchmarks/many-requests.md, look-ahead rows).
 
     Raises:
         ConfigError: another value."""
