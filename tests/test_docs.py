@@ -66,6 +66,18 @@ def test_relative_links_resolve(path):
     assert not broken, "links to files that do not exist:\n" + "\n".join(broken)
 
 
+_REPO_PATH = re.compile(r"\b((?:scripts|tests)/[\w./-]+\.(?:py|sh|sbatch|jsonl|json))\b")
+
+
+@pytest.mark.parametrize("path", _markdown_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_cited_scripts_and_tests_exist(path):
+    """A script or test the text names (``scripts/bench_parallel.py``,
+    ``tests/test_parallel.py::test_...``) is where it says, so that a moved or
+    renamed file is followed here."""
+    missing = sorted({m for m in _REPO_PATH.findall(path.read_text(encoding="utf-8")) if not (ROOT / m).exists()})
+    assert not missing, f"{path.relative_to(ROOT)} names files that do not exist: {missing}"
+
+
 def test_readme_keeps_the_commands_ci_runs():
     """.ci/run runs what README "Development and tests" gives; keep them in step."""
     text = README.read_text(encoding="utf-8")
