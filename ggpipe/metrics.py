@@ -225,7 +225,7 @@ class MemorySampler:
     proportionally; only faulted-in pages count, as with PipeInfer's pmap
     figures. A PSS reading walks every mapped page: 10-20 ms for a rank
     holding the 681 MB F32 target, so reading it every 0.2 s took 3-8% of a
-    core from the rank's computation (docs/BENCHMARKS.md §11); a rank's PSS
+    core from the rank's computation (measured with scripts/thread_cpu.py); a rank's PSS
     grows with its KV cache and is read again at :meth:`report`, so the
     slower rate loses little. Where PSS is
     unavailable the PSS figures are None. Peak RSS is floored by

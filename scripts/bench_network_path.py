@@ -24,7 +24,7 @@ on the same paths in the same run.
     python scripts/bench_network_path.py --checkout /work/before --checkout . --emulate 100mbit,1ms \
         --modes iterative,speculative,pipeinfer --no-pingpong
 
-Needs root (the cluster); prints a markdown table (docs/BENCHMARKS.md §7).
+Needs root (the cluster); prints a markdown table (docs/benchmarks/one-stream.md, Over a network).
 """
 
 from __future__ import annotations

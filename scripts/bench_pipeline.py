@@ -1,4 +1,4 @@
-"""Benchmark of the pipeline foundation (iterative mode), for docs/BENCHMARKS.md.
+"""Benchmark of the pipeline foundation (iterative mode), for docs/benchmarks/memory.md.
 
     python scripts/bench_pipeline.py [--n 128] [--repeat 3] [--ranks 1,2,4] \
         [--models smollm2-135m,smollm2-goliath-40l-f32] [--json results/pipeline.json]

@@ -56,7 +56,7 @@ def profile_for(node: dict, link: str, overhead: tuple[float, float]) -> Profile
 
 
 # PipeDec's pair; its prediction accuracy is not given as one figure: 0.8 is this project's measured
-# per-layer hit rate of a 135M draft for its target (docs/BENCHMARKS.md §10)
+# per-layer hit rate of a 135M draft for its target (docs/benchmarks/scaling.md, PipeDec)
 PIPEDEC_PAIR = ("Llama-3.1-70B + Llama-3.2-1B", "llama3.1-70b:Q4_K_M", "llama3.2-1b:Q4_K_M", 0.8)
 # (row, mode, knobs): pipedec as a chain (its default) and as a tree of 4 nodes per layer
 PIPEDEC_ROWS = (("iterative", "iterative", {}), ("speculative", "speculative", {}), ("pipeinfer", "pipeinfer", {}),

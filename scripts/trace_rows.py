@@ -10,9 +10,9 @@ seconds from its first run's start to the last stage's last run's end.
 Busy: each stage's share of the middle 60% of that span spent in runs.
 Bound: the rows per second the job would make if its busiest stage never
 waited, every run as long as it took (rows over that stage's run seconds,
-the whole trace): no schedule of the same runs beats it (docs/BENCHMARKS.md §28).
+the whole trace): no schedule of the same runs beats it (docs/benchmarks/many-requests.md).
 
-``--detail`` adds where the time went (docs/BENCHMARKS.md §27): per rank the
+``--detail`` adds where the time went (docs/benchmarks/many-requests.md): per rank the
 runs by size (count, seconds, median milliseconds); the prefill phase (up to
 the end of the last run of more rows than ``--group`` on the first stage)
 and, after it, each stage's busy share, its waits between runs (median, p90,

@@ -349,7 +349,7 @@ def test_look_ahead_rule_of_synchronous_adaptive_depth():
     ("pipeinfer", "staged", ("draft", "ngram"), 0.3),
 ])
 def test_p_accept_default_is_auto_where_it_measured_better(mode, spec_type, vote, want):
-    """The CLI's --p-accept default (docs/BENCHMARKS.md section 4)."""
+    """The CLI's --p-accept default (docs/user-guide/speculative.md, Knobs)."""
     from ggpipe.cli.options import _spec_settings
 
     o = {"mode": mode, "spec_type": spec_type, "n_draft": 8, "p_split": 0.1, "spec_vote": vote}

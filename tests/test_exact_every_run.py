@@ -4,7 +4,7 @@ reference nearly ties (top two logits < 0.01 apart), in every one of several
 runs of one job, with a busy process beside the ranks so that timings (and
 with them which tokens travel in which verification batch) change from run to
 run. Found with ``scripts/near_ties.py``; the longer stress run is
-``scripts/exactness_stress.py`` (docs/BENCHMARKS.md §6).
+``scripts/exactness_stress.py`` (docs/user-guide/exactness.md).
 
 Runs where the F16 target's batch rows are bit-identical to lone-token
 rows (ggpipe.models.row_probe): in the exact build with ``--exact``

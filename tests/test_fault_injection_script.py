@@ -1,7 +1,7 @@
 """scripts/fault_injection.py without running it: its --help, the --scenarios
 parser and the markdown table. The fault run itself (an emulated cluster, a
-few minutes) is not part of the suite: docs/BENCHMARKS.md gives its command
-and docs/results/faults-*.json its last result.
+few minutes) is not part of the suite: docs/clusters/emulated-cluster.md gives its command
+and docs/benchmarks/data/faults.json its last result.
 
 Marked like tests/test_netns_cluster.py: the full tier, skipped without root
 or network namespaces (the script's own domain).

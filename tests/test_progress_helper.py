@@ -1,6 +1,6 @@
 """The transport's progress helper (ggpipe.transport.progress): one thread
 reused by every block (a thread per block leaked MPICH's per-thread state,
-docs/BENCHMARKS.md §21), no step after stop(), a step's error handed back."""
+see ggpipe/transport/progress.py), no step after stop(), a step's error handed back."""
 
 from __future__ import annotations
 

@@ -217,7 +217,7 @@ def test_concurrent_stages_counts_cpus_per_host():
 def test_micro_batches_in_flight_fill_a_full_host():
     """The scheduler's default (--micro-batches auto): one per stage that can
     compute at once, also on a host whose CPUs the stages' threads fill
-    (4 ranks x 4 threads on 16 CPUs: 4; BENCHMARKS §25 measured 4 beat 2 there,
+    (4 ranks x 4 threads on 16 CPUs: 4; docs/benchmarks/many-requests.md measured 4 beat 2 there,
     pinned or not); fewer where the CPUs hold fewer stages' threads."""
     from ggpipe.cluster.plan import concurrent_stages
 
@@ -328,7 +328,7 @@ def test_repair_ranges_moves_boundaries_off_refused_stages():
 
 def test_the_lm_head_counts_on_the_last_stage():
     """The default split counts the output head's bytes on the last stage
-    (docs/BENCHMARKS.md §18): the F32 goliath (40 blocks of 14.16 MB, a
+    (docs/clusters/planning.md, The default split): the F32 goliath (40 blocks of 14.16 MB, a
     113.2 MB tied head) splits 24/16 on 2 stages, SmolLM2-135M Q4_1 (2.2 MB
     blocks, a 30 MB Q8_0 head) 22/8; a head under half a block leaves the
     even split."""

@@ -97,7 +97,7 @@ class ModeName(click.ParamType):
 
 
 def speculation_options(f):
-    """Speculation knobs (PipeInfer IV.B; defaults tuned in docs/BENCHMARKS.md). The
+    """Speculation knobs (PipeInfer IV.B; defaults tuned in docs/benchmarks/one-stream.md). The
     drafting strategy's (``--spec-type``, ``--spec-vote``, ...) come from the
     registered proposers, through :class:`ggpipe.cli.strategies.JobCommand`."""
     from ggpipe.decoding.settings import SpecSettings  # noqa: PLC0415
@@ -113,7 +113,7 @@ def speculation_options(f):
         click.option("--p-accept", default="default", type=PROBABILITY_OR_AUTO,
                      help=f"Confidence cutoff: drafting stops when the draft's probability of its next token is "
                           f"below it; auto: from the measured pass cost curve and the drafts' calibrated "
-                          f"acceptance (docs/BENCHMARKS.md section 4). Default: {d.p_accept} in pipeinfer mode with "
+                          f"acceptance (docs/user-guide/speculative.md, Knobs). Default: {d.p_accept} in pipeinfer mode with "
                           f"a draft model (draft, staged, vote), auto in speculative mode with draft or staged "
                           f"and with ngram (each measured better there)."),
         click.option("--p-split", default=d.p_split, show_default=True, type=Finite(0, 1),
@@ -153,7 +153,7 @@ def _spec_settings(o: Mapping[str, Any]):
     options' values ``o`` (keyword names, as :func:`split_job_options` pops
     them; absent ones keep SpecSettings' defaults). ``--p-accept default``
     becomes auto where the strategy's class says so for the mode
-    (``p_accept_auto``: measured better there, docs/BENCHMARKS.md section 4),
+    (``p_accept_auto``: measured better there, docs/user-guide/speculative.md, Knobs),
     else the fixed cutoff.
 
     Raises:

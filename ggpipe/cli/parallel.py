@@ -9,7 +9,7 @@ run at once through the continuous-batching scheduler
   slot.
 * ``auto`` (the default): ``max(8, 4 x ranks)`` in ``--mode iterative``
   and with ``--spec-type ngram`` (enough requests for every micro-batch in
-  flight to hold several; docs/BENCHMARKS.md "Many requests at once"); 1
+  flight to hold several; docs/user-guide/parallel.md); 1
   with a draft model: one stream at a time is what
   its modes are for (pipeinfer overlaps drafting and verification only
   there).

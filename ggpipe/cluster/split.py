@@ -127,7 +127,7 @@ def plan_layers(
     token, the head counted on the last stage (:func:`balance_bytes`).
     Decoding is bound by reading the weights, so a stage's bytes stand for
     its time: with a pipeline full of micro-batches (``--parallel``,
-    pipeinfer) the busiest stage sets the pace (docs/BENCHMARKS.md §18:
+    pipeinfer) the busiest stage sets the pace (docs/clusters/planning.md, The default split:
     SmolLM2-goliath F32, whose head weighs 8 of its 40 blocks, splits 24/16
     on 2 stages).
 

@@ -30,7 +30,7 @@ class SpecSettings:
             is 0.3 for the draft model in pipeinfer mode (auto measured 3%
             slower there), auto for it in speculative mode (6% faster, with
             the look-ahead rule) and for n-gram drafts (7% faster);
-            docs/BENCHMARKS.md section 4.
+            docs/user-guide/speculative.md (Knobs).
         p_split: runner-up probability that adds a sibling leaf [--p-split].
         p_recovery: cutoff increase per continued micro-batch [--p-recovery].
         p_decay: cutoff decrease per failed idle attempt [--p-decay].

@@ -61,7 +61,7 @@ class Worker:
             ``--parallel`` scheduler): cancellations and prunes are still
             taken before each run, and the helper's wake-ups no longer
             take time from the computation on a host whose cores the
-            stages fill (docs/BENCHMARKS.md §27).
+            stages fill (docs/benchmarks/many-requests.md).
     """
 
     def __init__(self, stage: Stage, transport, prev: int, next: int | None, head: int, max_tokens: int,

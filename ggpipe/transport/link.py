@@ -28,7 +28,7 @@ What is not emulated:
 * packet loss, jitter, retransmission, TCP/IP or MPI protocol overhead,
   MTU/packetization, rendezvous round trips (a message is one transfer);
 * the real shared-memory transfer still happens on top (a few us for the
-  messages ggpipe sends; see docs/BENCHMARKS.md);
+  messages ggpipe sends; see docs/clusters/emulated-cluster.md);
 * a held message is released by the sender's own progress (its waits and its
   progress thread while computing), so a release can be late by the sender's
   polling interval (10-100 us; the transport shortens its sleeps to the next

@@ -19,12 +19,12 @@
 * While the rank computes, the progress thread probes at most every
   ``poll_compute_s`` (1 ms): it shares the stage's core, and probing every
   100 us took 10-25% of the computation's time on a busy 2-core host
-  (docs/BENCHMARKS.md §18); a cancellation then lands up to 1 ms late, a
+  (docs/design/how-it-works.md, Waiting); a cancellation then lands up to 1 ms late, a
   small part of the 10-100 ms a cancelled run would have cost.
 * Where a host's ranks run more threads than it has CPUs, the session
   raises ``poll_max_s`` to 1 ms too (``ggpipe.cluster.resources.host_is_oversubscribed``):
   a waiting rank's wake-ups there take the core of a stage that computes
-  (docs/BENCHMARKS.md §21). Elsewhere it stays 100 us: a waiting rank's
+  (docs/user-guide/parallel.md, Micro-batches). Elsewhere it stays 100 us: a waiting rank's
   own cores are idle, and a hop's latency counts.
 """
 

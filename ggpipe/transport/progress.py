@@ -6,9 +6,10 @@ A thread per computation leaked: MPICH keeps per-thread state for every
 thread that enters MPI and does not free it when the thread ends, about 300
 bytes each (``mpiexec -n 1`` with 20,000 short threads that each call
 ``Iprobe``: +5.1 MB RSS). A last stage under ``serve`` computes some 1,500
-runs a minute, which was the steady 0.37 MB a minute of docs/BENCHMARKS.md
-§16. A transport now keeps its helpers for its life (one per thread that
-computes at once), each asleep on a condition between blocks. No MPI here.
+runs a minute, which was the steady 0.37 MB a minute that a 30-minute
+``serve`` soak measured (docs/benchmarks/memory.md, Long runs, has the
+figures since). A transport now keeps its helpers for its life (one per
+thread that computes at once), each asleep on a condition between blocks. No MPI here.
 """
 
 from __future__ import annotations

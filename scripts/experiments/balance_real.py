@@ -17,7 +17,8 @@ one run:
 
 The ranks have the same memory, so llama.cpp's memory-proportional default
 split is the even split here. The simulation uses the draft behaviour
-fitted to this prompt in docs/BENCHMARKS.md §8 (``--acceptance 0.57
+fitted to this prompt when the simulator was validated
+(docs/benchmarks/simulator.md; ``--acceptance 0.57
 --confidence-exponent 0.5``). Needs root (cgroups); removes the
 cgroup it made.
 """

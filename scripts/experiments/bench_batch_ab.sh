@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# A whole `ggpipe batch` job, interleaved round by round across variants (docs/BENCHMARKS.md §26): this tree at
+# A whole `ggpipe batch` job, interleaved round by round across variants (docs/benchmarks/many-requests.md): this tree at
 # each --parallel of PARALLEL, and, with BEFORE=DIR (a worktree of an earlier commit holding ggpipe/ and its
 # _native*.so), that tree at the same values. Prints one line per run: variant, generated tokens, tokens/s over the
 # trace's span (first stage's first run to the last stage's last run, scripts/trace_rows.py) and over the wall
 # time with start-up, at most (generated tokens over the busiest stage's run seconds: the rate if that stage had never
-# waited, BENCHMARKS §28), TTFT p50/p90 over the records (ttft_wall_s), a hash of every record's tokens.
+# waited, docs/benchmarks/many-requests.md, What bounds it on two cores), TTFT p50/p90 over the records
+# (ttft_wall_s), a hash of every record's tokens.
 #   [BEFORE=DIR] [PARALLEL="8"] [MODEL=...] [EXTRA="--ignore-eos"] bash scripts/experiments/bench_batch_ab.sh IN.jsonl ROUNDS [RANKS] [THREADS]
 set -euo pipefail
 IN=$1; R=$2; N=${3:-2}; T=${4:-1}; M=${MODEL:-smollm2-goliath-40l-f32}; W=$(mktemp -d)

@@ -1,5 +1,5 @@
 """Benchmark of the speculation modes (PipeInfer's evaluation, V.A), for
-docs/BENCHMARKS.md.
+docs/benchmarks/one-stream.md.
 
     python scripts/experiments/bench_speculation.py [--n 128] [--ranks 2,3] [--json results/speculation.json]
     python scripts/experiments/bench_speculation.py --sweep          # the sweep that chose the defaults

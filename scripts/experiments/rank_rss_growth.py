@@ -1,6 +1,6 @@
 """One rank's resident memory over a long ``ggpipe batch`` job: how much it
 grows between the moment the output holds ``--warm`` records and the end
-(docs/BENCHMARKS.md §21: the progress thread per run that leaked MPICH's
+(ggpipe/transport/progress.py: the progress thread per run that leaked MPICH's
 per-thread state).
 
     python scripts/experiments/rank_rss_growth.py --rank 1 -o out.jsonl -- \\

@@ -2,7 +2,7 @@
 Stage (ggpipe.runtime.stage) of a whole model, one KV stream per sequence as
 under ``--parallel``: the per-step cost to set beside
 ``llama-batched-bench``'s T_TG / ntg on the same cores, without the
-scheduler, the pipeline or MPI around it (docs/BENCHMARKS.md §25).
+scheduler, the pipeline or MPI around it (docs/benchmarks/many-requests.md).
 
     python scripts/experiments/stage_decode_time.py -m smollm2-goliath-40l-f32 -t 1 --seqs 8
 
@@ -12,12 +12,12 @@ first gets hidden states of random values, a stage before the last returns
 hidden states), and ``--start-at T`` (a time.time() value) holds the timed
 steps until then, so that two such processes started together time their
 steps beside each other, as a pipeline's stages compute on one host
-(docs/BENCHMARKS.md §27: the goal configuration's ceiling).
+(docs/benchmarks/many-requests.md, What bounds it on two cores).
 
 Prints the median and the fastest step (milliseconds) after a prompt of
 ``--prompt`` tokens per sequence; steps after the first 8 count. Also the
 prompts' cost per row, with ``--prompt-seqs K`` sequences' prompts in one
-run (K * --prompt rows, at most the ubatch of 512: docs/BENCHMARKS.md §28).
+run (K * --prompt rows, at most the ubatch of 512).
 """
 
 from __future__ import annotations

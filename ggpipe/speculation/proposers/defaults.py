@@ -48,7 +48,7 @@ class ProposerBase:
             (:func:`ggpipe.speculation.proposers.options.option`).
         p_accept_auto_in: the modes in which ``--p-accept`` defaults to
             ``auto`` for this strategy (where it measured better,
-            docs/BENCHMARKS.md section 4); elsewhere the fixed cutoff
+            docs/user-guide/speculative.md, Knobs); elsewhere the fixed cutoff
             (``SpecSettings.p_accept``). :data:`EVERY_MODE`: everywhere.
         iid_children: every child a tree offers is an independent draw from
             the distribution it carries (stochastic verification stays exact).

@@ -60,7 +60,7 @@ class DraftModelProposer(ProposerBase):
     summary = "the draft model, -md"
     aliases = ("draft-simple",)           # llama.cpp's name
     needs_draft_model = True
-    p_accept_auto_in = ("speculative",)   # auto 6% faster there, 3% slower in pipeinfer (docs/BENCHMARKS.md 4)
+    p_accept_auto_in = ("speculative",)   # auto 6% faster there, 3% slower in pipeinfer (docs/user-guide/speculative.md)
     instant = False
 
     def __init__(self, cfg: ProposerConfig):

@@ -101,7 +101,7 @@ class NgramProposer(InstantProposer):
     name = "ngram"
     summary = "prompt lookup in the request's own tokens, no draft model"
     aliases = ("ngram-simple",)    # llama.cpp's name
-    p_accept_auto_in = EVERY_MODE  # auto measured 7% faster (docs/BENCHMARKS.md section 4)
+    p_accept_auto_in = EVERY_MODE  # auto measured 7% faster (docs/benchmarks/one-stream.md)
 
     @dataclass(frozen=True)
     class Options:

@@ -106,7 +106,7 @@ class StagedProposer(DraftModelProposer):
         guesses: int | None = option(
             None, flag="--spec-guesses", type=int, range=(0, 64), auto=True,
             help="--spec-type staged: most n-gram guesses a draft run checks after its tip; auto: those worth "
-                 "their measured cost (docs/BENCHMARKS.md section 9), N: up to N whatever they cost, 0: none.")
+                 "their measured cost (docs/benchmarks/one-stream.md, Drafting strategies), N: up to N whatever they cost, 0: none.")
 
     def __init__(self, cfg: ProposerConfig):
         super().__init__(cfg)

@@ -124,7 +124,7 @@ class VoteProposer(ProposerBase):
     @classmethod
     def p_accept_auto(cls, mode: str, options: StrategyOptions) -> bool:
         """Auto only without a draft-model member (the fixed cutoff measured
-        better with one, docs/BENCHMARKS.md section 4)."""
+        better with one, docs/user-guide/speculative.md, Knobs)."""
         return not cls.uses_draft_model(options)
 
     @classmethod
