@@ -99,7 +99,7 @@ def row_difference(model_path: Path, *setting: str) -> float:
 
 def assert_greedy(got: list[int], model_path: Path, prompt: str, n: int, *ref_args, msg: str = "") -> None:
     """A speculative or batched greedy run's tokens against single-node
-    llama.cpp (README "Exactness"). Where the build's batch rows are
+    llama.cpp (docs/user-guide/exactness.md). Where the build's batch rows are
     bit-identical to lone-token rows (:func:`rows_exact`: the exact build
     with ``--exact``): the reference's tokens exactly. Elsewhere lossless:
     the reference's tokens up to the first difference, and every token of

@@ -28,7 +28,7 @@ PROMPT = [3, 9, 4, 3, 9, 4, 3, 9, 11, 5, 3, 9]
 
 def _decoder(spec: SpecSettings, spec_type: str, latency: int = 3, draft_latency: int = 1, flip: float = 0.3,
              n_seq_max: int = 64, period: int = 0):
-    # chains: every token's cells must sit at index = position (README "Exactness")
+    # chains: every token's cells must sit at index = position (docs/user-guide/exactness.md)
     target = FakePipeline(ToyLM(V, period=period), latency=latency, cell_order=spec.branches == 1)
     draft = FakePipeline(ToyLM(V, flip=flip, period=period), latency=draft_latency, name="draft")
     prop = make_proposer(spec_type, ProposerConfig(backend=draft, n_vocab=V, n_ubatch=8, p_split=spec.p_split,
@@ -410,7 +410,7 @@ def test_adaptive_ngram_stays_exact(mode):
 
 def test_chains_place_every_cell_at_its_position():
     """Bit-exact verification needs each verified token's cells at index =
-    position, as a single-token loop places them (README "Exactness"). The
+    position, as a single-token loop places them (docs/user-guide/exactness.md). The
     fake KV cache places cells as llama.cpp does and asserts that for every
     token of every run (``cell_order``), over many timings, draft qualities
     and ablations; dead runs' cells are trimmed before a run re-roots."""

@@ -1,4 +1,4 @@
-"""Same tokens every run (README "Exactness"): the speculative modes' greedy
+"""Same tokens every run (docs/user-guide/exactness.md): the speculative modes' greedy
 output equals the single-node reference token for token on prompts whose
 reference nearly ties (top two logits < 0.01 apart), in every one of several
 runs of one job, with a busy process beside the ranks so that timings (and

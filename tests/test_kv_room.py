@@ -79,7 +79,7 @@ def test_every_mode_fills_the_context_exactly_on_real_ranks(goliath, smollm2_ski
     """prompt + n = -c (256: llama.cpp rounds a context up to 256 cells, so
     this one has no cell to spare) with a weak draft (smollm2-skip26: wide
     trees) on real ranks: every mode finishes with the single-node tokens
-    of the target (the F16 goliath: exact; README "Exactness")."""
+    of the target (the F16 goliath: exact; docs/user-guide/exactness.md)."""
     from conftest import assert_greedy, PROMPTS, generate_json
 
     ctx = 256

@@ -6,7 +6,7 @@ gives the same tokens at any ``--parallel``; the server answers concurrent
 clients exactly, keeps serving when one request cannot fit, and reports its
 slots. The F16 goliath model is the sensitive case: its logits differ in
 the last bits when another sequence's cells sit among a request's own
-(``kv_unified``; README "Many requests at once")."""
+(``kv_unified``; docs/user-guide/parallel.md)."""
 
 from __future__ import annotations
 

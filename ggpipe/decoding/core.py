@@ -17,7 +17,7 @@ nothing about speculation. Its parts:
 * before a run is placed, the cells dead runs left at and above its first
   position are removed on every stage (:meth:`SpecCore.trim_kv`), so a
   chain's cells sit at index = position as in a single-token loop and
-  verification is bit-exact in every run (README "Exactness");
+  verification is bit-exact in every run (docs/user-guide/exactness.md);
 * the adaptive-depth measurements (acceptance calibration, pass cost
   curve, decode rate) are learned across requests.
 """
@@ -367,7 +367,7 @@ class SpecCore:
         or above ``p0``, the run's cells land at index = position, as a
         single-token loop puts them; attention then sums over the same cells
         in the same order, and (with a build whose batched and single-token
-        matmuls agree, README "Exactness") verified logits equal the
+        matmuls agree, docs/user-guide/exactness.md) verified logits equal the
         single-node reference bit for bit, whatever the timing. Skipped while
         a pending node still lives at or above ``p0`` (a sibling branch of a
         tree), whose cells must stay."""

@@ -23,7 +23,7 @@ def request_stats(core, drafter, adaptive: bool) -> dict:
         spec_type=drafter.name,
         drafted=drafted, draft_accepted=g.n_draft_accepted,
         acceptance_rate=(g.n_draft_accepted / drafted) if drafted else None,
-        # greedy: how close an accepted draft token came to a tie (README "Exactness")
+        # greedy: how close an accepted draft token came to a tie (docs/user-guide/exactness.md)
         min_accepted_margin=None if g.min_accepted_margin is None else round(g.min_accepted_margin, 6),
         accepted_per_pass=(len(r.out) - 1) / passes if len(r.out) > 1 else None,
         draft_threshold=r.cutoff.threshold if adaptive else None,

@@ -13,7 +13,7 @@ stage, each scheduled from requests not already in flight).
   as llama-server without ``--kv-unified``), so a slot's cells sit at index =
   position in a stream of its own and never among another request's: every
   request's logits are bit-identical to the same request run alone
-  (README "Many requests at once"). A request takes the free slot whose
+  (docs/user-guide/parallel.md). A request takes the free slot whose
   cached tokens share the longest prefix with its prompt (the lowest id on
   a tie); the cells after that prefix are removed and the rest of the prompt
   is decoded (llama-server's prompt cache).

@@ -64,7 +64,7 @@ class SpecSettings:
     cancel: bool = True
     max_inflight: int = 8
     strategy_options: StrategyOptions = field(default_factory=StrategyOptions)
-    tree_width: int = 1     # a chain: exact in every run (README "Exactness"); trees measured slower here
+    tree_width: int = 1     # a chain: exact in every run (docs/user-guide/exactness.md); trees measured slower here
     max_children: int = 4
     wait_draft: bool = True
     default_threshold: float = 0.25  # adaptive: path probability worth a token until costs are measured

@@ -41,7 +41,7 @@ def generate_on_head(engine: Engine, req: GenerateRequest, stream=None) -> dict:
     done = engine.generate(tokens, req.n_predict, req.sampling, on_text=write if stream is not None else None)
     if stream is not None:
         write("\n")
-    # kernels: the build, the buffer types and whether a batch's rows equal a lone token's (README "Exactness")
+    # kernels: the build, the buffer types and whether a batch's rows equal a lone token's (docs/user-guide/exactness.md)
     return {"mode": engine.mode, "model": engine.session.model_path, "kernels": engine.kernels,
             **done.as_dict()}
 

@@ -144,7 +144,7 @@ def file_is_recurrent(path) -> bool:
         L.llama_model_free(model)
 
 
-#: The one line that installs the build ``--exact`` needs (README "Exactness").
+#: The one line that installs the build ``--exact`` needs (docs/user-guide/exactness.md).
 EXACT_INSTALL = ('CMAKE_ARGS="-DGGML_LLAMAFILE=OFF" pip install --no-cache-dir --force-reinstall --no-deps '
                  'llama-cpp-python==0.3.36')
 
