@@ -233,7 +233,8 @@ def middle_stage(model: str, threads: int, k: int = 4):
     filled to 64 cells."""
     from ggpipe.models.sizes import model_sizes
 
-    mid, _ = _layer_ranges(model_sizes(model).n_layer, min(k, max(1, model_sizes(model).n_layer - 2)))
+    n_layer = model_sizes(model).n_layer
+    mid, _ = _layer_ranges(n_layer, min(k, max(1, n_layer - 2)))
     st = _stage(model, mid, mid[0] == 0, False, threads)
     _fill(st, 64, st.spec.first)
     return st
