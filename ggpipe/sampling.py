@@ -5,10 +5,23 @@ distribution :meth:`Sampler.sample` draws from, and the one speculative
 verification (SpecInfer multi-step speculative sampling) must use.
 
 Filter order follows llama.cpp's default sampler chain (``common/common.h``
-``common_params_sampling::samplers`` and ``common/sampling.cpp``: penalties, dry,
-top_k, typ_p, top_p, min_p, xtc, temperature, dist); ggpipe implements only
-top_k -> top_p -> temperature -> dist:
+``common_params_sampling::samplers`` and ``common/sampling.cpp``
+``common_sampler_init``: logit_bias, penalties, dry, top_k, typ_p, top_p,
+min_p, xtc, temperature, dist) with the grammar applied first (llama.cpp's
+``grammar_first``); ggpipe implements logit_bias -> penalties -> grammar ->
+top_k -> top_p -> min_p -> temperature -> dist:
 
+0. The *constraints*, which depend on the request and on the tokens before
+   the position (:meth:`Sampler.constrain`; a row of a speculation tree is
+   constrained by the tokens on its path): ``logit_bias`` adds a bias to
+   chosen tokens (``llama_sampler_logit_bias_apply``); the repetition,
+   frequency and presence penalties act on the tokens among the last
+   ``repeat_last_n`` of the context, prompt included, as llama-server feeds
+   the prompt to its sampler (``llama_sampler_penalties_apply``, in float32
+   as llama.cpp: a logit <= 0 is multiplied by ``repeat_penalty``, a positive
+   one divided, then ``count * frequency_penalty + presence_penalty`` is
+   subtracted); a grammar (:class:`LogitMask`, llama.cpp's grammar sampler)
+   sets the logits of tokens it does not allow next to -inf.
 1. top-k (``llama_sampler_top_k_impl``): keep the ``top_k`` largest logits;
    ``top_k <= 0`` disables it. Ties at the cut are kept lowest token id first
    (llama.cpp uses an unstable partial sort, so its tie order is unspecified).
@@ -16,14 +29,20 @@ top_k -> top_p -> temperature -> dist:
    temperature yet) over the top-k survivors, sorted descending; keep the
    smallest prefix whose cumulative probability is ``>= top_p`` (``top_p >= 1``
    disables it; if float error keeps the sum below ``top_p``, all are kept).
-3. temperature (``llama_sampler_temp_ext_apply``): divide the survivors' logits
+3. min-p (``llama_sampler_min_p_apply``): keep the survivors whose raw logit
+   is at least the largest plus ``log(min_p)`` (probability at least
+   ``min_p`` times the most likely token's); ``min_p == 0`` disables it.
+4. temperature (``llama_sampler_temp_ext_apply``): divide the survivors' logits
    by ``temperature``.
-4. dist (``llama_sampler_dist_apply``): softmax over the survivors, draw one.
+5. dist (``llama_sampler_dist_apply``): softmax over the survivors, draw one.
 
-Differences from llama.cpp: float64 arithmetic (llama.cpp uses float32, which can
-move the top-p cut when a cumulative sum lands within ~1e-7 of ``top_p``), and
-min_p / typical / penalties are not implemented. ``temperature == 0`` is greedy:
-``argmax`` (first index among ties, like ``llama_sampler_greedy_apply``), and so
+Differences from llama.cpp: float64 arithmetic after the constraints
+(llama.cpp uses float32, which can move the top-p cut when a cumulative sum
+lands within ~1e-7 of ``top_p``); typical-p, DRY, XTC and mirostat are not
+implemented; ``min_p`` defaults to 0 (llama.cpp's tools: 0.05) and
+``repeat_penalty`` to 1 (off), as OpenAI's API has neither. ``temperature == 0`` is greedy:
+``argmax`` of the constrained logits (first index among ties, like
+``llama_sampler_greedy_apply``), and so
 is every temperature below :data:`GREEDY_BELOW` (1e-6): there, dividing the
 logits overflows or leaves the softmax one-hot in all but exact ties anyway
 (``1e-320`` made them inf/NaN, and the draw raised), so such a temperature
@@ -34,7 +53,9 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections import Counter, deque
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -42,12 +63,22 @@ from ggpipe.errors import ConfigError
 from ggpipe.logits import TopRow, argmax, dense, reply_k_for
 from ggpipe.logits import top_k_sorted as _top_k_sorted
 
-__all__ = ["SamplingParams", "target_probs", "Sampler", "GREEDY_BELOW"]
+__all__ = ["SamplingParams", "target_probs", "Sampler", "LogitMask", "TokenLogprob", "GREEDY_BELOW",
+           "PENALTY_MAX", "BIAS_MAX", "TOP_LOGPROBS_MAX"]
 
 #: Temperatures below this are greedy. Above it, logits / temperature stays
 #: finite for every float32 logit (|x| < 3.5e38, so < 3.5e44 in float64), and
 #: logits 1e-5 apart already differ by a factor e^-10 in probability.
 GREEDY_BELOW = 1e-6
+
+#: Bounds of OpenAI's API: frequency and presence penalties in [-2, 2],
+#: a logit bias in [-100, 100] (-100 bans the token in practice), at most 20
+#: top log-probabilities per token; a repetition penalty in (0, PENALTY_MAX].
+PENALTY_MAX = 10.0
+BIAS_MAX = 100.0
+TOP_LOGPROBS_MAX = 20
+#: Most tokens a penalty window holds (``repeat_last_n``; -1: the whole context).
+REPEAT_LAST_N_MAX = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -56,21 +87,45 @@ class SamplingParams:
 
     ``temperature``: >= 0; 0 (or anything below :data:`GREEDY_BELOW`) means greedy (argmax). ``top_k``: keep the k most
     likely tokens, <= 0 disables. ``top_p``: nucleus mass in (0, 1], 1 disables.
-    ``seed``: non-negative int for a reproducible generator, None for fresh
-    OS entropy. Construction does not validate; call :meth:`validate`
-    (:class:`Sampler` and :func:`target_probs` do).
+    ``min_p``: in [0, 1], 0 disables. ``seed``: non-negative int for a
+    reproducible generator, None for fresh OS entropy.
+
+    The constraints (module docstring, step 0): ``repeat_penalty`` in
+    (0, :data:`PENALTY_MAX`], 1 disables; ``frequency_penalty`` and
+    ``presence_penalty`` in [-2, 2], 0 disables; ``repeat_last_n``: the
+    tokens the penalties look back on (llama.cpp's ``penalty_last_n``,
+    default 64; 0 disables, -1 the whole context); ``logit_bias``: pairs
+    (token id, bias in [-100, 100]); ``grammar``: a GBNF grammar (llama.cpp's
+    grammar syntax; its rule ``root`` is the start), built into a
+    :class:`LogitMask` by the head (ggpipe.runtime.grammar).
+    ``logprobs``: -1 none; k >= 0: record each decided token's log-probability
+    and the k most likely tokens' (:class:`TokenLogprob`).
+
+    Construction does not validate; call :meth:`validate` (:class:`Sampler`
+    and :func:`target_probs` do).
     """
 
     temperature: float = 0.0
     top_k: int = 40
     top_p: float = 0.95
     seed: int | None = None
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repeat_last_n: int = 64
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: str | None = None
+    logprobs: int = -1
 
     def reply_k(self, width: int = 1) -> int:
         """How much of a logits row decides like the whole row for these
         settings (a run's ``reply_k``, ggpipe.logits.reply_k_for): greedy
         the argmax (a tree of ``width`` > 1: its width + 1 best), top-k
-        sampling the top ``top_k``; 0 (full rows) otherwise."""
+        sampling the top ``top_k``; 0 (full rows) otherwise, and whenever a
+        constraint can reorder the row or log-probabilities are recorded."""
+        if self.constrained or self.logprobs >= 0:
+            return 0
         return reply_k_for(self.greedy, self.top_k, width)
 
     @property
@@ -78,8 +133,19 @@ class SamplingParams:
         """Argmax sampling: a temperature below :data:`GREEDY_BELOW` (0 included)."""
         return self.temperature < GREEDY_BELOW
 
+    @property
+    def penalized(self) -> bool:
+        """The penalties act (llama.cpp's ``llama_sampler_penalties`` is not disabled)."""
+        return self.repeat_last_n != 0 and (self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0
+                                            or self.presence_penalty != 0.0)
+
+    @property
+    def constrained(self) -> bool:
+        """A constraint (bias, penalties, grammar) changes the logits before the filters."""
+        return bool(self.logit_bias) or self.penalized or self.grammar is not None
+
     def validate(self) -> "SamplingParams":
-        """Raise ConfigError (one line) for impossible settings; return self."""
+        """Raise ConfigError (one line, naming the setting) for impossible settings; return self."""
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or t < 0:
             raise ConfigError(f"temperature must be a finite number >= 0 (got {t!r})")
@@ -94,7 +160,58 @@ class SamplingParams:
         s = self.seed
         if s is not None and (isinstance(s, bool) or not isinstance(s, numbers.Integral) or not 0 <= s < 2**63):
             raise ConfigError(f"seed must be an integer in [0, 2^63) or unset, as the server's (got {s!r})")
+        _real_in(self.min_p, "min_p", 0.0, 1.0, "0 disables it")
+        _real_in(self.repeat_penalty, "repeat_penalty", 0.0, PENALTY_MAX, "1 disables it", low_open=True)
+        _real_in(self.frequency_penalty, "frequency_penalty", -2.0, 2.0, "0 disables it")
+        _real_in(self.presence_penalty, "presence_penalty", -2.0, 2.0, "0 disables it")
+        n = self.repeat_last_n
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not -1 <= n <= REPEAT_LAST_N_MAX:
+            raise ConfigError(f"repeat_last_n must be an integer in [-1, {REPEAT_LAST_N_MAX}]: the tokens the "
+                              f"penalties look back on, 0 disables them, -1 the whole context (got {n!r})")
+        for pair in self.logit_bias:
+            tok, bias = pair
+            if isinstance(tok, bool) or not isinstance(tok, numbers.Integral) or tok < 0:
+                raise ConfigError(f"logit_bias: token ids are integers >= 0 (got {tok!r})")
+            _real_in(bias, f"logit_bias of token {tok}", -BIAS_MAX, BIAS_MAX, "0 does nothing")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            raise ConfigError("grammar must be a non-empty GBNF text")
+        lp = self.logprobs
+        if isinstance(lp, bool) or not isinstance(lp, numbers.Integral) or not -1 <= lp <= TOP_LOGPROBS_MAX:
+            raise ConfigError(f"top log-probabilities per token must be in [0, {TOP_LOGPROBS_MAX}] (got {lp!r})")
         return self
+
+
+def _real_in(v, name: str, lo: float, hi: float, off: str, low_open: bool = False) -> None:
+    ok = not isinstance(v, bool) and isinstance(v, numbers.Real) and math.isfinite(v) and (
+        lo < v <= hi if low_open else lo <= v <= hi)
+    if not ok:
+        raise ConfigError(f"{name} must be a number in {'(' if low_open else '['}{lo:g}, {hi:g}], {off} "
+                          f"(got {v!r})")
+
+
+class LogitMask(Protocol):
+    """A grammar's hold on the next token (ggpipe.runtime.grammar wraps
+    llama.cpp's grammar sampler): :meth:`mask` sets the logits of tokens the
+    grammar does not allow next to -inf; :meth:`accept` moves it past a
+    decided token."""
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        """float32 (n_vocab,) -> float32 (n_vocab,), disallowed tokens -inf."""
+
+    def accept(self, token: int) -> None:
+        """The token was decided (raises ValueError if the grammar refuses it)."""
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A decided token's log-probability under the model (log-softmax of its
+    raw logits row, temperature 1, before any constraint or filter, as
+    OpenAI's ``logprobs``), and the ``top`` most likely tokens': pairs
+    (token id, log-probability), most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 def _check_logits(logits: np.ndarray) -> np.ndarray:
@@ -143,7 +260,7 @@ def target_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         out[int(np.argmax(x))] = 1.0
         return out
     x = x.astype(np.float64, copy=False)
-    if params.top_k <= 0 and params.top_p >= 1.0:  # nothing filtered: no sort needed
+    if params.top_k <= 0 and params.top_p >= 1.0 and params.min_p <= 0.0:  # nothing filtered: no sort needed
         out[:] = _softmax(x / params.temperature)
         return out
     k = x.size if params.top_k <= 0 else min(params.top_k, x.size)
@@ -151,6 +268,8 @@ def target_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         kept = _top_p(x, k, params.top_p)
     else:
         kept = _top_k_sorted(x, k)
+    if params.min_p > 0.0:   # the survivors' best is the row's best; at least it survives
+        kept = kept[x[kept] >= x[kept[0]] + math.log(params.min_p)]
     out[kept] = _softmax(x[kept] / params.temperature)
     return out
 
@@ -182,29 +301,126 @@ def _top_p(x: np.ndarray, k: int, p: float) -> np.ndarray:
 
 
 class Sampler:
-    """Draws tokens according to :class:`SamplingParams`.
+    """Draws tokens according to :class:`SamplingParams`, for one sequence.
 
     ``rng`` is the ``np.random.Generator`` (seeded from ``params.seed``; None ->
     fresh entropy) used by every random draw; speculative verification should
     draw its uniforms from it too so a seeded run is reproducible end to end.
     Greedy sampling draws nothing from ``rng``.
+
+    A sampler follows its sequence: every decided token goes through
+    :meth:`accept` (:meth:`sample` does it; speculative verification,
+    ggpipe.speculation.verify, calls it), in order, so that the penalties'
+    window and the grammar's state are those of the position decided next.
+    ``history``: the context before the first decided token (the prompt),
+    which the penalties see as llama-server's sampler does. ``grammar``: the
+    :class:`LogitMask` built from ``params.grammar`` (required with it).
+    With ``params.logprobs >= 0``, :attr:`logprobs` gets one
+    :class:`TokenLogprob` per accepted token.
+
+    Raises:
+        ConfigError: invalid params; a grammar in the params but none given.
     """
 
-    def __init__(self, params: SamplingParams | None = None):
+    def __init__(self, params: SamplingParams | None = None, history=(), grammar: LogitMask | None = None):
         self.params = (params or SamplingParams()).validate()
         self.rng = np.random.default_rng(self.params.seed)
+        if self.params.grammar is not None and grammar is None:
+            raise ConfigError("a grammar needs the model's vocabulary: build the sampler on the head")
+        self.grammar = grammar
+        p = self.params
+        self._bias = None
+        if p.logit_bias:
+            ids = np.array([t for t, _ in p.logit_bias], dtype=np.int64)
+            self._bias = (ids, np.array([b for _, b in p.logit_bias], dtype=np.float32))
+        self._window: deque | None = None
+        self._counts: Counter = Counter()
+        if p.penalized:
+            self._window = deque(maxlen=None if p.repeat_last_n < 0 else p.repeat_last_n)
+            for t in history:
+                self._push(int(t))
+        self.logprobs: list[TokenLogprob] = []
+        self._row = None   # the raw row of the last constrained position (its log-probabilities)
+
+    def _push(self, token: int) -> None:
+        w = self._window
+        if w.maxlen is not None and len(w) == w.maxlen:
+            old = w.popleft()
+            self._counts[old] -= 1
+            if not self._counts[old]:
+                del self._counts[old]
+        w.append(token)
+        self._counts[token] += 1
+
+    def constrain(self, logits: np.ndarray | TopRow) -> np.ndarray | TopRow:
+        """The logits the filters see at the next position: ``logits``
+        (float32 (n_vocab,)) after the logit bias, the penalties and the
+        grammar (module docstring, step 0); ``logits`` itself (not copied)
+        when the params have no constraint. Remembers the raw row for
+        :attr:`logprobs`.
+
+        Raises:
+            ValueError: a compact row (ggpipe.logits.TopRow) with a
+                constraint (a constrained run asks for full rows), or every
+                token ruled out (the grammar allows none).
+        """
+        p = self.params
+        if p.logprobs >= 0:
+            self._row = logits
+        if not p.constrained:
+            return logits
+        if isinstance(logits, TopRow):
+            raise ValueError("a constrained sampler needs full logit rows (reply_k 0)")
+        x = np.array(logits, dtype=np.float32, copy=True)
+        if self._bias is not None:
+            ids, bias = self._bias
+            if ids.size and int(ids.max()) >= x.size:
+                raise ValueError(f"logit_bias names token {int(ids.max())}, outside the vocabulary of {x.size}")
+            np.add.at(x, ids, bias)
+        if self._counts:
+            ids = np.fromiter(self._counts.keys(), dtype=np.int64, count=len(self._counts))
+            ids = ids[ids < x.size]
+            counts = np.array([self._counts[int(i)] for i in ids], dtype=np.float32)
+            v = x[ids]
+            rp = np.float32(p.repeat_penalty)
+            v = np.where(v <= 0, v * rp, v / rp).astype(np.float32)
+            v -= counts * np.float32(p.frequency_penalty) + np.float32(p.presence_penalty)
+            x[ids] = v
+        if self.grammar is not None:
+            x = self.grammar.mask(x)
+            if np.isneginf(x).all():
+                raise ValueError("the grammar allows no token here")
+        return x
+
+    def accept(self, token: int) -> None:
+        """``token`` was decided at the next position: advance the
+        penalties' window and the grammar, record its log-probabilities."""
+        token = int(token)
+        if self.params.logprobs >= 0 and self._row is not None:
+            self.logprobs.append(_logprob(self._row, token, self.params.logprobs))
+            self._row = None
+        if self._window is not None:
+            self._push(token)
+        if self.grammar is not None:
+            self.grammar.accept(token)
 
     def sample(self, logits: np.ndarray | TopRow) -> int:
-        """Token id for ``logits`` (shape (n_vocab,), or a compact row of a
-        greedy run, ggpipe.logits): greedy -> ``argmax`` (first index among
-        ties); else one draw from :func:`target_probs`.
+        """Decide the next token from its ``logits`` (shape (n_vocab,), or a
+        compact row of an unconstrained greedy run, ggpipe.logits) and
+        :meth:`accept` it: greedy -> ``argmax`` of the constrained row
+        (first index among ties); else one draw from :func:`target_probs`
+        of it.
 
         Raises:
             ValueError: a compact row holding fewer tokens than sampling
-                keeps (see :func:`target_probs`)."""
+                keeps (see :func:`target_probs`); see :meth:`constrain`."""
+        x = self.constrain(logits)
         if self.params.greedy:
-            return argmax(logits if isinstance(logits, TopRow) else _check_logits(logits))
-        return self.sample_from(target_probs(logits, self.params))
+            t = argmax(x if isinstance(x, TopRow) else _check_logits(x))
+        else:
+            t = self.sample_from(target_probs(x, self.params))
+        self.accept(t)
+        return t
 
     def sample_from(self, probs: np.ndarray) -> int:
         """One draw from ``probs`` (shape (n,), non-negative, need not be exactly
@@ -222,3 +438,13 @@ class Sampler:
         if i >= p.size or p[i] == 0:  # only reachable through float rounding at the top
             i = int(np.flatnonzero(p)[-1])
         return i
+
+
+def _logprob(row, token: int, k: int) -> TokenLogprob:
+    """``token``'s log-probability in the raw row, and the ``k`` best tokens'."""
+    x = dense(row) if isinstance(row, TopRow) else np.asarray(row, dtype=np.float64)
+    x = x.astype(np.float64, copy=False)
+    m = x.max()
+    lse = m + math.log(np.exp(x - m).sum())
+    top = _top_k_sorted(x, k) if k else np.empty(0, dtype=np.int64)
+    return TokenLogprob(token, float(x[token] - lse), tuple((int(i), float(x[i] - lse)) for i in top))

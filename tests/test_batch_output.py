@@ -161,7 +161,12 @@ def test_what_record_writes_is_recognised_as_a_record():
 
     from ggpipe.frontends.batch_output import is_record, record
 
+    from ggpipe.sampling import TokenLogprob
+
     done = SimpleNamespace(metrics={"tokens_per_s": 1.0}, decoder={"acceptance_rate": 0.5, "other": 1},
-                           text="hi", tokens=[1, 2], finish_reason="stop", n_prompt=3, n_reused=0)
+                           text="hi", tokens=[1, 2], finish_reason="stop", n_prompt=3, n_reused=0, logprobs=None)
     rec = record("q1", done)
     assert is_record(json.loads(json.dumps(rec))) and rec["metrics"] == {"tokens_per_s": 1.0, "acceptance_rate": 0.5}
+    done.logprobs = [TokenLogprob(1, -0.5, ((1, -0.5), (7, -1.5))), TokenLogprob(2, -0.1, ((2, -0.1), (3, -3.0)))]
+    rec = record("q2", done)
+    assert is_record(json.loads(json.dumps(rec))) and rec["logprobs"][1] == [2, -0.1, [[2, -0.1], [3, -3.0]]]

@@ -196,7 +196,7 @@ BAD = [
     ("/v1/completions", '{"prompt": "x", "seed": -1}', "seed"),
     ("/v1/completions", '{"prompt": "x", "stream": "yes"}', "stream"),
     ("/v1/completions", '{"prompt": "x", "stop": [3]}', "stop"),
-    ("/v1/completions", '{"prompt": "x", "n": 3}', "n"),
+    ("/v1/completions", '{"prompt": "x", "n": 9}', "n"),
     ("/v1/completions", '{"prompt": ""}', "empty"),
     ("/v1/completions", '{"prompt": ["a", "b"]}', "one prompt"),
     ("/v1/completions", '{"prompt": [70000000]}', "vocabulary"),

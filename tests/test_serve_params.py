@@ -1,8 +1,13 @@
-"""No request parameter is silently ignored: a field ``ggpipe serve`` does not
-implement is refused with 400 naming it, unless its value asks for nothing
-(what OpenAI clients send by default); unknown fields are refused too."""
+"""No request parameter is silently ignored: the sampling constraints
+(``min_p``, penalties, ``logit_bias``, ``response_format``, ``json_schema``,
+``grammar``), ``logprobs`` and ``n`` are checked and taken; a field
+``ggpipe serve`` does not implement is refused with 400 naming it, unless its
+value asks for nothing (what OpenAI clients send by default); unknown fields
+are refused too. (That the accepted fields change the output: tests/test_constraints_mpi.py.)"""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -10,29 +15,78 @@ from tests.test_serve_trust import app_client
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 TEXT = {"prompt": "hi", "max_tokens": 2}
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+def _post(c, path, body):
+    return c.post(path, content=json.dumps(body, allow_nan=True), headers={"Content-Type": "application/json"})
 
 
 @pytest.mark.parametrize("field, value", [
-    ("logit_bias", {"15": -100}), ("logit_bias", "garbage"), ("frequency_penalty", float("nan")),
-    ("frequency_penalty", 0.5), ("presence_penalty", 1e308), ("min_p", 5), ("best_of", 2),
-    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
-    ("response_format", {"type": "json_object"}), ("logprobs", True), ("top_logprobs", 3),
-    ("repeat_penalty", 1.1), ("grammar", "root ::= \"a\""), ("no_such_field", 1),
+    ("best_of", 2), ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
+    ("n_probs", 3), ("mirostat", 2), ("typical_p", 0.5), ("no_such_field", 1),
 ])
 @pytest.mark.parametrize("path, body", [("/v1/chat/completions", CHAT), ("/v1/completions", TEXT)])
 def test_a_field_that_would_be_ignored_is_refused_by_name(path, body, field, value):
     c = app_client(max_queue=0)   # had it been accepted: 503, the queue is full
-    r = c.post(path, content=__import__("json").dumps({**body, field: value}, allow_nan=True),
-               headers={"Content-Type": "application/json"})
+    r = _post(c, path, {**body, field: value})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == field and field in err["message"], err
     assert "does not implement" in err["message"], err
 
 
+@pytest.mark.parametrize("fields, param", [
+    ({"logit_bias": "garbage"}, "logit_bias"), ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"15": 500}}, "logit_bias"), ({"logit_bias": {"100": -100}}, "logit_bias"),
+    ({"frequency_penalty": float("nan")}, "frequency_penalty"), ({"presence_penalty": 1e308}, "presence_penalty"),
+    ({"frequency_penalty": "1"}, "frequency_penalty"), ({"min_p": 5}, "min_p"), ({"repeat_penalty": 0}, "repeat_penalty"),
+    ({"repeat_last_n": -2}, "repeat_last_n"), ({"repeat_last_n": 1.5}, "repeat_last_n"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"json_schema": "not a schema"}, "json_schema"),
+    ({"json_schema": SCHEMA, "grammar": 'root ::= "a"'}, "grammar"),
+    ({"grammar": 5}, "grammar"), ({"n": 9}, "n"), ({"n": 2, "stream": True}, "n"),
+])
+@pytest.mark.parametrize("path, body", [("/v1/chat/completions", CHAT), ("/v1/completions", TEXT)])
+def test_a_bad_value_is_refused_naming_its_field(path, body, fields, param):
+    c = app_client(max_queue=8)
+    r = _post(c, path, {**body, **fields})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and param in err["message"], err
+
+
+@pytest.mark.parametrize("path, body, fields, param", [
+    ("/v1/chat/completions", CHAT, {"top_logprobs": 3}, "top_logprobs"),      # without logprobs: true
+    ("/v1/chat/completions", CHAT, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", CHAT, {"logprobs": True, "stream": True}, "logprobs"),
+    ("/v1/completions", TEXT, {"logprobs": 21}, "logprobs"),
+    ("/v1/completions", TEXT, {"logprobs": True}, "logprobs"),              # the completions shape is a count
+])
+def test_bad_logprobs_are_refused(path, body, fields, param):
+    r = _post(app_client(max_queue=8), path, {**body, **fields})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
+
+
+@pytest.mark.parametrize("fields", [
+    {"frequency_penalty": 0.5, "presence_penalty": -0.5, "repeat_penalty": 1.1, "repeat_last_n": -1, "min_p": 0.1},
+    {"logit_bias": {"15": -100, "3": 2.5}},
+    {"response_format": {"type": "json_object"}}, {"response_format": {"type": "json_schema",
+                                                                       "json_schema": {"name": "x", "schema": SCHEMA}}},
+    {"json_schema": SCHEMA}, {"grammar": 'root ::= "a"'}, {"n": 3},
+])
+@pytest.mark.parametrize("path, body", [("/v1/chat/completions", CHAT), ("/v1/completions", TEXT)])
+def test_implemented_fields_are_accepted(path, body, fields):
+    """The queue is the limit here (no engine runs): 503 queue_full means the body was accepted."""
+    r = _post(app_client(max_queue=0), path, {**body, **fields})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full", r.text
+
+
 @pytest.mark.parametrize("neutral", [
     {"frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "n": 1, "best_of": 1},
-    {"logprobs": False, "top_logprobs": 0, "tools": [], "tool_choice": "none", "response_format": {"type": "text"}},
+    {"logprobs": False, "tools": [], "tool_choice": "none", "response_format": {"type": "text"}},
     {"logit_bias": None, "tools": None, "response_format": None, "user": "someone", "min_p": 0},
 ])
 def test_neutral_values_are_accepted(neutral):

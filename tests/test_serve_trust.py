@@ -94,7 +94,7 @@ class FakeEngine:
                                        hosts=["h"], liveness=None, pipeline=pipe, draft_pipelines=[], activity=None)
         self.n_ctx, self.mode, self.parallel, self.scheduler = 64, "iterative", 1, None
         self.kernels = {"batch_rows_exact": True}
-        self.vocab = SimpleNamespace(chat_template=lambda: None)
+        self.vocab = SimpleNamespace(chat_template=lambda: None, piece=lambda t: b"", is_eog=lambda t: False)
         self.fail = fail
         self.calls: list[str] = []
 

@@ -198,3 +198,68 @@ def greedy_turns(model_path: str | Path, prompts: list[str], n_predict: int, n_c
     finally:
         L.llama_free(ctx)
         L.llama_model_free(model)
+
+
+def constrained_greedy(model_path: str | Path, prompt: str, n_predict: int, logit_bias: tuple = (),
+                       repeat_penalty: float = 1.0, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+                       repeat_last_n: int = 64, forced: list[int] | None = None, n_ctx: int = 2048,
+                       extra_bufts: bool = True) -> list[int] | list[float]:
+    """Greedy generation through llama.cpp's own sampler chain, as
+    llama-server builds it at temperature 0 for these settings
+    (``common_sampler_init``: ``llama_sampler_init_logit_bias``, then
+    ``llama_sampler_init_penalties``, then the argmax, ``llama_sampler_init_greedy``;
+    the prompt's tokens accepted into the chain first, as llama-server's slot
+    does). The reference of ggpipe's constrained greedy runs.
+
+    ``logit_bias``: pairs (token id, bias). With ``forced`` (token ids)
+    nothing is generated: each forced token is scored against the chain's
+    constrained logits of its step (its gap below their maximum, logit units;
+    0.0 where it is the argmax), then accepted and decoded, and the gaps are
+    returned (teacher forcing, as :func:`forced_gaps`)."""
+    from ggpipe.runtime.grammar import TOKEN_DATA
+    from ggpipe.runtime.llama import lib
+
+    L = lib()
+    model, ctx = _open(L, model_path, n_ctx, 1, extra_bufts=extra_bufts)
+    vocab = L.llama_model_get_vocab(model)
+    n_vocab = L.llama_vocab_n_tokens(vocab)
+    chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+    try:
+        if logit_bias:
+            arr = (L.llama_logit_bias * len(logit_bias))(*[L.llama_logit_bias(int(t), float(b)) for t, b in logit_bias])
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_logit_bias(n_vocab, len(logit_bias), arr))
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_penalties(n_vocab, repeat_last_n, repeat_penalty,
+                                                                         frequency_penalty, presence_penalty))
+        toks = _tokenize(L, vocab, prompt)
+        for t in toks:
+            L.llama_sampler_accept(chain, t)
+        _decode(L, ctx, (ctypes.c_int32 * len(toks))(*toks), len(toks), "prompt decode")
+        one = (ctypes.c_int32 * 1)()
+        if forced is None:
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
+            out: list[int] = []
+            while len(out) < n_predict:
+                tok = int(L.llama_sampler_sample(chain, ctx, -1))   # applies the chain and accepts the token
+                out.append(tok)
+                if L.llama_vocab_is_eog(vocab, tok):
+                    break
+                one[0] = tok
+                _decode(L, ctx, one, 1)
+            return out
+        cand = np.zeros(n_vocab, dtype=TOKEN_DATA)
+        gaps = []
+        for tok in forced:
+            cand["id"] = np.arange(n_vocab)
+            cand["logit"] = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, -1), shape=(n_vocab,))
+            data = L.llama_token_data_array(data=cand.ctypes.data_as(ctypes.POINTER(L.llama_token_data)),
+                                            size=n_vocab, selected=-1, sorted=False)
+            L.llama_sampler_apply(chain, ctypes.byref(data))
+            gaps.append(float(cand["logit"].max() - cand["logit"][cand["id"] == tok][0]))
+            L.llama_sampler_accept(chain, int(tok))
+            one[0] = tok
+            _decode(L, ctx, one, 1)
+        return gaps
+    finally:
+        L.llama_sampler_free(chain)
+        L.llama_free(ctx)
+        L.llama_model_free(model)

@@ -3,6 +3,8 @@ and turning their values into a :class:`~ggpipe.service.job.JobSpec`."""
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -186,9 +188,76 @@ def sampling_options(f):
         click.option("--top-k", default=40, show_default=True, type=int, help="Top-k (0 = off)."),
         click.option("--top-p", default=0.95, show_default=True, type=Finite(0, 1, min_open=True), help="Top-p (1 = off)."),
         click.option("--seed", default=None, type=int, help="Sampling seed."),
+        click.option("--min-p", default=0.0, show_default=True, type=Finite(0, 1),
+                     help="Min-p: keep tokens at least this times as likely as the best (0 = off)."),
+        click.option("--repeat-penalty", default=1.0, show_default=True, type=Finite(0, 10, min_open=True),
+                     help="Penalise tokens among the last --repeat-last-n (1 = off)."),
+        click.option("--repeat-last-n", default=64, show_default=True, type=click.IntRange(-1, 1 << 20),
+                     help="Tokens the penalties look back on (0 = off, -1 = the whole context)."),
+        click.option("--presence-penalty", default=0.0, show_default=True, type=Finite(-2, 2),
+                     help="Subtracted from the logit of every token already there (0 = off)."),
+        click.option("--frequency-penalty", default=0.0, show_default=True, type=Finite(-2, 2),
+                     help="Subtracted per occurrence of a token already there (0 = off)."),
+        click.option("-l", "--logit-bias", multiple=True, metavar="TOKEN_ID(+/-)BIAS",
+                     help="Add BIAS to a token's logit, e.g. 15043+1 or 15043-100 (repeatable)."),
+        click.option("--grammar", default=None, metavar="GBNF", help="Constrain the output to a GBNF grammar."),
+        click.option("--grammar-file", default=None, type=click.Path(dir_okay=False, path_type=Path),
+                     help="Read --grammar from a file."),
+        click.option("-j", "--json-schema", default=None, metavar="SCHEMA",
+                     help="Constrain the output to JSON valid under this JSON schema ('{}': any JSON object)."),
         click.option("--ignore-eos", is_flag=True, help="Keep generating after an end-of-generation token."),
     ]
     return _apply(opts, f)
+
+
+def _logit_bias(values: tuple[str, ...]) -> dict:
+    """llama.cpp's ``--logit-bias TOKEN_ID(+/-)BIAS`` values as OpenAI's
+    ``{"token id": bias}``.
+
+    Raises:
+        ConfigError: a value of another shape."""
+    from ggpipe.errors import ConfigError  # noqa: PLC0415
+
+    out: dict = {}
+    for v in values:
+        m = re.fullmatch(r"\s*(\d{1,9})\s*([+-]\s*[0-9.eE+-]+)\s*", v)
+        try:
+            bias = float(m.group(2).replace(" ", "")) if m else None
+        except ValueError:
+            bias = None
+        if bias is None:
+            raise ConfigError(f"--logit-bias {v!r}: give TOKEN_ID(+/-)BIAS, e.g. 15043+1 or 15043-100")
+        out[m.group(1)] = out.get(m.group(1), 0.0) + bias
+    return out
+
+
+def _constraint_fields(o: dict) -> dict:
+    """The request fields (ggpipe.frontends.request_fields) the command line's
+    constraint options give.
+
+    Raises:
+        ConfigError: an unreadable --grammar-file, --json-schema that is not
+            JSON, two grammars."""
+    from ggpipe.errors import ConfigError  # noqa: PLC0415
+
+    fields = {k: o[k] for k in ("min_p", "repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty")}
+    fields["logit_bias"] = _logit_bias(o["logit_bias"]) or None
+    grammar = o["grammar"]
+    if o["grammar_file"] is not None:
+        if grammar is not None:
+            raise ConfigError("give --grammar or --grammar-file, not both")
+        try:
+            grammar = o["grammar_file"].read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read --grammar-file {o['grammar_file']}: {getattr(e, 'strerror', None) or e}") \
+                from None
+    fields["grammar"] = grammar
+    if o["json_schema"] is not None:
+        try:
+            fields["json_schema"] = json.loads(o["json_schema"])
+        except ValueError as e:
+            raise ConfigError(f"--json-schema is not JSON: {e}") from None
+    return fields
 
 
 def job_options(f):
@@ -202,7 +271,8 @@ _JOB_KEYS = ("model", "draft_model", "split", "threads", "ctx_size", "ubatch", "
              "liveness_timeout", "mode", "spec_type",
              "n_draft", "p_accept", "p_split", "p_recovery", "p_decay", "branches", "max_inflight", "no_continuous",
              "no_cancel", "no_wait_draft", "tree_width", "max_children", "n_predict", "temp", "top_k", "top_p", "seed",
-             "ignore_eos")
+             "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty", "logit_bias",
+             "grammar", "grammar_file", "json_schema", "ignore_eos")
 
 
 def utf8_prompt(text: str, what: str = "-p") -> str:
@@ -252,7 +322,15 @@ def split_job_options(kw: dict):
 
     o = {k: kw.pop(k) for k in _JOB_KEYS}
     o.update({k: kw.pop(k) for k in strategy_keys() if k in kw})
+    from ggpipe.errors import ConfigError
+    from ggpipe.frontends.request_fields import FieldError, constraints
+
     sampling = SamplingParams(temperature=o["temp"], top_k=o["top_k"], top_p=o["top_p"], seed=o["seed"]).validate()
+    try:
+        sampling = constraints(_constraint_fields(o), sampling)
+    except FieldError as e:
+        flag = "--" + (e.param or "").replace("_", "-")
+        raise ConfigError(f"{flag}: {e}" if e.param else str(e)) from None
     spec = _spec_settings(o)
     n_seq_max = o["n_seq_max"] if o["n_seq_max"] is not None else seq_ids_needed(o["mode"], spec)
     if o["split"] is not None and o["split"].startswith("auto"):

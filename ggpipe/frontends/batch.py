@@ -8,7 +8,12 @@ Input, one JSON object per line (blank lines are skipped)::
 ``id`` (string or integer, unique), exactly one of ``prompt`` (text) or
 ``messages`` (chat turns rendered with the GGUF's chat template), and
 optionally ``n`` or ``max_tokens`` (tokens to generate), ``temperature``,
-``top_p``, ``top_k``, ``seed`` and ``stop`` (a string or a list of strings);
+``top_p``, ``top_k``, ``seed``, ``stop`` (a string or a list of strings),
+the server's constraint fields (``min_p``, ``repeat_penalty``,
+``frequency_penalty``, ``presence_penalty``, ``repeat_last_n``,
+``logit_bias``, ``response_format``, ``json_schema``, ``grammar``:
+ggpipe.frontends.request_fields) and ``logprobs`` (a count of top tokens
+per token, as the server's completions: the record gets ``logprobs``);
 what a line leaves out comes from the command line (``-n``, ``--temp``, ...).
 The whole file is checked before anything is generated: a bad line stops the
 job with one error naming its line number.
@@ -47,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ggpipe.errors import ConfigError
+from ggpipe.frontends import request_fields
 from ggpipe.frontends.batch_output import RecordWriter, check_output_path, id_key, record, repair, scan_output
 from ggpipe.service.engine import Engine
 from ggpipe.frontends.request_limits import MESSAGES_MAX, ROLES, STOP_MAX, TEMPERATURE_MAX, template_role
@@ -54,7 +60,8 @@ from ggpipe.service.job import JobSpec, head_signals, ignore_signals, run_job
 from ggpipe.jsonl import iter_jsonl
 from ggpipe.sampling import SamplingParams
 
-_FIELDS = {"id", "prompt", "messages", "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop"}
+_FIELDS = {"id", "prompt", "messages", "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+           "logprobs", *request_fields.FIELDS}
 
 
 @dataclass
@@ -156,10 +163,12 @@ def parse_item(obj, line: int, path: str, n_predict: int, sampling: SamplingPara
         over["top_k"] = _int(obj["top_k"], "top_k", where, 0)
     if "seed" in obj:
         over["seed"] = None if obj["seed"] is None else _int(obj["seed"], "seed", where, 0)
+    if "logprobs" in obj and obj["logprobs"] is not None:   # as the server's completions: a count of top tokens
+        over["logprobs"] = _int(obj["logprobs"], "logprobs", where, 0)
     if over:
         s = dataclasses.replace(s, **over)
     try:
-        s.validate()
+        s = request_fields.constraints(obj, s)   # the server's checks of the same fields
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
     stop = obj.get("stop", [])
@@ -235,7 +244,7 @@ class BatchRunner:
 
     def prepare(self) -> list[tuple[BatchItem, object]]:
         """Validate everything before generating: input lines, chat template,
-        prompt lengths; returns the (item, tokens) still to do."""
+        prompt lengths, logit biases and grammars; returns the (item, tokens) still to do."""
         check_output_path(self.output_path, self.input_path)
         items = load_items(self.input_path, self.n_predict, self.sampling)
         has_template = bool(self.engine.vocab.chat_template())
@@ -250,6 +259,8 @@ class BatchRunner:
             try:
                 tokens = self.engine.tokenize(it.prompt, it.messages)
                 self.engine.check_fits(int(tokens.shape[0]), it.n_predict)
+                if it.sampling.constrained:   # a bias outside the vocabulary, a grammar llama.cpp cannot parse
+                    self.engine.sampler(it.sampling, [])
             except ConfigError as e:
                 raise ConfigError(f"{where}: {e}") from None
             todo.append((it, tokens))

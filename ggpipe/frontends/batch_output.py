@@ -36,7 +36,7 @@ from ggpipe.output_paths import check_output
 
 #: Keys of a batch record: always / sometimes present.
 RECORD_KEYS = frozenset({"id", "text", "tokens", "finish_reason"})
-OPTIONAL_KEYS = frozenset({"n_prompt", "n_reused", "metrics"})
+OPTIONAL_KEYS = frozenset({"n_prompt", "n_reused", "metrics", "logprobs"})
 #: How every record line starts (``json.dumps`` of a dict whose first key is "id").
 RECORD_PREFIX = b'{"id": '
 
@@ -48,8 +48,11 @@ def record(rid: str | int, done) -> dict:
     m = dict(done.metrics)
     m.update({k: v for k, v in done.decoder.items() if k in ("acceptance_rate", "accepted_per_pass", "drafted",
                                                               "draft_accepted", "target_passes")})
-    return {"id": rid, "text": done.text, "tokens": done.tokens, "finish_reason": done.finish_reason,
-            "n_prompt": done.n_prompt, "n_reused": done.n_reused, "metrics": m}
+    out = {"id": rid, "text": done.text, "tokens": done.tokens, "finish_reason": done.finish_reason,
+           "n_prompt": done.n_prompt, "n_reused": done.n_reused, "metrics": m}
+    if done.logprobs is not None:   # per token: [token, logprob, [[id, logprob], ...]]
+        out["logprobs"] = [[lp.token, lp.logprob, [list(t) for t in lp.top]] for lp in done.logprobs]
+    return out
 
 
 def id_key(value) -> str:

@@ -152,6 +152,7 @@ class Server:
         self.state = ServerState(
             tokenize=lambda p, msgs: engine.tokenize(p, msgs, special_in_messages), model_id=model_id or Path(session.model_path).stem,
             n_ctx=engine.n_ctx, n_vocab=int(session.stage.n_vocab), n_predict=n_predict, sampling=sampling,
+            piece=engine.vocab.piece, is_eog=engine.vocab.is_eog,
             api_key=api_key, max_queue=max_queue, access=access or Access(),
             info={"mode": engine.mode, "ranks": session.size, "hosts": session.hosts,
                   "chat_template": bool(engine.vocab.chat_template()),

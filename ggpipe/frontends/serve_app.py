@@ -21,6 +21,7 @@ ggpipe.frontends.serve_state, the metrics in ggpipe.frontends.serve_metrics.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import time
@@ -34,6 +35,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
+from ggpipe.frontends import request_fields
 from ggpipe.frontends.http_guard import host_allowed, is_json_content_type, origin_allowed
 from ggpipe.frontends.serve_bodies import (CLIENT_GONE, APIError, ChatBody, CompletionBody, _Body, internal_error,
                                            parse_body, too_large)
@@ -193,10 +195,10 @@ async def chat_completions(request: Request):
     messages = [m.as_template_message() for m in body.messages]
     n = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     tokens = await _tokenize(state, None, messages)
-    job = _enqueue(state, body, tokens, n)
+    jobs = await _enqueue(state, body, tokens, n)
     if body.stream:
-        return _stream(state, job, request, "chat", body.include_usage())
-    return await _complete(state, job, request, "chat")
+        return _stream(state, jobs[0], request, "chat", body.include_usage())
+    return await _complete(state, jobs, request, "chat")
 
 
 async def completions(request: Request):
@@ -218,10 +220,10 @@ async def completions(request: Request):
         tokens = np.asarray(p, dtype=np.int32)
     else:
         tokens = await _tokenize(state, p if isinstance(p, str) else p[0], None)
-    job = _enqueue(state, body, tokens, body.max_tokens)
+    jobs = await _enqueue(state, body, tokens, body.max_tokens)
     if body.stream:
-        return _stream(state, job, request, "text", body.include_usage())
-    return await _complete(state, job, request, "text")
+        return _stream(state, jobs[0], request, "text", body.include_usage())
+    return await _complete(state, jobs, request, "text")
 
 
 # -- a request's way through the queue and back ------------------------------------------
@@ -241,7 +243,12 @@ async def _tokenize(state: ServerState, prompt: str | None, messages: list | Non
                        param="messages" if messages is not None else "prompt") from None
 
 
-def _enqueue(state: ServerState, body: _Body, tokens: np.ndarray, max_tokens: int | None) -> Job:
+async def _enqueue(state: ServerState, body: _Body, tokens: np.ndarray, max_tokens: int | None) -> list[Job]:
+    """Check a request against the context and the queue and put its
+    ``n`` jobs (one per choice; choice i samples with seed + i) on the queue.
+
+    Raises:
+        APIError: 400 (does not fit, a refused field), 503 (stopping, queue full)."""
     n_prompt = int(tokens.shape[0])
     if n_prompt == 0:
         raise APIError(400, "the prompt is empty", param="prompt")
@@ -255,20 +262,41 @@ def _enqueue(state: ServerState, body: _Body, tokens: np.ndarray, max_tokens: in
         raise APIError(400, f"this model's context holds {state.n_ctx} tokens, but {n_prompt} prompt tokens + "
                        f"max_tokens {max_tokens} = {n_prompt + max_tokens}: lower max_tokens or shorten the prompt",
                        param="max_tokens", code="context_length_exceeded")
+    logprobs = body.logprobs_k()
+    if body.stream and (body.n > 1 or logprobs >= 0):
+        name = "n" if body.n > 1 else "logprobs"
+        raise APIError(400, f"{name} with stream: ggpipe does not implement it; leave stream out (or send n 1 "
+                       "and no logprobs)", param=name, code="unsupported_parameter")
     d = state.sampling
     sampling = SamplingParams(temperature=d.temperature if body.temperature is None else body.temperature,
                               top_k=d.top_k if body.top_k is None else body.top_k,
                               top_p=d.top_p if body.top_p is None else body.top_p,
-                              seed=d.seed if body.seed is None else body.seed)
+                              seed=d.seed if body.seed is None else body.seed, logprobs=logprobs,
+                              min_p=d.min_p, repeat_penalty=d.repeat_penalty, frequency_penalty=d.frequency_penalty,
+                              presence_penalty=d.presence_penalty, repeat_last_n=d.repeat_last_n)
+    fields = {f: getattr(body, f) for f in request_fields.FIELDS}
+    try:   # a JSON schema's grammar takes a moment: off the event loop
+        sampling = await run_in_threadpool(request_fields.constraints, fields, sampling)
+    except request_fields.FieldError as e:
+        raise APIError(400, str(e), param=e.param) from None
+    bad = next((t for t, _ in sampling.logit_bias if t >= state.n_vocab), None)
+    if bad is not None:
+        raise APIError(400, f"logit_bias: token {bad} is outside the vocabulary (0..{state.n_vocab - 1})",
+                       param="logit_bias")
     if state.stopping.is_set():
         raise APIError(503, "the server is shutting down", "server_error")
-    if state.jobs.qsize() >= state.max_queue:
+    if state.jobs.qsize() + body.n > state.max_queue:
         raise APIError(503, f"the queue is full ({state.max_queue} requests waiting); retry later", "server_error",
                        code="queue_full")
     loop = asyncio.get_running_loop()
-    job = Job(tokens, max_tokens, sampling, body.stops(), loop, asyncio.Queue())
-    state.jobs.put(job)
-    return job
+    jobs = []
+    for i in range(body.n):
+        s = sampling if i == 0 or sampling.seed is None else dataclasses.replace(
+            sampling, seed=(sampling.seed + i) % 2**63)
+        jobs.append(Job(tokens, max_tokens, s, body.stops(), loop, asyncio.Queue()))
+    for job in jobs:
+        state.jobs.put(job)
+    return jobs
 
 
 def _usage(done) -> dict:
@@ -296,31 +324,86 @@ def _watching(request: Request, job: Job) -> asyncio.Task:
     return asyncio.get_running_loop().create_task(_watch(request, job))
 
 
-async def _complete(state: ServerState, job: Job, request: Request, kind: str) -> Response:
-    rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + job.rid
+async def _finished(job: Job, request: Request):
+    """Wait for ``job``'s Completion; None when its client left."""
     watcher = _watching(request, job)
     try:
         while True:
             ev, value = await job.events.get()
-            if ev == "gone":     # nobody will read an answer; counted in /metrics
-                return Response(status_code=CLIENT_GONE)
+            if ev == "gone":
+                return None
             if ev == "error":
                 raise value
             if ev == "done":
-                break
+                return value
     finally:
         watcher.cancel()
-    done = value
-    base = {"id": rid, "created": int(time.time()), "model": state.model_id, "usage": _usage(done),
-            "ggpipe": {"tokens": done.tokens, "n_reused": done.n_reused, "metrics": done.metrics,
-                       "decoder": done.decoder}}
-    reason = FINISH[done.finish_reason]
+
+
+def _logprobs(state: ServerState, done, kind: str) -> dict | None:
+    """OpenAI's ``logprobs`` of a choice: the chat shape (``content``: one
+    entry per token, with its ``top_logprobs``) or the completions shape
+    (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``); a
+    final end-of-generation token is left out, as its text is."""
+    if done.logprobs is None:
+        return None
+    entries = done.logprobs
+    if done.finish_reason == "stop" and entries and done.tokens and state.is_eog(done.tokens[-1]):
+        entries = entries[:-1]
+
+    def text(t: int) -> tuple[str, list[int]]:
+        b = state.piece(t)
+        return b.decode("utf-8", "replace"), list(b)
+
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": done.text}, "logprobs": None,
-                  "finish_reason": reason}
-        return JSONResponse({"object": "chat.completion", "choices": [choice], **base})
-    choice = {"index": 0, "text": done.text, "logprobs": None, "finish_reason": reason}
-    return JSONResponse({"object": "text_completion", "choices": [choice], **base})
+        content = []
+        for e in entries:
+            tok, raw = text(e.token)
+            content.append({"token": tok, "logprob": e.logprob, "bytes": raw,
+                            "top_logprobs": [{"token": text(t)[0], "logprob": lp, "bytes": text(t)[1]}
+                                             for t, lp in e.top]})
+        return {"content": content}
+    tokens, offsets, at = [], [], 0
+    for e in entries:
+        tok = text(e.token)[0]
+        tokens.append(tok)
+        offsets.append(at)
+        at += len(tok)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{text(t)[0]: lp for t, lp in e.top} for e in entries], "text_offset": offsets}
+
+
+async def _complete(state: ServerState, jobs: list[Job], request: Request, kind: str) -> Response:
+    rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + jobs[0].rid
+    done = []
+    try:
+        for job in jobs:
+            d = await _finished(job, request)
+            if d is None:     # nobody will read an answer; counted in /metrics
+                return Response(status_code=CLIENT_GONE)
+            done.append(d)
+    finally:
+        for job in jobs:
+            if not job.finished:
+                job.cancelled.set()
+    usage = {"prompt_tokens": done[0].n_prompt, "completion_tokens": sum(len(d.tokens) for d in done)}
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    first = done[0]
+    base = {"id": rid, "created": int(time.time()), "model": state.model_id, "usage": usage,
+            "ggpipe": {"tokens": first.tokens, "n_reused": first.n_reused, "metrics": first.metrics,
+                       "decoder": first.decoder}}
+    if len(done) > 1:
+        base["ggpipe"]["choices"] = [{"tokens": d.tokens, "metrics": d.metrics} for d in done]
+    choices = []
+    for i, d in enumerate(done):
+        lp = _logprobs(state, d, kind)
+        if kind == "chat":
+            choices.append({"index": i, "message": {"role": "assistant", "content": d.text}, "logprobs": lp,
+                            "finish_reason": FINISH[d.finish_reason]})
+        else:
+            choices.append({"index": i, "text": d.text, "logprobs": lp, "finish_reason": FINISH[d.finish_reason]})
+    obj = "chat.completion" if kind == "chat" else "text_completion"
+    return JSONResponse({"object": obj, "choices": choices, **base})
 
 
 def _sse(obj) -> str:

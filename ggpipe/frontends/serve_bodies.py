@@ -3,8 +3,10 @@
 :class:`APIError` is the error every endpoint answers with (an OpenAI-style
 ``{"error": {"message", "type", "param", "code"}}`` body); the pydantic models
 are the bodies of ``/v1/chat/completions`` and ``/v1/completions`` (strict
-types; a field ggpipe does not implement is refused with 400 naming it,
-unless its value asks for nothing: :data:`NOT_IMPLEMENTED`); :func:`parse_body` reads a request's body,
+types; the constraint fields checked as batch records' are,
+ggpipe.frontends.request_fields; a field ggpipe does not implement is
+refused with 400 naming it, unless its value asks for nothing:
+:data:`NOT_IMPLEMENTED`); :func:`parse_body` reads a request's body,
 bounded by ``--max-body-bytes``, and validates it, turning pydantic's report
 into one line.
 """
@@ -23,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from ggpipe.frontends.request_limits import MESSAGES_MAX, ROLES, STOP_MAX, TEMPERATURE_MAX, template_role
 from ggpipe.frontends.serve_state import Job, ServerState, state_of
+from ggpipe.sampling import TOP_LOGPROBS_MAX
 
 # -- errors ------------------------------------------------------------------------------
 
@@ -85,12 +88,12 @@ PosInt = Annotated[StrictInt, Field(ge=1)]
 #: default; ``null`` too): such a value is accepted, any other is refused
 #: with 400 naming the field, never silently ignored.
 NOT_IMPLEMENTED: dict[str, tuple] = {
-    "frequency_penalty": (0,), "presence_penalty": (0,), "repeat_penalty": (1,), "min_p": (0,),
-    "typical_p": (1,), "tfs_z": (1,), "mirostat": (0,), "logit_bias": ({},), "best_of": (1,),
-    "logprobs": (False, 0), "top_logprobs": (0,), "n_probs": (0,), "tools": ([],), "tool_choice": ("none",),
-    "functions": ([],), "function_call": ("none",), "parallel_tool_calls": (False, True),
-    "response_format": ({"type": "text"},), "grammar": ("",), "json_schema": ({},), "suffix": ("",),
+    "typical_p": (1,), "tfs_z": (1,), "mirostat": (0,), "best_of": (1,), "n_probs": (0,), "tools": ([],),
+    "tool_choice": ("none",), "functions": ([],), "function_call": ("none",), "parallel_tool_calls": (False, True),
+    "suffix": ("",),
 }
+#: Most choices one request may ask for (``n``): each is one more request through the pipeline.
+N_MAX = 8
 #: Fields accepted that do not change the output: ``user`` (OpenAI's end-user
 #: id, metadata) and ``model`` (one model is served; its name is echoed).
 METADATA = ("user",)
@@ -143,8 +146,22 @@ class _Body(BaseModel):
     stop: StrictStr | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(max_length=STOP_MAX)] | None = None
     stream: StrictBool = False
     stream_options: dict[str, Any] | None = None
-    n: Annotated[StrictInt, Field(ge=1, le=1)] = 1
+    n: Annotated[StrictInt, Field(ge=1, le=N_MAX)] = 1
     echo: StrictBool = False
+    # the constraints (ggpipe.frontends.request_fields checks their types and bounds, as for batch records)
+    min_p: Any = None
+    repeat_penalty: Any = None
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
+    repeat_last_n: Any = None
+    logit_bias: Any = None
+    response_format: Any = None
+    json_schema: Any = None
+    grammar: Any = None
+
+    def logprobs_k(self) -> int:
+        """Top log-probabilities per token asked for; -1: none."""
+        return -1
 
     def stops(self) -> list[str]:
         if self.stop is None:
@@ -178,11 +195,26 @@ class ChatMessage(BaseModel):
 class ChatBody(_Body):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MESSAGES_MAX)]
     max_completion_tokens: PosInt | None = None
+    logprobs: StrictBool | None = None      # OpenAI's chat shape: a switch, and top_logprobs
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=TOP_LOGPROBS_MAX)] | None = None
+
+    def logprobs_k(self) -> int:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else -1
 
 
 class CompletionBody(_Body):
     # text, a list of one text, or token ids
     prompt: StrictStr | list[StrictStr] | list[Annotated[StrictInt, Field(ge=0)]]
+    # the completions shape: how many top log-probabilities (false: none, as clients send by default)
+    logprobs: StrictBool | Annotated[StrictInt, Field(ge=0, le=TOP_LOGPROBS_MAX)] | None = None
+
+    def logprobs_k(self) -> int:
+        if self.logprobs is True:
+            raise APIError(400, f"logprobs: the completions endpoint takes a count (0..{TOP_LOGPROBS_MAX}) of top "
+                           "log-probabilities per token", param="logprobs")
+        return -1 if self.logprobs is None or self.logprobs is False else self.logprobs
 
 
 

@@ -59,6 +59,8 @@ class ServerState:
         model_id: the name clients see (``/v1/models``, ``model`` fields).
         n_ctx, n_vocab: the context size and vocabulary size (tokens).
         n_predict: default max_tokens; sampling: default sampling settings.
+        piece: token id -> its bytes (the log-probabilities' token texts);
+            is_eog: token id -> an end-of-generation token?
         api_key: required bearer token, or None.
         access: Host / Origin allow-lists and the body size limit (http_guard).
         max_queue: most requests waiting; more get 503.
@@ -74,6 +76,8 @@ class ServerState:
     n_vocab: int
     n_predict: int
     sampling: SamplingParams
+    piece: Callable[[int], bytes] = lambda t: b""
+    is_eog: Callable[[int], bool] = lambda t: False
     api_key: str | None = None
     access: Access = field(default_factory=Access)
     max_queue: int = 64

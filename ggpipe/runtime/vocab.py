@@ -58,6 +58,16 @@ class Vocab:
         """End-of-generation token (EOS, EOT, ...)?"""
         return bool(self._L.llama_vocab_is_eog(self._vocab, int(token)))
 
+    def grammar(self, gbnf: str):
+        """A :class:`ggpipe.runtime.grammar.Grammar` of ``gbnf`` on this
+        vocabulary (one sequence's; ggpipe.sampling.LogitMask).
+
+        Raises:
+            ConfigError: llama.cpp cannot parse the grammar."""
+        from ggpipe.runtime.grammar import Grammar  # noqa: PLC0415
+
+        return Grammar(self._vocab, self.n_vocab, gbnf)
+
     def detokenizer(self) -> "Detokenizer":
         return Detokenizer(self)
 

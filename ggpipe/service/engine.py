@@ -27,7 +27,7 @@ import numpy as np
 from ggpipe.metrics import GenerationClock
 from ggpipe.runtime.vocab import Vocab, check_prompt_fits
 from ggpipe.kv_reuse import reusable_prefix
-from ggpipe.sampling import Sampler, SamplingParams
+from ggpipe.sampling import Sampler, SamplingParams, TokenLogprob
 from ggpipe.cluster.session import Session
 from ggpipe.decoding.factory import build_chain_drafter, build_decoder
 from ggpipe.decoding.mode import mode_class
@@ -78,6 +78,8 @@ class Completion:
         n_reused: prompt tokens whose KV cells were reused (not decoded).
         metrics: GenerationClock.as_dict() (TTFT, ITL, tokens/s; seconds).
         decoder: the mode's statistics (acceptance rate, target passes, ...).
+        logprobs: with log-probabilities asked for (``SamplingParams.logprobs``
+            >= 0), one ggpipe.sampling.TokenLogprob per token; else None.
     """
 
     tokens: list[int]
@@ -87,10 +89,15 @@ class Completion:
     n_reused: int
     metrics: dict
     decoder: dict = field(default_factory=dict)
+    logprobs: list[TokenLogprob] | None = None
 
     def as_dict(self) -> dict:
-        return dict(tokens=self.tokens, text=self.text, finish_reason=self.finish_reason, n_prompt=self.n_prompt,
-                    n_reused=self.n_reused, metrics=self.metrics, decoder=self.decoder)
+        out = dict(tokens=self.tokens, text=self.text, finish_reason=self.finish_reason, n_prompt=self.n_prompt,
+                   n_reused=self.n_reused, metrics=self.metrics, decoder=self.decoder)
+        if self.logprobs is not None:
+            out["logprobs"] = [{"token": lp.token, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
+                               for lp in self.logprobs]
+        return out
 
 
 def kernels_report(session: Session) -> dict:
@@ -231,6 +238,21 @@ class Engine:
         else:
             check_prompt_fits(n_prompt, n_predict, self.n_ctx)
 
+    def sampler(self, sampling: SamplingParams, context: list[int]) -> Sampler:
+        """A request's sampler: its penalties see ``context`` (the prompt's
+        token ids), its grammar (``sampling.grammar``) is built on the
+        model's vocabulary.
+
+        Raises:
+            ConfigError: invalid settings, a logit bias on a token outside
+                the vocabulary, a grammar llama.cpp cannot parse.
+        """
+        for tok, _ in sampling.logit_bias:
+            if not 0 <= tok < self.vocab.n_vocab:
+                raise ConfigError(f"logit_bias: token {tok} is outside the vocabulary (0..{self.vocab.n_vocab - 1})")
+        grammar = self.vocab.grammar(sampling.grammar) if sampling.grammar is not None else None
+        return Sampler(sampling, history=context, grammar=grammar)
+
     # -- the KV cache --------------------------------------------------------------
 
     def reset(self) -> None:
@@ -283,7 +305,8 @@ class Engine:
             activity.set(f"answering a request ({len(toks)} prompt tokens, {self.mode})", clock)
         waits0, cpu0 = dict(self.waiter.stats), time.thread_time()
         try:
-            out = self.decoder.generate(np.asarray(toks[start:], dtype=np.int32), n_predict, Sampler(sampling),
+            sampler = self.sampler(sampling, toks)
+            out = self.decoder.generate(np.asarray(toks[start:], dtype=np.int32), n_predict, sampler,
                                         start_pos=start, emit=stream.emit, clock=clock, history=toks[:start])
         finally:
             if activity is not None:
@@ -293,7 +316,8 @@ class Engine:
         self.kv_tokens = toks + out[:-1]
         self.last = Completion(tokens=[int(t) for t in out], text=stream.text, finish_reason=reason,
                                n_prompt=len(toks), n_reused=start, metrics=clock.as_dict(),
-                               decoder={**self.decoder.stats, **self._head_stats(waits0, cpu0)})
+                               decoder={**self.decoder.stats, **self._head_stats(waits0, cpu0)},
+                               logprobs=sampler.logprobs[:len(out)] if sampling.logprobs >= 0 else None)
         return self.last
 
     # -- requests through one loop: submit, step ------------------------------------------
@@ -318,7 +342,7 @@ class Engine:
         toks = [int(t) for t in tokens]
         if self.scheduler is None:
             self.check_fits(len(toks), n_predict)
-            job = Job(toks, n_predict, Sampler(sampling))
+            job = Job(toks, n_predict, None)     # generate() builds its sampler
             job.on_done = lambda j: on_done(None if j.cancelled else self.last)
             self._queue.append((job, dict(sampling=sampling, on_text=on_text, stop=stop, should_stop=should_stop)))
             return job
@@ -340,9 +364,10 @@ class Engine:
                                decoder={"slot": job.slot, "queue_s": round(job.queue_s, 4),
                                         "parallel": self.parallel, "drafted": job.drafted,
                                         "draft_accepted": job.draft_accepted,
-                                        "acceptance_rate": job.draft_accepted / job.drafted if job.drafted else None}))
+                                        "acceptance_rate": job.draft_accepted / job.drafted if job.drafted else None},
+                               logprobs=job.sampler.logprobs[:len(out)] if sampling.logprobs >= 0 else None))
 
-        job = Job(toks, n_predict, Sampler(sampling), emit=stream.emit, on_done=done)
+        job = Job(toks, n_predict, self.sampler(sampling, toks), emit=stream.emit, on_done=done)
         self.scheduler.submit(job)
         return job
 

@@ -34,7 +34,6 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ggpipe.logits import argmax
 from ggpipe.sampling import Sampler, target_probs
 
 
@@ -49,7 +48,10 @@ def verify_step(logits: np.ndarray, child_tokens: Sequence[int], child_q: Sequen
         child_q: per child, the draft distribution (float64 (n_vocab,)) it
             was drawn from; only read when sampling is stochastic and the
             children were drawn (not ``chosen``).
-        sampler: the head's sampler (its params and seeded RNG).
+        sampler: the head's sampler of this sequence (its params, seeded
+            RNG and constraints); the decided token is accepted into it
+            (:meth:`~ggpipe.sampling.Sampler.accept`), so positions must be
+            decided in order.
         chosen: the children were chosen deterministically by the draft
             (distinct tokens, no q): point masses (module docstring).
 
@@ -64,25 +66,29 @@ def verify_step(logits: np.ndarray, child_tokens: Sequence[int], child_q: Sequen
     params = sampler.params
     if params.greedy or chosen:
         # greedy: the argmax, of a full row or a compact one (ggpipe.logits); chosen children: one draw from p
-        t = argmax(logits) if params.greedy else sampler.sample(logits)
+        t = sampler.sample(logits)
         for k, c in enumerate(child_tokens):
             if c == t:
                 return t, k
         return t, None
-    p = target_probs(logits, params)
+    # p: the target's distribution at this position, its constraints (bias, penalties, grammar) included
+    p = target_probs(sampler.constrain(logits), params)
     rng = sampler.rng
     for k, (x, q) in enumerate(zip(child_tokens, child_q)):
         if q is None:
             raise ValueError("stochastic verification needs the draft distribution of every child")
         qx = float(q[x])
         if qx > 0.0 and rng.random() * qx < p[x]:  # r < p(x)/q(x), without dividing
+            sampler.accept(int(x))
             return int(x), k
         resid = np.maximum(p - q, 0.0)
         total = resid.sum()
         if total <= 0.0:  # p <= q everywhere: p == q; any draw from p is fine
             break
         p = resid / total
-    return sampler.sample_from(p), None
+    t = sampler.sample_from(p)
+    sampler.accept(t)
+    return t, None
 
 
 def walk_tree(children_of: Callable[[int], list[int]], token_of: Callable[[int], int],
