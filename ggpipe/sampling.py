@@ -195,8 +195,10 @@ class LogitMask(Protocol):
     grammar does not allow next to -inf; :meth:`accept` moves it past a
     decided token."""
 
-    def mask(self, logits: np.ndarray) -> np.ndarray:
-        """float32 (n_vocab,) -> float32 (n_vocab,), disallowed tokens -inf."""
+    def mask(self, logits: np.ndarray, best: int = 0) -> np.ndarray:
+        """float32 (n_vocab,) -> float32 (n_vocab,), disallowed tokens -inf;
+        with ``best`` > 0 also every token outside the ``best`` most likely
+        allowed ones (all a greedy choice or top-k filter reads)."""
 
     def accept(self, token: int) -> None:
         """The token was decided (raises ValueError if the grammar refuses it)."""
@@ -387,7 +389,8 @@ class Sampler:
             v -= counts * np.float32(p.frequency_penalty) + np.float32(p.presence_penalty)
             x[ids] = v
         if self.grammar is not None:
-            x = self.grammar.mask(x)
+            # greedy reads the best allowed token, top-k sampling the k best: the grammar is asked about those first
+            x = self.grammar.mask(x, best=1 if p.greedy else max(p.top_k, 0))
             if np.isneginf(x).all():
                 raise ValueError("the grammar allows no token here")
         return x

@@ -253,6 +253,27 @@ def test_no_control_character_inside_a_json_string(vocab, schema):
     assert ok[letter] and not ok[newline]
 
 
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05)],
+                         ids=["greedy", "top-k"])
+def test_asking_the_grammar_about_the_best_tokens_first_decides_the_same(vocab, params):
+    """Grammar.mask(best=k) (the k most likely allowed tokens, all else
+    -inf) gives the same distribution as the whole vocabulary masked, in
+    JSON structure (few tokens allowed) and inside strings (most allowed)."""
+    from ggpipe.runtime.grammar import json_grammar
+
+    gbnf = json_grammar(SCHEMA)
+    fast, full = vocab.grammar(gbnf), vocab.grammar(gbnf)
+    rng = np.random.default_rng(9)
+    for t in vocab.tokenize('{"name": "Ada Byron", "age": 36, "tags": ["a"]}', add_special=False):
+        for _ in range(3):
+            x = (rng.normal(0, 2, vocab.n_vocab) * rng.choice([1, 4])).astype(np.float32)
+            best = 1 if params.greedy else params.top_k
+            assert np.array_equal(target_probs(fast.mask(x, best=best), params),
+                                  target_probs(full.mask(x), params))
+        fast.accept(int(t))
+        full.accept(int(t))
+
+
 def test_json_object_and_a_bad_grammar(vocab):
     from ggpipe.runtime.grammar import json_grammar
 
@@ -262,6 +283,8 @@ def test_json_object_and_a_bad_grammar(vocab):
     assert allowed and all(a.lstrip().startswith("{") or not a.strip() for a in allowed)
     with pytest.raises(ConfigError, match="grammar: llama.cpp cannot parse it: .*expecting"):
         vocab.grammar("root ::= (")
+    with pytest.raises(ValueError, match="does not allow token"):    # not llama.cpp's abort
+        s.accept(int(vocab.tokenize("x", add_special=False)[0]))
 
 
 @pytest.mark.parametrize("schema, where", [
