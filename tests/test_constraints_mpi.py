@@ -129,3 +129,49 @@ def test_constraints_in_continuous_batching(goliath, tmp_path):
     for i in range(3):
         jsonschema.validate(json.loads(recs[i]["text"]), SCHEMA)
     assert recs[9]["finish_reason"] == "length"
+
+
+def test_penalties_equal_llama_server(goliath, banned):
+    """Against llama-server itself (the peer build of scripts/peer_llamacpp.py;
+    skipped where it was not built): ``/completion`` at temperature 0 with
+    the same penalties and bias returns the same token ids."""
+    import importlib.util
+    import socket
+    import subprocess
+    import time
+    import urllib.request
+
+    from tests.conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("peer_llamacpp", ROOT / "scripts" / "peer_llamacpp.py")
+    peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer)
+    server = peer.bin_path("llama-server")
+    if EXACT or not server.exists():
+        pytest.skip("llama-server of llama.cpp's default build is not built (python scripts/peer_llamacpp.py build)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = subprocess.Popen([str(server), "-m", str(goliath), "-t", "1", "--port", str(port), "-c", "2048",
+                          "--no-warmup"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _, bias = banned
+        body = json.dumps({"prompt": PROMPT, "n_predict": N, "temperature": 0, "return_tokens": True,
+                           "cache_prompt": False, "logit_bias": [list(b) for b in bias], **PENALTIES}).encode()
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", data=body,
+                                             headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=120) as r:
+                    theirs = json.load(r)["tokens"]
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+    finally:
+        p.terminate()
+        p.wait(30)
+    ours = generate_json(goliath, PROMPT, N, 2, _flags(bias))["tokens"]
+    assert ours == theirs
