@@ -18,6 +18,7 @@ thread only) to reproduce the paper's CPU-time figures.
 
 from __future__ import annotations
 
+import errno
 import os
 import resource
 import socket
@@ -214,6 +215,10 @@ def _ru_maxrss_bytes() -> int:
     return r if sys.platform == "darwin" else r * 1024  # Linux reports KiB
 
 
+#: errno values of "no file descriptor left" (the process's, the system's).
+_NO_DESCRIPTOR = (errno.EMFILE, errno.ENFILE)
+
+
 class MemorySampler:
     """Samples this process's memory on a daemon thread and keeps the peaks:
     RSS every ``interval_s`` seconds, PSS every ``pss_interval_s`` seconds and
@@ -261,15 +266,23 @@ class MemorySampler:
                 value = getattr(info, "pss", None)
                 if value is not None:
                     return int(info.rss), int(value)
-            except (psutil.AccessDenied, NotImplementedError, OSError):
-                pass
+            except (psutil.AccessDenied, NotImplementedError, OSError) as e:
+                if isinstance(e, OSError) and e.errno in _NO_DESCRIPTOR:
+                    raise           # for now: the process's files are all open (a connection flood)
             self._has_pss = False
         return int(self._proc.memory_info().rss), None
 
     def sample(self, pss: bool = True) -> tuple[int, int | None]:
         """Take one reading now, update the peaks; returns (rss, pss) bytes
-        (pss None when not read: ``pss=False``, or unavailable)."""
-        rss, pss = self._read(pss)
+        (pss None when not read: ``pss=False``, or unavailable). With no file
+        descriptor left to read ``/proc`` with (a connection flood), the
+        reading is skipped: the last rss, pss None."""
+        try:
+            rss, pss = self._read(pss)
+        except OSError as e:
+            if e.errno not in _NO_DESCRIPTOR:
+                raise
+            return self.rss_bytes, None
         with self._lock:
             self.rss_bytes = rss
             if pss is not None or not self._has_pss:

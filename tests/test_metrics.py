@@ -205,3 +205,31 @@ def test_rank_info():
     if info["cpu_affinity"] is not None:
         assert all(isinstance(c, int) for c in info["cpu_affinity"])
     json.dumps(info)
+
+
+def test_memory_sampler_skips_a_reading_when_no_descriptor_is_left(monkeypatch):
+    """Under a connection flood every descriptor can be taken: the sampler
+    skips that reading (was: its thread died with a traceback) and keeps PSS."""
+    import errno
+    import time
+
+    from ggpipe.metrics import MemorySampler
+
+    m = MemorySampler(interval_s=0.01)
+    m.start()
+    real = m._proc.memory_info
+    calls = {"n": 0}
+
+    def emfile():
+        calls["n"] += 1
+        if calls["n"] <= 3:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real()
+
+    monkeypatch.setattr(m._proc, "memory_info", emfile)
+    monkeypatch.setattr(m._proc, "memory_full_info", lambda: (_ for _ in ()).throw(OSError(errno.EMFILE, "x")))
+    deadline = time.monotonic() + 5
+    while calls["n"] < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert m._thread.is_alive() and calls["n"] >= 5
+    m.stop()

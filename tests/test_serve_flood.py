@@ -186,6 +186,6 @@ def test_failed_accepts_are_counted_not_logged_each(capfd):
 
 def test_the_default_cap_leaves_the_head_its_descriptors():
     assert default_max_connections(1024) == 768
-    assert default_max_connections(20_000) == 20_000 - 256
+    assert default_max_connections(20_000) == 20_000 - 2_500
     assert default_max_connections(100) == 50
     assert default_max_connections(10) == 16

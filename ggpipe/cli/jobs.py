@@ -99,7 +99,7 @@ def batch(ctx, prompts, output, progress, parallel, micro_batches, **kw):
 @click.option("--max-connections", default=None, type=click.IntRange(1),
               help=f"Most open connections; beyond it the oldest one that has not sent a whole request is closed, "
                    f"or, when every one is busy, the new one gets HTTP 503. Default: the open-file limit "
-                   f"(ulimit -n) less {RESERVED_FDS}.")
+                   f"(ulimit -n) less an eighth of it (at least {RESERVED_FDS}).")
 @click.option("--read-timeout", default=READ_TIMEOUT_S, show_default=True, type=Finite(0.1),
               help="Seconds a request's headers and body may take to arrive; then the connection is closed.")
 @click.option("--model-alias", default=None, help="Model name clients see (default: the GGUF file name).")

@@ -15,8 +15,9 @@ subclass of its h11 protocol and a subclass of its server
   not push back: a client that sends one header byte a second is still
   closed in time.
 * **A cap on open connections** (``--max-connections``; default
-  :func:`default_max_connections`: the open-file limit less
-  :data:`RESERVED_FDS` for the head's own files). A connection accepted
+  :func:`default_max_connections`: the open-file limit less an eighth of
+  it, at least :data:`RESERVED_FDS`, for the head's own files and the
+  descriptors of closed connections not yet freed). A connection accepted
   beyond it closes the oldest connection that has not sent a whole request
   (unfinished headers, or idle between requests), so a flood of unfinished
   requests cannot lock clients out; when every connection is busy with a
@@ -44,8 +45,15 @@ import time
 from dataclasses import dataclass, field
 
 #: File descriptors the default ``--max-connections`` leaves the head for its
-#: own use (the model's files, MPI's sockets, pipes, the log).
+#: own use (the model's files, MPI's sockets, pipes, the log), at least; and
+#: at least one in :data:`RESERVED_SHARE` of the limit: under a flood at the
+#: cap, each accept closes an older connection, but asyncio frees that
+#: descriptor only on a later turn of its loop, while it accepts up to 100
+#: at a time. With 256 to spare, 20,000 held connections still ran the head
+#: out of descriptors, and asyncio stops accepting for 1 s after each failure
+#: (``/health`` took up to 2.5 s); with one in eight, none failed.
 RESERVED_FDS = 256
+RESERVED_SHARE = 8
 #: The default ``--max-connections`` where the open-file limit is unlimited.
 UNLIMITED_DEFAULT = 65536
 #: Default ``--read-timeout``, seconds.
@@ -63,14 +71,15 @@ RESOURCE_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 def default_max_connections(nofile: int | None = None) -> int:
     """The default ``--max-connections``: the soft open-file limit
-    (``RLIMIT_NOFILE``, or ``nofile``) less :data:`RESERVED_FDS`, and at
+    (``RLIMIT_NOFILE``, or ``nofile``) less the larger of
+    :data:`RESERVED_FDS` and an eighth of it (:data:`RESERVED_SHARE`), and at
     least 16 (half the limit where it is below 2 x RESERVED_FDS);
     :data:`UNLIMITED_DEFAULT` where the limit is unlimited."""
     if nofile is None:
         nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if nofile == resource.RLIM_INFINITY or nofile < 0:
         return UNLIMITED_DEFAULT
-    room = nofile - RESERVED_FDS if nofile >= 2 * RESERVED_FDS else nofile // 2
+    room = nofile - max(RESERVED_FDS, nofile // RESERVED_SHARE) if nofile >= 2 * RESERVED_FDS else nofile // 2
     return max(16, room)
 
 
