@@ -175,3 +175,12 @@ def test_penalties_equal_llama_server(goliath, banned):
         p.wait(30)
     ours = generate_json(goliath, PROMPT, N, 2, _flags(bias))["tokens"]
     assert ours == theirs
+
+
+@pytest.mark.parametrize("mode", ["speculative", "pipedec"])
+@pytest.mark.parametrize("temp", ["0", "0.8"])
+def test_every_mode_under_a_json_schema(goliath, smollm2, mode, temp):
+    got = generate_json(goliath, "A city as JSON:", 64, 2, ["--mode", mode, "-md", str(smollm2), "--temp", temp,
+                                                           "--seed", "2", "--repeat-penalty", "1.2",
+                                                           "-j", json.dumps(SCHEMA)])
+    jsonschema.validate(json.loads(got["text"]), SCHEMA)
