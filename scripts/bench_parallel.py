@@ -119,10 +119,11 @@ class Server:
                 self.proc.wait(30)
 
 
-def one_request(port: int, prompt: str, n: int, out: dict) -> None:
-    """A streaming chat completion; fills ``out`` with send / chunk times and the token count."""
+def one_request(port: int, prompt: str, n: int, out: dict, fields: dict) -> None:
+    """A streaming chat completion (``fields`` added to its body); fills
+    ``out`` with send / chunk times and the token count."""
     body = json.dumps({"messages": [{"role": "user", "content": prompt}], "max_tokens": n, "temperature": 0,
-                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
+                       "stream": True, "stream_options": {"include_usage": True}, **fields}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
                                  headers={"Content-Type": "application/json"})
     out["sent"], out["chunks"], out["tokens"] = time.perf_counter(), [], None
@@ -149,10 +150,11 @@ def pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def drive(port: int, c: int, n: int) -> dict:
-    """C concurrent streaming requests; the figures of the module docstring."""
+def drive(port: int, c: int, n: int, fields: dict) -> dict:
+    """C concurrent streaming requests (``fields``: added to each body); the
+    figures of the module docstring."""
     outs = [{} for _ in range(c)]
-    ths = [threading.Thread(target=one_request, args=(port, PROMPTS[i % len(PROMPTS)], n, outs[i]))
+    ths = [threading.Thread(target=one_request, args=(port, PROMPTS[i % len(PROMPTS)], n, outs[i], fields))
            for i in range(c)]
     for t in ths:
         t.start()
@@ -296,9 +298,11 @@ def main() -> None:
                        ggpipe_server(model, size, 1 if kind == "ggpipe1" else c, a.n, port,
                                      a.before if kind == "ggpipe-before" else None, extra, a.rank_threads,
                                      a.alt_python if kind == "ggpipe-alt" else None))
+                # end of generation ignored: llama-server per request, ggpipe serve for the job (--ignore-eos)
+                fields = {"ignore_eos": True} if kind.startswith("llama-server") else {}
                 try:
-                    drive(port, 1, 4)                              # warm-up
-                    r = drive(port, c, a.n)
+                    drive(port, 1, 4, fields)                      # warm-up
+                    r = drive(port, c, a.n, fields)
                 finally:
                     srv.stop()
                 rows.append({"system": name, "round": rnd, **r})
