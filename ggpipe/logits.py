@@ -92,6 +92,7 @@ class TopRow:
 
     @property
     def shape(self) -> tuple[int]:
+        """The full row's shape, ``(n_vocab,)``."""
         return (self.n_vocab,)
 
 
@@ -108,10 +109,12 @@ class TopLogits:
 
     @property
     def shape(self) -> tuple[int, int]:
+        """The full rows' shape, ``(n, n_vocab)``."""
         return (int(self.ids.shape[0]), self.n_vocab)
 
     @property
     def k(self) -> int:
+        """Tokens kept per row."""
         return int(self.ids.shape[1])
 
     def __len__(self) -> int:

@@ -79,6 +79,10 @@ class GenerationClock:
         self._accept_n: list[int] = []
 
     def prompt_done(self) -> None:
+        """Record the end of prompt processing now.
+
+        Raises:
+            RuntimeError: called twice."""
         if self.t_prompt_done is not None:
             raise RuntimeError("GenerationClock.prompt_done() called twice")
         self.t_prompt_done = self._now()
@@ -103,6 +107,7 @@ class GenerationClock:
         self._accept_n.append(n)
 
     def finish(self) -> None:
+        """Record the end of the generation now (a later call changes nothing)."""
         if self.t_finish is None:
             self.t_finish = self._now()
 
@@ -297,6 +302,10 @@ class MemorySampler:
             self.sample(pss=time.monotonic() - self._pss_at >= self.pss_interval_s)
 
     def start(self) -> "MemorySampler":
+        """Take a first reading and start the sampling thread; returns ``self``.
+
+        Raises:
+            RuntimeError: already started."""
         if self._thread is not None:
             raise RuntimeError("MemorySampler already started")
         self.sample()

@@ -178,10 +178,12 @@ class Run:
 
     @property
     def n_tokens(self) -> int:
+        """Tokens in the run."""
         return int(self.tokens.shape[0])
 
     @property
     def n_outputs(self) -> int:
+        """Logit rows the run returns (tokens flagged in ``outputs``)."""
         return int(np.count_nonzero(self.outputs))
 
     @classmethod

@@ -38,6 +38,8 @@ class BaselineResult:
 
     @property
     def tokens_per_s(self) -> float | None:
+        """Generated tokens after the first / ``gen_s`` (tokens/s); None with
+        fewer than two tokens or no measured time."""
         n = len(self.tokens) - 1
         return n / self.gen_s if n > 0 and self.gen_s > 0 else None
 

@@ -54,6 +54,8 @@ class Config:
 
     @property
     def key(self) -> str:
+        """The run's file name stem: ``<mode>_r<ranks>_<link slug>_<prompt>_<repeat>``
+        (the link's characters other than letters, digits and dots become ``-``)."""
         slug = re.sub(r"[^A-Za-z0-9.]+", "-", self.link)
         return f"{self.mode}_r{self.ranks}_{slug}_{self.prompt}_{self.repeat}"
 
@@ -150,6 +152,9 @@ def generate_args(spec: BenchSpec, cfg: Config, prompt_file: Path) -> list[str]:
 
 
 def launch_command(spec: BenchSpec, cfg: Config, prompt_file: Path) -> list[str]:
+    """The full command line of one configuration: the spec's launcher (its
+    ``{ranks}`` filled in; ``mpiexec``/``mpirun`` resolved to the installed
+    launcher), the ggpipe command, and :func:`generate_args`."""
     prefix = shlex.split(spec.launcher.format(ranks=cfg.ranks))
     if prefix and prefix[0] in ("mpiexec", "mpirun"):
         prefix[0] = find_launcher(prefix[0])

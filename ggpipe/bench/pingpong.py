@@ -40,6 +40,10 @@ def pingpong(transport, peer: int, nbytes: int, iters: int, warmup: int = 5) -> 
 
 
 def main() -> None:
+    """Command-line entry (``--bytes``, ``--iters``): ranks 0 and 1 ping-pong
+    through a :class:`~ggpipe.transport.mpi.Transport`; rank 0 prints the JSON
+    line. Raises SystemExit when not started under an MPI launcher with at
+    least 2 ranks; further ranks take no part."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bytes", type=int, default=2344, help="message size (bytes); 2344 = one SmolLM2 hidden state")
     ap.add_argument("--iters", type=int, default=50)

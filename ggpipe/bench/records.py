@@ -120,6 +120,8 @@ def run_one(spec: BenchSpec, cfg: Config, prompt_file: Path, out: Path, env_info
 
 
 def save_record(out: Path, rec: dict) -> None:
+    """Write ``rec`` to ``OUT/runs/<key>.json`` (its ``config.key``), through a
+    temporary file and a rename, so a stored record is never half written."""
     path = out / "runs" / f"{rec['config']['key']}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -128,6 +130,8 @@ def save_record(out: Path, rec: dict) -> None:
 
 
 def load_record(out: Path, cfg: Config) -> dict | None:
+    """The stored record of ``cfg`` (``OUT/runs/<key>.json``), or None when it
+    is absent or unreadable."""
     path = out / "runs" / f"{cfg.key}.json"
     if not path.is_file():
         return None

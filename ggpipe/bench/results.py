@@ -95,6 +95,9 @@ def check_exactness(spec: BenchSpec, records: dict[Config, dict]) -> list[str]:
 
 
 def write_csv(path: Path, rows: list[dict], columns: list[str] = COLUMNS) -> None:
+    """Write ``rows`` to the CSV file ``path`` (its folder created): a header of
+    ``columns``, keys not among them left out, None as an empty cell, floats
+    with 6 significant digits."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")

@@ -22,6 +22,8 @@ __all__ = ["models_group", "split_command"]
 
 
 def human_size(n: int) -> str:
+    """``n`` bytes in decimal units: ``512 B``, ``1.5 KB``, ``270.9 MB``,
+    ``4.1 GB`` (GB the largest)."""
     x = float(n)
     for unit in ("B", "KB", "MB", "GB"):
         if x < 1000 or unit == "GB":

@@ -196,6 +196,10 @@ def simulate_command(profile_path, target, draft, modes, ranks, links, split, ac
 
 
 def format_table(rows: list[dict]) -> str:
+    """The Markdown table ``ggpipe simulate`` prints: one row per simulated
+    configuration (link, ranks, mode, parallel, tokens/s, aggregate tokens/s,
+    TTFT and ITL in ms, accepted tokens per pass, acceptance rate, each rank's
+    busy share); ``-`` where a value is None."""
     head = ("| link | ranks | mode | parallel | tokens/s | aggregate tokens/s | TTFT ms | ITL ms | tokens/pass | "
             "acceptance | busy share per rank |")
     out = [head, "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]

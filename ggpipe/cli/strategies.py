@@ -125,6 +125,9 @@ class JobCommand(click.Command):
     its arguments or shows its help, placed after ``--mode``."""
 
     def get_params(self, ctx: click.Context) -> list[click.Parameter]:
+        """click's parameters of the command, with every registered strategy's
+        options (:func:`strategy_params`) inserted right after ``--mode`` (at the
+        end when the command has no ``--mode``)."""
         params = super().get_params(ctx)
         at = next((i + 1 for i, p in enumerate(params) if p.name == "mode"), len(params))
         return [*params[:at], *strategy_params(), *params[at:]]

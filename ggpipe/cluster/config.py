@@ -148,6 +148,9 @@ class ClusterConfig:
         return [m.strip() for m in self.draft_model.split(",")]
 
     def digest(self) -> str:
+        """16 hex digits of the SHA-256 of every field (sorted JSON): ranks
+        started with different settings have different digests (the start-up's
+        HELLO compares them, ggpipe.cluster.startup)."""
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -94,6 +94,8 @@ def place_ranks(n_ranks: int, hosts: list[tuple[str, int]] | None, map_by: str =
 
 
 def is_this_host(host: str) -> bool:
+    """``host`` names the local host: its host name, the name's first label,
+    ``localhost``, ``127.0.0.1`` or ``::1``."""
     me = socket.gethostname()
     return host in (me, me.split(".")[0], "localhost", "127.0.0.1", "::1")
 
@@ -115,6 +117,12 @@ def parse_bytes(text: str) -> int:
 
 @dataclass
 class RankPlan:
+    """One rank of a :class:`Plan`: its host, the model it holds (``target``,
+    ``draft``, or ``target+draft`` for a head that holds the whole draft), its
+    layer range [start, stop) of ``n_layer`` layers (``draft_layers``: the
+    draft's, on a head that holds the whole draft), threads, and the bytes of
+    its weights and KV cache."""
+
     rank: int
     host: str
     model: str  # "target", "draft" or "target+draft" (the head holding the whole draft)
@@ -127,11 +135,17 @@ class RankPlan:
 
     @property
     def total_bytes(self) -> int:
+        """Weights and KV cache together (bytes)."""
         return self.weights_bytes + self.kv_bytes
 
 
 @dataclass
 class Plan:
+    """What ``ggpipe plan`` shows: every rank's :class:`RankPlan`, the launch
+    command, each host's memory (bytes, None where unknown), warnings, and,
+    where asked for, the balanced split (``--balance``) and the ``--parallel``
+    slots (slots, cells per slot, micro-batches in flight)."""
+
     ranks: list[RankPlan]
     command: list[str] = field(default_factory=list)
     host_memory: dict[str, int | None] = field(default_factory=dict)
@@ -140,12 +154,17 @@ class Plan:
     slots: dict | None = None    # batch/serve with --parallel > 1: slots, cells per slot, micro-batches in flight
 
     def host_totals(self) -> dict[str, int]:
+        """Host -> bytes of weights and KV cache of all its ranks."""
         out: dict[str, int] = {}
         for r in self.ranks:
             out[r.host] = out.get(r.host, 0) + r.total_bytes
         return out
 
     def as_dict(self) -> dict:
+        """The plan as JSON-ready data (``ggpipe plan --json``): ``command``,
+        ``ranks`` (each with ``total_bytes``), ``hosts`` (their ranks,
+        ``total_bytes`` and ``memory_bytes``), ``warnings``, and ``balance`` and
+        ``slots`` where set."""
         return {"command": self.command, "ranks": [dict(asdict(r), total_bytes=r.total_bytes) for r in self.ranks],
                 "hosts": {h: {"ranks": [r.rank for r in self.ranks if r.host == h], "total_bytes": t,
                               "memory_bytes": self.host_memory.get(h)} for h, t in self.host_totals().items()},
@@ -240,6 +259,8 @@ def _shape_warning(name: str, shape: str) -> str:
 
 
 def fmt_bytes(n: int | None) -> str:
+    """``n`` bytes in binary units (``512 B``, ``1.5 KiB`` ... ``TiB``);
+    ``?`` for None."""
     if n is None:
         return "?"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -334,6 +355,8 @@ def launcher_command(flavor: str, n_ranks: int, hostfile: str | None, map_by: st
 
 
 def shell_join(args: list[str]) -> str:
+    """``args`` as one shell command line, each quoted where needed
+    (:func:`shlex.join`)."""
     return shlex.join(args)
 
 

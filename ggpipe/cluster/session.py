@@ -103,9 +103,13 @@ class Session:
 
     @property
     def is_head(self) -> bool:
+        """This rank is the head (rank 0)."""
         return self.rank == 0
 
     def rank_stats(self) -> dict:
+        """This rank's statistics: its identity (:func:`ggpipe.metrics.rank_info`),
+        model, layer range, threads and memory readings (bytes,
+        :meth:`ggpipe.metrics.MemorySampler.report`)."""
         info = rank_info(self.rank)
         info.update(model=self.roles.model_of(self.rank), layers=list(self.layers),
                     threads=self.stage.spec.n_threads, **self.memory.report())
@@ -156,6 +160,9 @@ class Session:
             self.liveness.stop(leaving=True)
 
     def close(self) -> None:
+        """Release this rank's resources: stop the heartbeats, the memory
+        sampler, and free the llama.cpp stages (the target's and, on a head
+        holding it, the draft's)."""
         if self.liveness is not None:  # leaving; the peers' last heartbeats received before MPI_Finalize
             self.liveness.close()
         self.memory.stop()

@@ -73,7 +73,8 @@ class SlotDrafter(Protocol):
     has_ranks: bool
 
     @property
-    def step_s(self) -> float | None: ...
+    def step_s(self) -> float | None:
+        """Seconds per drafted token: None until measured, 0.0 for an instant drafter."""
 
     def __call__(self, context: list[int], k: int) -> list[int]:
         """Up to ``k`` tokens that may follow ``context`` (token ids)."""
@@ -106,6 +107,7 @@ class LookupDrafter:
         """Nothing to follow."""
 
     def caught_up(self, context: list[int]) -> bool:
+        """Always True: a lookup has no KV to catch up."""
         return True
 
     def settle(self) -> None:
@@ -164,6 +166,8 @@ class ChainDrafter:
 
     @property
     def step_s(self) -> float | None:
+        """0.0 for an instant proposer; otherwise the proposer's measured seconds
+        per drafted token (None until measured)."""
         return 0.0 if self.proposer.instant else self.proposer.step_s
 
     def __call__(self, context: list[int], k: int) -> list[int]:

@@ -34,6 +34,8 @@ class Iterative(Mode):
 
     @classmethod
     def build(cls, ctx: BuildContext) -> "Iterative":
+        """The iterative loop over ``ctx.target`` (draft pipelines and speculation
+        settings unused)."""
         return cls(ctx.target, ctx.n_ubatch, ctx.is_eog)
 
     def open(self, prompt: np.ndarray, n_predict: int, sampler: Sampler, start_pos: int, emit: Emit,

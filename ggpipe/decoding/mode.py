@@ -140,6 +140,11 @@ class Mode:
 
     @classmethod
     def build(cls, ctx: BuildContext) -> "Mode":  # pragma: no cover - abstract
+        """The mode's instance over ``ctx``'s target (and, for a mode that drafts,
+        its draft pipelines and speculation settings).
+
+        Raises:
+            ConfigError: settings the mode cannot be built from."""
         raise NotImplementedError
 
     # -- the loop -----------------------------------------------------------

@@ -43,6 +43,9 @@ class PipeInfer(Drafting):
 
     @classmethod
     def runs_in_flight(cls, spec: SpecSettings) -> int:
+        """``--max-inflight`` + 2: the speculative runs ``--max-inflight``
+        allows, plus two partitions of headroom (a run's partition returns to the
+        pool only once the run is retired)."""
         return spec.max_inflight + 2
 
     def _may_speculate(self) -> bool:

@@ -73,6 +73,9 @@ class Drafting(Mode):
 
     @classmethod
     def runs_in_flight(cls, spec: SpecSettings) -> int:  # pragma: no cover - abstract
+        """The most speculative runs the mode keeps in flight at once under
+        ``spec``: each may hold a KV partition of ``--branches`` sequence ids
+        (:meth:`seq_ids`)."""
         raise NotImplementedError
 
     @classmethod
@@ -112,14 +115,21 @@ class Drafting(Mode):
 
     @property
     def acceptance(self):
+        """The core's :class:`~ggpipe.speculation.adaptive.AcceptanceModel`: P(a
+        draft token is accepted) against the draft's probability, learnt across
+        requests."""
         return self.core.acceptance
 
     @property
     def pass_cost(self):
+        """The core's :class:`~ggpipe.speculation.adaptive.PassCost`: target
+        seconds per pass against tokens per pass, learnt across requests."""
         return self.core.pass_cost
 
     @property
     def decode_rate(self):
+        """The core's :class:`~ggpipe.speculation.adaptive.DecodeRate`: tokens
+        decided per second of decoding, learnt across requests."""
         return self.core.decode_rate
 
     @property
@@ -327,6 +337,7 @@ class Speculative(Drafting):
 
     @classmethod
     def runs_in_flight(cls, spec: SpecSettings) -> int:
+        """1: synchronous speculation verifies one tree at a time."""
         return 1
 
     def _new_root(self, token: int) -> None:

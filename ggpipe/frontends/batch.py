@@ -87,6 +87,8 @@ class BatchItem:
 
     @property
     def key(self) -> str:
+        """The item's id as canonical JSON text (:func:`id_key`: ``1`` and ``"1"``
+        stay different ids)."""
         return id_key(self.id)
 
 
@@ -240,6 +242,9 @@ class BatchRunner:
         self.signal: int | None = None
 
     def on_signal(self, signum, frame) -> None:  # noqa: ARG002 (signal handler signature)
+        """Signal handler (SIGINT, SIGTERM): remember ``signum``; the run drops
+        the queued requests, stops the running ones at their next token, and
+        returns 128 + ``signum``."""
         self.signal = signum
 
     def prepare(self) -> list[tuple[BatchItem, object]]:

@@ -199,4 +199,5 @@ class RecordWriter:
                               f"written before are kept: free space and run the same command again") from None
 
     def close(self) -> None:
+        """Close the output file's descriptor."""
         os.close(self.fd)

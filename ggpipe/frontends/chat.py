@@ -210,16 +210,22 @@ class ChatLoop:
         self.reset()
 
     def reset(self) -> None:
+        """Start a new conversation: only the system prompt (if any) stays, and
+        the engine's KV caches are cleared."""
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
         self.engine.reset()
 
     def on_sigint(self, signum, frame) -> None:  # noqa: ARG002 (signal handler signature)
+        """SIGINT handler: while a reply is generated, stop it at the next
+        accepted token; at the input prompt, raise KeyboardInterrupt (the chat
+        ends)."""
         if self.replying:
             self.interrupted = True
         else:
             raise KeyboardInterrupt
 
     def say(self, text: str) -> None:
+        """Write ``text`` to the output stream and flush it."""
         self.out.write(text)
         self.out.flush()
 
@@ -243,6 +249,9 @@ class ChatLoop:
             return ""
 
     def run(self) -> int:
+        """The read-reply loop until ``/quit``, ``/exit``, end of input or Ctrl-C
+        at the prompt; answers ``/reset`` and ``/stats``, sends every other
+        non-empty line as a user turn. Returns the exit code (0)."""
         if self.interactive:
             self.say(f"ggpipe chat ({self.engine.mode}); {HELP}\n")
         while True:

@@ -18,6 +18,10 @@ from ggpipe.sampling import SamplingParams
 
 @dataclass
 class GenerateRequest:
+    """What ``ggpipe generate`` asks for: the prompt text, the most tokens to
+    generate, the sampling settings, and ``chat``: render the prompt as one
+    user message with the model's chat template."""
+
     prompt: str
     n_predict: int = 128
     sampling: SamplingParams = field(default_factory=SamplingParams)

@@ -79,6 +79,9 @@ class GuardedH11Protocol(H11Protocol):
         self._track()
 
     def on_response_complete(self) -> None:
+        """uvicorn's end of a response (which arms its keep-alive timer); a
+        connection now idle again goes to the end of ``limits.waiting``, so it is
+        the last idle one to be evicted."""
         super().on_response_complete()      # arms uvicorn's keep-alive timer for the idle wait
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
             self.limits.waiting.pop(self, None)
@@ -110,6 +113,8 @@ class GuardedServer(uvicorn.Server):
         self.limits = limits
 
     async def startup(self, sockets=None) -> None:
+        """uvicorn's start-up, after installing the event loop's exception handler
+        that counts failed accepts (EMFILE, ENFILE, ...) into ``limits.log``."""
         asyncio.get_running_loop().set_exception_handler(self._loop_error)
         await super().startup(sockets)
 

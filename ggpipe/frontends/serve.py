@@ -192,6 +192,9 @@ class Server:
     # -- signals -------------------------------------------------------------------------
 
     def on_signal(self, signum, frame) -> None:  # noqa: ARG002 (signal handler signature)
+        """SIGINT/SIGTERM handler: stop taking requests (503, ``/health`` says
+        ``shutting_down``); the running request may go on for
+        ``shutdown_grace_s`` seconds, a second signal interrupts it at once."""
         self.signals += 1
         now = time.monotonic()
         self.deadline = now if self.signals > 1 else now + self.shutdown_grace_s
@@ -218,6 +221,8 @@ class Server:
             time.sleep(0.02)
 
     def stop_http(self, timeout_s: float = 15.0) -> None:
+        """Ask uvicorn to exit, wait up to ``timeout_s`` seconds for its thread,
+        and close the listening socket."""
         if self.http is not None:
             self.http.should_exit = True
         if self.thread is not None:

@@ -156,6 +156,9 @@ async def _guard_and_count(request: Request, call_next):
 
 
 async def health(request: Request):
+    """``GET /health``: ``{"status": "ok", "queue_depth", "running"}``; 503
+    with ``"status": "failed"`` (and the error) once the pipeline failed, or
+    ``"shutting_down"`` while the server stops."""
     state = state_of(request)
     if state.failed:
         return JSONResponse({"status": "failed", "error": state.failed}, status_code=503)
@@ -165,6 +168,7 @@ async def health(request: Request):
 
 
 async def metrics(request: Request):
+    """``GET /metrics``: the server's counters in the Prometheus text format."""
     return PlainTextResponse(generate_latest(state_of(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -190,6 +194,13 @@ async def models(request: Request):
 
 
 async def chat_completions(request: Request):
+    """``POST /v1/chat/completions``: render the messages with the model's
+    chat template, queue one job per choice (``n``) and answer the OpenAI chat
+    completion, or stream it as server-sent events (``stream``).
+
+    Raises:
+        APIError: 400 (an invalid body, a prompt the template refuses or the
+            context cannot hold), 503 (shutting down, queue full)."""
     state = state_of(request)
     body = await parse_body(request, ChatBody)
     messages = [m.as_template_message() for m in body.messages]
@@ -202,6 +213,14 @@ async def chat_completions(request: Request):
 
 
 async def completions(request: Request):
+    """``POST /v1/completions``: one prompt (a string, a list of one string,
+    or token ids), queued as one job per choice (``n``); the OpenAI text
+    completion, or its server-sent events (``stream``).
+
+    Raises:
+        APIError: 400 (an invalid body, ``echo``, several or empty prompts, a
+            token id outside the vocabulary, a prompt the context cannot hold),
+            503 (shutting down, queue full)."""
     state = state_of(request)
     body = await parse_body(request, CompletionBody)
     if body.echo:

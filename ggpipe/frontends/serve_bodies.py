@@ -43,9 +43,13 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
     def body(self) -> dict:
+        """The OpenAI-style error body: ``{"error": {"message", "type", "param", "code"}}``."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
+        """The JSON response: :meth:`body` with ``status``, and
+        ``WWW-Authenticate: Bearer`` on 401 or ``Retry-After: 1`` when the queue
+        is full."""
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
         if self.code == "queue_full":
             headers = {"Retry-After": "1"}   # a slot frees as soon as any request ends
@@ -177,28 +181,44 @@ class _Body(BaseModel):
 
 
 class TextPart(BaseModel):
+    """A text part of a chat message's content (``{"type": "text", "text": ...}``)."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
     type: Literal["text"]
     text: StrictStr
 
 
 class ChatMessage(BaseModel):
+    """One chat message: a role (system, developer, user, assistant) and
+    content, a string or a list of text parts."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal[ROLES]  # type: ignore[valid-type]
     content: StrictStr | list[TextPart]
 
     def as_template_message(self) -> dict:
+        """The message as chat templates take it: ``{"role", "content"}``, the
+        text parts joined, the role mapped (``developer`` -> ``system``)."""
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
         return {"role": template_role(self.role), "content": text}
 
 
 class ChatBody(_Body):
+    """The body of ``POST /v1/chat/completions``: 1 to ``MESSAGES_MAX``
+    messages, ``max_completion_tokens`` (over ``max_tokens``), and log
+    probabilities in the chat shape (``logprobs`` a switch, ``top_logprobs``
+    a count)."""
+
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MESSAGES_MAX)]
     max_completion_tokens: PosInt | None = None
     logprobs: StrictBool | None = None      # OpenAI's chat shape: a switch, and top_logprobs
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=TOP_LOGPROBS_MAX)] | None = None
 
     def logprobs_k(self) -> int:
+        """``top_logprobs`` (0 when not given) with ``logprobs: true``; -1 without.
+
+        Raises:
+            APIError: 400, ``top_logprobs`` without ``logprobs: true``."""
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else -1
@@ -206,11 +226,19 @@ class ChatBody(_Body):
 
 class CompletionBody(_Body):
     # text, a list of one text, or token ids
+    """The body of ``POST /v1/completions``: ``prompt`` (a string, a list of
+    strings, or token ids) and ``logprobs`` in the completions shape (a
+    count; false or absent: none)."""
+
     prompt: StrictStr | list[StrictStr] | list[Annotated[StrictInt, Field(ge=0)]]
     # the completions shape: how many top log-probabilities (false: none, as clients send by default)
     logprobs: StrictBool | Annotated[StrictInt, Field(ge=0, le=TOP_LOGPROBS_MAX)] | None = None
 
     def logprobs_k(self) -> int:
+        """The ``logprobs`` count; -1 when absent or false.
+
+        Raises:
+            APIError: 400, ``logprobs: true`` (this endpoint takes a count)."""
         if self.logprobs is True:
             raise APIError(400, f"logprobs: the completions endpoint takes a count (0..{TOP_LOGPROBS_MAX}) of top "
                            "log-probabilities per token", param="logprobs")

@@ -44,6 +44,9 @@ class Job:
     rid: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
 
     def push(self, kind: str, value) -> None:
+        """Hand the event ``(kind, value)`` to the HTTP thread's queue (safe from
+        any thread); when the event loop is closed, nobody listens: the job is
+        marked cancelled instead."""
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
         except RuntimeError:  # the event loop is closed: nobody listens any more

@@ -57,6 +57,7 @@ def temp_path_for(final: Path) -> Path:
 
 
 def remove_quietly(path: Path) -> None:
+    """Delete the file ``path``; nothing happens when it does not exist."""
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
 
@@ -77,6 +78,8 @@ def file_lock(lock_path: Path) -> Iterator[None]:
 
 
 def sha256_file(path: Path, progress: bool = False, desc: str | None = None) -> str:
+    """The SHA-256 of the file ``path`` as 64 hex digits, read in chunks;
+    with ``progress``, a tqdm bar (bytes) on stderr labelled ``desc``."""
     h = hashlib.sha256()
     bar = None
     if progress:

@@ -154,6 +154,23 @@ def array_length(field: ReaderField) -> int | None:
 
 @dataclass(frozen=True)
 class ModelInfo:
+    """A GGUF file's model facts (:func:`read_model_info`).
+
+    Attributes:
+        path: the file.
+        arch: ``general.architecture``.
+        n_layer, n_embd, n_vocab: blocks, hidden size, vocabulary size (tokens).
+        n_ctx_train: ``{arch}.context_length`` (tokens; 0 when absent).
+        chat_template: ``tokenizer.chat_template``, or None.
+        bos_token_id, eos_token_id: the special tokens' ids, or None.
+        file_size: the file's size (bytes).
+        per_layer_keys: metadata keys with one value per block
+            (:func:`per_layer_keys`), re-indexed on slicing.
+        n_head, n_head_kv: attention heads, and K/V heads (None when absent).
+        n_tensors: tensors in the file.
+        kv_rows, kv_v_cache: the KV cache geometry per layer
+            (:class:`ggpipe.models.kv_size.KVLayout`'s fields)."""
+
     path: Path
     arch: str
     n_layer: int

@@ -91,6 +91,7 @@ class KVLayout:
 
     @property
     def n_layer(self) -> int:
+        """Layers of the model (those without a KV cache included)."""
         return len(self.rows)
 
     def kv_layers(self, start: int = 0, stop: int | None = None) -> list[int]:

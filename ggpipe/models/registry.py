@@ -84,6 +84,10 @@ class DescribedModelError(ModelError):
 
 
 def get_entry(name: str) -> ModelEntry:
+    """The models.toml entry ``name``.
+
+    Raises:
+        ModelError: no entry of that name (the message lists the known ones)."""
     entries = load_registry()
     if name not in entries:
         raise ModelError(_unknown_msg(name, entries))
@@ -126,10 +130,19 @@ def _described_file(entry: ModelEntry) -> Path:
 
 
 def is_cached(name: str) -> bool:
+    """The registry model ``name`` is in the cache with its registered size.
+
+    Raises:
+        ModelError: no entry of that name."""
     return _is_cached_entry(get_entry(name))
 
 
 def cached_path(name: str) -> Path | None:
+    """The cached file of the registry model ``name``, or None when it is not
+    in the cache (with its registered size).
+
+    Raises:
+        ModelError: no entry of that name."""
     entry = get_entry(name)
     return model_path(name) if _is_cached_entry(entry) else None
 

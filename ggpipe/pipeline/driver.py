@@ -127,6 +127,8 @@ class Pipeline:
 
     @property
     def last_rank(self) -> int | None:
+        """The rank of the pipeline's last stage; None when it has no stage on
+        another rank (the head's own stage is its only one)."""
         return self.ranks[-1] if self.ranks else None
 
     # -- issuing -----------------------------------------------------------------

@@ -129,6 +129,7 @@ class Grammar:
         self._L.llama_sampler_accept(self._smpl, int(token))
 
     def close(self) -> None:
+        """Free the llama.cpp sampler (``llama_sampler_free``); a second call does nothing."""
         if self._smpl:
             self._L.llama_sampler_free(self._smpl)
             self._smpl = None

@@ -340,6 +340,8 @@ class Stage:
     # -- lifetime --------------------------------------------------------------
 
     def close(self) -> None:
+        """Free the batch, the context and the model (``llama_batch_free``,
+        ``llama_free``, ``llama_model_free``); a second call does nothing."""
         if self._closed:
             return
         self._closed = True

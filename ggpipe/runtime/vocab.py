@@ -69,13 +69,17 @@ class Vocab:
         return Grammar(self._vocab, self.n_vocab, gbnf)
 
     def detokenizer(self) -> "Detokenizer":
+        """A new :class:`Detokenizer` over this vocabulary."""
         return Detokenizer(self)
 
     def chat_template(self) -> str | None:
+        """The GGUF's chat template (``tokenizer.chat_template``,
+        ``llama_model_chat_template``), or None when it has none."""
         ptr = self._L.llama_model_chat_template(self._model, None)
         return ptr.decode("utf-8") if ptr else None
 
     def token_text(self, token: int) -> str:
+        """One token's text (:meth:`piece`, invalid UTF-8 replaced by U+FFFD)."""
         return self.piece(token).decode("utf-8", "replace")
 
     def apply_chat_template(self, messages: list[dict]) -> str:
@@ -110,9 +114,12 @@ class Detokenizer:
         self._dec = codecs.getincrementaldecoder("utf-8")("replace")
 
     def push(self, token: int) -> str:
+        """The text ``token`` completes: its piece's bytes decoded, the bytes of an
+        unfinished character kept for the next call ("" until it completes)."""
         return self._dec.decode(self._vocab.piece(token))
 
     def flush(self) -> str:
+        """The text left at the end: bytes of an unfinished character become U+FFFD."""
         return self._dec.decode(b"", final=True)
 
 

@@ -92,6 +92,9 @@ class Completion:
     logprobs: list[TokenLogprob] | None = None
 
     def as_dict(self) -> dict:
+        """The completion as JSON-ready data: every attribute (``logprobs`` only
+        when asked for: per token ``{token, logprob, top}``, ``top`` a list of
+        ``[token, logprob]`` pairs)."""
         out = dict(tokens=self.tokens, text=self.text, finish_reason=self.finish_reason, n_prompt=self.n_prompt,
                    n_reused=self.n_reused, metrics=self.metrics, decoder=self.decoder)
         if self.logprobs is not None:

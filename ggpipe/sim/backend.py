@@ -240,6 +240,9 @@ class SimPipeline(ToyPipeline):
             self.clock.now = max(self.clock.now, mine.spans[0][1])
 
     def cancel(self, run_id: int) -> None:
+        """Cancel run ``run_id`` at the current virtual time: the cancel travels
+        up the pipeline from now (see the module docstring) and the schedule is
+        recomputed."""
         e = self._entries.get(run_id)
         if e is not None and math.isinf(e.cancel_at):
             e.cancel_at = self.clock.now
@@ -293,15 +296,22 @@ class SimPipeline(ToyPipeline):
         return RunResult(run, logits, cancelled=cancelled, finished_at=self._last_due, rows=rows)
 
     def ready(self) -> bool:
+        """The oldest run's result has reached the head by the current virtual time."""
         return bool(self.inflight) and self.clock.now >= self.next_due()
 
     def wait(self, timeout_s: float | None = None) -> RunResult:
+        """The oldest run's result, the clock moved on to when it is due.
+
+        Raises:
+            RuntimeError: no run in flight."""
         if not self.inflight:
             raise RuntimeError(f"{self.name}: no run in flight")
         self.clock.now = max(self.clock.now, self.next_due())
         return self._take()
 
     def head_idle(self) -> bool:
+        """The head's own stage has nothing left to compute at the current
+        virtual time (always True when it computes inside ``submit``)."""
         if not self.async_local:
             return True
         return all(s.spans[0][1] <= self.clock.now for s in self._schedule())

@@ -25,6 +25,12 @@ class KvCells:
         self.used = 0
 
     def place(self, pos: list[int], seqs: list[list[int]]) -> list[int]:
+        """Put tokens at positions ``pos`` of sequences ``seqs`` (one list of ids
+        per token) in free cells, as llama.cpp's ``find_slot`` would; returns the
+        cell indices.
+
+        Raises:
+            AssertionError: no free cell left ("KV cache full")."""
         n, size = len(pos), len(self.pos)
         head = 0 if self.head > self.used + 2 * n else self.head
         idxs: list[int] = []
@@ -45,6 +51,9 @@ class KvCells:
         return idxs
 
     def rm(self, seq: int, p0: int, p1: int) -> None:
+        """``seq_rm``: remove sequence ``seq`` (-1: every sequence) from the cells
+        at positions [p0, p1) (-1: open end); a cell left without sequences is
+        freed and ``head`` lowered to the first freed one."""
         hi = p1 if p1 >= 0 else 1 << 30
         lo = max(p0, 0)
         first = None
@@ -63,12 +72,15 @@ class KvCells:
             self.head = first
 
     def cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        """``seq_cp``: add sequence ``dst`` to the cells of ``src`` at positions
+        [p0, p1) (-1: open end)."""
         hi = p1 if p1 >= 0 else 1 << 30
         for i, p in enumerate(self.pos):
             if src in self.seqs[i] and max(p0, 0) <= p < hi:
                 self.seqs[i].add(dst)
 
     def clear(self) -> None:
+        """Free every cell."""
         self.__init__(len(self.pos))
 
     def check_in_order(self, run_id: int, seqs: list[int], pos: int) -> None:
@@ -97,6 +109,11 @@ class KvStreams:
         return self.streams.setdefault(seq, KvCells(self.size))
 
     def place(self, pos: list[int], seqs: list[list[int]]) -> list[int]:
+        """Put each token in its sequence's stream (:meth:`KvCells.place`);
+        returns the cell indices, each within its stream.
+
+        Raises:
+            AssertionError: a token of several sequences, or a stream is full."""
         if any(len(s) != 1 for s in seqs):
             raise AssertionError("a token of several sequences in a KV cache of one stream per sequence")
         idxs = [0] * len(pos)
@@ -107,15 +124,21 @@ class KvStreams:
         return idxs
 
     def rm(self, seq: int, p0: int, p1: int) -> None:
+        """``seq_rm`` in the stream of ``seq`` (-1: in every stream), positions
+        [p0, p1) (-1: open end)."""
         for s, cells in self.streams.items():
             if seq in (-1, s):
                 cells.rm(s, p0, p1)
 
     def cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        """Refused: raises AssertionError, as llama.cpp refuses a partial
+        ``seq_cp`` between streams ("only supported for full KV buffers")."""
         raise AssertionError("seq_cp() is only supported for full KV buffers (kv_unified = false)")
 
     def clear(self) -> None:
+        """Drop every stream."""
         self.streams.clear()
 
     def check_in_order(self, run_id: int, seqs: list[int], pos: int) -> None:
+        """:meth:`KvCells.check_in_order` in the stream of the token's sequence."""
         self._stream(seqs[0]).check_in_order(run_id, seqs, pos)

@@ -42,6 +42,10 @@ class CalibratedDraft(ToyLM):
         self.k = exponent
 
     def logits(self, context: list[int]) -> np.ndarray:
+        """float32 (n_vocab,) logits: 0 everywhere but the draft's top token,
+        whose softmax probability is the confidence q (see the module
+        docstring); that token is the target's greedy one with probability p.
+        Seeded from the last 8 tokens, the context length and ``seed``."""
         v = self.n_vocab
         key = (hash(tuple(context[-8:])) + 1000003 * len(context) + self.seed) % (2**32)
         rng = np.random.default_rng(key)

@@ -41,10 +41,12 @@ class ModelDesc:
 
     @property
     def n_layer(self) -> int:
+        """Blocks of the model."""
         return len(self.layers)
 
     @property
     def bytes(self) -> int:
+        """Weight bytes of every block and the head."""
         return sum(s.bytes for s in self.layers) + self.head.bytes
 
 

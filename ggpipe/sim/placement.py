@@ -38,6 +38,8 @@ class Placement:
 
 
 def split_text(target: list[tuple[int, int]], draft: list[tuple[int, int]] | None = None) -> str:
+    """The ``--split`` text of layer ranges: the layer count of each target
+    range, comma-separated, then ``/`` and the draft's (e.g. ``22,18/30``)."""
     t = ",".join(str(b - a) for a, b in target)
     return t if draft is None else t + "/" + ",".join(str(b - a) for a, b in draft)
 
@@ -146,12 +148,18 @@ def balanced_placement(profile_path, params: dict, n_ranks: int, hosts: list[str
 
 
 def balance_summary(p) -> dict:
+    """The :class:`Placement` ``p`` as JSON-ready data: ``split``,
+    ``target_layers``, ``draft_layers``, ``stage_ms`` (ms per target stage),
+    ``tokens_per_s``, ``draft_ranks_tried`` (draft ranks -> tokens/s)."""
     return {"split": p.split, "target_layers": p.target, "draft_layers": p.draft,
             "stage_ms": [round(1e3 * t, 3) for t in p.stage_s], "tokens_per_s": p.tokens_per_s,
             "draft_ranks_tried": p.tried}
 
 
 def format_balance(b: dict) -> str:
+    """A :func:`balance_summary` as text: the balanced ``--split`` with each
+    target stage's time (ms per run), and the simulated tokens/s of each draft
+    rank count tried."""
     lines = [f"balanced split: --split {b['split']}  (target stage times: "
              + ", ".join(f"{t:.2f}" for t in b["stage_ms"]) + " ms per run)"]
     if b.get("draft_ranks_tried"):

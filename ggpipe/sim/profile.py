@@ -145,6 +145,8 @@ class HostProfile:
 
     @property
     def described(self) -> bool:
+        """A described host (a memory bandwidth given): costs come from the
+        roofline of ``mem_bw_Bps`` and ``flops``, not from measured curves."""
         return self.mem_bw_Bps is not None
 
     def _roofline(self, shape: LayerShape, n: int) -> float:
@@ -249,6 +251,8 @@ class Profile:
         return LinkProfile(src, dst, 0.0, 0.0)
 
     def to_dict(self) -> dict:
+        """The profile as JSON-ready data (``format``, ``model``, ``draft``,
+        ``meta``, ``hosts``, ``links``), as :meth:`from_dict` reads it."""
         return {"format": FORMAT, "model": self.model, "draft": self.draft, "meta": self.meta,
                 "hosts": [asdict(h) for h in self.hosts], "links": [asdict(ln) for ln in self.links]}
 
@@ -271,6 +275,7 @@ class Profile:
         return prof
 
     def save(self, path: str | Path) -> None:
+        """Write :meth:`to_dict` to ``path`` as indented JSON."""
         Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
 
     @classmethod

@@ -40,6 +40,10 @@ class ToyLM:
         self.period = period
 
     def logits(self, context: list[int]) -> np.ndarray:
+        """float32 (n_vocab,) logits of the next token: normal noise seeded from
+        the last two tokens, the context length and ``seed``, with one preferred
+        token raised by ``margin + 2`` (a function of the last two tokens, or the
+        token ``period`` positions back; another one with probability ``flip``)."""
         a = context[-1]
         b = context[-2] if len(context) > 1 else 0
         rng = np.random.default_rng((a * 131 + b * 17 + len(context) * 7 + self.seed) % (2**32))
@@ -53,6 +57,8 @@ class ToyLM:
         return x
 
     def greedy(self, prompt: list[int], n: int) -> list[int]:
+        """The ``n`` tokens greedy (argmax) decoding generates after ``prompt``:
+        the reference output of the toy model."""
         ctx = list(prompt)
         out = []
         for _ in range(n):
@@ -103,14 +109,25 @@ class ToyPipeline:
         """``run``'s result was just taken."""
 
     def ready(self) -> bool:
+        """The oldest run's result has arrived (a subclass decides when)."""
         raise NotImplementedError
 
     def wait(self, timeout_s: float | None = None) -> RunResult:
+        """The oldest run's result (a subclass decides how long that takes)."""
         raise NotImplementedError
 
     # -- issuing ---------------------------------------------------------------
 
     def submit(self, run: Run) -> None:
+        """Start ``run``: its logit rows are computed now from the cells its
+        sequences hold (full float32 rows, or compact ones with ``reply_k``) and
+        its cells are added; a subclass schedules when the result is ready.
+
+        Raises:
+            AssertionError: a wrong KV state: a missing position below a token,
+                sequences of one token that disagree, a cell holding another
+                token, a full cache, cells out of order (``cell_order``), or
+                rows llama.cpp would compute out of batch order (``streams``)."""
         run.reply_k = self.reply_k
         self.inflight.append(run)
         self.n_runs += 1
@@ -120,16 +137,27 @@ class ToyPipeline:
 
     def decode(self, tokens, start_pos: int, seq: int = 0, logits_last: bool = True,
                logits_all: bool = False) -> None:
+        """Start one run of consecutive tokens of sequence ``seq`` from
+        ``start_pos`` (:meth:`ggpipe.runs.Run.linear`), with logits of its last
+        token, or of every token (``logits_all``)."""
         self.submit(Run.linear(tokens, start_pos, seq=seq, output_last=logits_last, output_all=logits_all))
 
     def submit_prompt(self, tokens, start_pos: int, n_ubatch: int, seq: int = 0, want_logits: bool = True) -> int:
+        """Start ``tokens`` at positions ``start_pos``.. of sequence ``seq`` as
+        the runs ``ggpipe.pipeline.prefill.prefill_chunks`` sizes (at most
+        ``n_ubatch`` tokens each), the last with its last token's logits when
+        ``want_logits``; returns the number of runs."""
         return submit_chunks(self, tokens, start_pos, n_ubatch, seq, want_logits)
 
     def prefill(self, tokens, start_pos: int, n_ubatch: int, seq: int = 0) -> np.ndarray:
+        """:meth:`submit_prompt`, then wait for every run; float32 (n_vocab,)
+        logits of the last token."""
         self.submit_prompt(tokens, start_pos, n_ubatch, seq)
         return self.drain()[-1].logits[0]
 
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
+        """Remove the cells of sequence ``seq`` (-1: every sequence) at positions
+        [p0, p1) (-1: open end)."""
         self.kv_cells.rm(seq, p0, p1)
         hi = p1 if p1 >= 0 else 1 << 30
         lo = max(p0, 0)
@@ -139,6 +167,12 @@ class ToyPipeline:
                     del cells[p]
 
     def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        """Add sequence ``dst`` to the cells of ``src`` at positions [p0, p1)
+        (-1: open end).
+
+        Raises:
+            AssertionError: ``dst`` holds another token at one of those
+                positions, or the cache has a stream per sequence."""
         self.kv_cells.cp(src, dst, p0, p1)
         hi = p1 if p1 >= 0 else 1 << 30
         lo = max(p0, 0)
@@ -150,10 +184,13 @@ class ToyPipeline:
                 dcells[p] = t
 
     def clear(self) -> None:
+        """Empty the KV cache."""
         self.cells.clear()
         self.kv_cells.clear()
 
     def cancel(self, run_id: int) -> None:
+        """Cancel run ``run_id``: its result still comes, marked cancelled if the
+        cancel came in time (:meth:`_in_time`), without its cells."""
         self._cancelled.add(run_id)
 
     def prune(self, pairs: list[tuple[int, int]]) -> None:
@@ -166,6 +203,7 @@ class ToyPipeline:
                 self._pruned.setdefault(int(rid), set()).add(int(seq))
 
     def head_idle(self) -> bool:
+        """Always True: the head computes nothing outside ``submit``."""
         return True
 
     def due_in(self) -> float | None:
@@ -220,9 +258,11 @@ class ToyPipeline:
     # -- results ----------------------------------------------------------------
 
     def poll(self) -> RunResult | None:
+        """The oldest run's result if :meth:`ready`, else None."""
         return self._take() if self.ready() else None
 
     def drain(self, timeout_s: float | None = None) -> list[RunResult]:
+        """The results of every run in flight, in order."""
         return [self.wait(timeout_s) for _ in range(len(self.inflight))]
 
     def _take(self) -> RunResult:
@@ -292,10 +332,16 @@ class FakePipeline(ToyPipeline):
         del self._due[run.run_id]
 
     def ready(self) -> bool:
+        """Advance the call-counting clock by one; True when the oldest run has
+        been in flight ``latency`` calls."""
         self.clock += 1
         return bool(self.inflight) and self.clock >= self._due[self.inflight[0].run_id]
 
     def wait(self, timeout_s: float | None = None) -> RunResult:
+        """The oldest run's result, at once.
+
+        Raises:
+            RuntimeError: no run in flight."""
         if not self.inflight:
             raise RuntimeError("no run in flight")
         return self._take()

@@ -58,6 +58,8 @@ class CutoffController:
 
     @property
     def cutoff(self) -> float:
+        """The current cutoff: ``p_accept`` plus ``p_recovery`` per continued
+        micro-batch, minus ``p_decay`` per failed attempt, at least ``floor``."""
         return max(self.floor, self.p_accept + self._continued * self.p_recovery - self._failed * self.p_decay)
 
     @property
@@ -101,4 +103,5 @@ class CutoffController:
         return 0.0
 
     def exhausted_at(self, path_p: float) -> bool:
+        """:attr:`exhausted`, whatever the anchor's path probability."""
         return self.exhausted

@@ -42,6 +42,22 @@ TRIM_LAG = 128
 
 @dataclass
 class Node:
+    """A token at a position, evaluated by one target run.
+
+    Attributes:
+        token, pos: the token and its position.
+        parent: the node whose logits decide it (-1: a root).
+        run_id: the run that evaluates it.
+        seq: a KV sequence id holding its cell.
+        q: the draft distribution it was drawn from (float64 (n_vocab,)), or
+            None (greedy drafting; dropped once verified).
+        dp: the draft's probability of ``token``.
+        chosen: chosen by the draft (a PipeDec layer), not drawn from ``q``.
+        state: PENDING, ACCEPTED or DEAD.
+        logits: its logit row once its run returned (float32 (n_vocab,), or
+            a compact :class:`~ggpipe.logits.TopRow`; dropped once consumed).
+        children: node ids below it."""
+
     token: int
     pos: int
     parent: int            # node id, -1 for a root node
@@ -57,6 +73,19 @@ class Node:
 
 @dataclass
 class RunInfo:
+    """A target run the graph tracks.
+
+    Attributes:
+        run_id: the run's id.
+        nodes: the ids of the nodes it evaluates.
+        speculative: a speculative run (else a root run, never cancelled).
+        partition: its KV partition index (speculative runs), or None.
+        seqs: the sequence ids it uses.
+        returned: its result came back.
+        cancelled: a cancel was sent for it.
+        layer: a PipeDec layer (one node per row, each in a sequence of its own).
+        masked: node ids whose rows a prune message masked."""
+
     run_id: int
     nodes: list[int]
     speculative: bool

@@ -38,9 +38,11 @@ class CellBook:
 
     @property
     def used(self) -> int:
+        """Cells held: sequence 0's prefix and every other cell placed and not removed."""
         return self.seq0 + len(self._cells)
 
     def free(self) -> int:
+        """Cells left (``n_cells`` - :attr:`used`)."""
         return self.n_cells - self.used
 
     def place(self, pos, seq_lists) -> None:

@@ -49,6 +49,10 @@ class PartitionPool:
         return i
 
     def release(self, index: int) -> None:
+        """Give partition ``index`` back (to the end of the FIFO of free ones).
+
+        Raises:
+            ValueError: the partition is not in use."""
         if index not in self._used:
             raise ValueError(f"partition {index} is not in use")
         self._used.remove(index)
@@ -56,4 +60,5 @@ class PartitionPool:
 
     @property
     def n_free(self) -> int:
+        """Partitions free to acquire."""
         return len(self._free)

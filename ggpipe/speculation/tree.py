@@ -38,6 +38,12 @@ class SpecTree:
     draft_p: list[float] = field(default_factory=list)
 
     def add(self, token: int, parent: int, p: float = 1.0, probs: np.ndarray | None = None) -> int:
+        """Append a node: draft ``token`` below node ``parent`` (-1: below the
+        anchor), with its draft probability ``p`` and the distribution ``probs``
+        it was drawn from (None: greedy); returns the new node's index.
+
+        Raises:
+            ValueError: ``parent`` is not an existing node or -1."""
         if parent >= len(self.tokens) or parent < -1:
             raise ValueError(f"parent {parent} does not exist")
         self.tokens.append(int(token))
@@ -55,6 +61,7 @@ class SpecTree:
         return len(self.tokens)
 
     def depth(self, i: int) -> int:
+        """Depth of node ``i``: 1 for the first level below the anchor."""
         d = 1
         while self.parent[i] != -1:
             i = self.parent[i]
@@ -62,6 +69,7 @@ class SpecTree:
         return d
 
     def pos(self, i: int) -> int:
+        """Position of node ``i``'s token (``anchor_pos`` + its depth)."""
         return self.anchor_pos + self.depth(i)
 
     def children(self, i: int) -> list[int]:
@@ -69,6 +77,7 @@ class SpecTree:
         return [j for j, p in enumerate(self.parent) if p == i]
 
     def leaves(self) -> list[int]:
+        """Nodes without children, in index order."""
         has_child = set(self.parent)
         return [i for i in range(len(self.tokens)) if i not in has_child]
 
@@ -81,9 +90,11 @@ class SpecTree:
         return out[::-1]
 
     def path_tokens(self, i: int) -> list[int]:
+        """Draft tokens from the first level down to node ``i``."""
         return [self.tokens[j] for j in self.path(i)]
 
     def max_pos(self) -> int:
+        """The deepest node's position (``anchor_pos`` for an empty tree)."""
         return max((self.pos(i) for i in range(len(self))), default=self.anchor_pos)
 
     def batch(self, seq_ids: list[int]):

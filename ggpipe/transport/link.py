@@ -66,6 +66,8 @@ class LinkSpec:
         return self.latency_s + self.serialize_s(nbytes)
 
     def serialize_s(self, nbytes: int) -> float:
+        """Seconds ``nbytes`` bytes occupy the link at ``bandwidth_bps`` (0 for an
+        unlimited link)."""
         return 0.0 if not self.bandwidth_bps else 8.0 * nbytes / self.bandwidth_bps
 
     def __str__(self) -> str:

@@ -146,6 +146,7 @@ class Liveness:
         self._wake.set()
 
     def start(self) -> Liveness:
+        """Start the heartbeat thread; returns ``self``."""
         self._thread.start()
         return self
 

@@ -98,6 +98,7 @@ class DecodeHeader:
 
     @property
     def n_tokens(self) -> int:
+        """Tokens in the transaction."""
         return int(self.pos.shape[0])
 
     @property

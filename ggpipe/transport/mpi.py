@@ -174,6 +174,7 @@ class Transport:
     # -- naming ----------------------------------------------------------------
 
     def name(self, rank: int) -> str:
+        """``rank N (host)`` for messages (the host where known)."""
         host = self.hosts[rank] if 0 <= rank < len(self.hosts) else None
         return f"rank {rank}" + (f" ({host})" if host else "")
 
@@ -326,6 +327,12 @@ class Transport:
         return mtag, buf
 
     def recv_obj(self, source: int, tag: int, what: str, timeout_s: float | None = None):
+        """Receive one pickled object (:meth:`send_obj`'s; at most 1 MiB),
+        waiting at most ``timeout_s`` seconds.
+
+        Raises:
+            RankTimeoutError: nothing arrived in time.
+            ProtocolError: the message is too large or cannot be unpickled."""
         _, raw = self.recv(source, tag, np.int8, what, timeout_s, max_items=1 << 20)
         try:
             return pickle.loads(raw.tobytes())
@@ -337,4 +344,6 @@ class Transport:
         self.comm.Recv([buf, self.MPI.BYTE], source=source, tag=tag)
 
     def describe_tag(self, tag: int) -> str:
+        """The message type's name of ``tag`` (``ggpipe.transport.messages``), or
+        ``tag N`` for an unknown one."""
         return TYPE_NAMES.get(tag, f"tag {tag}")

@@ -165,16 +165,54 @@ class Proposer(Protocol):
     step_s: float | None
 
     def start(self, params: SamplingParams, rng: np.random.Generator,
-              acceptance: Callable[[float], float] | None = None) -> None: ...
-    def prefill(self, context: list[int]) -> None: ...
+              acceptance: Callable[[float], float] | None = None) -> None:
+        """A new request (llama.cpp's ``common_speculative_begin``): its sampling
+        parameters and drafting RNG; ``acceptance`` (draft probability ->
+        calibrated P(accepted)) makes the cutoff apply to the product of
+        calibrated acceptance along a path, None to each token's draft
+        probability. Any micro-batch is dropped."""
+
+    def prefill(self, context: list[int]) -> None:
+        """The request's prompt is known (``context``: every token so far):
+        prepare for drafting (e.g. decode it into the draft's KV); may start work
+        and return at once."""
+
     def begin(self, context: list[int], cutoff: float, max_nodes: int,
-              first_cutoff: float | None = None, look_cutoff: float = 0.0) -> None: ...
-    def ready(self) -> bool: ...
-    def poll(self) -> SpecTree | None: ...
-    def abandon(self) -> None: ...
-    def observe(self, context: list[int]) -> None: ...
-    def settle(self, timeout_s: float) -> None: ...
-    def reset(self) -> None: ...
+              first_cutoff: float | None = None, look_cutoff: float = 0.0) -> None:
+        """Start a micro-batch below ``context[-1]`` (the anchor, at position
+        ``len(context) - 1``; llama.cpp's ``common_speculative_draft``, made
+        asynchronous): nodes whose confidence reaches ``cutoff`` (``first_cutoff``,
+        default ``cutoff``, for the first token below the anchor), at most
+        ``max_nodes``; a token that costs a draft step is drafted only while the
+        chain's path probability is at least ``look_cutoff`` (0: always).
+
+        Raises:
+            RuntimeError: a micro-batch is already being drafted."""
+
+    def ready(self) -> bool:
+        """:meth:`poll` would make progress now, without waiting."""
+
+    def poll(self) -> SpecTree | None:
+        """Make progress without blocking: the finished tree (possibly empty:
+        nothing worth verifying), or None while drafting goes on or when no
+        micro-batch is being drafted."""
+
+    def abandon(self) -> None:
+        """Drop the micro-batch being drafted (work it left in flight is consumed
+        later: :class:`Draining`, :meth:`settle`)."""
+
+    def observe(self, context: list[int]) -> None:
+        """The tokens decided so far (prompt and accepted tokens), after each
+        decision (llama.cpp's ``common_speculative_accept``, with the tokens
+        rather than a count); a proposer that learns from outcomes reads them."""
+
+    def settle(self, timeout_s: float) -> None:
+        """The request ends: consume the work in flight (each wait at most
+        ``timeout_s`` seconds) and drop the micro-batch."""
+
+    def reset(self) -> None:
+        """The KV caches were cleared (a new conversation): forget what the
+        draft's KV held and drop the micro-batch."""
 
 
 @runtime_checkable
@@ -189,11 +227,29 @@ class Cuttable(Protocol):
     decision reads both; a proposer whose ``due_in()`` is None is never
     waited for."""
 
-    def can_cut(self) -> bool: ...
-    def cut(self, cutoff: float, room: Callable[[int], int]) -> tuple[SpecTree, int]: ...
-    def salvage(self, decided: list[int]) -> tuple[SpecTree, int] | None: ...
-    def due_in(self) -> float | None: ...
-    def partial(self) -> SpecTree | None: ...
+    def can_cut(self) -> bool:
+        """A tree with nodes is being drafted and :meth:`cut` can hand it over now."""
+
+    def cut(self, cutoff: float, room: Callable[[int], int]) -> tuple[SpecTree, int]:
+        """Hand over the tree drafted so far and its chain tip's node index; keep
+        drafting a new micro-batch below the tip under ``cutoff``, of at most
+        ``room(tip position)`` nodes (PipeInfer IV.B.1).
+
+        Raises:
+            RuntimeError: nothing to cut (:meth:`can_cut` is False)."""
+
+    def salvage(self, decided: list[int]) -> tuple[SpecTree, int] | None:
+        """The target decided ``decided`` (tokens below the anchor of the tree
+        being drafted): if they lead into that tree, the part of it below them
+        and the tip's index in that part (-1: its anchor); else None. Changes
+        nothing (:meth:`cut` then hands the tree over)."""
+
+    def due_in(self) -> float | None:
+        """Seconds until the next drafted token is expected (<= 0: overdue), or
+        None (nothing being drafted, or no estimate yet: never waited for)."""
+
+    def partial(self) -> SpecTree | None:
+        """The tree being drafted as far as it has grown (read only), or None."""
 
 
 @runtime_checkable
@@ -204,9 +260,19 @@ class Draining(Protocol):
     for the oldest and consume it), ``drain_ready()`` (consume those that
     have arrived, never blocking)."""
 
-    def busy(self) -> bool: ...
-    def drain_one(self, timeout_s: float) -> None: ...
-    def drain_ready(self) -> None: ...
+    def busy(self) -> bool:
+        """Results of work this proposer started are still in flight."""
+
+    def drain_one(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s`` seconds) for the oldest result in
+        flight and consume it.
+
+        Raises:
+            RuntimeError: nothing in flight.
+            RankTimeoutError: the result did not come in time."""
+
+    def drain_ready(self) -> None:
+        """Consume the results that have already arrived, never blocking."""
 
 
 def implements(proposer: object, capability: type) -> bool:

@@ -120,12 +120,18 @@ class ProposerBase:
     # -- Cuttable: continuous speculation (none) ---------------------------------
 
     def can_cut(self) -> bool:
+        """False: this proposer drafts a whole micro-batch at once."""
         return False
 
     def cut(self, cutoff: float, room: Callable[[int], int]) -> tuple[SpecTree, int]:
+        """Nothing to cut.
+
+        Raises:
+            RuntimeError: always (see :meth:`can_cut`)."""
         raise RuntimeError("nothing to cut: this proposer drafts a whole micro-batch at once")
 
     def salvage(self, decided: list[int]) -> tuple[SpecTree, int] | None:
+        """None: nothing is drafted in the background."""
         return None
 
     def due_in(self) -> float | None:
@@ -139,12 +145,18 @@ class ProposerBase:
     # -- Draining: work in flight (none) -----------------------------------------
 
     def busy(self) -> bool:
+        """False: nothing in flight."""
         return False
 
     def drain_one(self, timeout_s: float) -> None:
+        """Nothing to consume.
+
+        Raises:
+            RuntimeError: always (nothing in flight)."""
         raise RuntimeError("nothing in flight")
 
     def drain_ready(self) -> None:
+        """Nothing to consume."""
         pass
 
 
@@ -166,6 +178,8 @@ class InstantProposer(ProposerBase):
 
     def start(self, params: SamplingParams, rng: np.random.Generator,
               acceptance: Callable[[float], float] | None = None) -> None:
+        """A new request: drop any micro-batch; keep ``acceptance`` for
+        :meth:`begin`'s cutoff (``params`` and ``rng`` are not used here)."""
         self.active = False
         self._tree = None
         self.acceptance = acceptance
@@ -189,12 +203,17 @@ class InstantProposer(ProposerBase):
         self.active = True
 
     def propose(self, context: list[int], max_nodes: int) -> SpecTree:  # pragma: no cover - abstract
+        """A tree below ``context[-1]`` of at most ``max_nodes`` nodes (each
+        subclass's drafting rule)."""
         raise NotImplementedError
 
     def ready(self) -> bool:
+        """True while a micro-batch is active: its tree was drafted in :meth:`begin`."""
         return self.active
 
     def poll(self) -> SpecTree | None:
+        """The tree :meth:`begin` drafted (the micro-batch ends), or None when
+        none is active."""
         if not self.active:
             return None
         self.active = False
@@ -202,5 +221,6 @@ class InstantProposer(ProposerBase):
         return tree
 
     def abandon(self) -> None:
+        """Drop the drafted tree (nothing in flight)."""
         self.active = False
         self._tree = None

@@ -130,6 +130,9 @@ class NgramProposer(InstantProposer):
 
     def start(self, params: SamplingParams, rng: np.random.Generator,
               acceptance: Callable[[float], float] | None = None) -> None:
+        """A new request: as :meth:`InstantProposer.start`, and keep ``params``
+        (stochastic sampling gives each node a one-hot draft distribution) and
+        reset this request's lookup counters."""
         super().start(params, rng, acceptance)
         self.params = params
         self.stats.update(ngram_lookups=0, ngram_hits=0)   # this request's lookups

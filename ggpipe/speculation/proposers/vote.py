@@ -165,6 +165,9 @@ class VoteProposer(ProposerBase):
 
     @property
     def stats(self) -> dict:
+        """Counters for ``--json``: every member's, this request's vote counters
+        (``vote_overruled``, ``vote_extended``) and each member's weight and
+        vote counts (:meth:`WeightedMajority.stats`)."""
         out = self.crew.stats()
         out.update(self._counts)
         out.update(self.book.stats())
@@ -174,6 +177,10 @@ class VoteProposer(ProposerBase):
 
     def start(self, params: SamplingParams, rng: np.random.Generator,
               acceptance: Callable[[float], float] | None = None) -> None:
+        """A new request: every member starts (each with an RNG stream of its own
+        spawned from ``rng``; ``acceptance`` only for the leads), the weights'
+        pending votes are dropped (the weights are kept), this request's counters
+        reset."""
         self.params = params
         self.acceptance = acceptance
         self.crew.start(params, rng, acceptance)
@@ -183,13 +190,17 @@ class VoteProposer(ProposerBase):
         self._result = None
 
     def prefill(self, context: list[int]) -> None:
+        """The prompt is known: every member's :meth:`Proposer.prefill`."""
         self.crew.prefill(context)
 
     def observe(self, context: list[int]) -> None:
+        """The tokens decided so far: score the votes they settle (the members'
+        weights, :meth:`WeightedMajority.observe`), then every member observes them."""
         self.book.observe(context)
         self.crew.observe(context)
 
     def reset(self) -> None:
+        """The KV caches were cleared: every member resets; the micro-batch is dropped."""
         self.crew.reset()
         self.active = False
         self._result = None
@@ -198,6 +209,12 @@ class VoteProposer(ProposerBase):
 
     def begin(self, context: list[int], cutoff: float, max_nodes: int,
               first_cutoff: float | None = None, look_cutoff: float = 0.0) -> None:
+        """Start a micro-batch below ``context[-1]``: the instant members draft
+        their chains now; without a lead the vote is taken at once, otherwise
+        the leads begin drafting (arguments as :meth:`Proposer.begin`).
+
+        Raises:
+            RuntimeError: a micro-batch is already being drafted."""
         if self.active:
             raise RuntimeError("a micro-batch is already being drafted")
         self._start_tree(list(context), cutoff, cutoff if first_cutoff is None else first_cutoff, max_nodes)
@@ -218,9 +235,16 @@ class VoteProposer(ProposerBase):
         return self.crew.probs(self.book.accuracy)
 
     def ready(self) -> bool:
+        """A micro-batch is active and its voted chain is ready or a lead still
+        drafting has a result to take."""
         return self.active and (self._result is not None or self.crew.ready())
 
     def poll(self) -> SpecTree | None:
+        """Make progress without blocking: the voted chain (cut at the cutoff):
+        at once without a lead, else once the leads have finished, or as soon
+        as an instant member outvotes the one lead at a level its later tokens
+        cannot change (the lead's micro-batch is then abandoned); None while
+        drafting goes on."""
         if not self.active:
             return None
         if self._result is not None:
@@ -302,9 +326,18 @@ class VoteProposer(ProposerBase):
         return seqs[best], seqs, best, [i for i in aligned if seqs[i] == seqs[best]]
 
     def can_cut(self) -> bool:
+        """A lead still drafting can be cut and the majority path (over every
+        chain as far as it has grown) runs through its chain."""
         return self._cut_plan() is not None
 
     def cut(self, cutoff: float, room: Callable[[int], int]) -> tuple[SpecTree, int]:
+        """Hand over the longest cuttable lead chain the majority path runs
+        through, and its tip's index; the leads that drafted exactly that chain
+        go on below its tip, the others abandon their micro-batch and, once idle,
+        begin below the new tip (a busy one sits out until a later cut).
+
+        Raises:
+            RuntimeError: nothing to cut (:meth:`can_cut` is False)."""
         plan = self._cut_plan()
         if plan is None:
             raise RuntimeError("nothing to cut")
@@ -330,6 +363,10 @@ class VoteProposer(ProposerBase):
         return tree, len(tree) - 1
 
     def salvage(self, decided: list[int]) -> tuple[SpecTree, int] | None:
+        """The chain :meth:`cut` would hand over, re-anchored below the decided
+        tokens ``decided``, and its tip's index there; None when there is
+        nothing to cut or ``decided`` does not lead into the chain above its tip.
+        Changes nothing."""
         plan = self._cut_plan()
         if plan is None:
             return None
@@ -342,11 +379,14 @@ class VoteProposer(ProposerBase):
         return sub, mp[tip]
 
     def abandon(self) -> None:
+        """Drop the micro-batch: every lead still drafting abandons its own (its
+        in-flight results are consumed later)."""
         self.crew.abandon()
         self.active = False
         self._result = None
 
     def busy(self) -> bool:
+        """A lead has draft runs in flight."""
         return self.crew.busy()
 
     def due_in(self) -> float | None:
@@ -359,6 +399,7 @@ class VoteProposer(ProposerBase):
         return None
 
     def drain_ready(self) -> None:
+        """Consume the leads' results that have already arrived, never blocking."""
         self.crew.drain_ready()
 
     def drain_one(self, timeout_s: float) -> None:
@@ -366,6 +407,8 @@ class VoteProposer(ProposerBase):
         self.crew.drain_one(timeout_s)
 
     def settle(self, timeout_s: float) -> None:
+        """The request ends: every lead settles (in-flight work consumed, each
+        wait at most ``timeout_s`` seconds); the micro-batch is dropped."""
         self.crew.settle(timeout_s)
         self.active = False
         self._result = None

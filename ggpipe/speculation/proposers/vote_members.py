@@ -87,18 +87,25 @@ class VoteMembers:
               acceptance: Callable[[float], float] | None) -> None:
         # a stream of its own per member: several draft models' results arrive in an order that timing decides,
         # and draws from one shared stream would make what each drafts depend on that order
+        """Start every member for a new request, each with its own RNG stream
+        spawned from ``rng`` (what each drafts must not depend on the order in
+        which several draft models' results arrive); ``acceptance`` only for the
+        leads."""
         for m, own in zip(self.members, rng.spawn(len(self.members))):
             m.start(params, own, None if m.instant else acceptance)
 
     def prefill(self, context: list[int]) -> None:
+        """Every member's :meth:`Proposer.prefill`."""
         for m in self.members:
             m.prefill(context)
 
     def observe(self, context: list[int]) -> None:
+        """Every member's :meth:`Proposer.observe`."""
         for m in self.members:
             m.observe(context)
 
     def reset(self) -> None:
+        """Every member's :meth:`Proposer.reset`."""
         for m in self.members:
             m.reset()
 
@@ -110,6 +117,7 @@ class VoteMembers:
         self.done = set()
 
     def seqs(self) -> list[list[int]]:
+        """Each member's chain tokens below the anchor (as far as known)."""
         return [toks for toks, _ in self.chains]
 
     def probs(self, accuracy: Callable[[int], float]) -> list[list[float]]:
@@ -124,6 +132,8 @@ class VoteMembers:
 
     def begin(self, context: list[int], cutoff: float, max_nodes: int, first_cutoff: float | None,
               look_cutoff: float) -> None:
+        """Every lead begins a micro-batch below ``context[-1]`` (arguments as
+        :meth:`Proposer.begin`)."""
         for i in self.leads:
             self.members[i].begin(context, cutoff, max_nodes, first_cutoff, look_cutoff)
 
@@ -153,14 +163,17 @@ class VoteMembers:
                 self.chains[i] = chain_of(self.members[i].partial())
 
     def abandon(self) -> None:
+        """Every lead still drafting abandons its micro-batch."""
         for i in self.leads:
             if self.members[i].active:
                 self.members[i].abandon()
 
     def busy(self) -> bool:
+        """A lead has results in flight."""
         return any(self.members[i].busy() for i in self.leads)
 
     def drain_ready(self) -> None:
+        """Every lead consumes the results that have already arrived (never blocks)."""
         for i in self.leads:
             self.members[i].drain_ready()
 
@@ -173,5 +186,7 @@ class VoteMembers:
         raise RuntimeError("nothing in flight")
 
     def settle(self, timeout_s: float) -> None:
+        """Every lead settles (:meth:`Proposer.settle`: in-flight work consumed,
+        each wait at most ``timeout_s`` seconds)."""
         for i in self.leads:
             self.members[i].settle(timeout_s)
