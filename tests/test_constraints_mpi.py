@@ -184,3 +184,10 @@ def test_every_mode_under_a_json_schema(goliath, smollm2, mode, temp):
                                                            "--seed", "2", "--repeat-penalty", "1.2",
                                                            "-j", json.dumps(SCHEMA)])
     jsonschema.validate(json.loads(got["text"]), SCHEMA)
+
+
+def test_generate_reports_logprobs(goliath):
+    got = generate_json(goliath, PROMPT, 6, 2, ["--logprobs", "2"])
+    assert [lp["token"] for lp in got["logprobs"]] == got["tokens"]
+    for lp in got["logprobs"]:   # greedy: each token the most likely, by the model's own log-probabilities
+        assert lp["top"][0][0] == lp["token"] and len(lp["top"]) == 2 and lp["logprob"] <= 0

@@ -3,6 +3,7 @@ rank runs the same one under ``mpiexec``; the head runs the front end)."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -23,7 +24,9 @@ from ggpipe.frontends.http_limits import READ_TIMEOUT_S, RESERVED_FDS
               help="Read the prompt from a file.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template as a user turn.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary (text, tokens, metrics, ranks).")
-def generate(prompt, prompt_file, chat, as_json, **kw):
+@click.option("--logprobs", default=None, type=click.IntRange(0, 20), metavar="K",
+              help="With --json: each token's log-probability and the K most likely tokens' (as the server's).")
+def generate(prompt, prompt_file, chat, as_json, logprobs, **kw):
     """Generate text from a prompt (run under mpiexec for a pipeline)."""
     from ggpipe.frontends.generate import GenerateRequest, run_generate
 
@@ -32,7 +35,11 @@ def generate(prompt, prompt_file, chat, as_json, **kw):
     if prompt is not None and prompt_file is not None:
         raise click.UsageError("give either -p or -f, not both")
     text = utf8_prompt(prompt) if prompt is not None else read_prompt_file(prompt_file)
+    if logprobs is not None and not as_json:
+        raise click.UsageError("--logprobs goes with --json (the log-probabilities are part of the JSON summary)")
     job, sampling, n_predict = split_job_options(kw)
+    if logprobs is not None:
+        sampling = dataclasses.replace(sampling, logprobs=logprobs)
     code = run_generate(job, GenerateRequest(prompt=text, n_predict=n_predict, sampling=sampling, chat=chat), as_json)
     if code:
         sys.exit(code)
