@@ -95,3 +95,16 @@ def test_neutral_values_are_accepted(neutral):
     for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", TEXT)):
         r = c.post(path, json={**body, **neutral})
         assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full", r.text
+
+
+def test_the_servers_own_constraints_are_kept():
+    """A server started with --grammar, a logit bias or penalties applies them
+    to every request that does not override them (they were dropped)."""
+    from ggpipe.frontends.serve_app import request_sampling
+    from ggpipe.frontends.serve_bodies import CompletionBody
+    from ggpipe.sampling import SamplingParams
+
+    d = SamplingParams(grammar='root ::= "a"', logit_bias=((3, -100.0),), repeat_penalty=1.2, min_p=0.1, top_k=20)
+    s = request_sampling(d, CompletionBody.model_validate({"prompt": "x", "temperature": 0.5}), logprobs=2)
+    assert (s.grammar, s.logit_bias, s.repeat_penalty, s.min_p, s.top_k) == (d.grammar, d.logit_bias, 1.2, 0.1, 20)
+    assert (s.temperature, s.logprobs) == (0.5, 2)

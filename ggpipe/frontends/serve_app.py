@@ -262,6 +262,14 @@ async def _tokenize(state: ServerState, prompt: str | None, messages: list | Non
                        param="messages" if messages is not None else "prompt") from None
 
 
+def request_sampling(defaults: SamplingParams, body: _Body, logprobs: int) -> SamplingParams:
+    """The server's sampling settings (its command line's) with the request's
+    temperature, top_k, top_p and seed where it gives them, and ``logprobs``;
+    the constraint fields come on top (ggpipe.frontends.request_fields)."""
+    over = {k: getattr(body, k) for k in ("temperature", "top_k", "top_p", "seed") if getattr(body, k) is not None}
+    return dataclasses.replace(defaults, logprobs=logprobs, **over)
+
+
 async def _enqueue(state: ServerState, body: _Body, tokens: np.ndarray, max_tokens: int | None) -> list[Job]:
     """Check a request against the context and the queue and put its
     ``n`` jobs (one per choice; choice i samples with seed + i) on the queue.
@@ -286,13 +294,7 @@ async def _enqueue(state: ServerState, body: _Body, tokens: np.ndarray, max_toke
         name = "n" if body.n > 1 else "logprobs"
         raise APIError(400, f"{name} with stream: ggpipe does not implement it; leave stream out (or send n 1 "
                        "and no logprobs)", param=name, code="unsupported_parameter")
-    d = state.sampling
-    sampling = SamplingParams(temperature=d.temperature if body.temperature is None else body.temperature,
-                              top_k=d.top_k if body.top_k is None else body.top_k,
-                              top_p=d.top_p if body.top_p is None else body.top_p,
-                              seed=d.seed if body.seed is None else body.seed, logprobs=logprobs,
-                              min_p=d.min_p, repeat_penalty=d.repeat_penalty, frequency_penalty=d.frequency_penalty,
-                              presence_penalty=d.presence_penalty, repeat_last_n=d.repeat_last_n)
+    sampling = request_sampling(state.sampling, body, logprobs)
     fields = {f: getattr(body, f) for f in request_fields.FIELDS}
     try:   # a JSON schema's grammar takes a moment: off the event loop
         sampling = await run_in_threadpool(request_fields.constraints, fields, sampling)
