@@ -180,6 +180,14 @@ class SamplingParams:
             raise ConfigError(f"top log-probabilities per token must be in [0, {TOP_LOGPROBS_MAX}] (got {lp!r})")
         return self
 
+    def check_vocabulary(self, n_vocab: int) -> "SamplingParams":
+        """Raise ConfigError (one line) when a logit bias names a token
+        outside a vocabulary of ``n_vocab`` tokens; return self."""
+        bad = next((t for t, _ in self.logit_bias if not 0 <= t < n_vocab), None)
+        if bad is not None:
+            raise ConfigError(f"logit_bias: token {bad} is outside the vocabulary (0..{n_vocab - 1})")
+        return self
+
 
 def _real_in(v, name: str, lo: float, hi: float, off: str, low_open: bool = False) -> None:
     ok = not isinstance(v, bool) and isinstance(v, numbers.Real) and math.isfinite(v) and (

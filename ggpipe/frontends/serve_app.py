@@ -40,6 +40,7 @@ from ggpipe.frontends.http_guard import host_allowed, is_json_content_type, orig
 from ggpipe.frontends.serve_bodies import (CLIENT_GONE, APIError, ChatBody, CompletionBody, _Body, internal_error,
                                            parse_body, too_large)
 from ggpipe.frontends.serve_state import Job, ServerState, state_of
+from ggpipe.errors import ConfigError
 from ggpipe.sampling import SamplingParams
 
 SCHEDULING = "one request at a time through the pipeline; further requests wait in a FIFO queue"
@@ -300,10 +301,10 @@ async def _enqueue(state: ServerState, body: _Body, tokens: np.ndarray, max_toke
         sampling = await run_in_threadpool(request_fields.constraints, fields, sampling)
     except request_fields.FieldError as e:
         raise APIError(400, str(e), param=e.param) from None
-    bad = next((t for t, _ in sampling.logit_bias if t >= state.n_vocab), None)
-    if bad is not None:
-        raise APIError(400, f"logit_bias: token {bad} is outside the vocabulary (0..{state.n_vocab - 1})",
-                       param="logit_bias")
+    try:
+        sampling.check_vocabulary(state.n_vocab)
+    except ConfigError as e:
+        raise APIError(400, str(e), param="logit_bias") from None
     if state.stopping.is_set():
         raise APIError(503, "the server is shutting down", "server_error")
     if state.jobs.qsize() + body.n > state.max_queue:

@@ -250,9 +250,7 @@ class Engine:
             ConfigError: invalid settings, a logit bias on a token outside
                 the vocabulary, a grammar llama.cpp cannot parse.
         """
-        for tok, _ in sampling.logit_bias:
-            if not 0 <= tok < self.vocab.n_vocab:
-                raise ConfigError(f"logit_bias: token {tok} is outside the vocabulary (0..{self.vocab.n_vocab - 1})")
+        sampling.check_vocabulary(self.vocab.n_vocab)
         grammar = self.vocab.grammar(sampling.grammar) if sampling.grammar is not None else None
         return Sampler(sampling, history=context, grammar=grammar)
 
