@@ -6,7 +6,6 @@ with each position constrained by the tokens on its path."""
 
 from __future__ import annotations
 
-import ctypes
 import json
 from dataclasses import replace
 
@@ -16,17 +15,15 @@ import pytest
 
 from ggpipe.errors import ConfigError
 from ggpipe.sampling import Sampler, SamplingParams, target_probs
-from ggpipe.speculation.graph import SpecGraph
-from ggpipe.speculation.tree import SpecTree
 from ggpipe.speculation.verify import verify_step
-from tests.test_spec_statistics import assert_fits, assert_rejects
+from tests.test_spec_statistics import assert_fits, assert_rejects, two_level_pair
 
 
 def _llama_apply(samplers, logits: np.ndarray, history=()) -> tuple[np.ndarray, np.ndarray]:
     """llama.cpp's sampler chain (``samplers``: llama_sampler pointers,
     applied in order) over ``logits`` after accepting ``history``; the
     candidates it keeps (ids) and their logits."""
-    from ggpipe.runtime.grammar import TOKEN_DATA
+    from ggpipe.runtime.grammar import sampler_apply
     from ggpipe.runtime.llama import lib
 
     L = lib()
@@ -36,14 +33,7 @@ def _llama_apply(samplers, logits: np.ndarray, history=()) -> tuple[np.ndarray, 
     try:
         for t in history:
             L.llama_sampler_accept(chain, int(t))
-        cand = np.zeros(logits.size, dtype=TOKEN_DATA)
-        cand["id"] = np.arange(logits.size)
-        cand["logit"] = logits
-        arr = L.llama_token_data_array(data=cand.ctypes.data_as(ctypes.POINTER(L.llama_token_data)),
-                                       size=logits.size, selected=-1, sorted=False)
-        L.llama_sampler_apply(chain, ctypes.byref(arr))
-        kept = cand[: arr.size]
-        return kept["id"].copy(), kept["logit"].copy()
+        return sampler_apply(chain, logits)
     finally:
         L.llama_sampler_free(chain)
 
@@ -150,23 +140,7 @@ def _two_level_counts(params: SamplingParams, history: list[int], v: int, n: int
     draws = np.random.default_rng(seed + 1)
     for i in range(n):
         sampler = Sampler(replace(sampler_params or params, seed=seed * 100_000 + i), history=history)
-        g = SpecGraph(sampler)
-        root = g.add_root(0, 5, run_id=1)
-        t = SpecTree(5)
-        for _ in range(draws.integers(1, 3)):
-            c = int(draws.choice(v, p=q1))
-            j = t.add(c, -1, probs=q1, p=q1[c])
-            for _ in range(draws.integers(0, 3)):
-                gc = int(draws.choice(v, p=q2[c]))
-                t.add(gc, j, probs=q2[c], p=q2[c][gc])
-        *_, leaf_seq = t.batch(list(range(1, 1 + len(t))))
-        g.add_tree(root, t, 2, leaf_seq, 0, list(range(1, 1 + len(t))))
-        g.set_result(1, l1[None, :])
-        g.set_result(2, np.stack([l2[t.tokens[k]] if t.parent[k] == -1 else np.zeros(v, np.float32)
-                                  for k in range(len(t))]))
-        d = g.advance()
-        t1 = d[0].token
-        t2 = sampler.sample(l2[t1]) if d[0].node is None else d[1].token   # a root run decides t2
+        t1, t2, _ = two_level_pair(sampler, l1, l2, q1, q2, draws)
         counts[t1 * v + t2] += 1
     return counts, joint
 

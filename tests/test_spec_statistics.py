@@ -238,32 +238,41 @@ def test_two_levels_through_spec_graph():
     counts = np.zeros(v * v, dtype=np.int64)
     n_two = 0
     for _ in range(n):
-        g = SpecGraph(sampler)
-        root = g.add_root(0, 5, run_id=1)
-        t = SpecTree(5)
-        for _ in range(rng.integers(1, 3)):
-            c = int(rng.choice(v, p=q1))
-            i = t.add(c, -1, probs=q1, p=q1[c])
-            for _ in range(rng.integers(0, 3)):
-                gc = int(rng.choice(v, p=q2[c]))
-                t.add(gc, i, probs=q2[c], p=q2[c][gc])
-        *_, leaf_seq = t.batch(list(range(1, 1 + len(t))))
-        g.add_tree(root, t, 2, leaf_seq, 0, list(range(1, 1 + len(t))))
-        g.set_result(1, l1[None, :])
-        # a node's logits: the target's next-token logits after its token
-        # (grandchildren's rows are never read for the pair)
-        g.set_result(2, np.stack([l2[t.tokens[i]] if t.parent[i] == -1 else np.zeros(v, np.float32)
-                                  for i in range(len(t))]))
-        d = g.advance()
-        t1 = d[0].token
-        if d[0].node is None:
-            t2 = sampler.sample(l2[t1])               # the root run for t1 decides t2
-        else:
-            t2 = d[1].token
-            n_two += 1
+        t1, t2, both = two_level_pair(sampler, l1, l2, q1, q2, rng)
+        n_two += both
         counts[t1 * v + t2] += 1
     assert n_two > n // 4
     assert_fits(counts, joint, "two levels")
+
+
+def two_level_pair(sampler, l1, l2, q1, q2, draws) -> tuple[int, int, bool]:
+    """One trial: a two-level tree (1-2 children drawn from ``q1``, 0-2
+    grandchildren each from ``q2[child]``, by ``draws``) verified through
+    SpecGraph.advance with the target's logits ``l1`` (first position) and
+    ``l2[t1]`` (after t1). Returns (t1, t2, both decided by the tree); when
+    the first level is rejected a root run for t1 decides t2."""
+    v = l1.size
+    g = SpecGraph(sampler)
+    root = g.add_root(0, 5, run_id=1)
+    t = SpecTree(5)
+    for _ in range(draws.integers(1, 3)):
+        c = int(draws.choice(v, p=q1))
+        i = t.add(c, -1, probs=q1, p=q1[c])
+        for _ in range(draws.integers(0, 3)):
+            gc = int(draws.choice(v, p=q2[c]))
+            t.add(gc, i, probs=q2[c], p=q2[c][gc])
+    *_, leaf_seq = t.batch(list(range(1, 1 + len(t))))
+    g.add_tree(root, t, 2, leaf_seq, 0, list(range(1, 1 + len(t))))
+    g.set_result(1, l1[None, :])
+    # a node's logits: the target's next-token logits after its token
+    # (grandchildren's rows are never read for the pair)
+    g.set_result(2, np.stack([l2[t.tokens[i]] if t.parent[i] == -1 else np.zeros(v, np.float32)
+                              for i in range(len(t))]))
+    d = g.advance()
+    t1 = d[0].token
+    if d[0].node is None:
+        return t1, sampler.sample(l2[t1]), False
+    return t1, d[1].token, True
 
 
 # ---- children chosen by the draft (PipeDec's layers) ----------------------------------------

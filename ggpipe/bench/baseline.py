@@ -153,17 +153,26 @@ def forced_gaps(model_path: str | Path, prompt: str, tokens: list[int], n_thread
     try:
         toks = _tokenize(L, vocab, prompt)
         _decode(L, ctx, (ctypes.c_int32 * len(toks))(*toks), len(toks), "prompt decode")
-        one = (ctypes.c_int32 * 1)()
-        gaps = []
-        for tok in tokens:
-            logits = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, -1), shape=(n_vocab,))
-            gaps.append(float(np.max(logits) - logits[tok]))
-            one[0] = tok
-            _decode(L, ctx, one, 1)
-        return gaps
+        return _forced_gaps(L, ctx, n_vocab, tokens)
     finally:
         L.llama_free(ctx)
         L.llama_model_free(model)
+
+
+def _forced_gaps(L, ctx, n_vocab: int, tokens: list[int], constrain=None) -> list[float]:
+    """Teacher forcing after the prompt is decoded: for each of ``tokens``,
+    its gap below the best logit of its step (after ``constrain``: logits ->
+    (ids, logits) of the candidates kept, when given), then the token is
+    decoded alone."""
+    one = (ctypes.c_int32 * 1)()
+    gaps = []
+    for tok in tokens:
+        logits = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, -1), shape=(n_vocab,))
+        ids, kept = (np.arange(n_vocab), logits) if constrain is None else constrain(logits, tok)
+        gaps.append(float(np.max(kept) - kept[ids == tok][0]))
+        one[0] = tok
+        _decode(L, ctx, one, 1)
+    return gaps
 
 
 def greedy_turns(model_path: str | Path, prompts: list[str], n_predict: int, n_ctx: int = 2048,
@@ -218,7 +227,7 @@ def constrained_greedy(model_path: str | Path, prompt: str, n_predict: int, logi
     constrained logits of its step (its gap below their maximum, logit units;
     0.0 where it is the argmax), then accepted and decoded, and the gaps are
     returned (teacher forcing, as :func:`forced_gaps`)."""
-    from ggpipe.runtime.grammar import TOKEN_DATA
+    from ggpipe.runtime.grammar import sampler_apply
     from ggpipe.runtime.llama import lib
 
     L = lib()
@@ -236,9 +245,9 @@ def constrained_greedy(model_path: str | Path, prompt: str, n_predict: int, logi
         for t in toks:
             L.llama_sampler_accept(chain, t)
         _decode(L, ctx, (ctypes.c_int32 * len(toks))(*toks), len(toks), "prompt decode")
-        one = (ctypes.c_int32 * 1)()
         if forced is None:
             L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
+            one = (ctypes.c_int32 * 1)()
             out: list[int] = []
             while len(out) < n_predict:
                 tok = int(L.llama_sampler_sample(chain, ctx, -1))   # applies the chain and accepts the token
@@ -248,19 +257,13 @@ def constrained_greedy(model_path: str | Path, prompt: str, n_predict: int, logi
                 one[0] = tok
                 _decode(L, ctx, one, 1)
             return out
-        cand = np.zeros(n_vocab, dtype=TOKEN_DATA)
-        gaps = []
-        for tok in forced:
-            cand["id"] = np.arange(n_vocab)
-            cand["logit"] = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, -1), shape=(n_vocab,))
-            data = L.llama_token_data_array(data=cand.ctypes.data_as(ctypes.POINTER(L.llama_token_data)),
-                                            size=n_vocab, selected=-1, sorted=False)
-            L.llama_sampler_apply(chain, ctypes.byref(data))
-            gaps.append(float(cand["logit"].max() - cand["logit"][cand["id"] == tok][0]))
+
+        def constrain(logits, tok):
+            kept = sampler_apply(chain, logits)
             L.llama_sampler_accept(chain, int(tok))
-            one[0] = tok
-            _decode(L, ctx, one, 1)
-        return gaps
+            return kept
+
+        return _forced_gaps(L, ctx, n_vocab, forced, constrain)
     finally:
         L.llama_sampler_free(chain)
         L.llama_free(ctx)

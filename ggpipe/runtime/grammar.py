@@ -32,6 +32,22 @@ from ggpipe.runtime import llama as _llama
 TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
 
 
+def sampler_apply(smpl, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One ``llama_sampler_apply`` of llama.cpp sampler ``smpl`` (a chain or
+    one sampler) over the whole row ``logits`` (float32 (n_vocab,)): the
+    candidates it keeps, in its order (int32 ids, float32 logits; a filter
+    such as min-p keeps fewer, a bias or a grammar changes logits)."""
+    L = _llama.lib()
+    cand = np.zeros(logits.size, dtype=TOKEN_DATA)
+    cand["id"] = np.arange(logits.size)
+    cand["logit"] = logits
+    arr = L.llama_token_data_array(data=cand.ctypes.data_as(ctypes.POINTER(L.llama_token_data)), size=logits.size,
+                                   selected=-1, sorted=False)
+    L.llama_sampler_apply(smpl, ctypes.byref(arr))
+    kept = cand[: arr.size]
+    return kept["id"].copy(), kept["logit"].copy()
+
+
 _STDERR_LOCK = threading.Lock()
 
 
