@@ -15,7 +15,9 @@ Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``,
 
 The request bodies and their checks are in ggpipe.frontends.serve_bodies,
 the state shared with the main thread (ServerState, Job) in
-ggpipe.frontends.serve_state, the metrics in ggpipe.frontends.serve_metrics.
+ggpipe.frontends.serve_state, the metrics in ggpipe.frontends.serve_metrics,
+the finished requests' bodies (choices, usage, logprobs) in
+ggpipe.frontends.serve_replies.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from ggpipe.frontends import request_fields
 from ggpipe.frontends.http_guard import host_allowed, is_json_content_type, origin_allowed
 from ggpipe.frontends.serve_bodies import (CLIENT_GONE, APIError, ChatBody, CompletionBody, _Body, internal_error,
                                            parse_body, too_large)
+from ggpipe.frontends.serve_replies import FINISH, completion, usage
 from ggpipe.frontends.serve_state import Job, ServerState, state_of
 from ggpipe.errors import ConfigError
 from ggpipe.sampling import SamplingParams
@@ -56,7 +59,6 @@ def scheduling(parallel: int, n_ctx_slot: int) -> str:
 
 # -- the app -----------------------------------------------------------------------------------
 
-FINISH = {"stop": "stop", "length": "length", "interrupted": "length"}
 _ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/slots"}
 
 
@@ -321,11 +323,6 @@ async def _enqueue(state: ServerState, body: _Body, tokens: np.ndarray, max_toke
     return jobs
 
 
-def _usage(done) -> dict:
-    return {"prompt_tokens": done.n_prompt, "completion_tokens": len(done.tokens),
-            "total_tokens": done.n_prompt + len(done.tokens)}
-
-
 async def _watch(request: Request, job: Job) -> None:
     """Wait for the client to disconnect (the body has been read: the next
     message is ``http.disconnect``), then cancel the job, queued or running
@@ -362,39 +359,6 @@ async def _finished(job: Job, request: Request):
         watcher.cancel()
 
 
-def _logprobs(state: ServerState, done, kind: str) -> dict | None:
-    """OpenAI's ``logprobs`` of a choice: the chat shape (``content``: one
-    entry per token, with its ``top_logprobs``) or the completions shape
-    (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``); a
-    final end-of-generation token is left out, as its text is."""
-    if done.logprobs is None:
-        return None
-    entries = done.logprobs
-    if done.finish_reason == "stop" and entries and done.tokens and state.is_eog(done.tokens[-1]):
-        entries = entries[:-1]
-
-    def text(t: int) -> tuple[str, list[int]]:
-        b = state.piece(t)
-        return b.decode("utf-8", "replace"), list(b)
-
-    if kind == "chat":
-        content = []
-        for e in entries:
-            tok, raw = text(e.token)
-            content.append({"token": tok, "logprob": e.logprob, "bytes": raw,
-                            "top_logprobs": [{"token": text(t)[0], "logprob": lp, "bytes": text(t)[1]}
-                                             for t, lp in e.top]})
-        return {"content": content}
-    tokens, offsets, at = [], [], 0
-    for e in entries:
-        tok = text(e.token)[0]
-        tokens.append(tok)
-        offsets.append(at)
-        at += len(tok)
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{text(t)[0]: lp for t, lp in e.top} for e in entries], "text_offset": offsets}
-
-
 async def _complete(state: ServerState, jobs: list[Job], request: Request, kind: str) -> Response:
     rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + jobs[0].rid
     done = []
@@ -408,24 +372,7 @@ async def _complete(state: ServerState, jobs: list[Job], request: Request, kind:
         for job in jobs:
             if not job.finished:
                 job.cancelled.set()
-    usage = {"prompt_tokens": done[0].n_prompt, "completion_tokens": sum(len(d.tokens) for d in done)}
-    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-    first = done[0]
-    base = {"id": rid, "created": int(time.time()), "model": state.model_id, "usage": usage,
-            "ggpipe": {"tokens": first.tokens, "n_reused": first.n_reused, "metrics": first.metrics,
-                       "decoder": first.decoder}}
-    if len(done) > 1:
-        base["ggpipe"]["choices"] = [{"tokens": d.tokens, "metrics": d.metrics} for d in done]
-    choices = []
-    for i, d in enumerate(done):
-        lp = _logprobs(state, d, kind)
-        if kind == "chat":
-            choices.append({"index": i, "message": {"role": "assistant", "content": d.text}, "logprobs": lp,
-                            "finish_reason": FINISH[d.finish_reason]})
-        else:
-            choices.append({"index": i, "text": d.text, "logprobs": lp, "finish_reason": FINISH[d.finish_reason]})
-    obj = "chat.completion" if kind == "chat" else "text_completion"
-    return JSONResponse({"object": obj, "choices": choices, **base})
+    return JSONResponse(completion(state, rid, done, kind))
 
 
 def _sse(obj) -> str:
@@ -463,7 +410,7 @@ def _stream(state: ServerState, job: Job, request: Request, kind: str, include_u
                     yield _sse(chunk(None, FINISH[value.finish_reason]))
                     if include_usage:
                         yield _sse({"id": rid, "object": obj, "created": created, "model": state.model_id,
-                                    "choices": [], "usage": _usage(value)})
+                                    "choices": [], "usage": usage([value])})
                     break
             yield "data: [DONE]\n\n"
         finally:
