@@ -35,7 +35,6 @@ before anything else.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
 import os
 import signal
@@ -204,10 +203,19 @@ def guard_gone_line(rank: int, host: str, pid: int, guard_pid: int, role: str, d
             f"another of its processes ended; the rank ends with it")
 
 
+_libc = None
+
+
 def _prctl(option: int, *args) -> None:
+    """prctl(2) through the C library already loaded in this process
+    (``CDLL(None)``): ``ctypes.util.find_library`` runs ``ldconfig`` as a child
+    process, which between the fork and the rank's rename would be a child of
+    a process named :data:`GUARD_NAME` with the rank's environment."""
+    global _libc
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.prctl(option, *args, 0, 0, 0)
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.prctl(option, *args, 0, 0, 0)
     except (OSError, AttributeError):
         pass  # not Linux
 
@@ -298,7 +306,8 @@ def rank_processes(root_pid: int) -> dict:
             env = c.environ()
             r = next((env[k] for k in RANK_VARS if k in env), None)
             parent = c.parent()
-            if r is None or parent is None or parent.name() != GUARD_NAME:
+            # the rank has its guard's command line; a helper program it runs does not
+            if r is None or parent is None or parent.name() != GUARD_NAME or c.cmdline() != parent.cmdline():
                 continue
         except psutil.Error:
             continue
