@@ -12,10 +12,11 @@ aggregate tokens/s). A round calibrates the model at the job's rank count
 (``mpiexec -n R ggpipe calibrate``), then simulates and measures each of its
 configurations, one right after the other: this machine's speed moves by a
 fifth within minutes, so a prediction is compared only with the job measured
-next to its calibration, and the rounds (``--rounds``) give the spread. The pipeinfer simulation takes the
-measured run's acceptance rate (``--acceptance``): acceptance is a property
-of the models and prompt, not of the cluster, and the random-weight 7B shape
-has none to speak of.
+next to its calibration, and the rounds (``--rounds``) give the spread. The
+pipeinfer simulation takes the draft agreement its calibration measured
+(``calibrate -md``, on calibrate's own prompts, not the measured job's), as a
+user's plan would; the random-weight 7B shape has no agreement to speak of and
+runs without a draft.
 
 Writes OUT/sim_check.jsonl (one record per configuration and round:
 simulated and measured tokens/s, the error) and prints a Markdown table of the
@@ -39,7 +40,13 @@ from ggpipe.child_process import child_env, ggpipe_command
 
 PROMPT = ("The history of the steam engine begins with simple devices that used heat to move water. Engineers in "
           "the eighteenth century improved them step by step, adding separate condensers, valves and governors, "
-          "until engines drove mills, ships and railways across the world. ") * 2
+          "until engines drove mills, ships and railways across the world. ")
+# one-stream jobs: prompts of the kind calibrate's own (ggpipe.service.agreement.DEFAULT_PROMPTS), none of them
+JOB_PROMPTS = (
+    "Tell me about the life of a honeybee colony through the seasons.",
+    "Write a letter to a friend describing your first week in a new city.",
+    "How does a bicycle stay upright while it moves? Explain it for a curious child.",
+)
 
 
 def run(args: list[str], ranks: int | None = None, timeout: float = 1800) -> str:
@@ -51,26 +58,34 @@ def run(args: list[str], ranks: int | None = None, timeout: float = 1800) -> str
 
 
 def simulate(profile: Path, model: str, draft: str | None, mode: str, ranks: int, n: int, n_prompt: int,
-             parallel: int = 1, acceptance: float | None = None) -> dict:
+             parallel: int = 1) -> dict:
     args = ["simulate", "--profile", str(profile), "-m", model, "--modes", mode, "--ranks", str(ranks), "-n", str(n),
             "--n-prompt", str(n_prompt), "--json", "--prompts", str(8 if parallel > 1 else 1),
             "--parallel", str(parallel)]
     if draft:
         args += ["-md", draft]
-    if acceptance is not None:
-        args += ["--acceptance", f"{min(0.99, max(0.01, acceptance)):.3f}"]
     rec = json.loads(run(args).strip().splitlines()[-1])
     return {"tokens_per_s": rec.get("aggregate_tokens_per_s") if parallel > 1 else rec["tokens_per_s"]}
 
 
-def measure_one(model: str, draft: str | None, mode: str, ranks: int, n: int, prompt_file: Path) -> dict:
-    args = ["generate", "-m", model, "-f", str(prompt_file), "-n", str(n), "-t", "1", "--ignore-eos", "--json",
-            "--mode", mode]
-    if draft:
-        args += ["-md", draft]
-    d = json.loads(run(args, ranks))
-    return {"tokens_per_s": d["metrics"]["tokens_per_s"], "n_prompt": d["n_prompt"],
-            "acceptance": (d.get("decoder") or {}).get("acceptance_rate")}
+def measure_one(model: str, draft: str | None, mode: str, ranks: int, n: int) -> dict:
+    """One stream, each of JOB_PROMPTS in turn: tokens/s over all of them
+    (tokens over generation seconds), the mean prompt length, and the jobs'
+    acceptance rate (accepted over drafted tokens)."""
+    tokens = seconds = n_prompt = drafted = accepted = 0
+    for prompt in JOB_PROMPTS:
+        args = ["generate", "-m", model, "-p", prompt, "-n", str(n), "-t", "1", "--ignore-eos", "--json",
+                "--mode", mode]
+        if draft:
+            args += ["-md", draft]
+        d = json.loads(run(args, ranks))
+        tokens += d["metrics"]["n_gen_tokens"]
+        seconds += d["metrics"]["gen_s"]
+        n_prompt += d["n_prompt"]
+        dec = d.get("decoder") or {}
+        drafted, accepted = drafted + (dec.get("drafted") or 0), accepted + (dec.get("draft_accepted") or 0)
+    return {"tokens_per_s": tokens / seconds, "n_prompt": round(n_prompt / len(JOB_PROMPTS)),
+            "acceptance": accepted / drafted if drafted else None}
 
 
 def measure_parallel(model: str, ranks: int, n: int, work: Path) -> dict:
@@ -94,20 +109,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-o", "--out", type=Path, required=True)
     ap.add_argument("--quick", action="store_true", help="the goliath only, 2 ranks")
+    ap.add_argument("--goliath", action="store_true", help="the goliath only, 2 and 3 ranks")
     ap.add_argument("--rounds", type=int, default=3, help="calibrate-and-measure rounds per model and rank count")
     ap.add_argument("--plot", type=Path, help="write a scatter of simulated against measured tokens/s (PNG)")
     ap.add_argument("--from-jsonl", type=Path, help="report earlier records instead of measuring")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="sim_check."))
-    prompt_file = work / "prompt.txt"
-    prompt_file.write_text(PROMPT)
     goliath, small, big, big_draft = "smollm2-goliath-40l", "smollm2-135m", "llama-7b-shape-q4_k_m", None
     # (model, draft or None, mode, ranks, tokens, slots); a model's profile is measured with its job's draft
     plan = [(goliath, None, "iterative", 2, 128, 1), (goliath, small, "pipeinfer", 2, 128, 1)]
     if not a.quick:
-        plan += [(goliath, None, "iterative", 3, 128, 1), (goliath, small, "pipeinfer", 3, 128, 1),
-                 (big, big_draft, "iterative", 2, 32, 1), (big, big_draft, "iterative", 2, 48, 8)]
+        plan += [(goliath, None, "iterative", 3, 128, 1), (goliath, small, "pipeinfer", 3, 128, 1)]
+    if not (a.quick or a.goliath):
+        plan += [(big, big_draft, "iterative", 2, 32, 1), (big, big_draft, "iterative", 2, 48, 8)]
     drafts = {m: d for m, d, *_ in plan if d}
     if a.from_jsonl:
         records = [json.loads(line) for line in a.from_jsonl.read_text().splitlines() if line.strip()]
@@ -127,13 +142,15 @@ def main() -> None:
                     meas = measure_parallel(model, ranks, n, work)
                     sim = simulate(prof, model, None, mode, ranks, n, meas["n_prompt"], parallel)
                 else:
-                    meas = measure_one(model, draft, mode, ranks, n, prompt_file)
-                    sim = simulate(prof, model, draft, mode, ranks, n, meas["n_prompt"], 1, meas["acceptance"])
+                    meas = measure_one(model, draft, mode, ranks, n)
+                    sim = simulate(prof, model, draft, mode, ranks, n, meas["n_prompt"], 1)
+                agreement = (json.loads(prof.read_text()).get("agreement") or {}).get("rate") if draft else None
                 rec = {"model": model, "mode": mode, "ranks": ranks, "parallel": parallel, "n": n, "round": rnd,
                        "simulated_tokens_per_s": round(sim["tokens_per_s"], 2),
                        "measured_tokens_per_s": round(meas["tokens_per_s"], 2),
                        "error": round(sim["tokens_per_s"] / meas["tokens_per_s"] - 1, 3),
-                       "acceptance": meas["acceptance"]}
+                       "agreement": None if agreement is None else round(agreement, 3),
+                       "measured_acceptance": None if meas["acceptance"] is None else round(meas["acceptance"], 3)}
                 records.append(rec)
                 print(json.dumps(rec), file=sys.stderr, flush=True)
     (a.out / "sim_check.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))

@@ -85,12 +85,16 @@ def files(tmp_path_factory, smollm2):
 
     profile = d / "profile.json"
     Profile("x", None, [HostProfile("h", mem_bw_Bps=1e10, flops=1e11)]).save(profile)
+    bad_agreement = d / "bad-agreement.json"
+    Profile("x", "y", [HostProfile("h", mem_bw_Bps=1e10, flops=1e11)], agreement={"rate": 5}).save(bad_agreement)
+    blank = d / "blank.txt"
+    blank.write_text("\n  \n")
     return {"smollm2": smollm2, "trunc": d / "truncated.gguf", "notgguf": d / "notgguf.gguf", "three": three,
             "gemma": fake(d / "gemma2-fake.gguf", "gemma2"), "othervocab": fake(d / "llama-3-tokens.gguf", "llama"),
             "bad_registry": bad_registry, "hash_registry": hash_registry, "cache": cache,
             "long_prompt": long_prompt, "out": out,
             "batch_in": batch_in, "notes": notes, "notutf8": notutf8, "nested": nested,
-            "profile": profile}
+            "profile": profile, "bad_agreement": bad_agreement, "blank": blank}
 
 
 @pytest.mark.mpi

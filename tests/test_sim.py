@@ -391,7 +391,7 @@ def test_simulate_command_prints_every_configuration(tmp_path):
                                  "-md", "tinyllama-1.1b:Q4_K_M", "--ranks", "2,3", "--link", "shm",
                                  "--link", "1gbit,200us", "-n", "32", "--prompts", "1", "--json"])
     assert r.exit_code == 0, r.output
-    rows = [json.loads(x) for x in r.output.splitlines()]
+    rows = [json.loads(x) for x in r.stdout.splitlines()]
     assert [(x["link"], x["ranks"], x["mode"]) for x in rows][:3] == [
         ("shm", 2, "iterative"), ("shm", 2, "speculative"), ("shm", 2, "pipeinfer")]
     assert len(rows) == 12 and all(x["tokens_per_s"] > 0 for x in rows)

@@ -8,6 +8,7 @@ ggpipe/sim/calibrate.py and ggpipe/sim/run.py).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import sys
@@ -17,6 +18,9 @@ import click
 
 from ggpipe.errors import ConfigError, GGPipeError
 from ggpipe.cli.types import Finite
+
+
+DEFAULT_ACCEPTANCE = 0.7  # simulate's draft acceptance where neither --acceptance nor the profile gives one
 
 
 def _say(msg: str) -> None:
@@ -38,11 +42,19 @@ def _say(msg: str) -> None:
               help="Profile to write (JSON); an existing file is replaced only if it is a ggpipe profile.")
 @click.option("--timeout", "timeout_s", default=60.0, show_default=True, type=Finite(1.0, 3600.0),
               help="Bound of every wait for another rank (s).")
-def calibrate_command(model, draft, threads, reps, concurrent, output, timeout_s):
+@click.option("--agreement-prompts", "agreement_prompts", default=None,
+              type=click.Path(dir_okay=False, path_type=Path),
+              help="With -md: prompts (one per line) the draft's agreement is measured on; default: a few "
+                   "built-in ones. Use text of the kind the job will see.")
+@click.option("--agreement-tokens", default=64, show_default=True, type=click.IntRange(0, 4096),
+              help="With -md: tokens generated per prompt to measure the draft's agreement (0: skip it).")
+def calibrate_command(model, draft, threads, reps, concurrent, output, timeout_s, agreement_prompts,
+                      agreement_tokens):
     """Measure every rank's layer, head and draft costs and its links; write a profile.
 
     Run it under the job's launcher (mpiexec -n R ggpipe calibrate ...), or alone for this host.
-    ggpipe simulate and ggpipe plan --balance read the profile.
+    With a draft model it ends with a short job that measures how often the draft's token is the
+    target's (simulate's --acceptance). ggpipe simulate and ggpipe plan --balance read the profile.
     """
     from ggpipe.cluster.startup import enter_startup
     from ggpipe.models.registry import resolve
@@ -52,7 +64,10 @@ def calibrate_command(model, draft, threads, reps, concurrent, output, timeout_s
     from ggpipe.transport.launcher_signal import launched_rank
     from ggpipe.transport.mpi import Transport, mpi_world
 
+    from ggpipe.service.agreement import measure_agreement, read_prompts
+
     output = check_output(output, foreign=_not_a_profile, what="the profile")   # before any measuring
+    prompts = read_prompts(agreement_prompts) if draft is not None and agreement_tokens else ()
     for name in (model, draft):  # every rank checks its inputs before the ranks meet
         if name is not None:
             resolve(name)
@@ -71,6 +86,14 @@ def calibrate_command(model, draft, threads, reps, concurrent, output, timeout_s
     except GGPipeError as exc:
         exc.abort_job = True  # other ranks wait for this one: end the job
         raise
+    if prompts:
+        # the ranks meet again as a job's do: a short job over the prompts
+        agreement = measure_agreement(model, draft, str(threads), prompts, agreement_tokens, timeout_s,
+                                      say=_say if prof is not None else (lambda s: None))
+        if prof is not None and agreement is not None:
+            prof.agreement = dataclasses.asdict(agreement)
+            _say(f"draft agreement {agreement.rate:.3f} (the draft's most likely token was the target's greedy "
+                 f"token at {agreement.agreed} of {agreement.positions} positions, {agreement.prompts} prompts)")
     if prof is None:
         return
     prof.meta["command"] = " ".join(sys.argv)
@@ -90,6 +113,7 @@ def calibrate_command(model, draft, threads, reps, concurrent, output, timeout_s
                            "head_ms_b1": round(1e3 * h.head_s[0], 4),
                            "draft_ms_b1": None if h.draft_s is None else round(1e3 * h.draft_s[0], 4),
                            "overhead_ms": round(1e3 * h.overhead_s, 4),
+                           "acceptance": None if prof.agreement is None else round(prof.agreement["rate"], 4),
                            "links": [[ln.src, ln.dst, round(1e6 * ln.latency_s, 1), round(ln.bandwidth_Bps / 1e6, 1)]
                                      for ln in prof.links]}))
 
@@ -127,8 +151,9 @@ def _split(text):
 @click.option("--ranks", default="2", show_default=True, help="Comma-separated rank counts.")
 @click.option("--link", "links", multiple=True, help="Emulated link added to every hop, as ggpipe bench --link.")
 @click.option("--split", default=None, help="Layer split, as ggpipe generate --split.")
-@click.option("--acceptance", default=0.7, show_default=True, type=Finite(0.01, 0.99),
-              help="How often the draft's greedy token is the target's.")
+@click.option("--acceptance", default=None, type=Finite(0.01, 0.99),
+              help="How often the draft's greedy token is the target's (0.01-0.99). Default: the rate "
+                   "calibrate -md measured for this pair, else 0.7.")
 @click.option("--confidence-exponent", default=1.0, show_default=True, type=Finite(0.05, 20.0),
               help="k in P(draft token accepted | draft confidence q) = q^k (1: a calibrated draft, "
                    "<1: under-confident).")
@@ -159,6 +184,7 @@ def simulate_command(profile_path, target, draft, modes, ranks, links, split, ac
     Reports tokens/s, TTFT, ITL, tokens per target pass, acceptance and per-rank busy share for every
     mode x ranks x link, as ggpipe bench measures them.
     """
+    from ggpipe.decoding.mode import mode_class
     from ggpipe.decoding.settings import SpecSettings
     from ggpipe.cli.bench import _int_list, _links
     from ggpipe.sim.model import resolve_desc
@@ -167,6 +193,15 @@ def simulate_command(profile_path, target, draft, modes, ranks, links, split, ac
     from ggpipe.transport.link import format_link, parse_link
 
     prof = Profile.load(profile_path)
+    if acceptance is None:
+        acceptance = prof.acceptance_for(target, draft)
+        if acceptance is None:
+            acceptance = DEFAULT_ACCEPTANCE
+            if draft is not None and any(mode_class(m.strip()).speculates for m in modes.split(",") if m.strip()):
+                sys.stderr.write(f"ggpipe simulate: the profile has no measured acceptance for this model pair "
+                                 f"(ggpipe calibrate -m TARGET -md DRAFT measures it); assuming "
+                                 f"{DEFAULT_ACCEPTANCE} (--acceptance sets it)\n")
+        acceptance = min(0.99, max(0.01, acceptance))
     tdesc = resolve_desc(target)
     ddesc = resolve_desc(draft) if draft else None
     spec = SpecSettings(draft_max=n_draft, p_accept=None if p_accept == "auto" else float(p_accept),

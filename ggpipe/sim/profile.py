@@ -224,6 +224,11 @@ class Profile:
         hosts: per-rank records.
         links: measured links (either direction).
         meta: free-form facts (when, ggpipe version, command).
+        agreement: how often the draft's token is the target's, measured by
+            ``calibrate -md`` (ggpipe.service.agreement.Agreement's fields:
+            ``rate`` (0..1), ``positions``, ``agreed``, ``prompts``,
+            ``tokens``), or None; ``simulate`` takes ``rate`` as its
+            ``--acceptance`` for this model pair.
     """
 
     model: str
@@ -231,6 +236,21 @@ class Profile:
     hosts: list[HostProfile]
     links: list[LinkProfile] = field(default_factory=list)
     meta: dict = field(default_factory=dict)
+    agreement: dict | None = None
+
+    def acceptance_for(self, target: str, draft: str | None) -> float | None:
+        """The measured agreement rate (0..1) when ``target`` and ``draft``
+        (names or paths, as given to simulate) are the pair calibrated, by
+        name or file name; else None."""
+        if not self.agreement or draft is None or self.draft is None:
+            return None
+
+        def same(a: str, b: str) -> bool:
+            return a == b or Path(a).name == Path(b).name or Path(a).stem == Path(b).stem
+
+        if same(target, self.model) and same(draft, self.draft):
+            return float(self.agreement["rate"])
+        return None
 
     def host(self, rank: int) -> HostProfile:
         """The record of ``rank``; a job larger than the profile reuses the
@@ -254,7 +274,8 @@ class Profile:
         """The profile as JSON-ready data (``format``, ``model``, ``draft``,
         ``meta``, ``hosts``, ``links``), as :meth:`from_dict` reads it."""
         return {"format": FORMAT, "model": self.model, "draft": self.draft, "meta": self.meta,
-                "hosts": [asdict(h) for h in self.hosts], "links": [asdict(ln) for ln in self.links]}
+                "hosts": [asdict(h) for h in self.hosts], "links": [asdict(ln) for ln in self.links],
+                "agreement": self.agreement}
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "profile") -> "Profile":
@@ -265,8 +286,12 @@ class Profile:
         try:
             hosts = [HostProfile(**h) for h in d["hosts"]]
             links = [LinkProfile(**ln) for ln in d.get("links", [])]
-            prof = cls(d.get("model", ""), d.get("draft"), hosts, links, d.get("meta", {}))
-        except (KeyError, TypeError) as exc:
+            prof = cls(d.get("model", ""), d.get("draft"), hosts, links, d.get("meta", {}), d.get("agreement"))
+            if prof.agreement is not None:
+                rate = float(prof.agreement["rate"])
+                if not 0.0 <= rate <= 1.0:
+                    raise TypeError(f"agreement rate {rate} is not in 0..1")
+        except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"{where}: malformed profile record ({exc})") from None
         if not hosts:
             raise ConfigError(f"{where}: the profile has no host records")

@@ -1,0 +1,159 @@
+"""How often a draft model's greedy token is the target's: the one input of
+the simulator that a user cannot know before running the pair
+(``ggpipe calibrate -md DRAFT`` measures it; ``ggpipe simulate`` reads it
+as ``--acceptance``, ggpipe.sim.lm.CalibratedDraft's agreement rate).
+
+It is measured teacher-forced, on the job's own ranks: the target generates
+greedily after each prompt, then the draft reads prompt and reply in one
+run, and at every generated position its most likely next token is compared
+with the target's. That is the agreement at a position whose context is
+right, what a drafted token meets when the tokens before it were accepted;
+a job's ``decoder.acceptance_rate`` (accepted over drafted) is lower, because
+the tokens drafted after a rejected one count as drafted and are never
+compared. It depends on the models and the text, not on the cluster, so the
+prompts should be of the kind the job will see (``--agreement-prompts``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ggpipe.errors import ConfigError
+
+#: Prompts of several kinds (prose, explanation, lists, code), for a pair
+#: measured without prompts of the user's own.
+DEFAULT_PROMPTS = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a refrigerator keeps food cold, step by step.",
+    "List ten things to pack for a week of hiking in the mountains, with one line on each.",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "The history of the printing press begins",
+    "Q: Why is the sky blue?\nA:",
+)
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """A measured draft agreement.
+
+    Attributes:
+        rate: ``agreed / positions`` (0..1).
+        positions: generated positions compared (tokens).
+        agreed: positions where the draft's most likely token was the
+            target's greedy token (tokens).
+        prompts: prompts run.
+        tokens: tokens generated per prompt (at most).
+    """
+
+    rate: float
+    positions: int
+    agreed: int
+    prompts: int
+    tokens: int
+
+
+def read_prompts(path: Path | None) -> tuple[str, ...]:
+    """One prompt per non-empty line of ``path`` (UTF-8; ``\\n`` in a line
+    stands for a line break), else :data:`DEFAULT_PROMPTS`.
+
+    Raises:
+        ConfigError: unreadable, not UTF-8, or no prompt in it."""
+    if path is None:
+        return DEFAULT_PROMPTS
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"--agreement-prompts {path}: not UTF-8 text (one prompt per line)") from None
+    except OSError as e:
+        raise ConfigError(f"--agreement-prompts {path}: cannot read it ({e.strerror or e})") from None
+    prompts = tuple(line.replace("\\n", "\n") for line in text.splitlines() if line.strip())
+    if not prompts:
+        raise ConfigError(f"--agreement-prompts {path}: no prompt in it (one prompt per line)")
+    return prompts
+
+
+def agreement_config(model: str, draft: str, threads: str, timeout_s: float, ctx_size: int = 2048):
+    """The job that measures the pair: ``model`` split evenly over the
+    ranks, ``draft`` placed as ``generate --mode speculative`` places it,
+    default KV settings. Returns (ClusterConfig, SpecSettings)."""
+    from ggpipe.cluster.config import ClusterConfig  # noqa: PLC0415
+    from ggpipe.decoding.mode import seq_ids_needed  # noqa: PLC0415
+    from ggpipe.decoding.settings import SpecSettings  # noqa: PLC0415
+
+    spec = SpecSettings(mode=MODE)
+    cfg = ClusterConfig(model=model, draft_model=draft, threads=threads, ctx_size=ctx_size,
+                        n_seq_max=seq_ids_needed(MODE, spec), timeout_s=timeout_s)
+    return cfg, spec
+
+
+MODE = "speculative"  # the job's mode: any with a draft pipeline; the target's greedy tokens are the same in all
+
+
+def agreed_positions(tokens: list[int], n_prompt: int, draft_best: np.ndarray) -> tuple[int, int]:
+    """(positions compared, positions agreed) of one sequence: ``tokens``
+    (prompt then reply, int), ``draft_best`` the draft's most likely next
+    token after each of ``tokens`` (int (len(tokens),)); position i of the
+    reply (i >= ``n_prompt``) agrees when ``draft_best[i - 1] == tokens[i]``."""
+    n = len(tokens) - n_prompt
+    if n <= 0:
+        return 0, 0
+    got = np.asarray(draft_best[n_prompt - 1:len(tokens) - 1])
+    return n, int(np.count_nonzero(got == np.asarray(tokens[n_prompt:])))
+
+
+def _draft_best(pipeline, tokens: list[int], n_ubatch: int) -> np.ndarray:
+    """The draft pipeline's most likely next token after each of ``tokens``
+    (int (n,)): one run per ``n_ubatch`` tokens with a logit row per token."""
+    pipeline.clear()
+    best = []
+    for start in range(0, len(tokens), n_ubatch):
+        chunk = tokens[start:start + n_ubatch]
+        pipeline.decode(np.asarray(chunk, dtype=np.int32), start, logits_all=True)
+        res = pipeline.drain()[-1]
+        rows = res.logits
+        # compact rows (ggpipe.logits.TopLogits) hold np.argmax first
+        best.append(rows.ids[:, 0] if hasattr(rows, "ids") else np.argmax(np.asarray(rows), axis=-1))
+    pipeline.clear()
+    return np.concatenate(best)
+
+
+def measure_agreement(model: str, draft: str, threads: str, prompts: tuple[str, ...], n_predict: int,
+                      timeout_s: float, say=lambda s: None) -> Agreement | None:
+    """Run the measuring job (every rank calls this; the ranks meet as a
+    job's do) and return, on the head, the pair's :class:`Agreement`; None
+    on the other ranks.
+
+    Args:
+        threads: ``-t`` text (one count, or one per rank).
+        prompts: the prompts; the target generates ``n_predict`` greedy
+            tokens after each (an end-of-generation token ends it earlier).
+        timeout_s: bound of every wait for another rank (seconds).
+
+    Raises:
+        GGPipeError: start-up or pipeline errors, as ``generate`` raises them.
+    """
+    from ggpipe.sampling import SamplingParams  # noqa: PLC0415
+    from ggpipe.service.job import JobSpec, run_job  # noqa: PLC0415
+
+    cfg, spec = agreement_config(model, draft, threads, timeout_s)
+    got: dict = {}
+
+    def head(engine) -> int:
+        positions = agreed = 0
+        for i, prompt in enumerate(prompts):
+            say(f"draft agreement: prompt {i + 1} of {len(prompts)}")
+            engine.reset()
+            toks = [int(t) for t in engine.tokenize(prompt)]
+            c = engine.generate(np.asarray(toks, dtype=np.int32), n_predict, SamplingParams(temperature=0.0))
+            seq = toks + [int(t) for t in c.tokens]
+            engine.reset()
+            n, a = agreed_positions(seq, len(toks), _draft_best(engine.session.draft_pipelines[0], seq, cfg.ubatch))
+            positions, agreed = positions + n, agreed + a
+        got["a"] = Agreement(agreed / positions if positions else 0.0, positions, agreed, len(prompts), n_predict)
+        return 0
+
+    run_job(JobSpec(cfg, MODE, spec), head)
+    return got.get("a")
