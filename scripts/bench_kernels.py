@@ -17,8 +17,13 @@ Rows, per model and round (the order rotates each round):
   generation tok/s its ``tokens_per_s``, medians over the requests.
 * ``ggpipe --exact``: the same with ``--exact``, run by another venv's python
   whose llama-cpp-python is built without llamafile's sgemm.
-* ``llama-bench``: ``llama-bench -m M -t THREADS -p P -n N -fa FA -r 2 -o json``
-  (its pp and tg averages; P: the ggpipe prompts' median token count).
+* ``llama-bench``: ``llama-bench -m M -t THREADS -p P -n 0 -fa FA -r 2 -o json`` (prompt
+  processing) and ``-p 0 -n N -d P`` (generation at the KV depth where ggpipe's
+  requests generate); P: the ggpipe prompts' median token count. ggpipe runs
+  with the context llama-bench gives itself (``-c``: P + N + P, rounded up to
+  256 cells; ``--ctx`` sets another): without flash attention llama.cpp keeps
+  V transposed, rows ``-c`` cells apart, and a larger context costs a few
+  percent of generation speed in both programs.
 * with ``--long``: one ``--long-tokens`` prompt (default 1,700) through
   ``mpiexec -n 2 ggpipe batch -t 1`` and through one rank with ``-t 2``
   (prompt tok/s each, 3 requests, the first left out).
@@ -85,14 +90,14 @@ def prompts(model: Path, n: int, tokens: int) -> tuple[list[str], int]:
 
 
 def run_batch(python: str, model: Path, texts: list[str], threads: int, gen: int, ranks: int | None,
-              extra: list[str], workdir: Path) -> dict:
-    """One ``ggpipe batch`` job; returns medians (first request left out)."""
+              extra: list[str], workdir: Path, ctx: int = 4096) -> dict:
+    """One ``ggpipe batch`` job with ``-c ctx``; returns medians (first request left out)."""
     req = workdir / "req.jsonl"
     out = workdir / "out.jsonl"
     out.unlink(missing_ok=True)
     req.write_text("".join(json.dumps({"id": i, "prompt": t, "n": gen}) + "\n" for i, t in enumerate(texts)))
     cmd = [*ggpipe_command(python), "batch", str(req), "-o", str(out), "-m", str(model), "-t", str(threads),
-           "-c", "4096", "--parallel", "1", "--ignore-eos", "--no-progress", *extra]
+           "-c", str(ctx), "--parallel", "1", "--ignore-eos", "--no-progress", *extra]
     if ranks:
         cmd = [str(Path(python).parent / "mpiexec"), "-n", str(ranks), *cmd]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=workdir, env=child_env())
@@ -106,13 +111,25 @@ def run_batch(python: str, model: Path, texts: list[str], threads: int, gen: int
 
 
 def run_llama_bench(model: Path, threads: int, p: int, n: int, fa: str) -> dict:
-    cmd = [str(bin_path("llama-bench")), "-m", str(model), "-t", str(threads), "-p", str(p), "-n", str(n),
-           "-fa", fa, "-r", "2", "-o", "json"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=True).stdout
-    rows = json.loads(out)
-    pp = next(r["avg_ts"] for r in rows if r["n_prompt"] > 0)
-    tg = next(r["avg_ts"] for r in rows if r["n_gen"] > 0)
-    return {"pp": pp, "tg": tg}
+    """llama-bench's prompt processing of ``p`` tokens (from an empty cache)
+    and its generation of ``n`` tokens after ``p`` cells (``-d p``: at the
+    KV depth where ggpipe's requests generate)."""
+    def one(*args) -> float:
+        cmd = [str(bin_path("llama-bench")), "-m", str(model), "-t", str(threads), *args, "-fa", fa, "-r", "2",
+               "-o", "json"]
+        return json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=True).stdout)[0][
+            "avg_ts"]
+
+    return {"pp": one("-p", str(p), "-n", "0"), "tg": one("-p", "0", "-n", str(n), "-d", str(p))}
+
+
+def bench_ctx(p: int, n: int) -> int:
+    """The context llama-bench gives itself for a prompt of ``p`` tokens and
+    ``n`` generated ones at depth ``p`` (``n_prompt + n_gen + n_depth``,
+    rounded up to llama.cpp's 256-cell padding): ggpipe's ``-c`` in the
+    default rows, so both attend over a KV cache of the same size (without
+    flash attention llama.cpp keeps V transposed, rows ``-c`` cells apart)."""
+    return -(-(2 * p + n) // 256) * 256
 
 
 def main() -> int:
@@ -130,6 +147,10 @@ def main() -> int:
     ap.add_argument("--no-llama-bench", action="store_true")
     ap.add_argument("-fa", "--flash-attn", default="off", choices=["off", "on", "auto"],
                     help="flash attention in every row (ggpipe's default off; llama-bench's own default is auto)")
+    ap.add_argument("-c", "--ctx", type=int, default=0,
+                    help="ggpipe's -c (default: the context llama-bench gives itself, see bench_ctx)")
+    ap.add_argument("--also-ctx", type=int, default=0,
+                    help="add a row of ggpipe with this -c (e.g. 2048, its default) beside the matched context")
     ap.add_argument("-o", "--out", type=Path, default=Path("results/kernels"))
     a = ap.parse_args()
 
@@ -146,17 +167,23 @@ def main() -> int:
         kinds = ([] if a.long_only else ["ggpipe"]) + ([] if a.no_llama_bench or a.long_only else ["llama-bench"])
         if a.exact_python and not a.long_only:
             kinds.append("ggpipe --exact")
+        if a.also_ctx and not a.long_only:
+            kinds.append(f"ggpipe -c {a.also_ctx}")
         if a.long or a.long_only:
             kinds += ["long 1x2", "long 2x1"]
         for r in range(a.rounds):
             for m in models:
                 order = kinds[r % len(kinds):] + kinds[:r % len(kinds)]
                 for kind in order:
+                    ctx = a.ctx or bench_ctx(texts[m][1], a.gen_tokens)
                     if kind == "ggpipe":
-                        res = run_batch(sys.executable, m, texts[m][0], a.threads, a.gen_tokens, None, fa, wd)
+                        res = run_batch(sys.executable, m, texts[m][0], a.threads, a.gen_tokens, None, fa, wd, ctx)
                     elif kind == "ggpipe --exact":
                         res = run_batch(a.exact_python, m, texts[m][0], a.threads, a.gen_tokens, None,
-                                        [*fa, "--exact"], wd)
+                                        [*fa, "--exact"], wd, ctx)
+                    elif kind.startswith("ggpipe -c "):
+                        res = run_batch(sys.executable, m, texts[m][0], a.threads, a.gen_tokens, None, fa, wd,
+                                        a.also_ctx)
                     elif kind == "llama-bench":
                         res = run_llama_bench(m, a.threads, texts[m][1], a.gen_tokens, a.flash_attn)
                     elif kind == "long 1x2":
