@@ -233,3 +233,30 @@ def test_guard_killed_under_mpiexec_one_line(smollm2, flags):
             p.wait()
     lines = [ln for ln in err.splitlines() if ln.startswith("ggpipe:")]
     assert len(lines) == 1 and lines[0].startswith("ggpipe: error: rank 1 (") and "its guard process" in lines[0], err
+
+
+def test_a_program_the_rank_runs_is_never_taken_for_the_rank():
+    """rank_processes finds the process holding the stage, never a program it
+    runs: here the rank still carries its guard's name (as a freshly forked
+    rank does for an instant) and runs ``sleep``, which has the rank's
+    environment and a parent named as a guard; only the command line tells
+    them apart."""
+    setup = ("import ctypes, subprocess\n"
+             "ctypes.CDLL(None).prctl(15, ctypes.c_char_p(rank_guard.GUARD_NAME.encode()), 0, 0, 0)\n"
+             "helper = subprocess.Popen(['sleep', '30'])")
+    code = GUARDED.format(body=f"{setup}\nprint(os.getpid(), helper.pid, flush=True)\n{WAIT}")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, PMI_RANK="5"))
+    try:
+        rank, helper = (int(x) for x in p.stdout.readline().split())
+        found = rank_guard.rank_processes(os.getpid())
+        assert {r: c.pid for r, c in found.items()} == {5: rank}, (found, helper)
+    finally:
+        p.kill()
+        p.wait(10)
+        for pid in (locals().get("rank"), locals().get("helper")):
+            if pid:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
