@@ -217,7 +217,7 @@ def test_concurrent_stages_counts_cpus_per_host():
 def test_micro_batches_in_flight_fill_a_full_host():
     """The scheduler's default (--micro-batches auto): one per stage that can
     compute at once, also on a host whose CPUs the stages' threads fill
-    (4 ranks x 4 threads on 16 CPUs: 4; docs/benchmarks/many-requests.md measured 4 beat 2 there,
+    (4 ranks x 4 threads on 16 CPUs: 4; docs/benchmarks/batching.md measured 4 beat 2 there,
     pinned or not); fewer where the CPUs hold fewer stages' threads."""
     from ggpipe.cluster.plan import concurrent_stages
 

@@ -1,6 +1,6 @@
 """scripts/trace_rows.py on a made-up two-rank trace (ggpipe/trace.py's
 format): rows per second of the decode span and each stage's busy share,
-the figures docs/benchmarks/many-requests.md quotes."""
+the figures docs/benchmarks/batching.md quotes."""
 
 from __future__ import annotations
 
