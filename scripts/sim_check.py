@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 from ggpipe.child_process import child_env, ggpipe_command
+from ggpipe.sim.profile import Profile
 
 PROMPT = ("The history of the steam engine begins with simple devices that used heat to move water. Engineers in "
           "the eighteenth century improved them step by step, adding separate condensers, valves and governors, "
@@ -144,7 +145,7 @@ def main() -> None:
                 else:
                     meas = measure_one(model, draft, mode, ranks, n)
                     sim = simulate(prof, model, draft, mode, ranks, n, meas["n_prompt"], 1)
-                agreement = (json.loads(prof.read_text()).get("agreement") or {}).get("rate") if draft else None
+                agreement = (Profile.load(prof).agreement or {}).get("rate") if draft else None
                 rec = {"model": model, "mode": mode, "ranks": ranks, "parallel": parallel, "n": n, "round": rnd,
                        "simulated_tokens_per_s": round(sim["tokens_per_s"], 2),
                        "measured_tokens_per_s": round(meas["tokens_per_s"], 2),

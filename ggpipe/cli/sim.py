@@ -62,9 +62,8 @@ def calibrate_command(model, draft, threads, reps, concurrent, output, timeout_s
     from ggpipe.sim.calibrate import calibrate_job
     from ggpipe.output_paths import check_output, make_parent
     from ggpipe.transport.launcher_signal import launched_rank
-    from ggpipe.transport.mpi import Transport, mpi_world
-
     from ggpipe.service.agreement import measure_agreement, read_prompts
+    from ggpipe.transport.mpi import Transport, mpi_world
 
     output = check_output(output, foreign=_not_a_profile, what="the profile")   # before any measuring
     prompts = read_prompts(agreement_prompts) if draft is not None and agreement_tokens else ()

@@ -75,6 +75,9 @@ def read_prompts(path: Path | None) -> tuple[str, ...]:
     return prompts
 
 
+MODE = "speculative"  # the job's mode: any with a draft pipeline; the target's greedy tokens are the same in all
+
+
 def agreement_config(model: str, draft: str, threads: str, timeout_s: float, ctx_size: int = 2048):
     """The job that measures the pair: ``model`` split evenly over the
     ranks, ``draft`` placed as ``generate --mode speculative`` places it,
@@ -87,9 +90,6 @@ def agreement_config(model: str, draft: str, threads: str, timeout_s: float, ctx
     cfg = ClusterConfig(model=model, draft_model=draft, threads=threads, ctx_size=ctx_size,
                         n_seq_max=seq_ids_needed(MODE, spec), timeout_s=timeout_s)
     return cfg, spec
-
-
-MODE = "speculative"  # the job's mode: any with a draft pipeline; the target's greedy tokens are the same in all
 
 
 def agreed_positions(tokens: list[int], n_prompt: int, draft_best: np.ndarray) -> tuple[int, int]:
@@ -106,7 +106,8 @@ def agreed_positions(tokens: list[int], n_prompt: int, draft_best: np.ndarray) -
 
 def _draft_best(pipeline, tokens: list[int], n_ubatch: int) -> np.ndarray:
     """The draft pipeline's most likely next token after each of ``tokens``
-    (int (n,)): one run per ``n_ubatch`` tokens with a logit row per token."""
+    (int (n,)), from an emptied KV cache: one run per ``n_ubatch`` tokens with
+    a logit row per token."""
     pipeline.clear()
     best = []
     for start in range(0, len(tokens), n_ubatch):
@@ -116,7 +117,6 @@ def _draft_best(pipeline, tokens: list[int], n_ubatch: int) -> np.ndarray:
         rows = res.logits
         # compact rows (ggpipe.logits.TopLogits) hold np.argmax first
         best.append(rows.ids[:, 0] if hasattr(rows, "ids") else np.argmax(np.asarray(rows), axis=-1))
-    pipeline.clear()
     return np.concatenate(best)
 
 
@@ -146,10 +146,9 @@ def measure_agreement(model: str, draft: str, threads: str, prompts: tuple[str, 
         for i, prompt in enumerate(prompts):
             say(f"draft agreement: prompt {i + 1} of {len(prompts)}")
             engine.reset()
-            toks = [int(t) for t in engine.tokenize(prompt)]
-            c = engine.generate(np.asarray(toks, dtype=np.int32), n_predict, SamplingParams(temperature=0.0))
-            seq = toks + [int(t) for t in c.tokens]
-            engine.reset()
+            toks = engine.tokenize(prompt)
+            c = engine.generate(toks, n_predict, SamplingParams(temperature=0.0))
+            seq = [*toks.tolist(), *c.tokens]
             n, a = agreed_positions(seq, len(toks), _draft_best(engine.session.draft_pipelines[0], seq, cfg.ubatch))
             positions, agreed = positions + n, agreed + a
         got["a"] = Agreement(agreed / positions if positions else 0.0, positions, agreed, len(prompts), n_predict)

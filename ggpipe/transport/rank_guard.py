@@ -203,19 +203,13 @@ def guard_gone_line(rank: int, host: str, pid: int, guard_pid: int, role: str, d
             f"another of its processes ended; the rank ends with it")
 
 
-_libc = None
-
-
 def _prctl(option: int, *args) -> None:
     """prctl(2) through the C library already loaded in this process
     (``CDLL(None)``): ``ctypes.util.find_library`` runs ``ldconfig`` as a child
     process, which between the fork and the rank's rename would be a child of
     a process named :data:`GUARD_NAME` with the rank's environment."""
-    global _libc
     try:
-        if _libc is None:
-            _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.prctl(option, *args, 0, 0, 0)
+        ctypes.CDLL(None, use_errno=True).prctl(option, *args, 0, 0, 0)
     except (OSError, AttributeError):
         pass  # not Linux
 
