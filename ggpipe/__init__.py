@@ -26,7 +26,8 @@ Layout (upper folders use lower ones, never the reverse):
     models/      models.toml registry, fetching, GGUF slicing and derivation,
                  the batch-row probe
     runtime/     llama.cpp stage (slice + native hooks), kernels, vocabulary
-    sampling.py, logits.py, kv_reuse.py, metrics.py, trace.py, errors.py: shared, pure helpers
+    sampling.py, sampling_params.py, logits.py, kv_reuse.py, metrics.py, trace.py,
+    errors.py: shared, pure helpers
 """
 
 __version__ = "0.1.0"

@@ -114,7 +114,8 @@ def soak_toy(mode: str, temp: float, n: int) -> dict:
 
     from ggpipe.decoding.factory import build_decoder
     from ggpipe.decoding.settings import SpecSettings
-    from ggpipe.sampling import Sampler, SamplingParams
+    from ggpipe.sampling import Sampler
+    from ggpipe.sampling_params import SamplingParams
     from ggpipe.sim.toy import FakePipeline, ToyLM
 
     extra = {"speculative": {"branches": 2}, "pipeinfer": {"branches": 2}, "pipedec": {"tree_width": 3},

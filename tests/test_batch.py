@@ -16,7 +16,7 @@ import pytest
 
 from ggpipe.errors import ConfigError
 from ggpipe.frontends.batch import done_ids, load_items
-from ggpipe.sampling import SamplingParams
+from ggpipe.sampling_params import SamplingParams
 from tests.conftest import ROOT, ggpipe_cmd, rank_processes, run_ggpipe, stderr_lines
 
 N = 12

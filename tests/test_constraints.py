@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from ggpipe.errors import ConfigError
-from ggpipe.sampling import Sampler, SamplingParams, target_probs
+from ggpipe.sampling import Sampler, target_probs
+from ggpipe.sampling_params import SamplingParams
 from ggpipe.speculation.verify import verify_step
 from tests.test_spec_statistics import assert_fits, assert_rejects, two_level_pair
 

@@ -14,7 +14,8 @@ import pytest
 from ggpipe.decoding.iterative import Iterative
 from ggpipe.decoding.mode import mode_class
 from ggpipe.decoding.settings import SpecSettings
-from ggpipe.sampling import Sampler, SamplingParams
+from ggpipe.sampling import Sampler
+from ggpipe.sampling_params import SamplingParams
 from ggpipe.speculation.proposers.base import REGISTRY, Proposer, ProposerConfig, make_proposer, proposer_class
 from ggpipe.speculation.proposers.draft_model import DraftModelProposer
 from ggpipe.speculation.proposers.ngram import NgramProposer, ngram_lookup

@@ -11,7 +11,8 @@ import pytest
 
 from ggpipe.decoding.factory import build_decoder
 from ggpipe.decoding.settings import SpecSettings
-from ggpipe.sampling import Sampler, SamplingParams
+from ggpipe.sampling import Sampler
+from ggpipe.sampling_params import SamplingParams
 from ggpipe.sim.backend import idle_until_next
 from ggpipe.sim.model import ModelDesc
 from ggpipe.sim.profile import LayerShape, LinkProfile, Profile

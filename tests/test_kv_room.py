@@ -13,7 +13,8 @@ import pytest
 
 from ggpipe.decoding.factory import build_decoder
 from ggpipe.decoding.settings import SpecSettings
-from ggpipe.sampling import Sampler, SamplingParams
+from ggpipe.sampling import Sampler
+from ggpipe.sampling_params import SamplingParams
 from ggpipe.sim.kv_model import KvCells
 from ggpipe.sim.toy import FakePipeline, ToyLM
 

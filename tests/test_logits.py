@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ggpipe.logits import MAX_REPLY_K, TopRow, argmax, best, pack, reply_k_for, top_k, unpack
-from ggpipe.sampling import Sampler, SamplingParams, target_probs
+from ggpipe.sampling import Sampler, target_probs
+from ggpipe.sampling_params import SamplingParams
 from ggpipe.speculation.verify import verify_step
 from ggpipe.transport import messages as m
 

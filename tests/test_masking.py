@@ -14,7 +14,8 @@ from ggpipe.errors import ProtocolError
 from ggpipe.pipeline.driver import Pipeline
 from ggpipe.pipeline.masking import PruneBook, live_batch, returned_rows, rows_in
 from ggpipe.runs import Run
-from ggpipe.sampling import Sampler, SamplingParams
+from ggpipe.sampling import Sampler
+from ggpipe.sampling_params import SamplingParams
 from ggpipe.speculation.graph import DEAD, Decision, SpecGraph
 from ggpipe.transport import messages as m
 

@@ -14,7 +14,8 @@ import pytest
 from ggpipe.decoding.factory import build_decoder
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.errors import ConfigError
-from ggpipe.sampling import Sampler, SamplingParams
+from ggpipe.sampling import Sampler
+from ggpipe.sampling_params import SamplingParams
 from ggpipe.sim.toy import FakePipeline, ToyLM
 from ggpipe.speculation.prediction_tree import next_layer
 

@@ -11,7 +11,8 @@ import pytest
 from ggpipe.decoding.factory import build_decoder
 from ggpipe.decoding.mode import mode_class
 from ggpipe.decoding.settings import SpecSettings
-from ggpipe.sampling import Sampler, SamplingParams
+from ggpipe.sampling import Sampler
+from ggpipe.sampling_params import SamplingParams
 from ggpipe.sim.toy import FakePipeline, ToyLM
 from ggpipe.speculation.proposers.base import ProposerConfig, make_proposer
 

@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 
 from ggpipe.errors import ConfigError
-from ggpipe.sampling import Sampler, SamplingParams, target_probs
+from ggpipe.sampling import Sampler, target_probs
+from ggpipe.sampling_params import SamplingParams
 
 
 def _softmax(z):
@@ -207,7 +208,7 @@ def test_tiny_temperature_is_greedy(t):
     """Below GREEDY_BELOW a temperature is greedy (first index among ties):
     "temperature": 1e-320 would divide the logits into inf/NaN, and
     sample_from's ValueError would end the server's MPI job."""
-    from ggpipe.sampling import GREEDY_BELOW
+    from ggpipe.sampling_params import GREEDY_BELOW
 
     x = np.array([30.0, -2.0, 30.0, 12.5, -np.inf], dtype=np.float32)
     for kw in ({}, {"top_k": 0, "top_p": 1.0}, {"top_k": 2, "top_p": 0.5}):

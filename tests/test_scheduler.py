@@ -16,7 +16,8 @@ from ggpipe.decoding.slots import Job, Slot, decode_groups, plan_microbatch
 from ggpipe.runs import in_batch_order, ubatches
 from ggpipe.decoding.request import Request
 from ggpipe.errors import ConfigError
-from ggpipe.sampling import Sampler, SamplingParams
+from ggpipe.sampling import Sampler
+from ggpipe.sampling_params import SamplingParams
 from ggpipe.sim.toy import FakePipeline, ToyLM
 
 V = 48

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from ggpipe.frontends.http_limits import ConnectionLimits, RefusalLog, default_max_connections
-from ggpipe.sampling import SamplingParams
+from ggpipe.sampling_params import SamplingParams
 from tests.test_serve_trust import SlowEngine, _raw_post, _until
 
 UNFINISHED = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n"   # no blank line: the headers never end

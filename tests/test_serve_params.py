@@ -102,7 +102,7 @@ def test_the_servers_own_constraints_are_kept():
     to every request that does not override them (they were dropped)."""
     from ggpipe.frontends.serve_app import request_sampling
     from ggpipe.frontends.serve_bodies import CompletionBody
-    from ggpipe.sampling import SamplingParams
+    from ggpipe.sampling_params import SamplingParams
 
     d = SamplingParams(grammar='root ::= "a"', logit_bias=((3, -100.0),), repeat_penalty=1.2, min_p=0.1, top_k=20)
     s = request_sampling(d, CompletionBody.model_validate({"prompt": "x", "temperature": 0.5}), logprobs=2)

@@ -17,7 +17,7 @@ from ggpipe.frontends.http_guard import Access
 from ggpipe.frontends.serve import read_api_key
 from ggpipe.frontends.serve_app import create_app
 from ggpipe.frontends.serve_state import ServerState
-from ggpipe.sampling import SamplingParams
+from ggpipe.sampling_params import SamplingParams
 
 ORIGIN = "http://localhost:3000"
 

@@ -163,7 +163,8 @@ def test_waiting_for_the_draft_where_it_pays_stays_exact_and_is_not_slower(ranks
     way, and waiting is at least as fast on this profile."""
     from ggpipe.sim.run import build
     from ggpipe.decoding.factory import build_decoder
-    from ggpipe.sampling import Sampler, SamplingParams
+    from ggpipe.sampling import Sampler
+    from ggpipe.sampling_params import SamplingParams
     from ggpipe.sim.backend import idle_until_next
 
     prof = Profile("toy", None, [flat_host(1.0, 2.0, overhead_s=50e-6, spec_overhead_s=200e-6)],
@@ -190,7 +191,8 @@ def test_the_real_loop_runs_against_the_simulated_pipelines_token_exact():
     never tokens)."""
     from ggpipe.sim.run import build
     from ggpipe.decoding.factory import build_decoder
-    from ggpipe.sampling import Sampler, SamplingParams
+    from ggpipe.sampling import Sampler
+    from ggpipe.sampling_params import SamplingParams
     from ggpipe.sim.backend import idle_until_next
 
     prof = Profile("toy", None, [flat_host(1.0, 2.0)], [LinkProfile(0, 1, 0.1 * MS, 0.0)])
@@ -235,7 +237,8 @@ def test_simulated_pipedec_trees_mask_dead_rows_exactly():
     from ggpipe.sim import backend
     from ggpipe.sim.run import build
     from ggpipe.decoding.factory import build_decoder
-    from ggpipe.sampling import Sampler, SamplingParams
+    from ggpipe.sampling import Sampler
+    from ggpipe.sampling_params import SamplingParams
     from ggpipe.sim.backend import idle_until_next
 
     prof = Profile("toy", None, [flat_host(1.0, 2.0)], [LinkProfile(0, 1, 0.05 * MS, 1e9)])
@@ -441,7 +444,8 @@ def test_speculative_auto_depth_charges_the_measured_draft_step():
     tokens); a token is kept at the decode rate times its marginal pass
     cost. Pipeinfer does not charge the step (drafting overlaps)."""
     from ggpipe.decoding.factory import build_decoder
-    from ggpipe.sampling import Sampler, SamplingParams
+    from ggpipe.sampling import Sampler
+    from ggpipe.sampling_params import SamplingParams
     from ggpipe.sim.backend import idle_until_next
     from ggpipe.sim.run import build
     from ggpipe.speculation.adaptive import look_threshold

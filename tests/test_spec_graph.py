@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ggpipe.sampling import Sampler, SamplingParams
+from ggpipe.sampling import Sampler
+from ggpipe.sampling_params import SamplingParams
 from ggpipe.speculation.graph import ACCEPTED, DEAD, PENDING, Decision, SpecGraph
 from ggpipe.speculation.partitions import PartitionPool
 from ggpipe.speculation.tree import SpecTree

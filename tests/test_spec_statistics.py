@@ -14,7 +14,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from ggpipe.sampling import Sampler, SamplingParams, target_probs
+from ggpipe.sampling import Sampler, target_probs
+from ggpipe.sampling_params import SamplingParams
 from ggpipe.speculation.graph import SpecGraph
 from ggpipe.speculation.tree import SpecTree
 from ggpipe.speculation.verify import verify_step

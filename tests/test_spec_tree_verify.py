@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ggpipe.sampling import Sampler, SamplingParams, target_probs
+from ggpipe.sampling import Sampler, target_probs
+from ggpipe.sampling_params import SamplingParams
 from ggpipe.speculation.tree import SpecTree
 from ggpipe.speculation.verify import verify_step, walk_tree
 

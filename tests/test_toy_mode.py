@@ -17,7 +17,8 @@ from ggpipe.decoding.settings import SpecSettings
 from ggpipe.errors import ConfigError, ProtocolError
 from ggpipe.logits import argmax
 from ggpipe.runs import Run
-from ggpipe.sampling import Sampler, SamplingParams
+from ggpipe.sampling import Sampler
+from ggpipe.sampling_params import SamplingParams
 from ggpipe.sim.toy import FakePipeline, ToyLM
 
 

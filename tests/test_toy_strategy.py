@@ -16,7 +16,8 @@ from click.testing import CliRunner
 from ggpipe.cli.main import cli
 from ggpipe.decoding.factory import build_decoder
 from ggpipe.decoding.settings import SpecSettings
-from ggpipe.sampling import Sampler, SamplingParams
+from ggpipe.sampling import Sampler
+from ggpipe.sampling_params import SamplingParams
 from ggpipe.sim.toy import FakePipeline, ToyLM
 from ggpipe.speculation.proposers.base import (REGISTRY, Cuttable, Draining, InstantProposer, Proposer, ProposerConfig,
                                                implements, make_proposer, register, unregister)

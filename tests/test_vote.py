@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from ggpipe.decoding.settings import SpecSettings
-from ggpipe.sampling import Sampler, SamplingParams, target_probs
+from ggpipe.sampling import Sampler, target_probs
+from ggpipe.sampling_params import SamplingParams
 from ggpipe.speculation.proposers.base import Proposer, ProposerConfig, make_proposer
 from ggpipe.speculation.proposers.options import StrategyOptions
 from ggpipe.speculation.proposers.vote import VoteProposer

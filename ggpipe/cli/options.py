@@ -14,7 +14,7 @@ import click
 from ggpipe.cli.types import SECONDS, Finite, NumberOrAuto
 from ggpipe.models.registry import DEFAULT_MODEL
 from ggpipe.runtime.llama import KV_CACHE_TYPES, NUMA
-from ggpipe.sampling import SamplingParams
+from ggpipe.sampling_params import SamplingParams
 
 
 def _apply(opts, f):

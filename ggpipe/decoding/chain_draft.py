@@ -37,7 +37,7 @@ from typing import Callable, Protocol, runtime_checkable
 
 from ggpipe.kv_reuse import reusable_prefix
 from ggpipe.pipeline.waiting import Wait, poll_wait
-from ggpipe.sampling import SamplingParams
+from ggpipe.sampling_params import SamplingParams
 from ggpipe.speculation.proposers.base import Proposer
 from ggpipe.speculation.tree import SpecTree
 

@@ -58,7 +58,7 @@ from ggpipe.service.engine import Engine
 from ggpipe.frontends.request_limits import MESSAGES_MAX, ROLES, STOP_MAX, TEMPERATURE_MAX, template_role
 from ggpipe.service.job import JobSpec, head_signals, ignore_signals, run_job
 from ggpipe.jsonl import iter_jsonl
-from ggpipe.sampling import SamplingParams
+from ggpipe.sampling_params import SamplingParams
 
 _FIELDS = {"id", "prompt", "messages", "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
            "logprobs", *request_fields.FIELDS}

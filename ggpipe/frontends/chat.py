@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from ggpipe.errors import ConfigError
 from ggpipe.service.engine import Engine
 from ggpipe.service.job import JobSpec, head_signals, ignore_signals, run_job
-from ggpipe.sampling import SamplingParams
+from ggpipe.sampling_params import SamplingParams
 from ggpipe.transport.launcher_signal import launched_rank
 
 HELP = "commands: /reset (new conversation), /stats (last reply), /quit"

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from ggpipe.service.engine import Engine
 from ggpipe.service.job import JobSpec, run_job
-from ggpipe.sampling import SamplingParams
+from ggpipe.sampling_params import SamplingParams
 
 
 @dataclass

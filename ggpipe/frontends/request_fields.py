@@ -28,7 +28,7 @@ import math
 import numbers
 
 from ggpipe.errors import ConfigError
-from ggpipe.sampling import SamplingParams
+from ggpipe.sampling_params import SamplingParams
 
 #: The fields :func:`constraints` reads.
 FIELDS = ("min_p", "repeat_penalty", "frequency_penalty", "presence_penalty", "repeat_last_n", "logit_bias",

@@ -63,7 +63,7 @@ from ggpipe.frontends.serve_app import create_app
 from ggpipe.frontends.serve_bodies import APIError, answer, internal_error, log_error, pipeline_failed
 from ggpipe.frontends.serve_state import ServerState
 from ggpipe.frontends.serve_slots import SlotLoop
-from ggpipe.sampling import SamplingParams
+from ggpipe.sampling_params import SamplingParams
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -44,7 +44,7 @@ from ggpipe.frontends.serve_bodies import (CLIENT_GONE, APIError, ChatBody, Comp
 from ggpipe.frontends.serve_replies import FINISH, completion, usage
 from ggpipe.frontends.serve_state import Job, ServerState, state_of
 from ggpipe.errors import ConfigError
-from ggpipe.sampling import SamplingParams
+from ggpipe.sampling_params import SamplingParams
 
 SCHEDULING = "one request at a time through the pipeline; further requests wait in a FIFO queue"
 

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from ggpipe.frontends.request_limits import MESSAGES_MAX, ROLES, STOP_MAX, TEMPERATURE_MAX, template_role
 from ggpipe.frontends.serve_state import Job, ServerState, state_of
-from ggpipe.sampling import TOP_LOGPROBS_MAX
+from ggpipe.sampling_params import TOP_LOGPROBS_MAX
 
 # -- errors ------------------------------------------------------------------------------
 

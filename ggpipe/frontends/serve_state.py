@@ -21,7 +21,7 @@ from fastapi import Request
 
 from ggpipe.frontends.http_guard import Access
 from ggpipe.frontends.serve_metrics import ServeMetrics
-from ggpipe.sampling import SamplingParams
+from ggpipe.sampling_params import SamplingParams
 
 
 @dataclass

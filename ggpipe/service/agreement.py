@@ -135,7 +135,7 @@ def measure_agreement(model: str, draft: str, threads: str, prompts: tuple[str, 
     Raises:
         GGPipeError: start-up or pipeline errors, as ``generate`` raises them.
     """
-    from ggpipe.sampling import SamplingParams  # noqa: PLC0415
+    from ggpipe.sampling_params import SamplingParams  # noqa: PLC0415
     from ggpipe.service.job import JobSpec, run_job  # noqa: PLC0415
 
     cfg, spec = agreement_config(model, draft, threads, timeout_s)

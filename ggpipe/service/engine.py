@@ -27,7 +27,8 @@ import numpy as np
 from ggpipe.metrics import GenerationClock
 from ggpipe.runtime.vocab import Vocab, check_prompt_fits
 from ggpipe.kv_reuse import reusable_prefix
-from ggpipe.sampling import Sampler, SamplingParams, TokenLogprob
+from ggpipe.sampling import Sampler, TokenLogprob
+from ggpipe.sampling_params import SamplingParams
 from ggpipe.cluster.session import Session
 from ggpipe.decoding.factory import build_chain_drafter, build_decoder
 from ggpipe.decoding.mode import mode_class

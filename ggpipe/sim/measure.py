@@ -195,7 +195,8 @@ def measure_overhead(mode: str, n_tokens: int = 256) -> float:
     inside that pipeline (its toy model and KV bookkeeping)."""
     from ggpipe.decoding.factory import build_decoder
     from ggpipe.decoding.settings import SpecSettings
-    from ggpipe.sampling import Sampler, SamplingParams
+    from ggpipe.sampling import Sampler
+    from ggpipe.sampling_params import SamplingParams
     from ggpipe.sim.toy import FakePipeline, ToyLM
 
     spent = [0.0]

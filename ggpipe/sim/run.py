@@ -24,7 +24,8 @@ from ggpipe.decoding.slots import Job
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.errors import ConfigError
 from ggpipe.metrics import GenerationClock
-from ggpipe.sampling import Sampler, SamplingParams
+from ggpipe.sampling import Sampler
+from ggpipe.sampling_params import SamplingParams
 from ggpipe.sim.backend import SimClock, SimPipeline, SimStage, idle_until_next
 from ggpipe.sim.lm import CalibratedDraft
 from ggpipe.sim.model import ModelDesc

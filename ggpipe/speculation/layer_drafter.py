@@ -39,7 +39,7 @@ import numpy as np
 
 from ggpipe.logits import best
 from ggpipe.runs import Run
-from ggpipe.sampling import SamplingParams
+from ggpipe.sampling_params import SamplingParams
 from ggpipe.speculation.graph import ACCEPTED, SpecGraph
 from ggpipe.speculation.prediction_tree import next_layer
 from ggpipe.backend import DecodeBackend

@@ -77,7 +77,7 @@ import numpy as np
 from ggpipe.backend import DecodeBackend
 from ggpipe.kv_reuse import reusable_prefix
 from ggpipe.plugins import registered
-from ggpipe.sampling import SamplingParams
+from ggpipe.sampling_params import SamplingParams
 from ggpipe.speculation.proposers.defaults import EVERY_MODE, InstantProposer, ProposerBase
 from ggpipe.speculation.proposers.options import StrategyOptions
 from ggpipe.speculation.tree import SpecTree

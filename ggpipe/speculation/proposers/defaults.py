@@ -11,7 +11,7 @@ from typing import Callable, ClassVar
 
 import numpy as np
 
-from ggpipe.sampling import SamplingParams
+from ggpipe.sampling_params import SamplingParams
 from ggpipe.speculation.cutoff import confident_depth
 from ggpipe.speculation.proposers.options import NoOptions, StrategyOptions
 from ggpipe.speculation.tree import SpecTree

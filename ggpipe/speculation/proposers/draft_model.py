@@ -36,7 +36,8 @@ from typing import Callable
 import numpy as np
 
 from ggpipe.logits import best
-from ggpipe.sampling import SamplingParams, target_probs
+from ggpipe.sampling import target_probs
+from ggpipe.sampling_params import SamplingParams
 from ggpipe.backend import DecodeBackend, DraftResult
 from ggpipe.speculation.proposers.base import ProposerBase, ProposerConfig, sync_kv
 from ggpipe.speculation.tree import SpecTree

@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ggpipe.sampling import SamplingParams
+from ggpipe.sampling_params import SamplingParams
 from ggpipe.speculation.proposers.base import EVERY_MODE, InstantProposer, ProposerConfig
 from ggpipe.speculation.proposers.options import option
 from ggpipe.speculation.tree import SpecTree

@@ -57,7 +57,7 @@ from typing import Callable
 
 import numpy as np
 
-from ggpipe.sampling import SamplingParams
+from ggpipe.sampling_params import SamplingParams
 from ggpipe.speculation.cutoff import confident_depth
 from ggpipe.speculation.majority import WeightedMajority, check_members, expand_members, majority_path, support
 from ggpipe.speculation.proposers.base import (REGISTRY, ProposerBase, ProposerConfig, canonical_name,

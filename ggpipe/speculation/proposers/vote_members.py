@@ -12,7 +12,7 @@ from typing import Callable
 
 import numpy as np
 
-from ggpipe.sampling import SamplingParams
+from ggpipe.sampling_params import SamplingParams
 from ggpipe.speculation.majority import expand_members, member_of
 from ggpipe.speculation.proposers.base import ProposerConfig, make_proposer
 from ggpipe.speculation.tree import SpecTree
