@@ -173,6 +173,42 @@ def test_client_disconnect_stops_its_request(server, client):
     assert r.choices[0].text and time.monotonic() - t0 < 30  # not stuck behind 1500 tokens
 
 
+def test_one_request_at_a_time_through_the_same_request_loop(smollm2, reference):
+    """--parallel 1 runs requests in order through the mode's decoder, in the
+    request loop --parallel N uses: each reply equals single-node llama.cpp,
+    a client that leaves frees the slot, /slots and /health follow."""
+    s = ServerProc(["-m", str(smollm2), "-n", str(N), "--parallel", "1"])
+    try:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        prompts = ["The capital of France is", "Once upon a time", PROMPT]
+
+        def one(p):
+            return c.completions.create(model="any", prompt=p, max_tokens=N, temperature=0).model_extra["ggpipe"]
+
+        with ThreadPoolExecutor(len(prompts)) as ex:
+            got = list(ex.map(one, prompts))
+        assert [g["tokens"] for g in got] == [reference(smollm2, p, N) for p in prompts]
+        stream = c.completions.create(model="any", prompt="Count: 1, 2, 3,", max_tokens=1500, temperature=0,
+                                      stream=True)
+        for i, _ in enumerate(stream):
+            if i == 2:
+                break
+        stream.close()
+        t0 = time.monotonic()
+        r = c.completions.create(model="any", prompt="Hello", max_tokens=2, temperature=0)
+        assert r.choices[0].text and time.monotonic() - t0 < 30  # not stuck behind 1500 tokens
+        status, text = http(s, "GET", "/slots", key=None)
+        assert status == 200 and [x["state"] for x in json.loads(text)] == ["idle"]
+        status, text = http(s, "GET", "/health", key=None)
+        assert status == 200 and json.loads(text)["running"] == 0
+    finally:
+        code = s.stop()
+        s.kill()
+    if MPI_FLAVOR == "mpich":
+        assert code == 0, "".join(s.err)[-3000:]
+    assert "Traceback" not in "".join(s.err)
+
+
 def test_api_key(server, smollm2):
     bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):

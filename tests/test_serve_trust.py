@@ -7,17 +7,20 @@ from __future__ import annotations
 
 import json
 import queue
+from collections import deque
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from starlette.testclient import TestClient
 
+from ggpipe.errors import ConfigError
 from ggpipe.frontends.http_guard import Access
 from ggpipe.frontends.serve import read_api_key
 from ggpipe.frontends.serve_app import create_app
 from ggpipe.frontends.serve_state import ServerState
 from ggpipe.sampling_params import SamplingParams
+from ggpipe.service.engine import Completion, Engine
 
 ORIGIN = "http://localhost:3000"
 
@@ -84,16 +87,19 @@ def _events(job) -> list:
     return out
 
 
-class FakeEngine:
-    """What ggpipe.frontends.serve.Server needs of an engine, one request at a
-    time; ``fail``: the exception generate() raises."""
+class FakeEngine(Engine):
+    """An engine that runs one request at a time (the engine's own
+    submit, step and recover) around a fake :meth:`reply`; ``fail``: the
+    exception the reply raises."""
 
     def __init__(self, fail: BaseException | None = None):
         pipe = SimpleNamespace(drain=lambda timeout_s=None: self.calls.append("drain") or [])
         self.session = SimpleNamespace(model_path="m.gguf", stage=SimpleNamespace(n_vocab=100), size=1,
-                                       hosts=["h"], liveness=None, pipeline=pipe, draft_pipelines=[], activity=None)
+                                       hosts=["h"], liveness=None, pipeline=pipe, draft_pipelines=[],
+                                       activity=None)
         self.n_ctx, self.mode, self.parallel, self.scheduler = 64, "iterative", 1, None
-        self.kernels = {"batch_rows_exact": True}
+        self.decoder, self.last, self._queue = SimpleNamespace(r=None), None, deque()
+        self._kernels = {"batch_rows_exact": True}
         self.vocab = SimpleNamespace(chat_template=lambda: None, piece=lambda t: b"", is_eog=lambda t: False)
         self.fail = fail
         self.calls: list[str] = []
@@ -101,12 +107,17 @@ class FakeEngine:
     def tokenize(self, prompt, messages, special_in_messages=False):
         return np.array([1, 2, 3], np.int32)
 
+    def check_fits(self, n_prompt, n_predict):
+        pass
+
     def generate(self, tokens, n_predict, sampling, on_text=None, stop=(), should_stop=None):
         self.calls.append("generate")
+        self.last = self.reply(tokens, n_predict, on_text, should_stop)
+        return self.last
+
+    def reply(self, tokens, n_predict, on_text, should_stop):
         if self.fail is not None:
             raise self.fail
-        from ggpipe.service.engine import Completion
-
         on_text("hi")
         return Completion([5], "hi", "length", 3, 0, {})
 
@@ -114,47 +125,63 @@ class FakeEngine:
         self.calls.append("reset")
 
 
-def test_run_one_answers_an_unexpected_error_with_500_and_the_job_goes_on(capfd):
+def _one_request(server, job) -> None:
+    """``job`` through the server's request loop: taken from the HTTP queue
+    into the engine, then run to its end."""
+    server.state.jobs.put(job)
+    server.slots._take()
+    server.engine.step()
+
+
+def test_one_request_at_a_time_an_unexpected_error_answers_500_and_the_job_goes_on(capfd):
     from ggpipe.frontends.serve import Server
 
     engine = FakeEngine(ValueError("probs must be finite (secret detail)"))
     server = Server(engine, "127.0.0.1", 0, None, 4, SamplingParams())
     try:
         job = _job()
-        server.run_one(job)            # was: the ValueError escaped and ended the MPI job
+        _one_request(server, job)      # was: the ValueError escaped and ended the MPI job
         (kind, err), = _events(job)
         assert kind == "error" and err.status == 500 and job.rid in err.message
         assert "secret" not in err.message and "ValueError" not in err.message
         log = capfd.readouterr().err
         assert job.rid in log and "secret detail" in log        # the operator can match them
         assert engine.calls == ["generate", "drain", "reset"]   # the pipeline checked, the decoder reset
+        engine.fail = ConfigError("a grammar llama.cpp cannot parse")   # the request's own settings: 400
+        job = _job()
+        _one_request(server, job)
+        (kind, err), = _events(job)
+        assert err.status == 400 and "grammar" in err.message
         engine.fail = None
         job = _job()
-        server.run_one(job)
+        _one_request(server, job)
         assert [k for k, _ in _events(job)] == ["text", "done"]
     finally:
         server.sock.close()
 
 
-def test_run_one_still_ends_the_job_when_the_pipeline_failed():
+def test_one_request_at_a_time_still_ends_the_job_when_the_pipeline_failed():
     from ggpipe.errors import RankTimeoutError
     from ggpipe.frontends.serve import Server
 
     engine = FakeEngine(RankTimeoutError("rank 0 (node7, pid 4242) waited 3 s for logits from rank 1 (node8)"))
     server = Server(engine, "127.0.0.1", 0, None, 4, SamplingParams())
+    server.slots.http_alive = lambda: True
     try:
         job = _job()
+        server.state.jobs.put(job)
         with pytest.raises(RankTimeoutError):
-            server.run_one(job)
+            server.slots.run()
         (_, err), = _events(job)
-        assert err.status == 500 and "node7" not in err.message and "4242" not in err.message
+        assert err.status == 503 and "node7" not in err.message and "4242" not in err.message
         assert job.rid in err.message
         # an unexpected error whose check of the pipeline fails ends the job too
         engine.fail = ValueError("x")
         engine.session.pipeline.drain = lambda timeout_s=None: (_ for _ in ()).throw(
             RankTimeoutError("rank 1 stopped answering"))
+        server.state.jobs.put(_job())
         with pytest.raises(RankTimeoutError):
-            server.run_one(_job())
+            server.slots.run()
     finally:
         server.sock.close()
 
@@ -191,13 +218,20 @@ class FakeSlotEngine:
     with a Completion."""
 
     def __init__(self, submit_fails: BaseException | None = None):
-        self.scheduler = SimpleNamespace(slots=[0, 1], n_busy=0, queue=[])
         self.submit_fails = submit_fails
         self.pending: list = []
 
     @property
     def busy(self):
         return bool(self.pending)
+
+    @property
+    def free_slots(self):
+        return 2 - len(self.pending)
+
+    @property
+    def running(self):
+        return len(self.pending)
 
     def submit(self, tokens, n_predict, sampling, on_text=None, stop=(), should_stop=None, on_done=None,
                on_error=None):
@@ -418,10 +452,8 @@ class SlowEngine(FakeEngine):
         self.step_s = step_s
         self.generated: list[int] = []   # tokens generated, per request
 
-    def generate(self, tokens, n_predict, sampling, on_text=None, stop=(), should_stop=None):
+    def reply(self, tokens, n_predict, on_text, should_stop):
         import time
-
-        from ggpipe.service.engine import Completion
 
         self.generated.append(0)
         for _ in range(n_predict):

@@ -6,8 +6,10 @@
 
 Threads on the head: uvicorn serves HTTP (ggpipe.frontends.serve_app) on a
 background thread; the main thread owns the engine (every MPI call and the
-pipeline happen there). It takes requests from a FIFO queue and runs them
-one at a time, streaming each piece of text back to the request's handler.
+pipeline happen there). Its request loop (ggpipe.frontends.serve_slots)
+takes requests from a FIFO queue into the engine as slots free up (one at a
+time with ``--parallel 1``), streaming each piece of text back to the
+request's handler.
 The other ranks serve their pipeline stage as in every front end.
 
 Defaults of a request come from the command line (``-n`` is the default
@@ -53,14 +55,14 @@ import threading
 import time
 from pathlib import Path
 
-from ggpipe.errors import ConfigError, GGPipeError
+from ggpipe.errors import ConfigError
 from ggpipe.service.engine import Engine
 from ggpipe.service.job import JobSpec, head_signals, ignore_signals, run_job
 from ggpipe.frontends.http_guard import Access
 from ggpipe.frontends.http_limits import ConnectionLimits, default_max_connections
 from ggpipe.frontends.http_protocol import GuardedServer, guarded_config
 from ggpipe.frontends.serve_app import create_app
-from ggpipe.frontends.serve_bodies import APIError, answer, internal_error, log_error, pipeline_failed
+from ggpipe.frontends.serve_bodies import APIError, pipeline_failed
 from ggpipe.frontends.serve_state import ServerState
 from ggpipe.frontends.serve_slots import SlotLoop
 from ggpipe.sampling_params import SamplingParams
@@ -165,8 +167,9 @@ class Server:
         self.signals = 0
         self.http = None
         self.thread: threading.Thread | None = None
-        self.current = None  # the request being generated (one at a time)
-        self.slots = None    # the request loop of --parallel > 1 (ggpipe.frontends.serve_slots)
+        # the request loop (ggpipe.frontends.serve_slots), for one request at a time as for many
+        self.slots = SlotLoop(engine, self.state, lambda: self.deadline, shutdown_grace_s,
+                              lambda: self.thread is not None and self.thread.is_alive())
         if session.liveness is not None:
             session.liveness.before_abort.append(self.on_rank_failure)
 
@@ -176,15 +179,7 @@ class Server:
         queued requests with 503 instead of leaving them hanging."""
         self.state.failed = "the pipeline failed: a rank stopped answering or ended (see the server's log)"
         self.state.stopping.set()
-        rids = []
-        if self.slots is not None:
-            rids += self.slots.fail_all()
-        job = self.current
-        if job is not None and not job.finished:
-            job.finished = True
-            job.push("error", pipeline_failed(job.rid))
-            rids.append(job.rid)
-        rids += self.fail_queued(None)
+        rids = self.slots.fail_all() + self.fail_queued(None)
         sys.stderr.write(f"ggpipe serve: the pipeline failed: {message}" +
                          (f"; requests answered 503: {', '.join(rids)}\n" if rids else "\n"))
         sys.stderr.flush()
@@ -244,63 +239,6 @@ class Server:
             job.push("error", pipeline_failed(job.rid) if why is None else APIError(503, why, "server_error"))
             rids.append(job.rid)
 
-    def recover(self) -> None:
-        """After a request failed unexpectedly: wait for its runs still in
-        flight and clear every stage's KV cache and the decoder's state, so
-        the next request starts clean.
-
-        Raises:
-            GGPipeError (RankTimeoutError, ProtocolError, ...) or what the
-            head's stage raised: the pipeline is out of step; the job must end.
-        """
-        session = self.engine.session
-        for pipe in (session.pipeline, *session.draft_pipelines):
-            pipe.drain()
-        self.engine.reset()
-
-    def run_one(self, job) -> None:
-        """Generate one request, reporting pieces, the result or an error to its handler."""
-        if job.cancelled.is_set():
-            return
-        state = self.state
-        state.running = 1
-        self.current = job
-        waited = time.monotonic() - job.t_queued
-
-        def should_stop() -> bool:
-            return job.cancelled.is_set() or (self.deadline is not None and time.monotonic() >= self.deadline)
-
-        try:
-            done = self.engine.generate(job.tokens, job.n_predict, job.sampling,
-                                        on_text=lambda t: job.push("text", t), stop=job.stop, should_stop=should_stop)
-        except GGPipeError as e:
-            if e.abort_job:  # the pipeline is out of step: the job must end
-                if not job.finished:
-                    job.finished = True
-                    job.push("error", pipeline_failed(job.rid, 500))
-                log_error(job.rid, f"the pipeline failed: {e}")
-                raise
-            job.finished = True
-            job.push("error", APIError(400, str(e)))   # the request's own settings (it does not fit, ...)
-            return
-        except Exception as e:
-            # a dead pipeline (the liveness thread answered already) or MPI itself: end the job as before
-            if state.failed or type(e).__module__.startswith("mpi4py"):
-                raise
-            # this request's own failure (a bug): 500 for it; the job goes on if the pipeline is in step
-            if not job.finished:
-                job.finished = True
-                job.push("error", internal_error(job.rid, e))
-            self.recover()
-            return
-        finally:
-            state.running = 0
-            self.current = None
-        if job.finished:  # already answered (the pipeline failed meanwhile)
-            return
-        job.finished = True
-        answer(state, job, done, waited, self.shutdown_grace_s)
-
     def serve(self) -> int:
         """Run requests until a shutdown signal; returns 0."""
         self.start_http()
@@ -311,18 +249,7 @@ class Server:
                          f"(model {self.state.model_id}, {engine.mode}, {engine.session.size} ranks); {how}\n")
         sys.stdout.flush()
         try:
-            if engine.scheduler is not None:
-                self.slots = SlotLoop(engine, self.state, lambda: self.deadline, self.shutdown_grace_s,
-                                      lambda: self.thread.is_alive())
-                self.slots.run()
-            while not self.state.stopping.is_set():
-                if not self.thread.is_alive():
-                    raise ConfigError("the HTTP server stopped unexpectedly")
-                try:
-                    job = self.state.jobs.get(timeout=0.25)
-                except queue.Empty:
-                    continue
-                self.run_one(job)
+            self.slots.run()
             sys.stderr.write("ggpipe serve: shutting down\n")
         finally:
             self.state.stopping.set()

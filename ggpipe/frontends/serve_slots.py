@@ -1,9 +1,10 @@
-"""``ggpipe serve --parallel N``: the head's request loop when many requests
-run at once (the engine's continuous-batching scheduler), on the main
-thread, beside the HTTP thread (ggpipe.frontends.serve_app).
+"""``ggpipe serve``: the head's request loop, on the main thread beside the
+HTTP thread (ggpipe.frontends.serve_app), for every ``--parallel``: the
+engine runs up to ``--parallel`` requests at once in its continuous-batching
+scheduler, or with ``--parallel 1`` one at a time through the mode's decoder.
 
 Requests move from the HTTP queue (bounded by ``--max-queue``) into the
-scheduler only when a slot is free for them, so the HTTP queue is the one
+engine only when a slot is free for them, so the HTTP queue is the one
 place requests wait. Each request streams its own text; a request whose
 client leaves (streaming or not) is stopped at its next token, or dropped
 while still waiting; one that does not fit a slot gets 400; a shutdown
@@ -27,7 +28,7 @@ from ggpipe.service.engine import Completion, Engine
 
 class SlotLoop:
     """Args:
-        engine: the head's engine (``--parallel`` > 1).
+        engine: the head's engine.
         state: the app's shared state.
         deadline: when running requests must stop (monotonic seconds), or
             None; read at every token.
@@ -61,6 +62,18 @@ class SlotLoop:
         waited = (sched_job.t_queued - job.t_queued) + sched_job.queue_s
         answer(self.state, job, done, waited, self.grace_s)
 
+    def _request_failed(self, job: Job, exc: BaseException) -> None:
+        """The engine ended this request alone: its own settings (a
+        :class:`GGPipeError`: 400 with the reason, as at submission) or an
+        unexpected error (:meth:`_failed`)."""
+        if isinstance(exc, GGPipeError):
+            job.cancelled.set()
+            if not job.finished:
+                job.finished = True
+                job.push("error", APIError(400, str(exc)))
+            return
+        self._failed(job, exc)
+
     def _failed(self, job: Job, exc: BaseException) -> None:
         """The request failed unexpectedly (its sampling, a bug in its
         callbacks): 500 for it, its details in the log; it stops at its next
@@ -91,7 +104,7 @@ class SlotLoop:
                                            on_text=self._guarded(job, lambda t: job.push("text", t)), stop=job.stop,
                                            should_stop=self._guarded(job, lambda: self._stop(job), True),
                                            on_done=self._guarded(job, lambda done: self._done(job, done, holder[0])),
-                                           on_error=lambda e: self._failed(job, e))
+                                           on_error=lambda e: self._request_failed(job, e))
         except GGPipeError as e:
             job.finished = True
             job.push("error", APIError(400, str(e)))
@@ -104,16 +117,12 @@ class SlotLoop:
 
     # -- the loop ----------------------------------------------------------------------
 
-    def _free_slots(self) -> int:
-        s = self.engine.scheduler
-        return len(s.slots) - s.n_busy - len(s.queue)
-
     def _take(self) -> None:
         """Move requests from the HTTP queue into free slots; with nothing
         running, wait up to 0.25 s for one."""
         jobs = self.state.jobs
         block = not self.engine.busy
-        while self._free_slots() > 0:
+        while self.engine.free_slots > 0:
             try:
                 job = jobs.get(timeout=0.25) if block else jobs.get_nowait()
             except queue.Empty:
@@ -140,9 +149,10 @@ class SlotLoop:
             if not self.http_alive():
                 raise GGPipeError("the HTTP server stopped unexpectedly")
             self._take()
+            state.running = engine.running
             if engine.busy:
                 try:
-                    engine.step(wake=lambda: not state.jobs.empty() and self._free_slots() > 0)
+                    engine.step(wake=lambda: not state.jobs.empty() and self.engine.free_slots > 0)
                 except BaseException as e:
                     # the pipeline failed, or the scheduler itself (no one request's fault): its state is
                     # unknown, so the job ends; answer the requests first instead of leaving them hanging
@@ -152,7 +162,7 @@ class SlotLoop:
                                          f"requests answered 503: {', '.join(rids)}\n")
                     raise
             self._drop_left()
-            state.running = engine.scheduler.n_busy
+            state.running = engine.running
         for _, sj in self.jobs:
             if sj.request is None:
                 sj.cancelled = True

@@ -15,7 +15,6 @@ context (the proposer decodes only what it lacks).
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from pathlib import Path
@@ -35,7 +34,7 @@ from ggpipe.decoding.mode import mode_class
 from ggpipe.decoding.scheduler import Scheduler
 from ggpipe.decoding.slots import Job
 from ggpipe.decoding.settings import SpecSettings
-from ggpipe.errors import ConfigError
+from ggpipe.errors import GGPipeError
 from ggpipe.models.registry import resolve
 from ggpipe.models.slicing import check_speculation
 from ggpipe.pipeline.waiting import EventWait
@@ -206,7 +205,7 @@ class Engine:
                                          is_eog=self.is_eog, timeout_s=cfg.timeout_s, idle=self.waiter)
         self.last: Completion | None = None
         self._kernels: dict | None = None
-        self._queue: deque = deque()   # one request at a time: (job, generate's settings) not started
+        self._queue: deque = deque()   # one request at a time: (job, generate's settings, on_error) not started
 
     @property
     def kernels(self) -> dict:
@@ -336,8 +335,10 @@ class Engine:
         ``on_done`` gets the :class:`Completion` when the request ends, or
         None for a job cancelled while queued (``job.cancelled``);
         ``on_error`` gets the exception that ended the request alone (its
-        sampling failed: ``job.error``), instead of :meth:`step` raising it
-        (without ``on_error``).
+        sampling failed: ``job.error``; one request at a time also its own
+        settings, or an unexpected error after which the pipeline was
+        checked and the KV caches cleared), instead of :meth:`step` raising
+        it (without ``on_error``).
 
         Raises:
             ConfigError: the prompt is empty or does not fit (one slot)."""
@@ -346,7 +347,8 @@ class Engine:
             self.check_fits(len(toks), n_predict)
             job = Job(toks, n_predict, None)     # generate() builds its sampler
             job.on_done = lambda j: on_done(None if j.cancelled else self.last)
-            self._queue.append((job, dict(sampling=sampling, on_text=on_text, stop=stop, should_stop=should_stop)))
+            self._queue.append((job, dict(sampling=sampling, on_text=on_text, stop=stop, should_stop=should_stop),
+                                on_error))
             return job
         stream = TextStream(self.vocab, on_text, stop, should_stop)
 
@@ -377,8 +379,26 @@ class Engine:
     def queued(self) -> int:
         """Requests submitted and not started."""
         if self.scheduler is None:
-            return sum(1 for job, _ in self._queue if not job.cancelled)
+            return sum(1 for job, _, _ in self._queue if not job.cancelled)
         return len(self.scheduler.queue)
+
+    @property
+    def free_slots(self) -> int:
+        """Requests :meth:`submit` can take now without one waiting for a
+        slot: ``--parallel`` minus the running and queued ones (one request
+        at a time: 1 while nothing is queued)."""
+        s = self.scheduler
+        if s is None:
+            return 0 if self._queue else 1
+        return len(s.slots) - s.n_busy - len(s.queue)
+
+    @property
+    def running(self) -> int:
+        """Requests in a slot (one at a time: the one the next :meth:`step`
+        runs to its end)."""
+        if self.scheduler is None:
+            return 1 if self._queue else 0
+        return self.scheduler.n_busy
 
     @property
     def busy(self) -> bool:
@@ -394,18 +414,56 @@ class Engine:
         (:meth:`generate`; a cancelled one is only reported)."""
         s = self.scheduler
         if s is None:
-            if not self._queue:
-                return
-            job, kw = self._queue.popleft()
-            if not job.cancelled:
-                self.generate(np.asarray(job.tokens, dtype=np.int32), job.n_predict, **kw)
-                job.request = self.decoder.r
-            job.on_done(job)
+            if self._queue:
+                self._run_queued(*self._queue.popleft())
             return
         activity = self.session.activity
         if activity is not None:
             activity.set(f"answering {s.n_busy} requests ({len(s.queue)} queued, --parallel {self.parallel})")
         s.step(wake)
+
+    def _run_queued(self, job: Job, kw: dict, on_error: Callable[[Exception], None] | None) -> None:
+        """Run one queued request to its end through the mode's decoder
+        (a cancelled one is only reported). With ``on_error``, a failure of
+        this request alone goes there instead of up (as the scheduler ends
+        one request whose sampling failed): its own settings
+        (:class:`GGPipeError`, nothing run), or an unexpected error, after
+        which :meth:`recover` checks the pipeline and clears the KV caches.
+        A pipeline out of step (``abort_job``), MPI's own errors and a
+        failed :meth:`recover` always raise."""
+        if job.cancelled:
+            job.on_done(job)
+            return
+        job.queue_s = time.monotonic() - job.t_queued
+        try:
+            self.generate(np.asarray(job.tokens, dtype=np.int32), job.n_predict, **kw)
+        except GGPipeError as e:
+            if on_error is None or e.abort_job:
+                raise
+            on_error(e)
+            return
+        except Exception as e:
+            if on_error is None or type(e).__module__.startswith("mpi4py"):
+                raise
+            self.recover()
+            on_error(e)
+            return
+        job.request = self.decoder.r
+        job.on_done(job)
+
+    def recover(self) -> None:
+        """After a request failed unexpectedly: wait for its runs still in
+        flight and clear every stage's KV cache and the decoder's state, so
+        the next request starts clean.
+
+        Raises:
+            GGPipeError (RankTimeoutError, ProtocolError, ...) or what the
+            head's stage raised: the pipeline is out of step; the job must end.
+        """
+        session = self.session
+        for pipe in (session.pipeline, *session.draft_pipelines):
+            pipe.drain()
+        self.reset()
 
     def drain(self) -> None:
         """Wait for the micro-batches in flight (before a shutdown)."""
