@@ -34,12 +34,16 @@ PROMPTS = [
 LENGTHS = [24, 40, 6, 17, 32, 3, 28]   # requests end at different times; later ones take their slots
 
 
-def _batch(tmp_path, model, ranks: int, parallel: int, rows: list[dict], name: str, extra=(), env=None) -> dict:
+def _batch(tmp_path, model, ranks: int, parallel: int, rows: list[dict], name: str, extra=(), env=None,
+           stderr: list | None = None) -> dict:
+    """The records of a ``batch`` job by id; ``stderr``: gets the job's stderr."""
     inp, out = tmp_path / f"{name}.in.jsonl", tmp_path / f"{name}.out.jsonl"
     write_jsonl(inp, rows)
     p = run_ggpipe(["batch", str(inp), "-o", str(out), "-m", str(model), "--parallel", str(parallel),
                     "--no-progress", "--ignore-eos", *extra], ranks, timeout=600, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
+    if stderr is not None:
+        stderr.append(p.stderr)
     return {r["id"]: r for r in read_records(out)}
 
 
@@ -70,11 +74,17 @@ def test_a_draft_model_drafts_for_a_request_alone_and_stays_exact(tmp_path, goli
     rows = [{"id": 0, "prompt": PROMPTS[0], "n": 40}, {"id": 1, "prompt": PROMPTS[3], "n": 12},
             {"id": 2, "prompt": PROMPTS[2], "n": 6}]
     # --p-accept 0: the first chain, drafted once the draft has caught up, is never cut short by the cutoff
-    got = _batch(tmp_path, goliath, ranks, 3, rows, "md", ["-md", str(smollm2), "--mode", mode, "--p-accept", "0"])
+    err: list[str] = []
+    got = _batch(tmp_path, goliath, ranks, 3, rows, "md", ["-md", str(smollm2), "--mode", mode, "--p-accept", "0"],
+                 stderr=err)
     for r in rows:
         assert_greedy(got[r["id"]]["tokens"], goliath, r["prompt"], r["n"], msg=r)
     m = got[0]["metrics"]      # the longest request generates alone at the end
     assert m["drafted"] > 0 and 0 < m["draft_accepted"] <= m["drafted"], m
+    # what the mode becomes beside other requests is said once, at start-up
+    said = [ln for ln in err[0].splitlines() if ln.startswith(f"ggpipe: --mode {mode} under --parallel")]
+    assert len(said) == 1 and "--spec-type draft" in said[0], err[0][-2000:]
+    assert ("only with --parallel 1" in said[0]) == (mode == "pipeinfer")
 
 
 def test_ngram_chains_of_a_request_alone_are_exact(tmp_path, goliath, reference):

@@ -129,6 +129,19 @@ def test_the_simulator_placement_and_bench_read_the_modes_declarations(echo_regi
     assert variant_speculates("pipeinfer-no-cancel") and "vote" in mode_args()
 
 
+def test_each_mode_declares_what_it_becomes_beside_other_requests(echo_registered):
+    """``in_slots``: None where --parallel runs the mode as one request at a
+    time does (iterative, the toy mode); a sentence naming the mode and its
+    strategy for the speculating modes, and for pipeinfer and pipedec what
+    runs only with --parallel 1 (the engine prints it at start-up)."""
+    spec = SpecSettings(spec_type="ngram")
+    assert mode_class("iterative").in_slots(spec) is None and mode_class("echo").in_slots(spec) is None
+    for name in ("speculative", "pipeinfer", "pipedec"):
+        said = mode_class(name).in_slots(spec)
+        assert said.startswith(f"--mode {name} under --parallel") and "--spec-type ngram" in said, said
+        assert ("only with --parallel 1" in said) == (name != "speculative"), said
+
+
 def test_no_code_outside_the_modes_and_strategies_compares_their_names():
     """A mode or a strategy is one module: no module outside
     ``ggpipe/decoding/`` and ``ggpipe/speculation/`` compares a registered

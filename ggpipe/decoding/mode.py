@@ -9,7 +9,8 @@ registered in :data:`MODES` as ``"module:Class"`` (imported on first use):
   verify and probe while it computes), ``speculates`` (it drafts tokens
   and verifies them: a draft rank, the speculative overhead, the checks of
   recurrent models), ``tokens_per_pass`` and ``pace`` (what the placement
-  balances the stages for), ``lookahead_in_slots`` (under ``--parallel``),
+  balances the stages for), ``lookahead_in_slots`` and ``in_slots(spec)``
+  (what it becomes under ``--parallel``, said at start-up),
   ``may_cancel(spec)`` (the workers listen for cancellations),
   ``bench_variants()`` (its rows in ``ggpipe bench``), ``seq_ids(spec)`` (the KV sequence
   ids its target contexts need), ``check(spec, n_draft_models)`` (refuse
@@ -131,6 +132,21 @@ class Mode:
         """Whether the head may cancel a run it submitted, one request at a
         time (the workers then listen for cancellations mid-run)."""
         return False
+
+    @classmethod
+    def in_slots(cls, spec: SpecSettings) -> str | None:
+        """What this mode becomes beside other requests (``--parallel`` > 1,
+        the continuous-batching scheduler), in one sentence the head prints
+        at start-up; None: the same as one request at a time. A speculating
+        mode drafts a chain with its ``--spec-type`` for a request that
+        generates alone, verified in a micro-batch of its own, and decodes
+        plainly beside other generating requests
+        (ggpipe.decoding.scheduler)."""
+        if not cls.speculates:
+            return None
+        return (f"--mode {cls.name} under --parallel: a request that generates alone gets chains drafted with "
+                f"--spec-type {spec.spec_type}, verified in a micro-batch of their own; beside other generating "
+                "requests it decodes plainly")
 
     @classmethod
     def bench_variants(cls) -> dict[str, list[str]]:

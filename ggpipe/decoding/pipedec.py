@@ -70,6 +70,14 @@ class PipeDec(Mode):
         return spec.cancel
 
     @classmethod
+    def in_slots(cls, spec: SpecSettings) -> str | None:
+        """Chains as every speculating mode (:meth:`Mode.in_slots`): PipeDec's
+        speculation tree runs one request at a time only (its nodes are KV
+        sequences of their own, which the slots are)."""
+        return (super().in_slots(spec) + "; PipeDec's speculation tree runs only with --parallel 1 (its nodes are "
+                "KV sequences of their own, and under --parallel the sequences are the slots)")
+
+    @classmethod
     def bench_variants(cls) -> dict[str, list[str]]:
         """A chain (tree width 1), and a tree of 4 x 4."""
         return {"pipedec": ["--mode", "pipedec"],

@@ -35,6 +35,18 @@ class PipeInfer(Drafting):
     lookahead_in_slots = True
 
     @classmethod
+    def in_slots(cls, spec: SpecSettings) -> str | None:
+        """Chains as every speculating mode (:meth:`Mode.in_slots`): PipeInfer's
+        asynchronous, continuous speculation and early cancellation run one
+        request at a time only, since its speculative sequences share their
+        cells with ``llama_memory_seq_cp``, which the slots' separate KV
+        streams do not allow; with a lookup strategy, look-ahead rows keep
+        the stages busy instead."""
+        return (super().in_slots(spec) + "; PipeInfer's asynchronous, continuous speculation and early "
+                "cancellation run only with --parallel 1 (its speculative sequences share KV cells, which the "
+                "slots' separate KV streams do not allow)")
+
+    @classmethod
     def bench_variants(cls) -> dict[str, list[str]]:
         """Itself, and without early cancellation or continuous speculation
         (the ablations of section V)."""

@@ -15,6 +15,7 @@ context (the proposer decodes only what it lacks).
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from pathlib import Path
@@ -185,6 +186,9 @@ class Engine:
         if declared.speculates:
             check_speculation(mode, _recurrent_models(session))
         if parallel > 1:
+            note = declared.in_slots(spec)
+            if note:        # the mode is not what it is one request at a time: say so once, at start-up
+                sys.stderr.write(f"ggpipe: {note}\n")
             self.n_ctx = session.stage.n_ctx_seq    # the cells of one slot
             # micro-batches in flight: as many as stages can compute at once, per host as many as its CPUs hold
             # their threads (3 ranks x 1 thread on 2 cores: 2; 4 x 4 threads on 16 cores: 4; 2 x 2 on 2 cores: 1)
