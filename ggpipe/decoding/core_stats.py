@@ -12,8 +12,9 @@ def request_stats(core, drafter, adaptive: bool) -> dict:
     """The finished request's statistics: the request's counters, the
     drafter's (a proposer or PipeDec's layer drafter), drafted and accepted
     tokens, acceptance rate, tokens per verification pass, the adaptive
-    thresholds and cost models (``adaptive``), and the head stage's
-    cancellation counters. ``core``: the ggpipe.decoding.core.SpecCore."""
+    thresholds and cost models (``adaptive``), the head stage's
+    cancellation counters, and the drafted tokens verified and accepted per
+    position after a root (ggpipe.speculation.draft_stats). ``core``: the ggpipe.decoding.core.SpecCore."""
     r, g = core.r, core.r.graph
     drafted = g.n_drafted
     passes = max(1, r.counts["verified_runs"])
@@ -23,6 +24,7 @@ def request_stats(core, drafter, adaptive: bool) -> dict:
         spec_type=drafter.name,
         drafted=drafted, draft_accepted=g.n_draft_accepted,
         acceptance_rate=(g.n_draft_accepted / drafted) if drafted else None,
+        **g.draft_stats.as_dict(),
         # greedy: how close an accepted draft token came to a tie (docs/user-guide/exactness.md)
         min_accepted_margin=None if g.min_accepted_margin is None else round(g.min_accepted_margin, 6),
         accepted_per_pass=(len(r.out) - 1) / passes if len(r.out) > 1 else None,

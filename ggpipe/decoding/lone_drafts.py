@@ -116,6 +116,7 @@ class LoneDrafts:
             self.gate.observe(matched, len(row.chain))
             self.stats["draft_accepted"] += matched
             row.job.draft_accepted += matched
+            row.job.draft_stats.record_chain(row.first, len(row.chain), matched)
         return decided
 
     def settle(self, row: _Row, decided: list[int]) -> bool:
@@ -126,12 +127,17 @@ class LoneDrafts:
         target took (``row``'s refused drafted tokens, the look-ahead rows')
         are removed (``seq_rm``, pipelined behind the runs sent)."""
         slot = row.slot
-        if slot.ahead and len(decided) == len(row.chain) + 1 and slot.ahead[0].guess == decided[-1]:
-            slot.ahead.pop(0).guess = None
-            self.stats["lookahead_kept"] += 1
-            self.stats["draft_accepted"] += 1
-            row.job.draft_accepted += 1
-            return True
+        if slot.ahead and len(decided) == len(row.chain) + 1:   # the guess is verified: it follows the row's chain
+            at = row.first + len(row.chain)
+            kept = slot.ahead[0].guess == decided[-1]
+            row.job.draft_stats.record(at, kept)
+            if kept:
+                nxt = slot.ahead.pop(0)
+                nxt.guess, nxt.first = None, at + 1
+                self.stats["lookahead_kept"] += 1
+                self.stats["draft_accepted"] += 1
+                row.job.draft_accepted += 1
+                return True
         for a in slot.ahead:
             a.stale = True
         slot.ahead = []

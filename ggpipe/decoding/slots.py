@@ -15,6 +15,7 @@ from ggpipe.decoding.request import Emit, Request, _never_stop
 from ggpipe.metrics import GenerationClock
 from ggpipe.runs import in_batch_order
 from ggpipe.sampling import Sampler
+from ggpipe.speculation.draft_stats import DraftStats
 
 
 @dataclass(eq=False)
@@ -37,6 +38,8 @@ class Job:
         queue_s: seconds spent waiting for a slot.
         drafted, draft_accepted: tokens drafted below this request's tokens,
             and how many of them the target took.
+        draft_stats: drafted tokens verified and accepted per position
+            after a root (ggpipe.speculation.draft_stats).
         error: what ended this request alone (its sampling raised), or None.
     """
 
@@ -53,6 +56,7 @@ class Job:
     queue_s: float = 0.0
     drafted: int = 0
     draft_accepted: int = 0
+    draft_stats: DraftStats = field(default_factory=DraftStats)
     t_queued: float = field(default_factory=time.monotonic)
     error: Exception | None = None
 
@@ -141,6 +145,7 @@ class _Row:
     p0: int = 0    # the position of the row's first token in the slot's stream
     n: int = 0     # the tokens it sent (set when its micro-batch goes): a prompt chunk, or a token and its chain
     guess: int | None = None   # a look-ahead row: its first token, a guess of the target's next token
+    first: int = 0             # the position of its chain's first drafted token after the request's last root
     stale: bool = False        # a look-ahead row whose guess or base was refused: its logits are dropped
 
     @property

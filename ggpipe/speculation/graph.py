@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ggpipe.sampling import Sampler
+from ggpipe.speculation.draft_stats import DraftStats
 from ggpipe.speculation.tree import SpecTree
 from ggpipe.logits import top2_margin
 from ggpipe.speculation.verify import verify_step
@@ -124,6 +125,8 @@ class SpecGraph:
         self.n_draft_accepted = 0
         self.min_accepted_margin: float | None = None  # greedy: smallest top-1 minus top-2 logit of an accepted draft
         self.verified: list[tuple[float, bool]] = []   # (draft probability, accepted) per verified child
+        self.draft_stats = DraftStats()    # verified and accepted drafted tokens by position after a root
+        self._position = 0                 # the position after the last root of the committed node's children
 
     # -- building --------------------------------------------------------------
 
@@ -133,6 +136,7 @@ class SpecGraph:
         self.nodes[nid] = Node(token, pos, -1, run_id, seq, state=ACCEPTED)
         self.runs.setdefault(run_id, RunInfo(run_id, [], speculative=False)).nodes.append(nid)
         self._commit(nid)
+        self._position = 0
         return nid
 
     def add_tree(self, anchor: int, tree: SpecTree, run_id: int, leaf_seq: dict[int, int],
@@ -251,6 +255,8 @@ class SpecGraph:
                                [self.nodes[j].q for j in kids], self.sampler, chosen=any(by_choice))
             c_logits, c.logits = c.logits, None  # consumed; frees memory
             chosen = kids[k] if k is not None else None
+            if kids:
+                self.draft_stats.record(self._position, chosen is not None)
             for j in kids:
                 self.nodes[j].q = None  # verified: its draft distribution (float64 (n_vocab,)) is not needed again
                 self.verified.append((self.nodes[j].dp, j == chosen))
@@ -263,6 +269,7 @@ class SpecGraph:
             n = self.nodes[chosen]
             n.state = ACCEPTED
             self.n_draft_accepted += 1
+            self._position += 1
             if self.sampler.params.greedy:
                 m = top2_margin(c_logits)
                 if m is not None and (self.min_accepted_margin is None or m < self.min_accepted_margin):

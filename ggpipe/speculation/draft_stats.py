@@ -1,0 +1,82 @@
+"""Typed draft statistics of one request, the same in every speculating mode
+and in both of the engine's loops (one request at a time through a mode's
+decoder, many through the scheduler): drafted tokens the target verified
+and accepted, by their *position* after the last token the target produced
+itself (as vLLM v1's ``SpecDecodingStats``: drafts, drafted and accepted
+tokens, accepted tokens per position).
+
+Position 0 is the first drafted token after such a token (a root), position
+1 the one after it, and so on. A drafted token is *verified* at its position
+when the target decides that position (every drafted token before it was
+accepted): it is then accepted or refused. Tokens never verified (below a
+refused one, or cancelled before their logits came back) are not counted,
+so ``acceptance_per_position[i]`` is the chance that a drafted token at
+position ``i`` is accepted once the target gets to it, and the product of
+the first ``i + 1`` rates the chance that a chain is accepted that far. No
+MPI.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DraftStats:
+    """Per position, drafted tokens verified and accepted (counts).
+
+    Attributes:
+        verified: ``verified[i]``: drafted tokens the target verified at
+            position ``i`` (tokens).
+        accepted: ``accepted[i]``: of those, the ones it accepted (tokens).
+    """
+
+    verified: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+
+    def record(self, position: int, accepted: bool) -> None:
+        """One drafted token verified at ``position`` (>= 0).
+
+        Raises:
+            ValueError: a negative position."""
+        if position < 0:
+            raise ValueError(f"position {position} < 0")
+        while len(self.verified) <= position:
+            self.verified.append(0)
+            self.accepted.append(0)
+        self.verified[position] += 1
+        self.accepted[position] += bool(accepted)
+
+    def record_chain(self, first: int, n_chain: int, n_accepted: int) -> None:
+        """A chain of ``n_chain`` drafted tokens at positions ``first``,
+        ``first + 1``, ... of which the target accepted the first
+        ``n_accepted``: those are verified and accepted, the next one (if
+        any) verified and refused, the rest never verified.
+
+        Raises:
+            ValueError: ``n_accepted`` outside [0, n_chain] or a negative ``first``."""
+        if not 0 <= n_accepted <= n_chain:
+            raise ValueError(f"{n_accepted} accepted of a chain of {n_chain}")
+        for i in range(min(n_accepted + 1, n_chain)):
+            self.record(first + i, i < n_accepted)
+
+    @property
+    def n_verified(self) -> int:
+        """Drafted tokens verified, over every position."""
+        return sum(self.verified)
+
+    @property
+    def n_accepted(self) -> int:
+        """Drafted tokens accepted, over every position."""
+        return sum(self.accepted)
+
+    def acceptance_per_position(self) -> list[float]:
+        """``accepted[i] / verified[i]`` per position (every position in
+        the lists has at least one verified token)."""
+        return [a / v for a, v in zip(self.accepted, self.verified)]
+
+    def as_dict(self) -> dict:
+        """``--json``'s view: the counts per position and the rates (rounded
+        to 4 places)."""
+        return {"verified_per_position": list(self.verified), "accepted_per_position": list(self.accepted),
+                "acceptance_per_position": [round(r, 4) for r in self.acceptance_per_position()]}

@@ -1,0 +1,79 @@
+"""Draft statistics by position after a root (ggpipe.speculation.draft_stats),
+the same in every speculating mode and in both of the engine's loops: one
+request at a time through a mode's decoder (the speculation graph records
+each verified position) and many through the scheduler (its chains and
+look-ahead rows). Toy pipelines; no MPI."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ggpipe.decoding.factory import build_decoder
+from ggpipe.decoding.scheduler import Scheduler
+from ggpipe.decoding.settings import SpecSettings
+from ggpipe.decoding.slots import Job
+from ggpipe.sampling import Sampler
+from ggpipe.sampling_params import SamplingParams
+from ggpipe.sim.toy import FakePipeline, ToyLM
+from ggpipe.speculation.draft_stats import DraftStats
+from ggpipe.speculation.proposers.ngram import ngram_lookup
+
+V = 48
+PROMPT = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3]
+
+
+def _consistent(verified: list[int], accepted: list[int]) -> None:
+    """A position is verified only where every one before it was accepted."""
+    assert len(verified) == len(accepted) and verified and verified[0] > 0
+    assert all(0 <= a <= v for a, v in zip(accepted, verified))
+    assert all(verified[i + 1] <= accepted[i] for i in range(len(verified) - 1))
+
+
+def test_a_chain_counts_its_accepted_tokens_and_the_first_refused_one():
+    s = DraftStats()
+    s.record_chain(0, 4, 2)     # positions 0, 1 accepted, 2 refused, 3 never verified
+    s.record_chain(0, 3, 3)     # all three accepted
+    s.record_chain(0, 2, 0)     # the first refused
+    assert s.verified == [3, 2, 2] and s.accepted == [2, 2, 1]
+    assert s.n_verified == 7 and s.n_accepted == 5
+    assert s.as_dict()["acceptance_per_position"] == [round(2 / 3, 4), 1.0, 0.5]
+    s.record_chain(3, 1, 1)     # a chain that starts after an accepted guess
+    assert s.verified == [3, 2, 2, 1]
+    for bad in [(0, 2, 3), (0, 2, -1)]:
+        with pytest.raises(ValueError):
+            s.record_chain(*bad)
+    with pytest.raises(ValueError):
+        s.record(-1, True)
+
+
+@pytest.mark.parametrize("mode", ["speculative", "pipeinfer"])
+def test_one_request_at_a_time_counts_the_verified_positions(mode):
+    lm = ToyLM(V, period=7)
+    target = FakePipeline(lm, latency=2)
+    spec = SpecSettings(mode=mode, spec_type="ngram")
+    dec = build_decoder(mode, spec, target, None, n_ubatch=16, n_seq_max=64, is_eog=lambda t: False, timeout_s=5)
+    out = dec.generate(np.array(PROMPT, np.int32), 60, Sampler(SamplingParams()))
+    assert out == lm.greedy(PROMPT, 60)
+    st = dec.stats
+    _consistent(st["verified_per_position"], st["accepted_per_position"])
+    assert sum(st["accepted_per_position"]) == st["draft_accepted"]
+    assert len(st["acceptance_per_position"]) == len(st["verified_per_position"])
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_the_scheduler_counts_chains_and_lookahead_guesses_by_position(lookahead):
+    lm = ToyLM(V, period=7)
+    target = FakePipeline(lm, latency=3, cell_order=True, streams=True)
+    target.n_stages = 2
+    sched = Scheduler(target, 2, n_ctx_slot=256, n_ubatch=16, is_eog=lambda t: False,
+                      draft=lambda ctx, k: ngram_lookup(ctx, 1, 4, k), draft_max=4, lookahead=lookahead)
+    job = Job(list(PROMPT), 60, Sampler(SamplingParams()))
+    sched.submit(job)
+    sched.run()
+    assert job.request.out == lm.greedy(PROMPT, 60)
+    st = job.draft_stats
+    _consistent(st.verified, st.accepted)
+    assert st.n_accepted == job.draft_accepted
+    if lookahead:   # a kept guess continues the positions of the row before it
+        assert sched.stats["lookahead_kept"] > 0 and len(st.verified) > 4
