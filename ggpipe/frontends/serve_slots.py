@@ -63,9 +63,9 @@ class SlotLoop:
         answer(self.state, job, done, waited, self.grace_s)
 
     def _request_failed(self, job: Job, exc: BaseException) -> None:
-        """The engine ended this request alone: its own settings (a
-        :class:`GGPipeError`: 400 with the reason, as at submission) or an
-        unexpected error (:meth:`_failed`)."""
+        """The engine refused or ended this request alone: its own settings
+        (a :class:`GGPipeError`: 400 with the reason) or an unexpected error
+        (:meth:`_failed`)."""
         if isinstance(exc, GGPipeError):
             job.cancelled.set()
             if not job.finished:
@@ -105,12 +105,8 @@ class SlotLoop:
                                            should_stop=self._guarded(job, lambda: self._stop(job), True),
                                            on_done=self._guarded(job, lambda done: self._done(job, done, holder[0])),
                                            on_error=lambda e: self._request_failed(job, e))
-        except GGPipeError as e:
-            job.finished = True
-            job.push("error", APIError(400, str(e)))
-            return
-        except Exception as e:  # noqa: BLE001 - nothing was sent for it: only this request fails
-            self._failed(job, e)
+        except Exception as e:  # noqa: BLE001 - nothing was sent for it: only this request fails (400 or 500)
+            self._request_failed(job, e)
             return
         holder.append(sched_job)
         self.jobs.append((job, sched_job))
