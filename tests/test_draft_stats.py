@@ -77,3 +77,39 @@ def test_the_scheduler_counts_chains_and_lookahead_guesses_by_position(lookahead
     assert st.n_accepted == job.draft_accepted
     if lookahead:   # a kept guess continues the positions of the row before it
         assert sched.stats["lookahead_kept"] > 0 and len(st.verified) > 4
+
+
+def test_the_slots_view_reports_the_requests_drafting_so_far():
+    lm = ToyLM(V, period=7)
+    target = FakePipeline(lm, latency=3, cell_order=True, streams=True)
+    sched = Scheduler(target, 2, n_ctx_slot=256, n_ubatch=16, is_eog=lambda t: False,
+                      draft=lambda ctx, k: ngram_lookup(ctx, 1, 4, k), draft_max=4)
+    job = Job(list(PROMPT), 60, Sampler(SamplingParams()))
+    sched.submit(job)
+    seen = []
+    while sched.busy:
+        sched.step()
+        seen.append(sched.view())
+    busy = [v[job.slot] for v in seen if v[job.slot]["is_processing"]]
+    assert busy and busy[-1]["drafted"] > 0
+    last = busy[-1]
+    assert sum(last["accepted_per_position"]) == last["draft_accepted"] <= last["drafted"]
+    _consistent(last["verified_per_position"], last["accepted_per_position"])
+    idle = seen[-1][1 - job.slot]
+    assert (idle["drafted"], idle["verified_per_position"], idle["acceptance_per_position"]) == (0, [], [])
+
+
+def test_metrics_count_drafted_tokens_by_position():
+    from types import SimpleNamespace
+    from ggpipe.frontends.serve_metrics import ServeMetrics
+    m = ServeMetrics(lambda: 0, lambda: 0)
+    st = DraftStats()
+    st.record_chain(0, 3, 2)
+    st.record_chain(0, 2, 0)
+    for _ in range(2):
+        m.finished(SimpleNamespace(metrics={}, n_prompt=4, n_reused=0, tokens=[1, 2],
+                                   decoder={"drafted": 5, "draft_accepted": 2, **st.as_dict()}), 0.0)
+    val = m.registry.get_sample_value
+    assert [val("ggpipe_draft_tokens_verified_per_position_total", {"position": str(i)}) for i in range(3)] == [4, 2, 2]
+    assert [val("ggpipe_draft_tokens_accepted_per_position_total", {"position": str(i)}) for i in range(3)] == [2, 2, 0]
+    assert val("ggpipe_acceptance_rate") == 0.4

@@ -58,6 +58,7 @@ from ggpipe.errors import ConfigError, GGPipeError
 from ggpipe.kv_reuse import reusable_prefix
 from ggpipe.pipeline.waiting import Wait, poll_wait
 from ggpipe.runs import Run, RunResult, next_run_id
+from ggpipe.speculation.draft_stats import DraftStats
 
 RATE_WINDOW_S = 10.0   # the window of tokens_per_s()
 
@@ -319,7 +320,10 @@ class Scheduler:
     def view(self) -> list[dict]:
         """One dict per slot (llama-server's ``/slots``): id, KV cells, busy,
         its state (:class:`~ggpipe.decoding.slots.SlotState`'s value), prompt
-        tokens, tokens generated, cells cached."""
+        tokens, tokens generated, cells cached; the request's drafting so far
+        (tokens drafted and accepted, and per position after a root:
+        :class:`~ggpipe.speculation.draft_stats.DraftStats`; zeros and empty
+        lists for a free slot)."""
         out = []
         for s in list(self.slots):
             job = s.job
@@ -327,7 +331,10 @@ class Scheduler:
             out.append({"id": s.seq, "n_ctx": self.n_ctx_slot, "is_processing": job is not None,
                         "state": s.state.value,
                         "n_prompt_tokens": len(job.tokens) if job is not None else 0,
-                        "n_decoded": len(r.out) if r is not None else 0, "n_cached": len(s.kv)})
+                        "n_decoded": len(r.out) if r is not None else 0, "n_cached": len(s.kv),
+                        "drafted": job.drafted if job is not None else 0,
+                        "draft_accepted": job.draft_accepted if job is not None else 0,
+                        **(job.draft_stats if job is not None else DraftStats()).as_dict()})
         return out
 
     # -- the loop ------------------------------------------------------------------

@@ -43,6 +43,13 @@ class ServeMetrics:
         self.acceptance = Gauge("ggpipe_acceptance_rate", "Accepted / drafted tokens since start (speculative modes; "
                                 "NaN before any draft)", registry=r)
         self.acceptance.set(float("nan"))
+        # by position after a root (ggpipe.speculation.draft_stats; vLLM's spec_decode_num_accepted_tokens_per_pos)
+        self.verified_pos = Counter("ggpipe_draft_tokens_verified_per_position",
+                                    "Drafted tokens the target verified, by their position after the last token it "
+                                    "produced itself (0: the first drafted token)", ["position"], registry=r)
+        self.accepted_pos = Counter("ggpipe_draft_tokens_accepted_per_position",
+                                    "Of the verified drafted tokens, those the target accepted, by position",
+                                    ["position"], registry=r)
         g = Gauge("ggpipe_queue_depth", "Requests waiting in the queue (not counting the running one)", registry=r)
         g.set_function(queue_depth)
         g = Gauge("ggpipe_requests_running", "Requests being generated now (= slots busy)", registry=r)
@@ -57,7 +64,9 @@ class ServeMetrics:
         self._drafted = self._accepted = 0.0
 
     def finished(self, done, queue_wait_s: float) -> None:
-        """Record a finished request (``done``: a Completion)."""
+        """Record a finished request (``done``: a Completion; its
+        ``decoder`` statistics' drafted and accepted tokens, in all and per
+        position, go to the drafting counters)."""
         m = done.metrics
         self.prompt_tokens.inc(done.n_prompt)
         self.reused_tokens.inc(done.n_reused)
@@ -81,3 +90,6 @@ class ServeMetrics:
             self._drafted += d["drafted"]
             self._accepted += d.get("draft_accepted") or 0
             self.acceptance.set(self._accepted / self._drafted)
+        for i, (v, a) in enumerate(zip(d.get("verified_per_position") or (), d.get("accepted_per_position") or ())):
+            self.verified_pos.labels(position=str(i)).inc(v)
+            self.accepted_pos.labels(position=str(i)).inc(a)
