@@ -3,8 +3,11 @@
 # run by itself, interleaved, in four variants: --mode pipeinfer --spec-type ngram at --parallel 8 with this tree
 # ("after") and with an earlier one ("before", BEFORE=a worktree holding ggpipe/ and its _native*.so), pipeinfer at
 # --parallel 1 ("p1"), and --mode iterative at --parallel 8 ("iterative"). Prints one line per run: variant, id,
-# the request's tokens/s (its metrics), acceptance, drafted tokens, a hash of its tokens.
-#   [BEFORE=DIR] [VARIANTS="before after p1 iterative"] [MODEL=...] bash scripts/experiments/bench_lone_request.sh PROMPTS.jsonl ROUNDS [RANKS] [THREADS]
+# the request's tokens/s (its metrics), acceptance, drafted tokens, a hash of its tokens. DRAFT=MODEL speculates with
+# that draft model instead of the n-gram lookup (--mode pipeinfer -md MODEL); PARALLEL=N sets the slots of the
+# --parallel variants (default 8).
+#   [BEFORE=DIR] [VARIANTS="before after p1 iterative"] [MODEL=...] [DRAFT=...] [PARALLEL=N] \
+#       bash scripts/experiments/bench_lone_request.sh PROMPTS.jsonl ROUNDS [RANKS] [THREADS]
 set -euo pipefail
 P=$1; R=$2; N=${3:-2}; T=${4:-1}; M=${MODEL:-smollm2-goliath-40l-f32}; W=$(mktemp -d)
 python - "$P" "$W" <<'PY'
@@ -15,7 +18,8 @@ for i, line in enumerate(open(sys.argv[1])):
 PY
 for r in $(seq "$R"); do for f in "$W"/p*.jsonl; do for v in ${VARIANTS:-before after p1 iterative}; do
   [ $v = before ] && [ -z "${BEFORE:-}" ] && continue
-  pp=""; par=8; mode=(--mode pipeinfer --spec-type ngram)
+  pp=""; par=${PARALLEL:-8}; mode=(--mode pipeinfer --spec-type ngram)
+  [ -n "${DRAFT:-}" ] && mode=(--mode pipeinfer -md "$DRAFT")
   [ $v = before ] && pp=$BEFORE; [ $v = p1 ] && par=1; [ $v = iterative ] && mode=(--mode iterative)
   rm -f "$W/o.jsonl"
   PYTHONPATH=${pp:+$pp:}${PYTHONPATH:-} timeout 300 mpiexec -n "$N" python -P -m ggpipe batch "$f" -o "$W/o.jsonl" -m "$M" "${mode[@]}" \
