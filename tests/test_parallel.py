@@ -69,8 +69,10 @@ def test_seeded_sampling_is_the_same_at_any_parallel(tmp_path, goliath):
 def test_a_draft_model_drafts_for_a_request_alone_and_stays_exact(tmp_path, goliath, smollm2, reference, ranks, mode):
     """-md with --parallel: the draft model drafts a chain below the token of
     a request that generates alone (ggpipe.decoding.chain_draft), verified
-    in a micro-batch of its own; beside other generating requests, plain
-    tokens. Every request's tokens: single-node llama.cpp's."""
+    in a micro-batch of its own (speculative), or sent as look-ahead rows
+    drafted without the head waiting (pipeinfer: every drafted token then
+    travels in one); beside other generating requests, plain tokens. Every
+    request's tokens: single-node llama.cpp's."""
     rows = [{"id": 0, "prompt": PROMPTS[0], "n": 40}, {"id": 1, "prompt": PROMPTS[3], "n": 12},
             {"id": 2, "prompt": PROMPTS[2], "n": 6}]
     # --p-accept 0: the first chain, drafted once the draft has caught up, is never cut short by the cutoff

@@ -549,20 +549,87 @@ def test_lookahead_stops_when_another_request_arrives_and_both_stay_exact():
     assert more[1].request.out == again.request.out
 
 
-def test_no_lookahead_with_a_draft_that_follows_the_request():
-    """Look-ahead drafts on the spot, so only an instant draft (the n-gram
-    lookup) gets it; a ChainDrafter (its own ranks) keeps synchronous chains."""
+def test_lookahead_with_a_draft_that_has_ranks_drafts_without_waiting():
+    """Look-ahead with an instant draft (the n-gram lookup) drafts on the
+    spot, gated as chains; with a draft of ranks of its own (a ChainDrafter)
+    it drafts without waiting and carries the draft's chains alone
+    (``continuous``: no chain below a root)."""
     from ggpipe.decoding.chain_draft import LookupDrafter
 
     class Follows(LookupDrafter):
         has_ranks = True
 
     target = FakePipeline(ToyLM(V), latency=3)
-    assert not Scheduler(target, 2, 64, 8, lambda t: False, draft=Follows(lambda c, k: []),
-                         lookahead=True).spec.lookahead
-    assert Scheduler(target, 2, 64, 8, lambda t: False, draft=_ngram, lookahead=True).spec.lookahead
+    spec = Scheduler(target, 2, 64, 8, lambda t: False, draft=Follows(lambda c, k: []), lookahead=True).spec
+    assert spec.lookahead and spec.continuous
+    spec = Scheduler(target, 2, 64, 8, lambda t: False, draft=_ngram, lookahead=True).spec
+    assert spec.lookahead and not spec.continuous
     assert not Scheduler(target, 2, 64, 8, lambda t: False, draft=None, lookahead=True).spec.lookahead
 
+
+def _draft_model_drafter(flip: float = 0.2, latency: int = 1):
+    from ggpipe.decoding.chain_draft import ChainDrafter
+    from ggpipe.speculation.proposers.base import ProposerConfig
+    from ggpipe.speculation.proposers.draft_model import DraftModelProposer
+
+    draft_pipe = FakePipeline(ToyLM(V, flip=flip), latency=latency, name="draft")
+    return ChainDrafter(DraftModelProposer(ProposerConfig(backend=draft_pipe, n_vocab=V, n_ubatch=8)),
+                        cutoff=0.0, timeout_s=5), draft_pipe
+
+
+def test_a_chain_drafted_without_waiting_is_taken_below_its_context_or_what_follows_along_it():
+    drafter, draft_pipe = _draft_model_drafter(flip=0.0)
+    ctx = list(PROMPTS[0])
+    assert drafter.take(ctx, 3) == []           # drafting starts below ctx; nothing is waited for
+    assert drafter.take(ctx + [5], 3) == []     # ctx goes on: the drafting below ctx is kept
+    while not drafter.arrived() and draft_pipe.inflight:
+        pass                                     # (the toy's clock advances as it is asked)
+    chain = []
+    for _ in range(50):
+        chain = drafter.take(ctx, 3)
+        if chain:
+            break
+    assert chain == ToyLM(V).greedy(ctx, 3)     # a draft that never flips drafts the target's tokens
+    assert drafter.take(ctx, 3) == []           # taken once; drafting below ctx starts again
+    drafter.drop()
+    assert not drafter.arrived()
+    drafter.settle()
+    assert not draft_pipe.inflight
+
+
+def test_below_reads_a_chain_from_a_context_that_went_on_along_it():
+    from ggpipe.decoding.chain_draft import _below
+    assert _below([1, 2], [3, 4, 5], [1, 2]) == [3, 4, 5]
+    assert _below([1, 2], [3, 4, 5], [1, 2, 3]) == [4, 5]
+    assert _below([1, 2], [3, 4, 5], [1, 2, 3, 4, 5]) == []
+    assert _below([1, 2], [3, 4, 5], [1, 2, 4]) is None
+    assert _below([1, 2], [3, 4, 5], [1, 9, 3]) is None
+    assert _below([1, 2], [3], [1]) is None and _below([1, 2], [3], [1, 2, 3, 7]) == []   # went on beyond it
+
+
+@pytest.mark.parametrize("lengths", [[40], [40, 4, 12]])
+def test_a_draft_model_drafts_look_ahead_rows_without_waiting_and_stays_exact(lengths):
+    """PipeInfer's continuation under --parallel with a draft model: while a
+    lone greedy request's row is in flight, the draft drafts below every
+    token sent and its chain goes as a look-ahead row; requests that join
+    and leave stop it and start it again. Every request's tokens are the
+    target's greedy ones, and the draft's pipeline is idle at the end."""
+    lm = ToyLM(V)
+    target = FakePipeline(lm, latency=4, cell_order=True, streams=True)
+    target.n_stages = 2
+    drafter, draft_pipe = _draft_model_drafter()
+    sched = Scheduler(target, 3, n_ctx_slot=256, n_ubatch=16, is_eog=lambda t: False, draft=drafter, draft_max=4,
+                      depth=2, lookahead=True)
+    jobs = [Job(list(p), n, Sampler(SamplingParams())) for p, n in zip(PROMPTS, lengths)]
+    for j in jobs:
+        sched.submit(j)
+    sched.run()
+    for j in jobs:
+        assert j.request.out == lm.greedy(j.tokens, j.n_predict)
+    st = sched.stats
+    assert st["lookahead"] > 0 and 0 < st["lookahead_kept"] <= st["lookahead"]
+    assert 0 < st["draft_accepted"] <= st["drafted"]
+    assert not draft_pipe.inflight
 
 
 def test_lookahead_is_on_where_the_target_stages_have_hosts_of_their_own(monkeypatch):
@@ -579,6 +646,7 @@ def test_lookahead_is_on_where_the_target_stages_have_hosts_of_their_own(monkeyp
     monkeypatch.delenv("GGPIPE_LOOKAHEAD", raising=False)
     assert lookahead_wanted(session(["a", "b", "c"], 3))
     assert not lookahead_wanted(session(["a", "a"], 2))
+    assert lookahead_wanted(session(["a", "a"], 2), draft_has_ranks=True)    # a draft model drafts without waiting
     assert lookahead_wanted(session(["a", "b", "b"], 2))          # rank 2 (a draft) shares rank 1's host
     monkeypatch.setenv("GGPIPE_LOOKAHEAD", "on")
     assert lookahead_wanted(session(["a", "a"], 2))

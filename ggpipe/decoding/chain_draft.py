@@ -38,7 +38,7 @@ from typing import Callable, Protocol, runtime_checkable
 from ggpipe.kv_reuse import reusable_prefix
 from ggpipe.pipeline.waiting import Wait, poll_wait
 from ggpipe.sampling_params import SamplingParams
-from ggpipe.speculation.proposers.base import Proposer
+from ggpipe.speculation.proposers.base import Cuttable, Proposer, implements
 from ggpipe.speculation.tree import SpecTree
 
 __all__ = ["CATCH_UP_MAX", "ChainDrafter", "LookupDrafter", "SlotDrafter", "as_slot_drafter", "first_child_chain"]
@@ -88,6 +88,33 @@ class SlotDrafter(Protocol):
     def settle(self) -> None:
         """Consume the draft's work still in flight (before a shutdown)."""
 
+    def take(self, context: list[int], k: int) -> list[int]:
+        """Without waiting: up to ``k`` tokens drafted below ``context`` as
+        far as they are drafted; else [] (and drafting below ``context``
+        starts, when the draft is free)."""
+
+    def arrived(self) -> bool:
+        """A result of the drafting :meth:`take` started has arrived."""
+
+    def drop(self) -> None:
+        """Abandon the drafting :meth:`take` started (its runs are consumed later)."""
+
+
+def _below(begun: list[int], chain: list[int], context: list[int]) -> list[int] | None:
+    """What of ``chain``, drafted below ``begun``, lies below ``context``:
+    where ``context`` is ``begun`` followed by the chain's first tokens, the
+    chain's rest ([] when all of it is in ``context``, or ``context`` goes
+    on beyond it along it); None where ``context`` does not go on from
+    ``begun`` along the chain."""
+    n = len(begun)
+    if len(context) < n or context[:n] != begun:
+        return None
+    extra = context[n:]
+    m = min(len(extra), len(chain))
+    if extra[:m] != chain[:m]:
+        return None
+    return chain[len(extra):]
+
 
 class LookupDrafter:
     """An instant :class:`SlotDrafter` over ``lookup(context, k) -> tokens``
@@ -111,6 +138,17 @@ class LookupDrafter:
         return True
 
     def settle(self) -> None:
+        """Nothing in flight."""
+
+    def take(self, context: list[int], k: int) -> list[int]:
+        """The lookup itself: it is instant."""
+        return self.lookup(context, k)
+
+    def arrived(self) -> bool:
+        """Nothing is ever in flight."""
+        return False
+
+    def drop(self) -> None:
         """Nothing in flight."""
 
 
@@ -157,6 +195,8 @@ class ChainDrafter:
         self.idle = idle or poll_wait
         self.timeout_s = timeout_s
         self._started = False
+        self._begun: list[int] | None = None     # the context below which take() drafts now
+        self._done: tuple[list[int], list[int]] | None = None   # (context, chain) drafted, not taken yet
 
     def _start(self) -> None:
         """Start the proposer once, greedy (it drafts for greedy requests only)."""
@@ -175,6 +215,9 @@ class ChainDrafter:
         if k <= 0:
             return []
         self._start()
+        if self._begun is not None:     # drafting that take() started: dropped, its runs consumed first
+            self.drop()
+            p.settle(self.timeout_s)
         p.observe(list(context))
         p.begin(list(context), self.cutoff, k)
         try:
@@ -196,6 +239,7 @@ class ChainDrafter:
         if p.instant:
             return
         self._start()
+        self.drop()
         p.drain_ready()
         p.prefill(list(context[:-1]))
 
@@ -215,4 +259,65 @@ class ChainDrafter:
     def settle(self) -> None:
         """Consume every draft run still in flight (bounded by ``timeout_s``
         each): the scheduler drains before a shutdown."""
+        self._begun = self._done = None
         self.proposer.settle(self.timeout_s)
+
+    # -- drafting without waiting (PipeInfer's continuation, IV.A) ------------------
+
+    def _pump(self) -> None:
+        """Consume the draft results that have arrived (never blocks): those
+        of the drafting :meth:`take` started (a finished chain is kept for
+        it), and those of abandoned drafting or of :meth:`follow`."""
+        p = self.proposer
+        while self._begun is not None and p.active and p.ready():
+            tree = p.poll()
+            if tree is not None:
+                self._done, self._begun = (self._begun, first_child_chain(tree)), None
+        if self._begun is not None and not p.active:
+            self._begun = None
+        p.drain_ready()
+
+    def take(self, context: list[int], k: int) -> list[int]:
+        """Without waiting: up to ``k`` tokens drafted below ``context``
+        (its last token the anchor), as far as the draft has drafted them:
+        the drafting started by an earlier call goes on below the context it
+        began with as long as ``context`` follows its chain, and what it has
+        drafted beyond ``context`` (the tree so far, of a proposer that shows
+        it: ``Cuttable.partial``) is returned while it goes on; otherwise []
+        and drafting below ``context`` starts where the draft is free
+        (drafting below a context that ``context`` leaves is abandoned). The
+        draft's ranks work meanwhile beside the target's: nothing is waited
+        for (PipeInfer's continuous speculation, IV.A-B)."""
+        if k <= 0:
+            return []
+        self._start()
+        self._pump()
+        done, self._done = self._done, None
+        if done is not None:
+            rest = _below(done[0], done[1], context)
+            if rest:
+                return rest[:k]
+        p = self.proposer
+        if self._begun is not None:          # still drafting: what it has drafted beyond ``context`` goes now
+            tree = p.partial() if implements(p, Cuttable) else None
+            rest = _below(self._begun, first_child_chain(tree) if tree is not None else [], context)
+            if rest is not None:
+                return rest[:k]
+            self.drop()     # the context left the drafting's chain: drafting below it again
+        if self._begun is None and not p.active and not p.busy():
+            p.observe(list(context))
+            p.begin(list(context), self.cutoff, k)
+            self._begun = list(context)
+            self._pump()     # a cached anchor's logits: the first level at once
+        return []
+
+    def arrived(self) -> bool:
+        """A result of the drafting :meth:`take` started has arrived."""
+        return self._begun is not None and self.proposer.ready()
+
+    def drop(self) -> None:
+        """Abandon the drafting :meth:`take` started (its runs in flight
+        are consumed later, by :meth:`take`, :meth:`follow` or :meth:`settle`)."""
+        if self._begun is not None:
+            self.proposer.abandon()
+        self._begun = self._done = None

@@ -8,6 +8,18 @@ whether chains pay (ggpipe.speculation.gate), from the target's pass costs
 measured here. Beside other generating requests nothing is drafted: a
 chain needs a pass of its own, where a plain token rides in its group's
 micro-batch almost for free. No MPI.
+
+With a draft model (a drafter with ranks of its own) and look-ahead on,
+the request's roots go plainly and the draft's chains travel only in
+look-ahead rows, drafted without waiting (PipeInfer's continuous
+speculation, §IV.A-B): while the request's row is in flight, the draft
+drafts below every token sent so far; when its chain is there and the
+request's row still waits, the chain goes as a look-ahead row. The draft's
+ranks and the target's work at once, as in ``--mode pipeinfer`` one request
+at a time, where a chain the head waits for costs the draft's steps in
+full (measured on 3 ranks sharing 2 cores, held-out prompts: 1.03-1.08x
+``--parallel 1``'s PipeInfer, against 0.93-0.98x with waited-for chains;
+docs/user-guide/parallel.md).
 """
 
 from __future__ import annotations
@@ -46,8 +58,9 @@ class LoneDrafts:
         draft: a :class:`~ggpipe.decoding.chain_draft.SlotDrafter` (a plain
             ``draft(context, k) -> tokens`` is an instant lookup), or None.
         draft_max: most drafted tokens per chain.
-        lookahead: send look-ahead rows (an instant ``draft`` only: one
-            with ranks of its own, ``has_ranks``, is waited for).
+        lookahead: send look-ahead rows (a ``draft`` with ranks of its own,
+            ``has_ranks``: drafted without waiting, and no chain below a
+            root).
         n_ctx_slot: KV cells of one slot.
         stats: the scheduler's counters ("drafted", "draft_accepted",
             "draft_skipped", "lookahead", "lookahead_kept"), updated here.
@@ -63,7 +76,9 @@ class LoneDrafts:
                  lookahead: bool, n_ctx_slot: int, stats: dict):
         self.target = target
         self.draft, self.draft_max = as_slot_drafter(draft), draft_max
-        self.lookahead = lookahead and self.draft is not None and not self.draft.has_ranks
+        self.lookahead = lookahead and self.draft is not None
+        # with a draft model: its chains drafted without waiting, carried by the look-ahead rows alone
+        self.continuous = self.lookahead and self.draft.has_ranks
         self.n_ctx_slot = n_ctx_slot
         self.stats = stats
         self.gate = DraftGate()
@@ -79,8 +94,11 @@ class LoneDrafts:
         decide once everything in flight is accepted, and the drafted chain
         below it, at the next positions of the slot's stream; it counts only
         if the row before it is accepted whole and the guess is the target's
-        token (:meth:`settle`). Only while chains pay: where the gate let the
-        request's last planned root draft. A look-ahead row is speculation
+        token (:meth:`settle`). An instant draft's rows go only while chains
+        pay: where the gate let the request's last planned root draft; a
+        draft with ranks drafts the row without waiting
+        (:meth:`~ggpipe.decoding.chain_draft.ChainDrafter.take`: None until
+        its chain is there). A look-ahead row is speculation
         too, and where stages share a host's cores, two that compute at
         once slow each other (docs/benchmarks/many-requests.md, look-ahead
         rows: guesses sent at every root lost up to 0.90x on 2 cores shared
@@ -90,7 +108,9 @@ class LoneDrafts:
             return None
         beyond = len(slot.kv) - len(r.context)      # drafted tokens in flight, not yet decided
         room = min(self.draft_max + 1, r.n_predict - len(r.out) - beyond - 1, self.n_ctx_slot - len(slot.kv) - 2)
-        guess = self.draft(list(slot.kv), room) if room >= 1 else []
+        if room < 1:
+            return None
+        guess = self.draft.take(list(slot.kv), room)
         if not guess:
             return None
         row = _Row(slot, slot.job, True, guess[1:], p0=len(slot.kv), guess=guess[0])
@@ -156,9 +176,17 @@ class LoneDrafts:
         a chain pays (:class:`~ggpipe.speculation.gate.DraftGate`: the
         tokens per second of the request's drafted and plain roots as
         measured while it generates alone, and before both are, the accepted
-        tokens per chain against the draft's steps and the bigger pass)."""
+        tokens per chain against the draft's steps and the bigger pass).
+        None with a draft with ranks and look-ahead on: its chains go in
+        look-ahead rows (:meth:`ahead`), drafted without waiting."""
         r = slot.job.request
         room = 0
+        if self.continuous:                 # a draft with ranks, look-ahead on: its chains go in look-ahead rows
+            if alone and slot.job.sampler.params.greedy:
+                self.gate.forget_root()
+                self._drafting = slot.job
+                return []
+            self.draft.drop()               # beside others, or sampled: nothing drafted
         if self.draft is not None and slot.job.sampler.params.greedy and alone:
             room = min(self.draft_max, r.n_predict - len(r.out), self.n_ctx_slot - len(slot.kv) - 2)
         if room <= 0:                       # no draft, sampled, beside other generating slots, or no room
@@ -183,6 +211,11 @@ class LoneDrafts:
         self.stats["drafted"] += len(chain)
         slot.job.drafted += len(chain)
         return chain
+
+    def arrived(self) -> bool:
+        """A draft result that a look-ahead row may wait for has arrived
+        (the scheduler stops waiting for the target's)."""
+        return self.continuous and self.draft.arrived()
 
     def timed(self, res: RunResult) -> None:
         """The target's pass cost per size, from the service times of

@@ -36,15 +36,19 @@ class PipeInfer(Drafting):
 
     @classmethod
     def in_slots(cls, spec: SpecSettings) -> str | None:
-        """Chains as every speculating mode (:meth:`Mode.in_slots`): PipeInfer's
-        asynchronous, continuous speculation and early cancellation run one
-        request at a time only, since its speculative sequences share their
-        cells with ``llama_memory_seq_cp``, which the slots' separate KV
-        streams do not allow; with a lookup strategy, look-ahead rows keep
-        the stages busy instead."""
-        return (super().in_slots(spec) + "; PipeInfer's asynchronous, continuous speculation and early "
-                "cancellation run only with --parallel 1 (its speculative sequences share KV cells, which the "
-                "slots' separate KV streams do not allow)")
+        """Chains as every speculating mode (:meth:`Mode.in_slots`), sent
+        while the request's row is in flight (look-ahead rows: PipeInfer's
+        continuation; a draft model drafts them without the head waiting;
+        ``GGPIPE_LOOKAHEAD``); its trees of several sequences and early
+        cancellation run one request at a time only, since its speculative
+        sequences share their cells with ``llama_memory_seq_cp``, which the
+        slots' separate KV streams do not allow."""
+        return (f"--mode {cls.name} under --parallel: a request that generates alone gets chains drafted with "
+                f"--spec-type {spec.spec_type}, sent while its row is in flight where look-ahead is on "
+                "(GGPIPE_LOOKAHEAD; a draft model drafts them without the head waiting), else verified in a "
+                "micro-batch of their own; beside other generating requests it decodes plainly; PipeInfer's trees "
+                "and early cancellation run only with --parallel 1 (its speculative sequences share KV cells, "
+                "which the slots' separate KV streams do not allow)")
 
     @classmethod
     def bench_variants(cls) -> dict[str, list[str]]:

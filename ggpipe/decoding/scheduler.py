@@ -357,7 +357,7 @@ class Scheduler:
         while len(t.inflight) < self.depth and self._submit_next():
             progressed = True
         if not progressed and t.inflight:
-            self.idle(lambda: t.ready() or wake(), self.timeout_s)
+            self.idle(lambda: t.ready() or self.spec.arrived() or wake(), self.timeout_s)
 
     def run(self) -> None:
         """Step until every queued and running request has ended (a front

@@ -2,7 +2,8 @@
 # One request alone through `ggpipe batch` under --parallel (docs/benchmarks/many-requests.md): each prompt of a JSONL file
 # run by itself, interleaved, in four variants: --mode pipeinfer --spec-type ngram at --parallel 8 with this tree
 # ("after") and with an earlier one ("before", BEFORE=a worktree holding ggpipe/ and its _native*.so), pipeinfer at
-# --parallel 1 ("p1"), and --mode iterative at --parallel 8 ("iterative"). Prints one line per run: variant, id,
+# --parallel 1 ("p1"), --mode iterative at --parallel 8 ("iterative"), and "after" without look-ahead rows
+# ("nolookahead": GGPIPE_LOOKAHEAD=off; with a draft model, chains the head waits for). Prints one line per run: variant, id,
 # the request's tokens/s (its metrics), acceptance, drafted tokens, a hash of its tokens. DRAFT=MODEL speculates with
 # that draft model instead of the n-gram lookup (--mode pipeinfer -md MODEL); PARALLEL=N sets the slots of the
 # --parallel variants (default 8).
@@ -21,8 +22,9 @@ for r in $(seq "$R"); do for f in "$W"/p*.jsonl; do for v in ${VARIANTS:-before 
   pp=""; par=${PARALLEL:-8}; mode=(--mode pipeinfer --spec-type ngram)
   [ -n "${DRAFT:-}" ] && mode=(--mode pipeinfer -md "$DRAFT")
   [ $v = before ] && pp=$BEFORE; [ $v = p1 ] && par=1; [ $v = iterative ] && mode=(--mode iterative)
+  la=${GGPIPE_LOOKAHEAD:-}; [ $v = nolookahead ] && la=off
   rm -f "$W/o.jsonl"
-  PYTHONPATH=${pp:+$pp:}${PYTHONPATH:-} timeout 300 mpiexec -n "$N" python -P -m ggpipe batch "$f" -o "$W/o.jsonl" -m "$M" "${mode[@]}" \
+  GGPIPE_LOOKAHEAD=$la PYTHONPATH=${pp:+$pp:}${PYTHONPATH:-} timeout 300 mpiexec -n "$N" python -P -m ggpipe batch "$f" -o "$W/o.jsonl" -m "$M" "${mode[@]}" \
       -n 128 --ignore-eos -t "$T" --parallel $par --no-progress > "$W/log" 2>&1 || { tail -3 "$W/log"; continue; }
   python -c "
 import json, hashlib; r = json.loads(open('$W/o.jsonl').readline()); m = r['metrics']
