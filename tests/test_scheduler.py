@@ -560,11 +560,14 @@ def test_lookahead_with_a_draft_that_has_ranks_drafts_without_waiting():
         has_ranks = True
 
     target = FakePipeline(ToyLM(V), latency=3)
-    spec = Scheduler(target, 2, 64, 8, lambda t: False, draft=Follows(lambda c, k: []), lookahead=True).spec
+    spec = Scheduler(target, 2, 64, 8, lambda t: False, draft=Follows(lambda c, k: []), lookahead=True, depth=2).spec
     assert spec.lookahead and spec.continuous
-    spec = Scheduler(target, 2, 64, 8, lambda t: False, draft=_ngram, lookahead=True).spec
+    spec = Scheduler(target, 2, 64, 8, lambda t: False, draft=_ngram, lookahead=True, depth=2).spec
     assert spec.lookahead and not spec.continuous
-    assert not Scheduler(target, 2, 64, 8, lambda t: False, draft=None, lookahead=True).spec.lookahead
+    assert not Scheduler(target, 2, 64, 8, lambda t: False, draft=None, lookahead=True, depth=2).spec.lookahead
+    # one micro-batch in flight leaves no room for look-ahead rows: a draft model's chains are waited for
+    spec = Scheduler(target, 2, 64, 8, lambda t: False, draft=Follows(lambda c, k: []), lookahead=True, depth=1).spec
+    assert not spec.lookahead and not spec.continuous
 
 
 def _draft_model_drafter(flip: float = 0.2, latency: int = 1):

@@ -86,10 +86,12 @@ class Scheduler:
             (:class:`~ggpipe.decoding.lone_drafts.LoneDrafts`).
         draft_max: most drafted tokens per chain.
         lookahead: PipeInfer's continuation for a request that generates
-            alone (``--mode pipeinfer``; an instant ``draft`` only, e.g. the
-            n-gram lookup): while its row waits for logits, up to
-            ``depth - 1`` look-ahead rows built on it follow through the
-            pipeline (:meth:`_send_ahead`).
+            alone (``--mode pipeinfer``; with ``depth`` >= 2): while its row
+            waits for logits, up to ``depth - 1`` look-ahead rows built on
+            it follow through the pipeline (:meth:`_send_ahead`), looked up
+            on the spot by an instant ``draft`` (the n-gram lookup) or
+            drafted without waiting by a draft with ranks
+            (:class:`~ggpipe.decoding.lone_drafts.LoneDrafts`).
 
     A lone request's speculation (its chains, look-ahead rows, their
     verification, the gate) is ``spec``, a
@@ -125,7 +127,8 @@ class Scheduler:
                                     "lookahead", "lookahead_kept"), 0)
         self._recent: deque[tuple[float, int]] = deque()   # (when, tokens) of the acceptances of the last RATE_WINDOW_S
         # a lone request's chains and look-ahead rows, their verification and the gate
-        self.spec = LoneDrafts(target, draft, draft_max, lookahead, n_ctx_slot, self.stats)
+        # (look-ahead rows follow a row in flight: with one micro-batch in flight there is no room for them)
+        self.spec = LoneDrafts(target, draft, draft_max, lookahead and self.depth >= 2, n_ctx_slot, self.stats)
 
     # -- requests ------------------------------------------------------------------
 
@@ -218,7 +221,7 @@ class Scheduler:
         that is the only one in the slots, with nothing queued, while its
         row waits for logits: up to ``depth - 1`` of them in flight, each
         built on the one before. Returns whether one was sent."""
-        if not self.spec.lookahead or self.depth < 2 or self.queue:
+        if not self.spec.lookahead or self.queue:
             return False
         busy = [s for s in self.slots if s.job is not None]
         if len(busy) != 1 or not (busy[0].generating and busy[0].waiting and not busy[0].todo):
