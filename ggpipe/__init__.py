@@ -5,7 +5,7 @@ Layout (upper folders use lower ones, never the reverse):
 
     cli/         the click commands (entry point: ggpipe/__main__.py) and
                  their options
-    frontends/   generate, chat, batch, the OpenAI-compatible server
+    frontends/   generate, chat, batch; serve/, the OpenAI-compatible server
     service/     the head's Engine (one request at a time, or the
                  continuous-batching scheduler with --parallel) and a job's
                  start and end on every rank

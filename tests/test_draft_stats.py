@@ -101,7 +101,7 @@ def test_the_slots_view_reports_the_requests_drafting_so_far():
 
 def test_metrics_count_drafted_tokens_by_position():
     from types import SimpleNamespace
-    from ggpipe.frontends.serve_metrics import ServeMetrics
+    from ggpipe.frontends.serve.metrics import ServeMetrics
     m = ServeMetrics(lambda: 0, lambda: 0)
     st = DraftStats()
     st.record_chain(0, 3, 2)

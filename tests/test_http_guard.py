@@ -11,10 +11,10 @@ import pytest
 from starlette.testclient import TestClient
 
 from ggpipe.errors import ConfigError
-from ggpipe.frontends.http_guard import Access, host_allowed, is_json_content_type, origin_allowed, split_host
-from ggpipe.frontends.serve import read_api_key
-from ggpipe.frontends.serve_app import create_app
-from ggpipe.frontends.serve_state import ServerState
+from ggpipe.frontends.serve.http_guard import Access, host_allowed, is_json_content_type, origin_allowed, split_host
+from ggpipe.frontends.serve.server import read_api_key
+from ggpipe.frontends.serve.app import create_app
+from ggpipe.frontends.serve.state import ServerState
 from ggpipe.sampling_params import SamplingParams
 
 

@@ -1,6 +1,6 @@
 """``ggpipe serve`` under a connection flood: the connection cap, the read
-time limit and the one-line-a-second log (ggpipe.frontends.http_limits,
-ggpipe.frontends.http_protocol). A fake engine, loopback only; every test
+time limit and the one-line-a-second log (ggpipe.frontends.serve.http_limits,
+ggpipe.frontends.serve.http_protocol). A fake engine, loopback only; every test
 ends by itself within seconds."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from ggpipe.frontends.http_limits import ConnectionLimits, RefusalLog, default_max_connections
+from ggpipe.frontends.serve.http_limits import ConnectionLimits, RefusalLog, default_max_connections
 from ggpipe.sampling_params import SamplingParams
 from tests.test_serve_trust import SlowEngine, _raw_post, _until
 
@@ -26,7 +26,7 @@ UNFINISHED = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n"   # no blank line: t
 @pytest.fixture()
 def capped_server():
     """A server on a fake engine with at most 50 connections and a 1.5 s read limit."""
-    from ggpipe.frontends.serve import Server
+    from ggpipe.frontends.serve.server import Server
 
     engine = SlowEngine(step_s=0.01)
     engine.n_ctx = 4096
@@ -124,7 +124,7 @@ def test_a_body_that_never_ends_is_closed_at_the_read_limit(capped_server, capfd
 
 
 def test_beyond_the_cap_with_every_connection_busy_the_new_one_gets_503():
-    from ggpipe.frontends.serve import Server
+    from ggpipe.frontends.serve.server import Server
 
     engine = SlowEngine(step_s=0.02)
     engine.n_ctx = 4096
@@ -167,7 +167,7 @@ def test_failed_accepts_are_counted_not_logged_each(capfd):
 
     import uvicorn
 
-    from ggpipe.frontends.http_protocol import GuardedServer
+    from ggpipe.frontends.serve.http_protocol import GuardedServer
 
     limits = ConnectionLimits(50, 10.0)
     server = GuardedServer(uvicorn.Config(lambda *a: None), limits)

@@ -100,8 +100,8 @@ def test_neutral_values_are_accepted(neutral):
 def test_the_servers_own_constraints_are_kept():
     """A server started with --grammar, a logit bias or penalties applies them
     to every request that does not override them (they were dropped)."""
-    from ggpipe.frontends.serve_app import request_sampling
-    from ggpipe.frontends.serve_bodies import CompletionBody
+    from ggpipe.frontends.serve.app import request_sampling
+    from ggpipe.frontends.serve.bodies import CompletionBody
     from ggpipe.sampling_params import SamplingParams
 
     d = SamplingParams(grammar='root ::= "a"', logit_bias=((3, -100.0),), repeat_penalty=1.2, min_p=0.1, top_k=20)

@@ -15,10 +15,10 @@ import pytest
 from starlette.testclient import TestClient
 
 from ggpipe.errors import ConfigError
-from ggpipe.frontends.http_guard import Access
-from ggpipe.frontends.serve import read_api_key
-from ggpipe.frontends.serve_app import create_app
-from ggpipe.frontends.serve_state import ServerState
+from ggpipe.frontends.serve.http_guard import Access
+from ggpipe.frontends.serve.server import read_api_key
+from ggpipe.frontends.serve.app import create_app
+from ggpipe.frontends.serve.state import ServerState
 from ggpipe.sampling_params import SamplingParams
 from ggpipe.service.engine import Completion, Engine
 
@@ -74,7 +74,7 @@ class _Loop:
 
 
 def _job(**kw):
-    from ggpipe.frontends.serve_state import Job
+    from ggpipe.frontends.serve.state import Job
 
     return Job(np.array([1, 2, 3], np.int32), kw.pop("n_predict", 4), SamplingParams(), [], _Loop(), queue.Queue(),
                **kw)
@@ -134,7 +134,7 @@ def _one_request(server, job) -> None:
 
 
 def test_one_request_at_a_time_an_unexpected_error_answers_500_and_the_job_goes_on(capfd):
-    from ggpipe.frontends.serve import Server
+    from ggpipe.frontends.serve.server import Server
 
     engine = FakeEngine(ValueError("probs must be finite (secret detail)"))
     server = Server(engine, "127.0.0.1", 0, None, 4, SamplingParams())
@@ -162,7 +162,7 @@ def test_one_request_at_a_time_an_unexpected_error_answers_500_and_the_job_goes_
 
 def test_one_request_at_a_time_still_ends_the_job_when_the_pipeline_failed():
     from ggpipe.errors import RankTimeoutError
-    from ggpipe.frontends.serve import Server
+    from ggpipe.frontends.serve.server import Server
 
     engine = FakeEngine(RankTimeoutError("rank 0 (node7, pid 4242) waited 3 s for logits from rank 1 (node8)"))
     server = Server(engine, "127.0.0.1", 0, None, 4, SamplingParams())
@@ -257,7 +257,7 @@ class FakeSlotEngine:
 
 
 def test_slot_loop_answers_an_unexpected_error_with_500_and_goes_on(capfd):
-    from ggpipe.frontends.serve_slots import SlotLoop
+    from ggpipe.frontends.serve.slots import SlotLoop
 
     state = ServerState(tokenize=None, model_id="m", n_ctx=64, n_vocab=100, n_predict=4, sampling=SamplingParams())
     engine = FakeSlotEngine()
@@ -469,7 +469,7 @@ class SlowEngine(FakeEngine):
 def slow_server():
     import threading
 
-    from ggpipe.frontends.serve import Server
+    from ggpipe.frontends.serve.server import Server
 
     engine = SlowEngine()
     engine.n_ctx = 4096

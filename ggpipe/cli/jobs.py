@@ -13,8 +13,8 @@ from ggpipe.cli.options import job_options, read_prompt_file, split_job_options,
 from ggpipe.cli.parallel import micro_batches_option, parallel_option, with_parallel
 from ggpipe.cli.strategies import JobCommand
 from ggpipe.cli.types import Finite
-from ggpipe.frontends.http_guard import Access
-from ggpipe.frontends.http_limits import READ_TIMEOUT_S, RESERVED_FDS
+from ggpipe.frontends.serve.http_guard import Access
+from ggpipe.frontends.serve.http_limits import READ_TIMEOUT_S, RESERVED_FDS
 
 
 @click.command(cls=JobCommand)
@@ -124,8 +124,8 @@ def serve(ctx, host, port, api_key, api_key_file, allowed_hosts, allowed_origins
           read_timeout, model_alias, max_queue, shutdown_grace, allow_special_in_messages, parallel, micro_batches, **kw):
     """OpenAI-compatible HTTP server on the head rank (/v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics, /slots). --parallel requests run at once; -n and --temp etc. are the request defaults."""
-    from ggpipe.frontends.http_limits import ConnectionLimits, default_max_connections
-    from ggpipe.frontends.serve import read_api_key, run_serve
+    from ggpipe.frontends.serve.http_limits import ConnectionLimits, default_max_connections
+    from ggpipe.frontends.serve.server import read_api_key, run_serve
 
     job, sampling, n_predict = split_job_options(kw)
     job = with_parallel(job, parallel, ctx, micro_batches)

@@ -1,5 +1,5 @@
 """uvicorn's h11 protocol and server with ggpipe's connection limits
-(:class:`~ggpipe.frontends.http_limits.ConnectionLimits`: the cap on open
+(:class:`~ggpipe.frontends.serve.http_limits.ConnectionLimits`: the cap on open
 connections, the read time limit, one log line a second about refusals).
 
 The protocol is h11's in every install (with ``httptools`` installed uvicorn
@@ -15,7 +15,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from ggpipe.frontends.http_limits import BUSY_503, RESOURCE_ERRNOS, ConnectionLimits
+from ggpipe.frontends.serve.http_limits import BUSY_503, RESOURCE_ERRNOS, ConnectionLimits
 
 
 class GuardedH11Protocol(H11Protocol):

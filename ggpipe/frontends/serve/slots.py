@@ -1,5 +1,5 @@
 """``ggpipe serve``: the head's request loop, on the main thread beside the
-HTTP thread (ggpipe.frontends.serve_app), for every ``--parallel``: the
+HTTP thread (ggpipe.frontends.serve.app), for every ``--parallel``: the
 engine runs up to ``--parallel`` requests at once in its continuous-batching
 scheduler, or with ``--parallel 1`` one at a time through the mode's decoder.
 
@@ -21,8 +21,8 @@ import time
 from typing import Callable
 
 from ggpipe.errors import GGPipeError
-from ggpipe.frontends.serve_bodies import APIError, answer, internal_error, pipeline_failed
-from ggpipe.frontends.serve_state import Job, ServerState
+from ggpipe.frontends.serve.bodies import APIError, answer, internal_error, pipeline_failed
+from ggpipe.frontends.serve.state import Job, ServerState
 from ggpipe.service.engine import Completion, Engine
 
 

@@ -4,9 +4,9 @@
     curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
          -d '{"messages": [{"role": "user", "content": "What is MPI?"}], "max_tokens": 32}'
 
-Threads on the head: uvicorn serves HTTP (ggpipe.frontends.serve_app) on a
+Threads on the head: uvicorn serves HTTP (ggpipe.frontends.serve.app) on a
 background thread; the main thread owns the engine (every MPI call and the
-pipeline happen there). Its request loop (ggpipe.frontends.serve_slots)
+pipeline happen there). Its request loop (ggpipe.frontends.serve.slots)
 takes requests from a FIFO queue into the engine as slots free up (one at a
 time with ``--parallel 1``), streaming each piece of text back to the
 request's handler.
@@ -32,13 +32,13 @@ Access: besides the API key (``--api-key-file`` or ``GGPIPE_API_KEY``; an
 ``/proc/PID/cmdline``), the Host header must be an IP address, localhost or an
 ``--allowed-hosts`` name (DNS rebinding), a browser origin must be in
 ``--allowed-origins`` (CORS; none by default), POST bodies must be
-``application/json`` and at most ``--max-body-bytes`` (ggpipe.frontends.http_guard).
+``application/json`` and at most ``--max-body-bytes`` (ggpipe.frontends.serve.http_guard).
 
 Floods: at most ``--max-connections`` connections are open (beyond it the
 oldest one without a whole request is closed, or the new one gets 503), a
 request's headers and body must arrive within ``--read-timeout`` seconds,
 and refused connections make one log line a second at most
-(ggpipe.frontends.http_limits).
+(ggpipe.frontends.serve.http_limits).
 
 While no request comes, the head sends a no-op KV operation down every
 pipeline now and then, so that worker ranks, whose wait between
@@ -58,13 +58,13 @@ from pathlib import Path
 from ggpipe.errors import ConfigError
 from ggpipe.service.engine import Engine
 from ggpipe.service.job import JobSpec, head_signals, ignore_signals, run_job
-from ggpipe.frontends.http_guard import Access
-from ggpipe.frontends.http_limits import ConnectionLimits, default_max_connections
-from ggpipe.frontends.http_protocol import GuardedServer, guarded_config
-from ggpipe.frontends.serve_app import create_app
-from ggpipe.frontends.serve_bodies import APIError, pipeline_failed
-from ggpipe.frontends.serve_state import ServerState
-from ggpipe.frontends.serve_slots import SlotLoop
+from ggpipe.frontends.serve.http_guard import Access
+from ggpipe.frontends.serve.http_limits import ConnectionLimits, default_max_connections
+from ggpipe.frontends.serve.http_protocol import GuardedServer, guarded_config
+from ggpipe.frontends.serve.app import create_app
+from ggpipe.frontends.serve.bodies import APIError, pipeline_failed
+from ggpipe.frontends.serve.state import ServerState
+from ggpipe.frontends.serve.slots import SlotLoop
 from ggpipe.sampling_params import SamplingParams
 
 
@@ -138,7 +138,7 @@ class Server:
         special_in_messages: special-token text in a chat message becomes
             special tokens (the old behaviour; by default it stays text).
         limits: the connection cap and read time limit
-            (ggpipe.frontends.http_limits; default: its defaults).
+            (ggpipe.frontends.serve.http_limits; default: its defaults).
     """
 
     def __init__(self, engine: Engine, host: str, port: int, api_key: str | None, n_predict: int,
@@ -167,7 +167,7 @@ class Server:
         self.signals = 0
         self.http = None
         self.thread: threading.Thread | None = None
-        # the request loop (ggpipe.frontends.serve_slots), for one request at a time as for many
+        # the request loop (ggpipe.frontends.serve.slots), for one request at a time as for many
         self.slots = SlotLoop(engine, self.state, lambda: self.deadline, shutdown_grace_s,
                               lambda: self.thread is not None and self.thread.is_alive())
         if session.liveness is not None:

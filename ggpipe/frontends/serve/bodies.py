@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
 
 from ggpipe.frontends.request_limits import MESSAGES_MAX, ROLES, STOP_MAX, TEMPERATURE_MAX, template_role
-from ggpipe.frontends.serve_state import Job, ServerState, state_of
+from ggpipe.frontends.serve.state import Job, ServerState, state_of
 from ggpipe.sampling_params import TOP_LOGPROBS_MAX
 
 # -- errors ------------------------------------------------------------------------------

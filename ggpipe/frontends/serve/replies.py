@@ -1,13 +1,13 @@
 """What ``ggpipe serve`` answers: a finished request's body in OpenAI's
 shapes (``chat.completion`` / ``text_completion``, one choice per ``n``),
 its ``usage`` and each choice's ``logprobs``; the streamed chunks are built
-beside the stream (ggpipe.frontends.serve_app)."""
+beside the stream (ggpipe.frontends.serve.app)."""
 
 from __future__ import annotations
 
 import time
 
-from ggpipe.frontends.serve_state import ServerState
+from ggpipe.frontends.serve.state import ServerState
 
 #: OpenAI's finish_reason of a Completion's.
 FINISH = {"stop": "stop", "length": "length", "interrupted": "length"}

@@ -5,7 +5,7 @@ uvicorn's own limits cover part of it: ``timeout_keep_alive`` closes a
 connection idle between two requests, h11's ``max_incomplete_event_size``
 (16 KiB) bounds a request's headers. What it lacks is added here, as a
 subclass of its h11 protocol and a subclass of its server
-(ggpipe.frontends.http_protocol); the limits and their log are here:
+(ggpipe.frontends.serve.http_protocol); the limits and their log are here:
 
 * **A read time limit** (``--read-timeout``): a request's headers and body
   must arrive within that many seconds of its first byte (of the

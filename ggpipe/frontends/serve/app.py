@@ -5,7 +5,7 @@ Runs in uvicorn's thread on the head rank. It validates every request
 ``{"error": {"message", "type", "param", "code"}}`` body), tokenizes it,
 checks that it fits the context and puts a :class:`Job` on the queue that the
 head's main thread works through one request at a time (see
-ggpipe.frontends.serve). Text comes back through the job's asyncio queue and
+ggpipe.frontends.serve.server). Text comes back through the job's asyncio queue and
 is sent as one JSON response or as server-sent events in OpenAI's chunk
 format, ending with ``data: [DONE]``.
 
@@ -13,11 +13,11 @@ Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``,
 ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text),
 ``GET /slots``.
 
-The request bodies and their checks are in ggpipe.frontends.serve_bodies,
+The request bodies and their checks are in ggpipe.frontends.serve.bodies,
 the state shared with the main thread (ServerState, Job) in
-ggpipe.frontends.serve_state, the metrics in ggpipe.frontends.serve_metrics,
+ggpipe.frontends.serve.state, the metrics in ggpipe.frontends.serve.metrics,
 the finished requests' bodies (choices, usage, logprobs) in
-ggpipe.frontends.serve_replies.
+ggpipe.frontends.serve.replies.
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from ggpipe.frontends import request_fields
-from ggpipe.frontends.http_guard import host_allowed, is_json_content_type, origin_allowed
-from ggpipe.frontends.serve_bodies import (CLIENT_GONE, APIError, ChatBody, CompletionBody, _Body, internal_error,
+from ggpipe.frontends.serve.http_guard import host_allowed, is_json_content_type, origin_allowed
+from ggpipe.frontends.serve.bodies import (CLIENT_GONE, APIError, ChatBody, CompletionBody, _Body, internal_error,
                                            parse_body, too_large)
-from ggpipe.frontends.serve_replies import FINISH, completion, usage
-from ggpipe.frontends.serve_state import Job, ServerState, state_of
+from ggpipe.frontends.serve.replies import FINISH, completion, usage
+from ggpipe.frontends.serve.state import Job, ServerState, state_of
 from ggpipe.errors import ConfigError
 from ggpipe.sampling_params import SamplingParams
 
@@ -75,7 +75,7 @@ def _shown(value: str | None) -> str:
 
 
 def _refuse(request: Request, state: ServerState) -> APIError | None:
-    """The Host / Origin / Content-Type / size checks (ggpipe.frontends.http_guard)."""
+    """The Host / Origin / Content-Type / size checks (ggpipe.frontends.serve.http_guard)."""
     if not host_allowed(request.headers.get("host"), state.access.allowed_hosts):
         return APIError(403, f"Host {_shown(request.headers.get('host'))} is not allowed (a DNS-rebinding guard): "
                         f"connect by IP address or localhost, or start ggpipe serve with --allowed-hosts NAME",

@@ -2,7 +2,7 @@
 
 :class:`ServerState` holds the model facts, the defaults, the access rules and
 the queue of :class:`Job` s (one per request) that the main thread works
-through (ggpipe.frontends.serve, ggpipe.frontends.serve_slots); a job brings
+through (ggpipe.frontends.serve.server, ggpipe.frontends.serve.slots); a job brings
 its text back to the HTTP thread through its asyncio queue.
 """
 
@@ -19,8 +19,8 @@ from typing import Callable
 import numpy as np
 from fastapi import Request
 
-from ggpipe.frontends.http_guard import Access
-from ggpipe.frontends.serve_metrics import ServeMetrics
+from ggpipe.frontends.serve.http_guard import Access
+from ggpipe.frontends.serve.metrics import ServeMetrics
 from ggpipe.sampling_params import SamplingParams
 
 
