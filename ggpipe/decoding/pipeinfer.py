@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from ggpipe.decoding.core import ORPHAN
 from ggpipe.decoding.settings import SpecSettings
-from ggpipe.decoding.speculative import Drafting
+from ggpipe.decoding.drafting import Drafting
 from ggpipe.speculation.adaptive import wait_pays
 from ggpipe.speculation.graph import ACCEPTED
 from ggpipe.speculation.tree import SpecTree

@@ -31,6 +31,7 @@ from ggpipe.sampling import Sampler, TokenLogprob
 from ggpipe.sampling_params import SamplingParams
 from ggpipe.cluster.session import Session
 from ggpipe.decoding.factory import build_chain_drafter, build_decoder
+from ggpipe.decoding.lone_drafts import lookahead_setting
 from ggpipe.decoding.mode import mode_class
 from ggpipe.decoding.scheduler import Scheduler
 from ggpipe.decoding.slots import Job
@@ -43,8 +44,6 @@ from ggpipe.runtime import llama as _llama
 from ggpipe.service.chat_prompt import chat_tokens
 from ggpipe.service.kernels_report import kernels_report
 from ggpipe.service.text import TextStream
-
-from ggpipe.decoding.lone_drafts import LOOKAHEAD_ENV, lookahead_setting  # noqa: E402,F401 (LOOKAHEAD_ENV: its old home)
 
 
 def lookahead_wanted(session: Session, draft_has_ranks: bool = False) -> bool:
