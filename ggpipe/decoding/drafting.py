@@ -3,7 +3,7 @@
 :mod:`ggpipe.decoding.pipeinfer`): a
 :class:`~ggpipe.speculation.proposers.base.Proposer` (the draft model on its
 own ranks, n-gram lookup, ...: the policy never learns which) drafting
-micro-batches that the core (:class:`~ggpipe.decoding.core.SpecCore`)
+micro-batches that the core (:class:`~ggpipe.decoding.spec_core.SpecCore`)
 submits, and the loop's turn (:meth:`Drafting.step`).
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ggpipe.decoding.core import ORPHAN, SpecCore
+from ggpipe.decoding.spec_core import ORPHAN, SpecCore
 from ggpipe.decoding.factory import build_proposer
 from ggpipe.decoding.mode import BuildContext, Mode
 from ggpipe.decoding.request import Emit, SpecRequest

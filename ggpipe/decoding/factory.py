@@ -28,7 +28,7 @@ def build_decoder(mode: str, spec: SpecSettings, target, draft, *, n_ubatch: int
         n_seq_max: KV sequence ids of the target contexts.
         timeout_s: bound of every wait for a result (seconds).
         idle: the speculative loops' wait for "any result" (see
-            ``ggpipe.decoding.core.SpecCore``): ``ggpipe.pipeline.waiting.EventWait``
+            ``ggpipe.decoding.spec_core.SpecCore``): ``ggpipe.pipeline.waiting.EventWait``
             over the pipelines for real ones, the simulator's clock for
             simulated ones; None: back-off polling.
 

@@ -31,14 +31,14 @@ the paper verifies greedily, sampling is ggpipe's addition.
 
 Everything that is not the layer policy (results, swaps into sequence 0,
 cancellation, retirement of KV sequences, statistics) is the core's
-(:class:`~ggpipe.decoding.core.SpecCore`).
+(:class:`~ggpipe.decoding.spec_core.SpecCore`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ggpipe.decoding.core import SpecCore
+from ggpipe.decoding.spec_core import SpecCore
 from ggpipe.decoding.mode import BuildContext, Mode
 from ggpipe.decoding.request import Emit, SpecRequest
 from ggpipe.decoding.settings import SpecSettings

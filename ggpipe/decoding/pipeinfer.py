@@ -12,13 +12,13 @@
   ``--no-continuous`` allows one speculative run per accepted root
   (asynchronous speculation alone).
 * **KV multibuffering** and **early cancellation** (IV.C, IV.D) are the
-  core's (:class:`~ggpipe.decoding.core.SpecCore`); ``--no-cancel`` lets
+  core's (:class:`~ggpipe.decoding.spec_core.SpecCore`); ``--no-cancel`` lets
   dead runs finish.
 """
 
 from __future__ import annotations
 
-from ggpipe.decoding.core import ORPHAN
+from ggpipe.decoding.spec_core import ORPHAN
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.decoding.drafting import Drafting
 from ggpipe.speculation.adaptive import wait_pays

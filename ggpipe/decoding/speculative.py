@@ -7,7 +7,7 @@ tree starts; one run in flight. What it shares with ``pipeinfer`` is
 
 from __future__ import annotations
 
-from ggpipe.decoding.core import SpecCore
+from ggpipe.decoding.spec_core import SpecCore
 from ggpipe.decoding.drafting import Drafting
 from ggpipe.decoding.request import SpecRequest
 from ggpipe.decoding.settings import SpecSettings

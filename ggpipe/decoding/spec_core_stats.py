@@ -1,6 +1,6 @@
 """A speculative request's statistics (``--json``'s ``decoder``), assembled
 from the decoding core's counters, its graph, the drafter's own counters and
-the adaptive models when they are on. Kept beside ggpipe.decoding.core so
+the adaptive models when they are on. Kept beside ggpipe.decoding.spec_core so
 the core stays about deciding nothing but running the request."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ def request_stats(core, drafter, adaptive: bool) -> dict:
     tokens, acceptance rate, tokens per verification pass, the adaptive
     thresholds and cost models (``adaptive``), the head stage's
     cancellation counters, and the drafted tokens verified and accepted per
-    position after a root (ggpipe.speculation.draft_stats). ``core``: the ggpipe.decoding.core.SpecCore."""
+    position after a root (ggpipe.speculation.draft_stats). ``core``: the ggpipe.decoding.spec_core.SpecCore."""
     r, g = core.r, core.r.graph
     drafted = g.n_drafted
     passes = max(1, r.counts["verified_runs"])

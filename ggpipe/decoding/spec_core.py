@@ -29,7 +29,7 @@ from typing import Callable
 import numpy as np
 
 from ggpipe.backend import TargetBackend
-from ggpipe.decoding.core_stats import request_stats
+from ggpipe.decoding.spec_core_stats import request_stats
 from ggpipe.decoding.request import Emit, SpecRequest
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.errors import GGPipeError, ProtocolError
