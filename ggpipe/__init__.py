@@ -14,8 +14,9 @@ Layout (upper folders use lower ones, never the reverse):
                  loops against measured costs on a virtual clock
     cluster/     session start-up, rank roles, layer split planning, memory
     decoding/    the modes (iterative, speculative, pipeinfer, pipedec), each
-                 one module that declares itself (mode.py), and the
-                 scheduler of --parallel (slots, micro-batches)
+                 one module that declares itself (mode.py); parallel/, the
+                 scheduler of --parallel (slots, micro-batches, a lone
+                 request's chains and look-ahead rows)
     speculation/ MPI-free speculation logic: speculation tree and graph,
                  verification, KV partitions, cutoff, the draft gate;
                  proposers/ (drafting strategies: draft model, n-gram,

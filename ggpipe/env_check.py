@@ -37,7 +37,7 @@ def _fault(env: Mapping[str, str]) -> None:
 
 
 def _lookahead(env: Mapping[str, str]) -> None:
-    from ggpipe.decoding.lone_drafts import lookahead_setting  # noqa: PLC0415
+    from ggpipe.decoding.parallel.lone_drafts import lookahead_setting  # noqa: PLC0415
 
     lookahead_setting(env)
 

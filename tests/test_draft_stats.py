@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from ggpipe.decoding.factory import build_decoder
-from ggpipe.decoding.scheduler import Scheduler
+from ggpipe.decoding.parallel.scheduler import Scheduler
 from ggpipe.decoding.settings import SpecSettings
-from ggpipe.decoding.slots import Job
+from ggpipe.decoding.parallel.slots import Job
 from ggpipe.sampling import Sampler
 from ggpipe.sampling_params import SamplingParams
 from ggpipe.sim.toy import FakePipeline, ToyLM

@@ -68,7 +68,7 @@ def test_seeded_sampling_is_the_same_at_any_parallel(tmp_path, goliath):
 @pytest.mark.parametrize("ranks,mode", [(2, "speculative"), (3, "pipeinfer")])
 def test_a_draft_model_drafts_for_a_request_alone_and_stays_exact(tmp_path, goliath, smollm2, reference, ranks, mode):
     """-md with --parallel: the draft model drafts a chain below the token of
-    a request that generates alone (ggpipe.decoding.chain_draft), verified
+    a request that generates alone (ggpipe.decoding.parallel.chain_draft), verified
     in a micro-batch of its own (speculative), or sent as look-ahead rows
     drafted without the head waiting (pipeinfer: every drafted token then
     travels in one); beside other generating requests, plain tokens. Every

@@ -1,4 +1,4 @@
-"""The continuous-batching scheduler (ggpipe/decoding/scheduler.py) against
+"""The continuous-batching scheduler (ggpipe/decoding/parallel/scheduler.py) against
 the in-memory toy pipeline with one KV stream per sequence (llama.cpp's
 ``kv_unified = false``): every request's tokens equal the same request run
 alone, while requests of different lengths join and leave; every token's
@@ -10,9 +10,9 @@ import random
 
 import pytest
 
-import ggpipe.decoding.scheduler as scheduler_module
-from ggpipe.decoding.scheduler import Scheduler
-from ggpipe.decoding.slots import Job, Slot, decode_groups, plan_microbatch
+import ggpipe.decoding.parallel.scheduler as scheduler_module
+from ggpipe.decoding.parallel.scheduler import Scheduler
+from ggpipe.decoding.parallel.slots import Job, Slot, decode_groups, plan_microbatch
 from ggpipe.runs import in_batch_order, ubatches
 from ggpipe.decoding.request import Request
 from ggpipe.errors import ConfigError
@@ -337,7 +337,7 @@ def test_chains_that_miss_are_given_up_and_the_refused_cells_removed():
 
 
 def test_a_chain_drafter_gives_the_first_child_chain():
-    from ggpipe.decoding.chain_draft import ChainDrafter, first_child_chain
+    from ggpipe.decoding.parallel.chain_draft import ChainDrafter, first_child_chain
     from ggpipe.speculation.proposers.base import ProposerConfig
     from ggpipe.speculation.proposers.draft_model import DraftModelProposer
     from ggpipe.speculation.tree import SpecTree
@@ -525,7 +525,7 @@ def test_lookahead_with_a_draft_that_has_ranks_drafts_without_waiting():
     spot, gated as chains; with a draft of ranks of its own (a ChainDrafter)
     it drafts without waiting and carries the draft's chains alone
     (``continuous``: no chain below a root)."""
-    from ggpipe.decoding.chain_draft import LookupDrafter
+    from ggpipe.decoding.parallel.chain_draft import LookupDrafter
 
     class Follows(LookupDrafter):
         has_ranks = True
@@ -542,7 +542,7 @@ def test_lookahead_with_a_draft_that_has_ranks_drafts_without_waiting():
 
 
 def _draft_model_drafter(flip: float = 0.2, latency: int = 1):
-    from ggpipe.decoding.chain_draft import ChainDrafter
+    from ggpipe.decoding.parallel.chain_draft import ChainDrafter
     from ggpipe.speculation.proposers.base import ProposerConfig
     from ggpipe.speculation.proposers.draft_model import DraftModelProposer
 
@@ -572,7 +572,7 @@ def test_a_chain_drafted_without_waiting_is_taken_below_its_context_or_what_foll
 
 
 def test_below_reads_a_chain_from_a_context_that_went_on_along_it():
-    from ggpipe.decoding.chain_draft import _below
+    from ggpipe.decoding.parallel.chain_draft import _below
     assert _below([1, 2], [3, 4, 5], [1, 2]) == [3, 4, 5]
     assert _below([1, 2], [3, 4, 5], [1, 2, 3]) == [4, 5]
     assert _below([1, 2], [3, 4, 5], [1, 2, 3, 4, 5]) == []
@@ -583,7 +583,7 @@ def test_below_reads_a_chain_from_a_context_that_went_on_along_it():
 
 @pytest.mark.parametrize("lookahead,lengths,depth", [(False, [30, 4, 25], 1), (True, [40], 2), (True, [40, 4, 12], 2)])
 def test_a_draft_model_drafts_for_a_request_alone_and_stays_exact(lookahead, lengths, depth):
-    """``--parallel`` with a draft model (ggpipe.decoding.chain_draft): while
+    """``--parallel`` with a draft model (ggpipe.decoding.parallel.chain_draft): while
     one greedy request generates, the draft model's chain goes below its
     token (the draft's pipeline decodes only what its KV lacks, across
     requests; the toy's clock-less pipelines leave the draft's step
@@ -636,9 +636,9 @@ def test_lookahead_is_on_where_the_target_stages_have_hosts_of_their_own(monkeyp
 
 
 def test_a_slot_goes_through_its_states_in_order():
-    """idle -> prompt -> generating -> done -> idle (ggpipe.decoding.slots.
+    """idle -> prompt -> generating -> done -> idle (ggpipe.decoding.parallel.slots.
     SlotState), as /slots shows them, for a request alone in its slot."""
-    from ggpipe.decoding.slots import SlotState
+    from ggpipe.decoding.parallel.slots import SlotState
 
     target = FakePipeline(ToyLM(V), latency=2, cell_order=True, streams=True)
     sched = Scheduler(target, 2, n_ctx_slot=256, n_ubatch=4, is_eog=lambda t: False)

@@ -125,8 +125,8 @@ def test_the_scheduler_slots_and_bench_read_its_declarations(repeat):
     from ggpipe.bench.grid import mode_args, variant_speculates
     from ggpipe.cli.parallel import slots
     from ggpipe.decoding.factory import build_chain_drafter
-    from ggpipe.decoding.scheduler import Scheduler
-    from ggpipe.decoding.slots import Job
+    from ggpipe.decoding.parallel.scheduler import Scheduler
+    from ggpipe.decoding.parallel.slots import Job
 
     assert slots(None, "pipeinfer", "repeat", 2) == 8 and slots(None, "pipeinfer", "draft", 2) == 1
     assert mode_args()["repeat"] == ["--mode", "pipeinfer", "--spec-type", "repeat"] and variant_speculates("repeat")

@@ -1,6 +1,6 @@
 """``-np/--parallel N|auto`` of ``batch`` and ``serve``: how many requests
 run at once through the continuous-batching scheduler
-(ggpipe.decoding.scheduler), with llama.cpp's meaning of slots and of ``-c``.
+(ggpipe.decoding.parallel.scheduler), with llama.cpp's meaning of slots and of ``-c``.
 
 * ``N`` slots, each a KV sequence with a KV stream of its own
   (``kv_unified = false``); ``-c`` is the KV size *shared* by the slots,
@@ -15,9 +15,9 @@ run at once through the continuous-batching scheduler
   there).
 * A speculative mode with ``N`` > 1 drafts a chain below a request's token
   while it generates alone, with its ``--spec-type`` (the draft model, an
-  n-gram lookup, ...; ggpipe.decoding.chain_draft), verified in a
+  n-gram lookup, ...; ggpipe.decoding.parallel.chain_draft), verified in a
   micro-batch of its own; beside other generating requests it decodes
-  plainly (ggpipe.decoding.scheduler). In ``--mode pipeinfer`` with
+  plainly (ggpipe.decoding.parallel.scheduler). In ``--mode pipeinfer`` with
   ``--spec-type ngram``, look-ahead rows follow a request that generates
   alone through the stages that would idle (PipeInfer's continuation:
   a guess of its next token with a chain below, kept only when everything

@@ -132,7 +132,7 @@ class ClusterConfig:
         """The draft models' contexts: ``(n_ctx, n_seq_max, kv_unified)``.
         Under ``--parallel`` slots (one KV stream per sequence) a draft
         model drafts for one request at a time, in sequence 0
-        (ggpipe.decoding.chain_draft): one slot's cells (``ctx_size /
+        (ggpipe.decoding.parallel.chain_draft): one slot's cells (``ctx_size /
         n_seq_max`` rounded up to 256, as llama.cpp rounds a stream) and
         one sequence, not a stream per slot it would never use. Otherwise
         the target's settings (the speculative modes' partitions)."""

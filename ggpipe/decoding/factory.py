@@ -48,16 +48,16 @@ def build_chain_drafter(mode: str, spec: SpecSettings, target, draft, *, n_ubatc
                         idle: Wait | None = None, more_drafts: Sequence = ()):
     """The continuous-batching scheduler's drafting (``--parallel`` > 1 in a
     speculative mode): ``draft(context, k) -> tokens``, a chain below a
-    request that generates alone (ggpipe.decoding.scheduler). A strategy
+    request that generates alone (ggpipe.decoding.parallel.scheduler). A strategy
     that drafts from the context alone (``chain_lookup``: ``--spec-type
     ngram``'s prompt lookup) drafts instantly; any other (the draft model, ...), a
-    :class:`~ggpipe.decoding.chain_draft.ChainDrafter` over the proposer
+    :class:`~ggpipe.decoding.parallel.chain_draft.ChainDrafter` over the proposer
     :func:`build_proposer` makes, cut at ``--p-accept`` (with ``auto``, the
     adaptive depth's starting threshold).
 
     Raises:
         ConfigError: as :func:`build_proposer`."""
-    from ggpipe.decoding.chain_draft import ChainDrafter, LookupDrafter  # noqa: PLC0415
+    from ggpipe.decoding.parallel.chain_draft import ChainDrafter, LookupDrafter  # noqa: PLC0415
     lookup = proposer_class(spec.spec_type).chain_lookup(spec.strategy_options)
     if lookup is not None:
         return LookupDrafter(lookup)

@@ -141,7 +141,7 @@ class Mode:
         mode drafts a chain with its ``--spec-type`` for a request that
         generates alone, verified in a micro-batch of its own, and decodes
         plainly beside other generating requests
-        (ggpipe.decoding.scheduler)."""
+        (ggpipe.decoding.parallel.scheduler)."""
         if not cls.speculates:
             return None
         return (f"--mode {cls.name} under --parallel: a request that generates alone gets chains drafted with "

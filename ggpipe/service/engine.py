@@ -2,7 +2,7 @@
 chat, batch, serve): one request at a time through the open pipeline, in any
 mode, with the KV cache's prefix reused between requests; or, with
 ``--parallel N`` (batch, serve), many at once through the continuous-batching
-scheduler (ggpipe.decoding.scheduler), each in a slot of its own.
+scheduler (ggpipe.decoding.parallel.scheduler), each in a slot of its own.
 
 Prefix reuse (as llama.cpp's server and llama-cpp-python's ``Llama`` do):
 the engine remembers the tokens held in sequence 0 of the KV cache. A new
@@ -31,10 +31,10 @@ from ggpipe.sampling import Sampler, TokenLogprob
 from ggpipe.sampling_params import SamplingParams
 from ggpipe.cluster.session import Session
 from ggpipe.decoding.factory import build_chain_drafter, build_decoder
-from ggpipe.decoding.lone_drafts import lookahead_setting
+from ggpipe.decoding.parallel.lone_drafts import lookahead_setting
 from ggpipe.decoding.mode import mode_class
-from ggpipe.decoding.scheduler import Scheduler
-from ggpipe.decoding.slots import Job
+from ggpipe.decoding.parallel.scheduler import Scheduler
+from ggpipe.decoding.parallel.slots import Job
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.errors import GGPipeError
 from ggpipe.models.registry import resolve
@@ -49,7 +49,7 @@ from ggpipe.service.text import TextStream
 def lookahead_wanted(session: Session, draft_has_ranks: bool = False) -> bool:
     """Whether ``--mode pipeinfer`` under ``--parallel`` sends look-ahead
     rows for a request that generates alone
-    (:class:`~ggpipe.decoding.lone_drafts.LoneDrafts`): ``GGPIPE_LOOKAHEAD``
+    (:class:`~ggpipe.decoding.parallel.lone_drafts.LoneDrafts`): ``GGPIPE_LOOKAHEAD``
     = ``on``, ``off`` or ``auto`` (the default: on with a draft model, whose
     ranks draft the rows without the head waiting, ``draft_has_ranks``; with
     an instant draft, the n-gram lookup, on where the target's stages each

@@ -19,8 +19,8 @@ from ggpipe.cluster.roles import Roles
 from ggpipe.cluster.split import SplitSpec, plan_layers
 from ggpipe.decoding.factory import build_decoder
 from ggpipe.decoding.mode import mode_class, seq_ids_needed
-from ggpipe.decoding.scheduler import Scheduler
-from ggpipe.decoding.slots import Job
+from ggpipe.decoding.parallel.scheduler import Scheduler
+from ggpipe.decoding.parallel.slots import Job
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.errors import ConfigError
 from ggpipe.metrics import GenerationClock
@@ -59,7 +59,7 @@ class SimConfig:
         parallel: slots of the continuous-batching scheduler
             (``--parallel``, iterative mode); above 1 the ``prompts``
             requests are submitted at once and run through
-            ``ggpipe.decoding.scheduler`` as ``serve``/``batch`` run them.
+            ``ggpipe.decoding.parallel.scheduler`` as ``serve``/``batch`` run them.
     """
 
     profile: Profile

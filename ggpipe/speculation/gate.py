@@ -32,7 +32,7 @@ such exploration, up to ``explore_max``, and resets once drafting pays), so
 unknown ``c(2)`` counts as ``c(1)``), except that when every pass carried a
 chain for ``explore_every`` attempts, one root goes alone so ``c(1)`` is
 measured. The continuous-batching scheduler asks the same rule of a request
-that generates alone (ggpipe.decoding.scheduler).
+that generates alone (ggpipe.decoding.parallel.scheduler).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Speculation under ``--parallel`` for a request that generates alone
-(ggpipe.decoding.scheduler forms and sends the micro-batches): the chain
+(ggpipe.decoding.parallel.scheduler forms and sends the micro-batches): the chain
 drafted below its token, verified in a micro-batch of its own; in ``--mode
 pipeinfer``, the look-ahead rows that follow its row through stages that
 would idle (PipeInfer's continuation, paper §IV.A); the verification of
@@ -28,8 +28,8 @@ import os
 from typing import Callable
 
 from ggpipe.errors import ConfigError
-from ggpipe.decoding.chain_draft import SlotDrafter, as_slot_drafter
-from ggpipe.decoding.slots import Slot, _Row
+from ggpipe.decoding.parallel.chain_draft import SlotDrafter, as_slot_drafter
+from ggpipe.decoding.parallel.slots import Slot, _Row
 from ggpipe.runs import RunResult
 from ggpipe.speculation.adaptive import PassCost
 from ggpipe.speculation.gate import DraftGate
@@ -55,7 +55,7 @@ class LoneDrafts:
     """Args:
         target: the target pipeline (``seq_rm`` of refused cells, pipelined
             behind the runs sent).
-        draft: a :class:`~ggpipe.decoding.chain_draft.SlotDrafter` (a plain
+        draft: a :class:`~ggpipe.decoding.parallel.chain_draft.SlotDrafter` (a plain
             ``draft(context, k) -> tokens`` is an instant lookup), or None.
         draft_max: most drafted tokens per chain.
         lookahead: send look-ahead rows (a ``draft`` with ranks of its own,
@@ -97,7 +97,7 @@ class LoneDrafts:
         token (:meth:`settle`). An instant draft's rows go only while chains
         pay: where the gate let the request's last planned root draft; a
         draft with ranks drafts the row without waiting
-        (:meth:`~ggpipe.decoding.chain_draft.ChainDrafter.take`: None until
+        (:meth:`~ggpipe.decoding.parallel.chain_draft.ChainDrafter.take`: None until
         its chain is there). A look-ahead row is speculation
         too, and where stages share a host's cores, two that compute at
         once slow each other (docs/benchmarks/many-requests.md, look-ahead

@@ -2,7 +2,7 @@
 slot (:class:`Slot`: a KV sequence and the request that holds it, in one of
 the states of :class:`SlotState`), and which slots send what in the next
 micro-batch (:func:`plan_microbatch`). No pipeline, no MPI;
-ggpipe.decoding.scheduler drives them."""
+ggpipe.decoding.parallel.scheduler drives them."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ class Job:
 class SlotState(str, Enum):
     """A slot's state (``/slots``' ``state``; llama-server's slot states).
 
-    Transitions (ggpipe.decoding.scheduler):
+    Transitions (ggpipe.decoding.parallel.scheduler):
 
     * ``idle`` -> ``prompt``: a queued request takes the free slot; the
       cells of the longest common prefix with what the slot held are kept,
@@ -102,7 +102,7 @@ class Slot:
             holding a row of this slot was formed (-1: none yet).
         ahead: look-ahead rows in flight behind the slot's row that waits
             for logits, oldest first (each built on the one before it being
-            accepted whole; ggpipe.decoding.lone_drafts ``LoneDrafts.ahead``).
+            accepted whole; ggpipe.decoding.parallel.lone_drafts ``LoneDrafts.ahead``).
     """
 
     seq: int

@@ -27,7 +27,7 @@ stage, each scheduled from requests not already in flight).
   flight (default: the pipeline's stages, so every stage works at once; the
   service passes ``--micro-batches``, by default as many as can compute at once), the
   generating slots fall into ``depth`` groups of consecutive slot ids that
-  take turns (:func:`~ggpipe.decoding.slots.decode_groups`: consecutive, so
+  take turns (:func:`~ggpipe.decoding.parallel.slots.decode_groups`: consecutive, so
   that each stage evaluates a group in one ubatch, streaming its weights
   once).
 * **Results** come back in order; each slot's row is sampled with the
@@ -50,10 +50,10 @@ from typing import Callable
 import numpy as np
 
 from ggpipe.backend import TargetBackend
-from ggpipe.decoding.chain_draft import SlotDrafter
-from ggpipe.decoding.lone_drafts import LoneDrafts
+from ggpipe.decoding.parallel.chain_draft import SlotDrafter
+from ggpipe.decoding.parallel.lone_drafts import LoneDrafts
 from ggpipe.decoding.request import Request
-from ggpipe.decoding.slots import Job, Slot, _Row, plan_microbatch
+from ggpipe.decoding.parallel.slots import Job, Slot, _Row, plan_microbatch
 from ggpipe.errors import ConfigError, GGPipeError
 from ggpipe.kv_reuse import reusable_prefix
 from ggpipe.pipeline.waiting import Wait, poll_wait
@@ -75,15 +75,15 @@ class Scheduler:
         timeout_s: bound of every wait for a result (seconds).
         idle: the wait when nothing is ready (``idle(ready, timeout_s)``);
             None: back-off polling.
-        draft: a :class:`~ggpipe.decoding.chain_draft.SlotDrafter`: up to
+        draft: a :class:`~ggpipe.decoding.parallel.chain_draft.SlotDrafter`: up to
             ``k`` drafted tokens that may follow ``context`` (a
-            :class:`~ggpipe.decoding.chain_draft.LookupDrafter`, instant,
-            or a :class:`~ggpipe.decoding.chain_draft.ChainDrafter` over
+            :class:`~ggpipe.decoding.parallel.chain_draft.LookupDrafter`, instant,
+            or a :class:`~ggpipe.decoding.parallel.chain_draft.ChainDrafter` over
             the draft model, waited for; its ``step_s``, seconds per
             drafted token, is what the gate charges; a plain function
             ``draft(context, k) -> tokens`` is an instant lookup), or None:
             no speculation. Used while one greedy request is generating
-            (:class:`~ggpipe.decoding.lone_drafts.LoneDrafts`).
+            (:class:`~ggpipe.decoding.parallel.lone_drafts.LoneDrafts`).
         draft_max: most drafted tokens per chain.
         lookahead: PipeInfer's continuation for a request that generates
             alone (``--mode pipeinfer``; with ``depth`` >= 2): while its row
@@ -91,11 +91,11 @@ class Scheduler:
             it follow through the pipeline (:meth:`_send_ahead`), looked up
             on the spot by an instant ``draft`` (the n-gram lookup) or
             drafted without waiting by a draft with ranks
-            (:class:`~ggpipe.decoding.lone_drafts.LoneDrafts`).
+            (:class:`~ggpipe.decoding.parallel.lone_drafts.LoneDrafts`).
 
     A lone request's speculation (its chains, look-ahead rows, their
     verification, the gate) is ``spec``, a
-    :class:`~ggpipe.decoding.lone_drafts.LoneDrafts`.
+    :class:`~ggpipe.decoding.parallel.lone_drafts.LoneDrafts`.
 
     Attributes:
         stats: "micro_batches", "rows", "prefill_tokens", "generated",
@@ -322,7 +322,7 @@ class Scheduler:
 
     def view(self) -> list[dict]:
         """One dict per slot (llama-server's ``/slots``): id, KV cells, busy,
-        its state (:class:`~ggpipe.decoding.slots.SlotState`'s value), prompt
+        its state (:class:`~ggpipe.decoding.parallel.slots.SlotState`'s value), prompt
         tokens, tokens generated, cells cached; the request's drafting so far
         (tokens drafted and accepted, and per position after a root:
         :class:`~ggpipe.speculation.draft_stats.DraftStats`; zeros and empty

@@ -3,7 +3,7 @@
 request that generates alone, waited for (synchronous speculation: the
 target has nothing else to compute for that request meanwhile).
 
-The scheduler (ggpipe.decoding.scheduler) runs one request's tokens beside
+The scheduler (ggpipe.decoding.parallel.scheduler) runs one request's tokens beside
 many; while a greedy request generates alone it may send a drafted chain
 below its next token, verified in a micro-batch of its own. What it asks of
 a drafter is :class:`SlotDrafter`: a lookup from the context alone (an
@@ -60,7 +60,7 @@ def first_child_chain(tree: SpecTree) -> list[int]:
 
 @runtime_checkable
 class SlotDrafter(Protocol):
-    """What the scheduler asks of a drafter (ggpipe.decoding.lone_drafts).
+    """What the scheduler asks of a drafter (ggpipe.decoding.parallel.lone_drafts).
 
     Attributes:
         has_ranks: drafts on ranks of its own (a draft model's pipeline),
