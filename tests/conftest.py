@@ -56,6 +56,16 @@ def goliath() -> Path:
     return fetch("smollm2-goliath-40l", progress=False)
 
 
+@pytest.fixture(scope="session")
+def goliath_f32() -> Path:
+    """The goliath in F32 (derived on first use): at one thread a target
+    about twice as slow per token as the SmolLM2-135M draft, where the F16
+    goliath is barely slower than it."""
+    from ggpipe.models.registry import fetch
+
+    return fetch("smollm2-goliath-40l-f32", progress=False)
+
+
 _REF_CACHE: dict = {}
 
 #: The jobs run with ``--exact`` (``GGPIPE_EXACT=1``, scripts/test_exact_build.sh): the
