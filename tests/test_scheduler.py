@@ -614,12 +614,10 @@ def test_lookahead_is_on_where_the_target_stages_have_hosts_of_their_own(monkeyp
     """GGPIPE_LOOKAHEAD: auto (on only where no two target stages share a
     host: there, stages that compute at once slow each other), on, off; any
     other value is a clear error."""
-    from types import SimpleNamespace
-
-    from ggpipe.service.engine import lookahead_wanted
+    from ggpipe.decoding.parallel.lone_drafts import lookahead_wanted
 
     def session(hosts, n_target):      # Session.target_hosts: the first n_target ranks' hosts
-        return SimpleNamespace(target_hosts=hosts[:n_target])
+        return hosts[:n_target]
 
     monkeypatch.delenv("GGPIPE_LOOKAHEAD", raising=False)
     assert lookahead_wanted(session(["a", "b", "c"], 3))

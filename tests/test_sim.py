@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
 from ggpipe.cluster.balance import balance_layers, stage_times
-from ggpipe.cluster.split import SplitSpec
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.errors import ConfigError, SplitError
 from ggpipe.runs import Run
@@ -504,8 +502,23 @@ def test_simulated_parallel_requests_share_the_pipeline():
     assert many["parallel"] == 4 and len(many["records"]) == 4
     assert 2.5 * one["tokens_per_s"] < many["aggregate_tokens_per_s"] <= 500.0
     assert all(r["tokens_per_s"] > 0 for r in many["records"])
-    with pytest.raises(ConfigError, match="scheduler runs --mode iterative"):
-        simulate(SimConfig(prof, toy_model(), toy_model(2), mode="speculative", ranks=2, parallel=4), rounds=1)
+
+
+@pytest.mark.parametrize("mode", ["speculative", "pipeinfer", "pipedec"])
+def test_simulated_parallel_speculates_for_a_request_alone(mode):
+    """A speculative mode under --parallel on the virtual clock, built as
+    serve and batch build it (build_scheduler): a request alone in its job
+    gets chains or look-ahead rows from the simulated draft; pipeinfer's
+    look-ahead rows, drafted while its row is in flight on 2 target stages,
+    make it faster than iterative decoding in the same slots."""
+    prof = Profile("toy", None, [flat_host(1.0, 2.0)], [LinkProfile(0, 1, 0.1 * MS, 0.0)])
+    base = dict(ranks=3, n_prompt=8, n_predict=40, prompts=1, parallel=2)
+    plain = simulate(SimConfig(prof, toy_model(), **base), rounds=1)
+    spec = simulate(SimConfig(prof, toy_model(), toy_model(2), mode=mode, **base), rounds=1)
+    rec = spec["records"][0]
+    assert 0.0 < rec["acceptance_rate"] <= 1.0, rec
+    if mode == "pipeinfer":
+        assert spec["tokens_per_s"] > 1.1 * plain["tokens_per_s"], (spec["tokens_per_s"], plain["tokens_per_s"])
 
 
 def test_the_timed_stage_streams_its_weights_from_memory():

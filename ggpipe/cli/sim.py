@@ -169,8 +169,9 @@ def _split(text):
 @click.option("--n-prompt", default=128, show_default=True, type=click.IntRange(1, 1 << 16))
 @click.option("--prompts", default=3, show_default=True, type=click.IntRange(1, 1000), help="Requests per configuration.")
 @click.option("--parallel", default="1", show_default=True,
-              help="Comma-separated slot counts of the continuous-batching scheduler (--mode iterative); above 1 "
-                   "the --prompts requests are submitted at once, as to 'ggpipe serve --parallel N'.")
+              help="Comma-separated slot counts of the continuous-batching scheduler; above 1 the --prompts "
+                   "requests are submitted at once, as to 'ggpipe serve --parallel N' (a speculative mode "
+                   "drafts for a request that generates alone).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per configuration instead of a table.")
 @click.option("--timeline", "timeline_dir", default=None, type=click.Path(file_okay=False, path_type=Path),
               help="Write each configuration's per-rank traces to DIR/<link>_r<ranks>_<mode>/ "

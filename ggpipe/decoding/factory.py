@@ -68,6 +68,38 @@ def build_chain_drafter(mode: str, spec: SpecSettings, target, draft, *, n_ubatc
     return ChainDrafter(build_proposer(ctx, mode), cutoff, idle=idle, timeout_s=timeout_s)
 
 
+def build_scheduler(mode: str, spec: SpecSettings, target, drafts: Sequence = (), *, slots: int, n_ctx_slot: int,
+                    n_ubatch: int, is_eog: Callable[[int], bool], depth: int | None, timeout_s: float,
+                    idle: Wait | None = None, target_hosts: Sequence[str] = ()):
+    """The continuous-batching scheduler of ``--parallel`` ``slots`` in
+    ``mode`` (ggpipe.decoding.parallel.scheduler), as ``serve``, ``batch``
+    and ``simulate`` run it: in a speculative mode with the chain drafter of
+    :func:`build_chain_drafter` over ``drafts`` (the draft pipelines, the
+    first drafting), and in a mode that declares ``lookahead_in_slots``
+    with look-ahead rows where
+    :func:`~ggpipe.decoding.parallel.lone_drafts.lookahead_wanted` says
+    (``target_hosts``: each target rank's host).
+
+    Args:
+        n_ctx_slot: KV cells of one slot (tokens).
+        depth: micro-batches in flight (None: the target's stages).
+        timeout_s: bound of every wait (seconds).
+
+    Raises:
+        ConfigError: as :func:`build_chain_drafter`; a bad ``GGPIPE_LOOKAHEAD``."""
+    from ggpipe.decoding.parallel.lone_drafts import lookahead_wanted  # noqa: PLC0415
+    from ggpipe.decoding.parallel.scheduler import Scheduler  # noqa: PLC0415
+    declared = mode_class(mode)
+    drafter = None
+    if declared.speculates:
+        drafter = build_chain_drafter(mode, spec, target, drafts[0] if drafts else None, more_drafts=drafts[1:],
+                                      n_ubatch=n_ubatch, timeout_s=timeout_s, idle=idle)
+    lookahead = declared.lookahead_in_slots and lookahead_wanted(list(target_hosts),
+                                                                 drafter is not None and drafter.has_ranks)
+    return Scheduler(target, slots, n_ctx_slot, n_ubatch, is_eog, depth=depth, timeout_s=timeout_s, idle=idle,
+                     draft=drafter, draft_max=spec.draft_max, lookahead=lookahead)
+
+
 def build_proposer(ctx: BuildContext, mode: str) -> Proposer:
     """The drafting strategy ``--spec-type`` names, over the draft pipelines
     of ``ctx`` (the speculative and pipeinfer modes).

@@ -30,10 +30,8 @@ from ggpipe.kv_reuse import reusable_prefix
 from ggpipe.sampling import Sampler, TokenLogprob
 from ggpipe.sampling_params import SamplingParams
 from ggpipe.cluster.session import Session
-from ggpipe.decoding.factory import build_chain_drafter, build_decoder
-from ggpipe.decoding.parallel.lone_drafts import lookahead_setting
+from ggpipe.decoding.factory import build_decoder, build_scheduler
 from ggpipe.decoding.mode import mode_class
-from ggpipe.decoding.parallel.scheduler import Scheduler
 from ggpipe.decoding.parallel.slots import Job
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.errors import GGPipeError
@@ -44,29 +42,6 @@ from ggpipe.runtime import llama as _llama
 from ggpipe.service.chat_prompt import chat_tokens
 from ggpipe.service.kernels_report import kernels_report
 from ggpipe.service.text import TextStream
-
-
-def lookahead_wanted(session: Session, draft_has_ranks: bool = False) -> bool:
-    """Whether ``--mode pipeinfer`` under ``--parallel`` sends look-ahead
-    rows for a request that generates alone
-    (:class:`~ggpipe.decoding.parallel.lone_drafts.LoneDrafts`): ``GGPIPE_LOOKAHEAD``
-    = ``on``, ``off`` or ``auto`` (the default: on with a draft model, whose
-    ranks draft the rows without the head waiting, ``draft_has_ranks``; with
-    an instant draft, the n-gram lookup, on where the target's stages each
-    have a host of their own). Where stages share a host, two that compute
-    at once slow each other: on 2 cores shared by the stages, n-gram
-    look-ahead made 0.96x the scheduler without it on held-out prompts it
-    was not chosen on (docs/benchmarks/many-requests.md, look-ahead rows),
-    where a draft model's made 1.03-1.08x ``--parallel 1``'s PipeInfer
-    against 0.93-0.98x without (docs/user-guide/parallel.md).
-
-    Raises:
-        ConfigError: another value."""
-    v = lookahead_setting()
-    if v != "auto":
-        return v == "on"
-    hosts = session.target_hosts
-    return draft_has_ranks or len(set(hosts)) == len(hosts)
 
 
 @dataclass
@@ -166,18 +141,11 @@ class Engine:
             self.n_ctx = session.stage.n_ctx_seq    # the cells of one slot
             # micro-batches in flight: as many as stages can compute at once, per host as many as its CPUs hold
             # their threads (3 ranks x 1 thread on 2 cores: 2; 4 x 4 threads on 16 cores: 4; 2 x 2 on 2 cores: 1)
-            drafter = None if not declared.speculates else build_chain_drafter(
-                mode, spec, session.pipeline, drafts[0] if drafts else None, more_drafts=drafts[1:],
-                n_ubatch=cfg.ubatch, timeout_s=cfg.timeout_s, idle=self.waiter)
-            self.scheduler = Scheduler(session.pipeline, parallel, self.n_ctx, cfg.ubatch, self.is_eog,
-                                       depth=micro_batches or session.micro_batches_in_flight(),
-                                       timeout_s=cfg.timeout_s,
-                                       idle=self.waiter,
-                                       draft=drafter,
-                                       draft_max=spec.draft_max,
-                                       # pipeinfer: a request alone keeps the stages busy with look-ahead rows
-                                       lookahead=declared.lookahead_in_slots and lookahead_wanted(
-                                           session, drafter is not None and drafter.has_ranks))
+            self.scheduler = build_scheduler(mode, spec, session.pipeline, drafts, slots=parallel,
+                                             n_ctx_slot=self.n_ctx, n_ubatch=cfg.ubatch, is_eog=self.is_eog,
+                                             depth=micro_batches or session.micro_batches_in_flight(),
+                                             timeout_s=cfg.timeout_s, idle=self.waiter,
+                                             target_hosts=session.target_hosts)
         else:
             self.decoder = build_decoder(mode, spec, session.pipeline, drafts[0] if drafts else None,
                                          more_drafts=drafts[1:], n_ubatch=cfg.ubatch, n_seq_max=cfg.n_seq_max,
@@ -388,7 +356,7 @@ class Engine:
         return self.scheduler.busy
 
     def step(self, wake: Callable[[], bool] = lambda: False) -> None:
-        """One turn: of the scheduler (:meth:`Scheduler.step`; ``wake``:
+        """One turn: of the scheduler (:meth:`~ggpipe.decoding.parallel.scheduler.Scheduler.step`; ``wake``:
         stop waiting when it is true, new requests from another thread), or
         the next queued request run to its end through the mode's decoder
         (:meth:`generate`; a cancelled one is only reported)."""

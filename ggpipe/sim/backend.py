@@ -320,13 +320,19 @@ class SimPipeline(ToyPipeline):
 def idle_until_next(clock: SimClock, pipes: list[SimPipeline]) -> Wait:
     """The decoding loop's wait for "any result" (``idle(ready, timeout_s)``,
     as :class:`ggpipe.pipeline.waiting.EventWait`): move the clock to the
-    earliest result in flight.
+    earliest result in flight; where ``ready()`` is false and a result is
+    already due (one the loop takes later: a draft run that followed a
+    request while the loop waits for the target's), to the earliest result
+    due after now, as a real wait goes on until ``ready()``.
 
     Raises (from the returned function):
         RankTimeoutError: nothing is in flight (the loop would wait forever)."""
     def idle(ready: Callable[[], bool], timeout_s: float) -> None:
-        t = min(p.next_due() for p in pipes)
+        dues = [p.next_due() for p in pipes]
+        t = min(dues)
         if math.isinf(t):
             raise RankTimeoutError("simulation: the decoding loop waits for a result but no run is in flight")
+        if t <= clock.now and not ready():
+            t = min((d for d in dues if d > clock.now), default=t)
         clock.now = max(clock.now, t)
     return idle

@@ -17,9 +17,8 @@ import numpy as np
 
 from ggpipe.cluster.roles import Roles
 from ggpipe.cluster.split import SplitSpec, plan_layers
-from ggpipe.decoding.factory import build_decoder
+from ggpipe.decoding.factory import build_decoder, build_scheduler
 from ggpipe.decoding.mode import mode_class, seq_ids_needed
-from ggpipe.decoding.parallel.scheduler import Scheduler
 from ggpipe.decoding.parallel.slots import Job
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.errors import ConfigError
@@ -57,9 +56,10 @@ class SimConfig:
         ubatch: prefill chunk (tokens).
         seed: toy models' seed.
         parallel: slots of the continuous-batching scheduler
-            (``--parallel``, iterative mode); above 1 the ``prompts``
-            requests are submitted at once and run through
-            ``ggpipe.decoding.parallel.scheduler`` as ``serve``/``batch`` run them.
+            (``--parallel``); above 1 the ``prompts`` requests are submitted
+            at once and run through ``ggpipe.decoding.parallel.scheduler``
+            as ``serve``/``batch`` run them (a speculative mode drafts for a
+            request that generates alone).
     """
 
     profile: Profile
@@ -235,7 +235,7 @@ def _simulate_once(cfg: SimConfig, factors: dict, trace: dict | None = None) -> 
         ConfigError, SplitError: an impossible job (as ``ggpipe generate``)."""
     clock, target, draft, busy, roles = build(cfg, factors, trace)
     if cfg.parallel > 1:
-        return _simulate_parallel(cfg, clock, target, busy)
+        return _simulate_parallel(cfg, clock, target, draft, busy)
     pipes = [p for p in (target, draft) if p is not None]
     spec = replace(cfg.spec, mode=cfg.mode) if mode_class(cfg.mode).speculates else cfg.spec
     n_seq_max = seq_ids_needed(cfg.mode, spec)
@@ -271,20 +271,25 @@ def _simulate_once(cfg: SimConfig, factors: dict, trace: dict | None = None) -> 
     return {"mode": cfg.mode, "ranks": cfg.ranks, "records": records, **_means(records, cfg.ranks)}
 
 
-def _simulate_parallel(cfg: SimConfig, clock: SimClock, target: SimPipeline, busy: dict) -> dict:
+def _simulate_parallel(cfg: SimConfig, clock: SimClock, target: SimPipeline, draft: SimPipeline | None,
+                       busy: dict) -> dict:
     """``cfg.prompts`` greedy requests submitted at once to the scheduler
-    with ``cfg.parallel`` slots. Adds to the per-request figures
-    ``aggregate_tokens_per_s`` (every request's tokens / virtual seconds
-    from the first submission to the last token) and ``itl_p90_ms`` (the
-    mean over requests of each one's 90th percentile gap).
+    with ``cfg.parallel`` slots, built as ``serve`` and ``batch`` build it
+    (``ggpipe.decoding.factory.build_scheduler``: in a speculative mode a
+    request that generates alone gets the mode's chains or look-ahead rows).
+    Adds to the per-request figures ``aggregate_tokens_per_s`` (every
+    request's tokens / virtual seconds from the first submission to the
+    last token) and ``itl_p90_ms`` (the mean over requests of each one's
+    90th percentile gap).
 
     Raises:
-        ConfigError: a speculative mode (the scheduler decodes plainly)."""
-    if mode_class(cfg.mode).speculates:
-        raise ConfigError(f"--parallel {cfg.parallel}: the scheduler runs --mode iterative; the speculative modes "
-                          "serve one request at a time")
-    sched = Scheduler(target, cfg.parallel, n_ctx_slot=1 << 30, n_ubatch=cfg.ubatch, is_eog=lambda t: False,
-                      timeout_s=3600.0, idle=idle_until_next(clock, [target]))
+        ConfigError: as ``build_scheduler``."""
+    spec = replace(cfg.spec, mode=cfg.mode) if mode_class(cfg.mode).speculates else cfg.spec
+    pipes = [p for p in (target, draft) if p is not None]
+    sched = build_scheduler(cfg.mode, spec, target, [draft] if draft is not None else [], slots=cfg.parallel,
+                            n_ctx_slot=1 << 30, n_ubatch=cfg.ubatch, is_eog=lambda t: False,
+                            depth=None, timeout_s=3600.0, idle=idle_until_next(clock, pipes),
+                            target_hosts=[cfg.profile.host(r).host for r in range(target.n_stages)])
     rng = np.random.default_rng(cfg.seed)
     jobs = [Job([int(t) for t in rng.integers(0, TOY_VOCAB, cfg.n_prompt)], cfg.n_predict,
                 Sampler(SamplingParams(temperature=0.0)), clock=GenerationClock(now=clock)) for _ in range(cfg.prompts)]
@@ -302,7 +307,8 @@ def _simulate_parallel(cfg: SimConfig, clock: SimClock, target: SimPipeline, bus
             "ttft_ms": None if d.get("ttft_s") is None else 1e3 * d["ttft_s"],
             "itl_mean_ms": None if d.get("itl_mean_s") is None else 1e3 * d["itl_mean_s"],
             "itl_p90_ms": None if d.get("itl_p90_s") is None else 1e3 * d["itl_p90_s"],
-            "accepted_per_pass": 1.0, "acceptance_rate": None, "target_passes": None,
+            "accepted_per_pass": None if j.drafted else 1.0,
+            "acceptance_rate": j.draft_accepted / j.drafted if j.drafted else None, "target_passes": None,
             "busy_share": {r: busy.get(r, 0.0) / wall for r in range(cfg.ranks)}, "wall_s": wall,
         })
     out = {"mode": cfg.mode, "ranks": cfg.ranks, "parallel": cfg.parallel, "records": records,

@@ -94,7 +94,8 @@ class SlotDrafter(Protocol):
         starts, when the draft is free)."""
 
     def arrived(self) -> bool:
-        """A result of the drafting :meth:`take` started has arrived."""
+        """A result of the drafting :meth:`take` started has arrived (consumed
+        by the call: True once per result)."""
 
     def drop(self) -> None:
         """Abandon the drafting :meth:`take` started (its runs are consumed later)."""
@@ -312,8 +313,15 @@ class ChainDrafter:
         return []
 
     def arrived(self) -> bool:
-        """A result of the drafting :meth:`take` started has arrived."""
-        return self._begun is not None and self.proposer.ready()
+        """A result of the drafting :meth:`take` started has arrived; it is
+        consumed now (never blocks), so the draft's next step starts at once
+        and the call is True once per result: a wait that wakes on it while
+        no look-ahead row can go (the pipeline full, no room left in the
+        request) waits for the next result, not spinning on this one."""
+        if self._begun is None or not self.proposer.ready():
+            return False
+        self._pump()
+        return True
 
     def drop(self) -> None:
         """Abandon the drafting :meth:`take` started (its runs in flight

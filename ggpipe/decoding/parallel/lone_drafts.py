@@ -51,6 +51,28 @@ def lookahead_setting(env=None) -> str:
     return v
 
 
+def lookahead_wanted(target_hosts: list[str], draft_has_ranks: bool = False, env=None) -> bool:
+    """Whether ``--mode pipeinfer`` under ``--parallel`` sends look-ahead
+    rows for a request that generates alone (:class:`LoneDrafts`):
+    ``GGPIPE_LOOKAHEAD`` = ``on``, ``off`` or ``auto`` (the default: on with
+    a draft model, whose ranks draft the rows without the head waiting,
+    ``draft_has_ranks``; with an instant draft, the n-gram lookup, on where
+    the target's stages each have a host of their own, ``target_hosts``:
+    the host of each target rank). Where stages share a host, two that
+    compute at once slow each other: on 2 cores shared by the stages,
+    n-gram look-ahead made 0.96x the scheduler without it on held-out
+    prompts it was not chosen on (docs/benchmarks/many-requests.md,
+    look-ahead rows), where a draft model's made 1.03-1.08x ``--parallel
+    1``'s PipeInfer against 0.93-0.98x without (docs/user-guide/parallel.md).
+
+    Raises:
+        ConfigError: another value."""
+    v = lookahead_setting(env)
+    if v != "auto":
+        return v == "on"
+    return draft_has_ranks or len(set(target_hosts)) == len(target_hosts)
+
+
 class LoneDrafts:
     """Args:
         target: the target pipeline (``seq_rm`` of refused cells, pipelined
