@@ -41,13 +41,9 @@ class Drafting(Mode):
 
     def __init__(self, core: SpecCore, proposer: Proposer):
         super().__init__()
-        self.core = core
-        self.target = core.target
         self.proposer = proposer
-        self.s = core.s
         self.timeout_s = core.timeout_s
-        core.on_root = self._new_root
-        core.observe = proposer.observe
+        self._drive(core, proposer.observe)
 
     # -- declarations ---------------------------------------------------------------
 

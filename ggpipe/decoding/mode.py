@@ -207,6 +207,16 @@ class Mode:
     def reset(self) -> None:
         """The KV caches were cleared (target and draft)."""
 
+    def _drive(self, core, observe: Callable[[list[int]], None]) -> None:
+        """Drive ``core`` (the speculative modes' core,
+        :class:`ggpipe.decoding.spec_core.SpecCore`): its target pipeline
+        and counters become this mode's (``target``, ``s``), each root the
+        core decides goes to the mode's ``_new_root(token)``, and the
+        context to ``observe(tokens)`` (the drafter's)."""
+        self.core, self.target, self.s = core, core.target, core.s
+        core.on_root = self._new_root
+        core.observe = observe
+
 
 MODES: dict[str, str | type] = {
     "iterative": "ggpipe.decoding.iterative:Iterative",

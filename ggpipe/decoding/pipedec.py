@@ -85,12 +85,8 @@ class PipeDec(Mode):
 
     def __init__(self, core: SpecCore, drafter: LayerDrafter):
         super().__init__()
-        self.core = core
-        self.target = core.target
         self.drafter = drafter
-        self.s = core.s
-        core.on_root = self._new_root
-        core.observe = drafter.observe
+        self._drive(core, drafter.observe)
 
     @classmethod
     def seq_ids(cls, spec: SpecSettings) -> int:
