@@ -17,8 +17,8 @@ drafts below every token sent so far; when its chain is there and the
 request's row still waits, the chain goes as a look-ahead row. The draft's
 ranks and the target's work at once, as in ``--mode pipeinfer`` one request
 at a time, where a chain the head waits for costs the draft's steps in
-full (measured on 3 ranks sharing 2 cores, held-out prompts: 1.03-1.08x
-``--parallel 1``'s PipeInfer, against 0.93-0.98x with waited-for chains;
+full (measured on 3 ranks sharing 2 cores, held-out prompts: 0.92-1.00x
+``--parallel 1``'s PipeInfer, against 0.80-0.91x with waited-for chains;
 docs/user-guide/parallel.md).
 """
 
@@ -62,8 +62,8 @@ def lookahead_wanted(target_hosts: list[str], draft_has_ranks: bool = False, env
     compute at once slow each other: on 2 cores shared by the stages,
     n-gram look-ahead made 0.96x the scheduler without it on held-out
     prompts it was not chosen on (docs/benchmarks/many-requests.md,
-    look-ahead rows), where a draft model's made 1.03-1.08x ``--parallel
-    1``'s PipeInfer against 0.93-0.98x without (docs/user-guide/parallel.md).
+    look-ahead rows), where a draft model's made 0.92-1.00x ``--parallel
+    1``'s PipeInfer against 0.80-0.91x without (docs/user-guide/parallel.md).
 
     Raises:
         ConfigError: another value."""
