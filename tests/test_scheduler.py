@@ -616,21 +616,21 @@ def test_lookahead_is_on_where_the_target_stages_have_hosts_of_their_own(monkeyp
     other value is a clear error."""
     from ggpipe.decoding.parallel.lone_drafts import lookahead_wanted
 
-    def session(hosts, n_target):      # Session.target_hosts: the first n_target ranks' hosts
+    def target_hosts(hosts, n_target):      # Session.target_hosts: the first n_target ranks' hosts
         return hosts[:n_target]
 
     monkeypatch.delenv("GGPIPE_LOOKAHEAD", raising=False)
-    assert lookahead_wanted(session(["a", "b", "c"], 3))
-    assert not lookahead_wanted(session(["a", "a"], 2))
-    assert lookahead_wanted(session(["a", "a"], 2), draft_has_ranks=True)    # a draft model drafts without waiting
-    assert lookahead_wanted(session(["a", "b", "b"], 2))          # rank 2 (a draft) shares rank 1's host
+    assert lookahead_wanted(target_hosts(["a", "b", "c"], 3))
+    assert not lookahead_wanted(target_hosts(["a", "a"], 2))
+    assert lookahead_wanted(target_hosts(["a", "a"], 2), draft_has_ranks=True)    # a draft model drafts without waiting
+    assert lookahead_wanted(target_hosts(["a", "b", "b"], 2))          # rank 2 (a draft) shares rank 1's host
     monkeypatch.setenv("GGPIPE_LOOKAHEAD", "on")
-    assert lookahead_wanted(session(["a", "a"], 2))
+    assert lookahead_wanted(target_hosts(["a", "a"], 2))
     monkeypatch.setenv("GGPIPE_LOOKAHEAD", "off")
-    assert not lookahead_wanted(session(["a", "b"], 2))
+    assert not lookahead_wanted(target_hosts(["a", "b"], 2))
     monkeypatch.setenv("GGPIPE_LOOKAHEAD", "sometimes")
     with pytest.raises(ConfigError, match="GGPIPE_LOOKAHEAD"):
-        lookahead_wanted(session(["a", "b"], 2))
+        lookahead_wanted(target_hosts(["a", "b"], 2))
 
 
 def test_a_slot_goes_through_its_states_in_order():

@@ -234,10 +234,10 @@ def _simulate_once(cfg: SimConfig, factors: dict, trace: dict | None = None) -> 
     Raises:
         ConfigError, SplitError: an impossible job (as ``ggpipe generate``)."""
     clock, target, draft, busy, roles = build(cfg, factors, trace)
-    if cfg.parallel > 1:
-        return _simulate_parallel(cfg, clock, target, draft, busy)
     pipes = [p for p in (target, draft) if p is not None]
     spec = replace(cfg.spec, mode=cfg.mode) if mode_class(cfg.mode).speculates else cfg.spec
+    if cfg.parallel > 1:
+        return _simulate_parallel(cfg, spec, clock, pipes, busy)
     n_seq_max = seq_ids_needed(cfg.mode, spec)
     dec = build_decoder(cfg.mode, spec, target, draft, n_ubatch=cfg.ubatch, n_seq_max=n_seq_max,
                         is_eog=lambda t: False, timeout_s=3600.0, idle=idle_until_next(clock, pipes))
@@ -271,7 +271,7 @@ def _simulate_once(cfg: SimConfig, factors: dict, trace: dict | None = None) -> 
     return {"mode": cfg.mode, "ranks": cfg.ranks, "records": records, **_means(records, cfg.ranks)}
 
 
-def _simulate_parallel(cfg: SimConfig, clock: SimClock, target: SimPipeline, draft: SimPipeline | None,
+def _simulate_parallel(cfg: SimConfig, spec: SpecSettings, clock: SimClock, pipes: list[SimPipeline],
                        busy: dict) -> dict:
     """``cfg.prompts`` greedy requests submitted at once to the scheduler
     with ``cfg.parallel`` slots, built as ``serve`` and ``batch`` build it
@@ -280,13 +280,13 @@ def _simulate_parallel(cfg: SimConfig, clock: SimClock, target: SimPipeline, dra
     Adds to the per-request figures ``aggregate_tokens_per_s`` (every
     request's tokens / virtual seconds from the first submission to the
     last token) and ``itl_p90_ms`` (the mean over requests of each one's
-    90th percentile gap).
+    90th percentile gap). ``pipes``: the target pipeline, then the draft's
+    if any; ``spec``: the speculation settings of ``cfg.mode``.
 
     Raises:
         ConfigError: as ``build_scheduler``."""
-    spec = replace(cfg.spec, mode=cfg.mode) if mode_class(cfg.mode).speculates else cfg.spec
-    pipes = [p for p in (target, draft) if p is not None]
-    sched = build_scheduler(cfg.mode, spec, target, [draft] if draft is not None else [], slots=cfg.parallel,
+    target = pipes[0]
+    sched = build_scheduler(cfg.mode, spec, target, pipes[1:], slots=cfg.parallel,
                             n_ctx_slot=1 << 30, n_ubatch=cfg.ubatch, is_eog=lambda t: False,
                             depth=None, timeout_s=3600.0, idle=idle_until_next(clock, pipes),
                             target_hosts=[cfg.profile.host(r).host for r in range(target.n_stages)])
