@@ -14,4 +14,5 @@ source "$VENV/bin/activate"
 python -m pip install --quiet --upgrade pip
 bash scripts/install_exact.sh -e ".[mpich,test]"
 GGPIPE_EXACT=1 python -m pytest -q -rs --full tests/test_kernels.py tests/test_exact_every_run.py \
-  tests/test_exactness.py tests/test_speculation_modes.py "tests/test_chat.py::test_piped_conversation_equals_single_node"
+  tests/test_exactness.py tests/test_speculation_modes.py "tests/test_chat.py::test_piped_conversation_equals_single_node" \
+  "tests/test_parallel.py::test_a_sampled_request_alone_drafts_and_gives_its_seeded_tokens"

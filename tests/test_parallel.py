@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.conftest import assert_greedy, run_ggpipe
+from tests.conftest import assert_greedy, rows_exact, run_ggpipe
 from tests.test_batch import read_records, write_jsonl
 from tests.test_serve import ServerProc, http
 
@@ -110,6 +110,31 @@ def test_ngram_chains_of_a_request_alone_are_exact(tmp_path, goliath, reference)
 
 
 CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
+
+
+def test_a_sampled_request_alone_drafts_and_gives_its_seeded_tokens(tmp_path, goliath):
+    """A seeded sampled request that generates alone under --parallel gets
+    n-gram chains too: each position one draw from the target's
+    distribution, the drafted token kept where the draw is that token
+    (ggpipe.speculation.verify, chosen candidates). Its tokens: those of the
+    same request with --mode iterative at --parallel 1, where the build's
+    batch rows are bit-identical to lone-token rows (the exact build with
+    ``--exact``: scripts/test_exact_build.sh runs this test). Elsewhere a
+    verified row's logits differ from a lone row's in the last bits
+    (docs/user-guide/exactness.md), and unlike a greedy choice, which only a
+    near-tie can turn, every draw can: there the tokens are the same up to
+    their first difference, and as many."""
+    rows = [{"id": 0, "prompt": CODE, "n": 40, "temperature": 0.5, "seed": 7},
+            {"id": 1, "prompt": PROMPTS[0], "n": 6, "temperature": 0.5, "seed": 8}]
+    plain = _batch(tmp_path, goliath, 2, 1, rows, "plain")
+    spec = _batch(tmp_path, goliath, 2, 2, rows, "spec", ["--mode", "speculative", "--spec-type", "ngram"])
+    assert sorted(spec) == sorted(plain)
+    for k in plain:
+        assert len(spec[k]["tokens"]) == len(plain[k]["tokens"]), k
+        if rows_exact(goliath):
+            assert spec[k]["tokens"] == plain[k]["tokens"], k
+    m = spec[0]["metrics"]
+    assert m["drafted"] > 0 and 0 < m["draft_accepted"] <= m["drafted"], m
 
 
 @pytest.mark.parametrize("ranks", [2, 3])

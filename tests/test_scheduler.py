@@ -277,7 +277,10 @@ def test_a_request_alone_drafts_chains_and_stays_exact():
     """Speculation in the scheduler: while one greedy request generates, its
     token goes with an n-gram chain below it (a micro-batch of its own) and
     the target keeps the tokens it agrees with; on text that repeats itself
-    most drafts are taken. A sampled request is never drafted for."""
+    most drafts are taken. A seeded sampled request is drafted for too and
+    decides the tokens it decides without a draft: one draw per position
+    from the target's distribution, the draft's chain accepted as far as
+    the draws agree with it."""
     period = 7
     lm = ToyLM(V, period=period)
     target = FakePipeline(lm, latency=2, cell_order=True, streams=True)
@@ -290,11 +293,20 @@ def test_a_request_alone_drafts_chains_and_stays_exact():
     st = sched.stats
     assert st["drafted"] > 20 and st["draft_accepted"] > 0.8 * st["drafted"]
     assert st["micro_batches"] < 20                      # far fewer passes than 40 tokens
-    sampled = Job(list(prompt), 10, Sampler(SamplingParams(temperature=0.7, seed=1)))
+    params = SamplingParams(temperature=0.7, top_k=0, top_p=1.0, seed=1)
+    sampled = Job(list(prompt), 30, Sampler(params))
     sched.submit(sampled)
-    drafted = st["drafted"]
+    drafted, accepted = st["drafted"], st["draft_accepted"]
     sched.run()
-    assert sched.stats["drafted"] == drafted
+    assert sampled.drafted > 0 and sampled.draft_accepted > 0, (sampled.drafted, sampled.draft_accepted)
+    assert st["drafted"] > drafted and st["draft_accepted"] > accepted
+    plain = Job(list(prompt), 30, Sampler(params))
+    alone = FakePipeline(lm, latency=2, cell_order=True, streams=True)
+    no_draft = Scheduler(alone, 1, n_ctx_slot=256, n_ubatch=16, is_eog=lambda t: False)
+    no_draft.submit(plain)
+    no_draft.run()
+    assert sampled.request.out == plain.request.out
+    assert sampled.request.out != lm.greedy(prompt, 30)       # really sampled
 
 
 def test_chains_fade_when_several_requests_generate():

@@ -6,16 +6,20 @@
 # ("nolookahead": GGPIPE_LOOKAHEAD=off; with a draft model, chains the head waits for). Prints one line per run: variant, id,
 # the request's tokens/s (its metrics), acceptance, drafted tokens, a hash of its tokens. DRAFT=MODEL speculates with
 # that draft model instead of the n-gram lookup (--mode pipeinfer -md MODEL); PARALLEL=N sets the slots of the
-# --parallel variants (default 8).
-#   [BEFORE=DIR] [VARIANTS="before after p1 iterative"] [MODEL=...] [DRAFT=...] [PARALLEL=N] \
+# --parallel variants (default 8). TEMP=T samples at temperature T, each request seeded (seed 1): the variants' hashes
+# then show whether a speculating variant decided iterative's tokens.
+#   [BEFORE=DIR] [VARIANTS="before after p1 iterative"] [MODEL=...] [DRAFT=...] [PARALLEL=N] [TEMP=T] \
 #       bash scripts/experiments/bench_lone_request.sh PROMPTS.jsonl ROUNDS [RANKS] [THREADS]
 set -euo pipefail
 P=$1; R=$2; N=${3:-2}; T=${4:-1}; M=${MODEL:-smollm2-goliath-40l-f32}; W=$(mktemp -d)
-python - "$P" "$W" <<'PY'
+python - "$P" "$W" "${TEMP:-}" <<'PY'
 import json, sys
 for i, line in enumerate(open(sys.argv[1])):
     r = json.loads(line)
-    open(f"{sys.argv[2]}/p{i}.jsonl", "w").write(json.dumps({"id": r.get("id", i), "prompt": r["prompt"]}) + "\n")
+    row = {"id": r.get("id", i), "prompt": r["prompt"]}
+    if sys.argv[3]:
+        row.update(temperature=float(sys.argv[3]), seed=1)
+    open(f"{sys.argv[2]}/p{i}.jsonl", "w").write(json.dumps(row) + "\n")
 PY
 for r in $(seq "$R"); do for f in "$W"/p*.jsonl; do for v in ${VARIANTS:-before after p1 iterative}; do
   [ $v = before ] && [ -z "${BEFORE:-}" ] && continue

@@ -4,8 +4,10 @@ request that generates alone, waited for (synchronous speculation: the
 target has nothing else to compute for that request meanwhile).
 
 The scheduler (ggpipe.decoding.parallel.scheduler) runs one request's tokens beside
-many; while a greedy request generates alone it may send a drafted chain
-below its next token, verified in a micro-batch of its own. What it asks of
+many; while a request generates alone it may send a drafted chain below
+its next token, verified in a micro-batch of its own (the draft drafts
+greedily: its chain is a function of the context, verified as tokens the
+draft chose, for greedy and sampled requests alike). What it asks of
 a drafter is :class:`SlotDrafter`: a lookup from the context alone (an
 n-gram lookup: ``chain_lookup`` of its strategy) is instant and wrapped in
 :class:`LookupDrafter`; any other ``--spec-type`` strategy, the draft model
@@ -164,7 +166,9 @@ def as_slot_drafter(draft) -> SlotDrafter | None:
 class ChainDrafter:
     """``draft(context, k)``: up to ``k`` tokens that may follow ``context``
     (list of token ids; ``context[-1]`` is the anchor, at position
-    ``len(context) - 1``), drafted by ``proposer`` for a greedy request.
+    ``len(context) - 1``), drafted greedily by ``proposer`` (for greedy and
+    sampled requests alike: the chain is the draft's choice, verified as
+    such, :func:`~ggpipe.speculation.verify.verify_step`).
 
     Args:
         proposer: the strategy (started here once, greedy; its KV follows
@@ -200,7 +204,7 @@ class ChainDrafter:
         self._done: tuple[list[int], list[int]] | None = None   # (context, chain) drafted, not taken yet
 
     def _start(self) -> None:
-        """Start the proposer once, greedy (it drafts for greedy requests only)."""
+        """Start the proposer once, greedy (its chains are the draft's choice, whatever the request samples)."""
         if not self._started:
             self.proposer.start(SamplingParams(), np.random.default_rng(0), None)
             self._started = True

@@ -33,6 +33,7 @@ from ggpipe.decoding.parallel.slots import Slot, _Row
 from ggpipe.runs import RunResult
 from ggpipe.speculation.adaptive import PassCost
 from ggpipe.speculation.gate import DraftGate
+from ggpipe.speculation.verify import verify_step
 
 
 #: The variable that turns pipeinfer's look-ahead rows under ``--parallel`` on or off.
@@ -126,7 +127,7 @@ class LoneDrafts:
         rows: guesses sent at every root lost up to 0.90x on 2 cores shared
         by the stages, on prompts whose guesses were seldom kept)."""
         r = slot.job.request
-        if not self.lookahead or self._drafting is not slot.job:   # (set by below() for greedy requests only)
+        if not self.lookahead or self._drafting is not slot.job:   # (set by below() for a request alone)
             return None
         beyond = len(slot.kv) - len(r.context)      # drafted tokens in flight, not yet decided
         room = min(self.draft_max + 1, r.n_predict - len(r.out) - beyond - 1, self.n_ctx_slot - len(slot.kv) - 2)
@@ -143,16 +144,23 @@ class LoneDrafts:
         return row, guess
 
     def verify(self, row: _Row, logits: list) -> list[int]:
-        """The tokens a row decides: its sampled token, or for a chain (greedy
-        requests only) the drafted tokens the target's argmax agrees with and
-        the target's token after them; the cells of the drafted tokens it
-        refuses are removed by :meth:`settle`."""
+        """The tokens a row decides: its sampled token, or for a chain the
+        drafted tokens the target's decisions agree with and the target's
+        token after them (:func:`~ggpipe.speculation.verify.verify_step`,
+        the drafted tokens chosen by the draft: point masses; greedy, the
+        target's argmax; sampled, one draw per position from the target's
+        distribution, as decoding without a draft draws: lossless, and a
+        seeded request decides the tokens it decides alone wherever the
+        rows agree bit for bit). The cells of the drafted tokens it refuses
+        are removed by :meth:`settle`."""
         sampler = row.job.sampler
-        decided = [sampler.sample(logits[0])]
-        for t, lg in zip(row.chain, logits[1:]):
-            if t != decided[-1]:
+        decided = []
+        for i, lg in enumerate(logits):
+            kids = row.chain[i:i + 1]
+            t, k = verify_step(lg, kids, [None] * len(kids), sampler, chosen=True)
+            decided.append(t)
+            if k is None:
                 break
-            decided.append(sampler.sample(lg))
         if row.chain:
             matched = len(decided) - 1
             self.gate.observe(matched, len(row.chain))
@@ -191,7 +199,7 @@ class LoneDrafts:
 
     def below(self, slot: Slot, alone: bool) -> list[int]:
         """Drafted tokens to send below the slot's next token: only for a
-        greedy request that generates alone (``alone``: no other slot's
+        request that generates alone, greedy or sampled (``alone``: no other slot's
         request generates; beside other generating slots a
         chain travels in a micro-batch of its own, a whole pass, where its
         plain token rides in its group's batch almost for free), only while
@@ -204,14 +212,14 @@ class LoneDrafts:
         r = slot.job.request
         room = 0
         if self.continuous:                 # a draft with ranks, look-ahead on: its chains go in look-ahead rows
-            if alone and slot.job.sampler.params.greedy:
+            if alone:
                 self.gate.forget_root()
                 self._drafting = slot.job
                 return []
-            self.draft.drop()               # beside others, or sampled: nothing drafted
-        if self.draft is not None and slot.job.sampler.params.greedy and alone:
+            self.draft.drop()               # beside others: nothing drafted
+        if self.draft is not None and alone:
             room = min(self.draft_max, r.n_predict - len(r.out), self.n_ctx_slot - len(slot.kv) - 2)
-        if room <= 0:                       # no draft, sampled, beside other generating slots, or no room
+        if room <= 0:                       # no draft, beside other generating slots, or no room
             self.gate.forget_root()
             self._drafting = None
             return []

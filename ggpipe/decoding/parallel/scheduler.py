@@ -82,7 +82,7 @@ class Scheduler:
             the draft model, waited for; its ``step_s``, seconds per
             drafted token, is what the gate charges; a plain function
             ``draft(context, k) -> tokens`` is an instant lookup), or None:
-            no speculation. Used while one greedy request is generating
+            no speculation. Used while one request is generating
             (:class:`~ggpipe.decoding.parallel.lone_drafts.LoneDrafts`).
         draft_max: most drafted tokens per chain.
         lookahead: PipeInfer's continuation for a request that generates
@@ -219,7 +219,7 @@ class Scheduler:
         return True
 
     def _send_ahead(self) -> bool:
-        """A look-ahead row (:meth:`LoneDrafts.ahead`) for a greedy request
+        """A look-ahead row (:meth:`LoneDrafts.ahead`) for a request
         that is the only one in the slots, with nothing queued, while its
         row waits for logits: up to ``depth - 1`` of them in flight (a
         draft model's: ``depth``), each built on the one before. Returns
