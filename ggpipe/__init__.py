@@ -6,15 +6,16 @@ Layout (upper folders use lower ones, never the reverse):
     cli/         the click commands (entry point: ggpipe/__main__.py) and
                  their options
     frontends/   generate, chat, batch; serve/, the OpenAI-compatible server
-    service/     the head's Engine (one request at a time, or the
-                 continuous-batching scheduler with --parallel) and a job's
-                 start and end on every rank
+    service/     the head's Engine (requests into one loop: the
+                 continuous-batching scheduler with --parallel, or one slot
+                 run by the mode) and a job's start and end on every rank
     bench/       ggpipe bench: sweeps, baselines, reports, timelines
     sim/         calibrate, simulate, balanced placement: the real decoding
                  loops against measured costs on a virtual clock
     cluster/     session start-up, rank roles, layer split planning, memory
     decoding/    the modes (iterative, speculative, pipeinfer, pipedec), each
-                 one module that declares itself (mode.py); parallel/, the
+                 one module that declares itself (mode.py); one_at_a_time.py,
+                 --parallel 1's one slot; parallel/, the
                  scheduler of --parallel (slots, micro-batches, a lone
                  request's chains and look-ahead rows)
     speculation/ MPI-free speculation logic: speculation tree and graph,

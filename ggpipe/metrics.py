@@ -25,12 +25,13 @@ import socket
 import sys
 import threading
 import time
+from collections import deque
 from typing import Callable, Sequence
 
 import numpy as np
 import psutil
 
-__all__ = ["GenerationClock", "MemorySampler", "rank_info", "summarize_itl"]
+__all__ = ["GenerationClock", "MemorySampler", "TokenRate", "rank_info", "summarize_itl"]
 
 
 def summarize_itl(gaps: Sequence[float]) -> dict:
@@ -41,6 +42,33 @@ def summarize_itl(gaps: Sequence[float]) -> dict:
         return {"mean": None, "p50": None, "p90": None}
     p50, p90 = np.percentile(a, [50, 90])
     return {"mean": float(a.mean()), "p50": float(p50), "p90": float(p90)}
+
+
+class TokenRate:
+    """Tokens generated per second over the last ``window_s`` seconds, every
+    request together (``/metrics``' aggregate tokens/s). :meth:`add` on the
+    loop's thread keeps the window bounded whether or not anyone reads
+    :meth:`per_s`, which any thread may call."""
+
+    def __init__(self, window_s: float = 10.0):
+        self.window_s = window_s
+        self._recent: deque[tuple[float, int]] = deque()   # (when, tokens), monotonic seconds
+
+    def add(self, n: int) -> None:
+        """Count ``n`` tokens generated now; forget those older than the window."""
+        now = time.monotonic()
+        self._recent.append((now, n))
+        while self._recent[0][0] < now - self.window_s:
+            self._recent.popleft()
+
+    def per_s(self) -> float:
+        """Tokens per second over the window (tokens / ``window_s``)."""
+        since = time.monotonic() - self.window_s
+        return sum(n for t, n in list(self._recent) if t >= since) / self.window_s   # a copy: the loop appends
+
+    def __len__(self) -> int:
+        """Entries held (at most one per :meth:`add` within the window)."""
+        return len(self._recent)
 
 
 class GenerationClock:

@@ -106,8 +106,8 @@ def test_the_rate_window_stays_bounded_when_nobody_reads_it(monkeypatch):
     monkeypatch.setattr(scheduler_module.time, "monotonic", lambda: float(next(clock)))
     sched, _, _ = _run(_jobs() + _jobs() + _jobs(), n_slots=2)
     assert sched.stats["generated"] == 3 * sum(LENGTHS)
-    assert len(sched._recent) <= scheduler_module.RATE_WINDOW_S / 2 + 1
-    assert 0 < sched.tokens_per_s() <= 3 * sum(LENGTHS) / scheduler_module.RATE_WINDOW_S
+    assert len(sched.rate) <= sched.rate.window_s / 2 + 1
+    assert 0 < sched.tokens_per_s() <= 3 * sum(LENGTHS) / sched.rate.window_s
 
 
 def test_a_cancelled_queued_job_is_dropped_and_reported():

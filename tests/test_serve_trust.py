@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import queue
-from collections import deque
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from starlette.testclient import TestClient
 
+from ggpipe.decoding.one_at_a_time import OneAtATime
 from ggpipe.errors import ConfigError
 from ggpipe.frontends.serve.http_guard import Access
 from ggpipe.frontends.serve.server import read_api_key
@@ -21,6 +21,7 @@ from ggpipe.frontends.serve.app import create_app
 from ggpipe.frontends.serve.state import ServerState
 from ggpipe.sampling_params import SamplingParams
 from ggpipe.service.engine import Completion, Engine
+from ggpipe.speculation.draft_stats import DraftStats
 
 ORIGIN = "http://localhost:3000"
 
@@ -97,8 +98,9 @@ class FakeEngine(Engine):
         self.session = SimpleNamespace(model_path="m.gguf", stage=SimpleNamespace(n_vocab=100), size=1,
                                        hosts=["h"], liveness=None, pipeline=pipe, draft_pipelines=[],
                                        activity=None)
-        self.n_ctx, self.mode, self.parallel, self.scheduler = 64, "iterative", 1, None
-        self.decoder, self.last, self._queue = SimpleNamespace(r=None), None, deque()
+        self.n_ctx, self.mode, self.parallel = 64, "iterative", 1
+        self.decoder, self.last = SimpleNamespace(r=None, drafting=lambda: (0, 0, DraftStats())), None
+        self.loop = OneAtATime(self.decoder, 1 << 20)     # check_fits (below) lets every request in
         self._kernels = {"batch_rows_exact": True}
         self.vocab = SimpleNamespace(chat_template=lambda: None, piece=lambda t: b"", is_eog=lambda t: False)
         self.fail = fail

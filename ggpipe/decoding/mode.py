@@ -40,6 +40,7 @@ from ggpipe.decoding.settings import SpecSettings
 from ggpipe.errors import ConfigError
 from ggpipe.metrics import GenerationClock
 from ggpipe.pipeline.waiting import Wait
+from ggpipe.speculation.draft_stats import DraftStats
 from ggpipe.plugins import registered
 from ggpipe.sampling import Sampler
 from ggpipe.speculation.kv_room import kv_cells_of
@@ -112,6 +113,7 @@ class Mode:
     def __init__(self) -> None:
         self.stats: dict = {}
         self.r: Request | None = None
+        self.core = None     # the speculative core a drafting mode drives (:meth:`_drive`)
 
     # -- declarations -------------------------------------------------------
 
@@ -206,6 +208,16 @@ class Mode:
 
     def reset(self) -> None:
         """The KV caches were cleared (target and draft)."""
+
+    def drafting(self) -> tuple[int, int, DraftStats]:
+        """The running (or last) request's drafted tokens, the accepted ones
+        among them, and both by position after a root (``/slots`` reads it
+        while the request runs, from another thread): its speculation
+        graph's counters, or none drafted for a mode without one."""
+        if self.core is None or self.r is None:
+            return 0, 0, DraftStats()
+        g = self.r.graph
+        return g.n_drafted, g.n_draft_accepted, g.draft_stats
 
     def _drive(self, core, observe: Callable[[list[int]], None]) -> None:
         """Drive ``core`` (the speculative modes' core,

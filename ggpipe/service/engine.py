@@ -1,8 +1,10 @@
 """The head rank's generation service, shared by every front end (generate,
-chat, batch, serve): one request at a time through the open pipeline, in any
-mode, with the KV cache's prefix reused between requests; or, with
-``--parallel N`` (batch, serve), many at once through the continuous-batching
-scheduler (ggpipe.decoding.parallel.scheduler), each in a slot of its own.
+chat, batch, serve): requests go to one loop with one interface, the
+continuous-batching scheduler (ggpipe.decoding.parallel.scheduler) with
+``--parallel N``, each request in a slot of its own, or with ``--parallel 1``
+its one slot (ggpipe.decoding.one_at_a_time), where the mode's own decoder
+runs each request in full, with the KV cache's prefix reused between
+requests.
 
 Prefix reuse (as llama.cpp's server and llama-cpp-python's ``Llama`` do):
 the engine remembers the tokens held in sequence 0 of the KV cache. A new
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import sys
 import time
-from collections import deque
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Callable
@@ -25,13 +26,14 @@ from typing import Callable
 import numpy as np
 
 from ggpipe.metrics import GenerationClock
-from ggpipe.runtime.vocab import Vocab, check_prompt_fits
+from ggpipe.runtime.vocab import Vocab
 from ggpipe.kv_reuse import reusable_prefix
 from ggpipe.sampling import Sampler, TokenLogprob
 from ggpipe.sampling_params import SamplingParams
 from ggpipe.cluster.session import Session
 from ggpipe.decoding.factory import build_decoder, build_scheduler
 from ggpipe.decoding.mode import mode_class
+from ggpipe.decoding.one_at_a_time import OneAtATime
 from ggpipe.decoding.parallel.slots import Job
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.errors import GGPipeError
@@ -103,9 +105,9 @@ class Engine:
         ignore_eos: keep generating after end-of-generation tokens.
         reuse_kv: keep the KV cache's common prefix between requests.
         parallel: slots (``--parallel``); above 1, requests go through the
-            continuous-batching scheduler (:meth:`submit`, :meth:`step`)
-            instead of :meth:`generate`, and the session's contexts must
-            keep one KV stream per slot (``ClusterConfig.kv_unified`` False).
+            continuous-batching scheduler (:meth:`submit`, :meth:`step`;
+            not :meth:`generate`), and the session's contexts must keep one
+            KV stream per slot (``ClusterConfig.kv_unified`` False).
         micro_batches: the scheduler's micro-batches in flight
             (``--micro-batches``); None: as many as the target's stages can
             compute at once, per host as many as its CPUs hold their
@@ -130,7 +132,7 @@ class Engine:
         drafts = session.draft_pipelines
         self.waiter = EventWait([session.pipeline, *drafts])
         self.parallel = parallel
-        self.decoder = self.scheduler = None
+        self.decoder = None
         declared = mode_class(mode)
         if declared.speculates:
             check_speculation(mode, _recurrent_models(session))
@@ -141,7 +143,7 @@ class Engine:
             self.n_ctx = session.stage.n_ctx_seq    # the cells of one slot
             # micro-batches in flight: as many as stages can compute at once, per host as many as its CPUs hold
             # their threads (3 ranks x 1 thread on 2 cores: 2; 4 x 4 threads on 16 cores: 4; 2 x 2 on 2 cores: 1)
-            self.scheduler = build_scheduler(mode, spec, session.pipeline, drafts, slots=parallel,
+            self.loop = build_scheduler(mode, spec, session.pipeline, drafts, slots=parallel,
                                              n_ctx_slot=self.n_ctx, n_ubatch=cfg.ubatch, is_eog=self.is_eog,
                                              depth=micro_batches or session.micro_batches_in_flight(),
                                              timeout_s=cfg.timeout_s, idle=self.waiter,
@@ -150,9 +152,9 @@ class Engine:
             self.decoder = build_decoder(mode, spec, session.pipeline, drafts[0] if drafts else None,
                                          more_drafts=drafts[1:], n_ubatch=cfg.ubatch, n_seq_max=cfg.n_seq_max,
                                          is_eog=self.is_eog, timeout_s=cfg.timeout_s, idle=self.waiter)
+            self.loop = OneAtATime(self.decoder, self.n_ctx, cached=lambda: len(self.kv_tokens))
         self.last: Completion | None = None
         self._kernels: dict | None = None
-        self._queue: deque = deque()   # one request at a time: (job, generate's settings, on_error) not started
 
     @property
     def kernels(self) -> dict:
@@ -183,10 +185,7 @@ class Engine:
     def check_fits(self, n_prompt: int, n_predict: int) -> None:
         """Raise ConfigError when the prompt (tokens) plus ``n_predict`` do
         not fit the context (with ``--parallel`` > 1: one slot's cells)."""
-        if self.scheduler is not None:
-            self.scheduler.check_fits(n_prompt, n_predict)
-        else:
-            check_prompt_fits(n_prompt, n_predict, self.n_ctx)
+        self.loop.check_fits(n_prompt, n_predict)
 
     def sampler(self, sampling: SamplingParams, context: list[int]) -> Sampler:
         """A request's sampler: its penalties see ``context`` (the prompt's
@@ -252,10 +251,16 @@ class Engine:
         if activity is not None:
             activity.set(f"answering a request ({len(toks)} prompt tokens, {self.mode})", clock)
         waits0, cpu0 = dict(self.waiter.stats), time.thread_time()
+        loop = self.loop
+
+        def emit(new: list[int]) -> bool:
+            loop.generated(len(new))
+            return stream.emit(new)
+
         try:
             sampler = self.sampler(sampling, toks)
             out = self.decoder.generate(np.asarray(toks[start:], dtype=np.int32), n_predict, sampler,
-                                        start_pos=start, emit=stream.emit, clock=clock, history=toks[:start])
+                                        start_pos=start, emit=emit, clock=clock, history=toks[:start])
         finally:
             if activity is not None:
                 activity.set("idle between requests")
@@ -277,25 +282,25 @@ class Engine:
                on_error: Callable[[Exception], None] | None = None) -> Job:
         """Queue a request; it runs as :meth:`step` is called: in the
         continuous-batching scheduler (``--parallel`` > 1) beside others, or
-        alone through the mode's decoder, one request per :meth:`step`.
-        ``on_text``, ``stop`` and ``should_stop`` as :meth:`generate`;
-        ``on_done`` gets the :class:`Completion` when the request ends, or
-        None for a job cancelled while queued (``job.cancelled``);
-        ``on_error`` gets the exception that ended the request alone (its
-        sampling failed: ``job.error``; one request at a time also its own
-        settings, or an unexpected error after which the pipeline was
-        checked and the KV caches cleared), instead of :meth:`step` raising
-        it (without ``on_error``).
+        alone in the one slot, through the mode's decoder, one request per
+        :meth:`step`. ``on_text``, ``stop`` and ``should_stop`` as
+        :meth:`generate`; ``on_done`` gets the :class:`Completion` when the
+        request ends, or None for a job cancelled while queued
+        (``job.cancelled``); ``on_error`` gets the exception that ended the
+        request alone (its sampling failed: ``job.error``; one request at a
+        time also its own settings, or an unexpected error after which the
+        pipeline was checked and the KV caches cleared), instead of
+        :meth:`step` raising it (without ``on_error``).
 
         Raises:
             ConfigError: the prompt is empty or does not fit (one slot)."""
         toks = [int(t) for t in tokens]
-        if self.scheduler is None:
+        if self.decoder is not None:
             self.check_fits(len(toks), n_predict)
             job = Job(toks, n_predict, None)     # generate() builds its sampler
             job.on_done = lambda j: on_done(None if j.cancelled else self.last)
-            self._queue.append((job, dict(sampling=sampling, on_text=on_text, stop=stop, should_stop=should_stop),
-                                on_error))
+            kw = dict(sampling=sampling, on_text=on_text, stop=stop, should_stop=should_stop)
+            self.loop.submit(job, lambda j: self._run_queued(j, kw, on_error))
             return job
         stream = TextStream(self.vocab, on_text, stop, should_stop)
 
@@ -320,55 +325,44 @@ class Engine:
                                logprobs=job.sampler.logprobs[:len(out)] if sampling.logprobs >= 0 else None))
 
         job = Job(toks, n_predict, self.sampler(sampling, toks), emit=stream.emit, on_done=done)
-        self.scheduler.submit(job)
+        self.loop.submit(job)
         return job
 
     @property
     def queued(self) -> int:
         """Requests submitted and not started."""
-        if self.scheduler is None:
-            return sum(1 for job, _, _ in self._queue if not job.cancelled)
-        return len(self.scheduler.queue)
+        return self.loop.n_queued
 
     @property
     def free_slots(self) -> int:
         """Requests :meth:`submit` can take now without one waiting for a
         slot: ``--parallel`` minus the running and queued ones (one request
-        at a time: 1 while nothing is queued)."""
-        s = self.scheduler
-        if s is None:
-            return 0 if self._queue else 1
-        return len(s.slots) - s.n_busy - len(s.queue)
+        at a time: 1 while nothing is queued or running)."""
+        return max(0, self.parallel - self.loop.n_busy - self.loop.n_queued)
 
     @property
     def running(self) -> int:
-        """Requests in a slot (one at a time: the one the next :meth:`step`
-        runs to its end)."""
-        if self.scheduler is None:
-            return 1 if self._queue else 0
-        return self.scheduler.n_busy
+        """Requests in a slot (one at a time: the one running, or the one
+        the next :meth:`step` runs to its end)."""
+        return self.loop.n_busy
 
     @property
     def busy(self) -> bool:
         """Requests queued or running."""
-        if self.scheduler is None:
-            return bool(self._queue)
-        return self.scheduler.busy
+        return self.loop.busy
 
     def step(self, wake: Callable[[], bool] = lambda: False) -> None:
-        """One turn: of the scheduler (:meth:`~ggpipe.decoding.parallel.scheduler.Scheduler.step`; ``wake``:
+        """One turn of the loop: of the scheduler
+        (:meth:`~ggpipe.decoding.parallel.scheduler.Scheduler.step`; ``wake``:
         stop waiting when it is true, new requests from another thread), or
         the next queued request run to its end through the mode's decoder
         (:meth:`generate`; a cancelled one is only reported)."""
-        s = self.scheduler
-        if s is None:
-            if self._queue:
-                self._run_queued(*self._queue.popleft())
-            return
-        activity = self.session.activity
-        if activity is not None:
-            activity.set(f"answering {s.n_busy} requests ({len(s.queue)} queued, --parallel {self.parallel})")
-        s.step(wake)
+        if self.decoder is None:
+            s = self.loop
+            activity = self.session.activity
+            if activity is not None:
+                activity.set(f"answering {s.n_busy} requests ({len(s.queue)} queued, --parallel {self.parallel})")
+        self.loop.step(wake)
 
     def _run_queued(self, job: Job, kw: dict, on_error: Callable[[Exception], None] | None) -> None:
         """Run one queued request to its end through the mode's decoder
@@ -415,8 +409,7 @@ class Engine:
 
     def drain(self) -> None:
         """Wait for the micro-batches in flight (before a shutdown)."""
-        if self.scheduler is not None:
-            self.scheduler.drain()
+        self.loop.drain()
 
     def _head_stats(self, waits0: dict, cpu0: float) -> dict:
         """The head's main thread during the last request: its CPU time

@@ -56,11 +56,11 @@ from ggpipe.decoding.request import Request
 from ggpipe.decoding.parallel.slots import Job, Slot, _Row, plan_microbatch
 from ggpipe.errors import ConfigError, GGPipeError
 from ggpipe.kv_reuse import reusable_prefix
+from ggpipe.metrics import TokenRate
 from ggpipe.pipeline.waiting import Wait, poll_wait
 from ggpipe.runs import Run, RunResult, next_run_id
 from ggpipe.speculation.draft_stats import DraftStats
 
-RATE_WINDOW_S = 10.0   # the window of tokens_per_s()
 
 
 class Scheduler:
@@ -127,7 +127,7 @@ class Scheduler:
         self.stats = dict.fromkeys(("micro_batches", "rows", "prefill_tokens", "generated", "finished",
                                     "reused_tokens", "drafted", "draft_accepted", "draft_skipped",
                                     "lookahead", "lookahead_kept"), 0)
-        self._recent: deque[tuple[float, int]] = deque()   # (when, tokens) of the acceptances of the last RATE_WINDOW_S
+        self.rate = TokenRate()      # the acceptances of the last 10 s (tokens_per_s)
         # a lone request's chains and look-ahead rows, their verification and the gate
         # (look-ahead rows follow a row in flight: with one micro-batch in flight there is no room for them)
         self.spec = LoneDrafts(target, draft, draft_max, lookahead and self.depth >= 2, n_ctx_slot, self.stats)
@@ -152,6 +152,11 @@ class Scheduler:
         self.check_fits(len(job.tokens), job.n_predict)
         job.t_queued = time.monotonic()
         self.queue.append(job)
+
+    @property
+    def n_queued(self) -> int:
+        """Requests waiting for a slot."""
+        return len(self.queue)
 
     @property
     def n_busy(self) -> int:
@@ -307,21 +312,15 @@ class Scheduler:
                 slot.todo = [r.out[-1]] + self.spec.below(slot, sum(s.generating for s in self.slots) <= 1)
 
     def _generated(self, n: int) -> None:
-        """Count ``n`` tokens generated now; forget those older than the
-        rate window here, on the loop's thread (the window stays bounded
-        whether or not anyone reads :meth:`tokens_per_s`)."""
+        """Count ``n`` tokens generated now."""
         self.stats["generated"] += n
-        now = time.monotonic()
-        self._recent.append((now, n))
-        while self._recent[0][0] < now - RATE_WINDOW_S:
-            self._recent.popleft()
+        self.rate.add(n)
 
     # -- views (any thread) ----------------------------------------------------------
 
     def tokens_per_s(self) -> float:
-        """Tokens generated per second over the last ``RATE_WINDOW_S`` seconds, every request together."""
-        since = time.monotonic() - RATE_WINDOW_S
-        return sum(n for t, n in list(self._recent) if t >= since) / RATE_WINDOW_S   # a copy: the loop appends meanwhile
+        """Tokens generated per second over the last 10 seconds, every request together."""
+        return self.rate.per_s()
 
     def view(self) -> list[dict]:
         """One dict per slot (llama-server's ``/slots``): id, KV cells, busy,

@@ -158,10 +158,9 @@ class Server:
             api_key=api_key, max_queue=max_queue, access=access or Access(),
             info={"mode": engine.mode, "ranks": session.size, "hosts": session.hosts,
                   "chat_template": bool(engine.vocab.chat_template()),
-                  "micro_batches": engine.scheduler.depth if engine.scheduler else 1,
+                  "micro_batches": engine.loop.depth,
                   "kernels": lambda: engine.kernels},   # the row probe: on the first /v1/models, not at start-up
-            parallel=engine.parallel, slots=engine.scheduler.view if engine.scheduler else None,
-            tokens_per_s=engine.scheduler.tokens_per_s if engine.scheduler else None)
+            parallel=engine.parallel, slots=engine.loop.view, tokens_per_s=engine.loop.tokens_per_s)
         self.shutdown_grace_s = shutdown_grace_s
         self.deadline: float | None = None  # interrupt the running request after this (monotonic)
         self.signals = 0
@@ -243,7 +242,7 @@ class Server:
         """Run requests until a shutdown signal; returns 0."""
         self.start_http()
         engine = self.engine
-        how = ("requests run one at a time, in order" if engine.scheduler is None else
+        how = ("requests run one at a time, in order" if engine.parallel == 1 else
                f"up to {engine.parallel} requests at once ({engine.n_ctx} KV cells each)")
         sys.stdout.write(f"ggpipe serve: listening on http://{_url_host(self.host)}:{self.port}/v1 "
                          f"(model {self.state.model_id}, {engine.mode}, {engine.session.size} ranks); {how}\n")
