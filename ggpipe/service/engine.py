@@ -144,10 +144,10 @@ class Engine:
             # micro-batches in flight: as many as stages can compute at once, per host as many as its CPUs hold
             # their threads (3 ranks x 1 thread on 2 cores: 2; 4 x 4 threads on 16 cores: 4; 2 x 2 on 2 cores: 1)
             self.loop = build_scheduler(mode, spec, session.pipeline, drafts, slots=parallel,
-                                             n_ctx_slot=self.n_ctx, n_ubatch=cfg.ubatch, is_eog=self.is_eog,
-                                             depth=micro_batches or session.micro_batches_in_flight(),
-                                             timeout_s=cfg.timeout_s, idle=self.waiter,
-                                             target_hosts=session.target_hosts)
+                                        n_ctx_slot=self.n_ctx, n_ubatch=cfg.ubatch, is_eog=self.is_eog,
+                                        depth=micro_batches or session.micro_batches_in_flight(),
+                                        timeout_s=cfg.timeout_s, idle=self.waiter,
+                                        target_hosts=session.target_hosts)
         else:
             self.decoder = build_decoder(mode, spec, session.pipeline, drafts[0] if drafts else None,
                                          more_drafts=drafts[1:], n_ubatch=cfg.ubatch, n_seq_max=cfg.n_seq_max,

@@ -18,7 +18,7 @@ PY
 for r in $(seq "$R"); do for build in default exact; do
   py=$(command -v python); extra=(); [ $build = exact ] && py=$EXACT_PYTHON && extra=(--exact)
   rm -f "$W/o.jsonl"
-  timeout 300 "$(dirname "$py")/mpiexec" -n "$N" "$py" -P -m ggpipe batch "$W/in.jsonl" -o "$W/o.jsonl" -m "$M" \
+  PATH="$(dirname "$py"):$PATH" timeout 300 mpiexec -n "$N" python -P -m ggpipe batch "$W/in.jsonl" -o "$W/o.jsonl" -m "$M" \
       --parallel 1 --no-progress "${extra[@]}" > "$W/log" 2>&1 || { tail -3 "$W/log"; continue; }
   python -c "
 import json, statistics
