@@ -285,3 +285,22 @@ def test_walk_tree_missing_start_logits():
 def test_walk_tree_leaf_with_logits_samples_bonus_token():
     toy = Toy({0: 0, 1: 3}, {0: [1]}, {0: onehot(3), 1: onehot(11)})
     assert toy.walk(0, greedy()) == ([3, 11], [1], True)
+
+
+def test_walk_tree_of_chosen_nodes_draws_once_per_position():
+    """Chosen nodes (a draft's greedy chain) under sampling: no draft
+    distribution is needed, and each position spends one draw, so the walk
+    decides the tokens plain sampling with the same seed decides."""
+    toy = Toy({0: 0, 1: 3, 2: 5}, {0: [1], 1: [2]}, {0: onehot(3, 1.0), 1: onehot(5, 1.0), 2: onehot(7, 1.0)})
+    params = SamplingParams(temperature=0.9, top_k=0, top_p=1.0, seed=4)
+    with pytest.raises(ValueError, match="draft distribution"):
+        toy.walk(0, Sampler(params))
+    tokens, nodes, complete = walk_tree(lambda n: toy.kids.get(n, []), lambda n: toy.tokens[n], lambda n: None,
+                                        lambda n: toy.logits.get(n), 0, Sampler(params), chosen=True)
+    plain = Sampler(params)
+    expected = []
+    for n in [0, 1, 2]:
+        expected.append(plain.sample(toy.logits[n]))
+        if n + 1 > 2 or expected[-1] != toy.tokens[n + 1]:
+            break
+    assert complete and tokens == expected and nodes == [k for k in (1, 2)][:len(tokens) - 1]

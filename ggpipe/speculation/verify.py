@@ -93,9 +93,10 @@ def verify_step(logits: np.ndarray, child_tokens: Sequence[int], child_q: Sequen
 
 def walk_tree(children_of: Callable[[int], list[int]], token_of: Callable[[int], int],
               q_of: Callable[[int], np.ndarray | None], logits_of: Callable[[int], np.ndarray | None],
-              start: int, sampler: Sampler) -> tuple[list[int], list[int], bool]:
+              start: int, sampler: Sampler, chosen: bool = False) -> tuple[list[int], list[int], bool]:
     """Walk down a tree from node ``start`` (whose logits must be known),
-    deciding one position per step.
+    deciding one position per step (:func:`verify_step`; ``chosen``: the
+    nodes were chosen by the draft, point masses, and ``q_of`` is not read).
 
     Returns:
         (tokens, nodes, complete): the accepted tokens in order; the nodes
@@ -112,7 +113,7 @@ def walk_tree(children_of: Callable[[int], list[int]], token_of: Callable[[int],
         if logits is None:
             return tokens, nodes, False
         kids = children_of(cur)
-        t, k = verify_step(logits, [token_of(c) for c in kids], [q_of(c) for c in kids], sampler)
+        t, k = verify_step(logits, [token_of(c) for c in kids], [q_of(c) for c in kids], sampler, chosen)
         tokens.append(t)
         if k is None:
             return tokens, nodes, True

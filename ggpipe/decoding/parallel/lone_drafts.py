@@ -33,7 +33,7 @@ from ggpipe.decoding.parallel.slots import Slot, _Row
 from ggpipe.runs import RunResult
 from ggpipe.speculation.adaptive import PassCost
 from ggpipe.speculation.gate import DraftGate
-from ggpipe.speculation.verify import verify_step
+from ggpipe.speculation.verify import walk_tree
 
 
 #: The variable that turns pipeinfer's look-ahead rows under ``--parallel`` on or off.
@@ -146,21 +146,17 @@ class LoneDrafts:
     def verify(self, row: _Row, logits: list) -> list[int]:
         """The tokens a row decides: its sampled token, or for a chain the
         drafted tokens the target's decisions agree with and the target's
-        token after them (:func:`~ggpipe.speculation.verify.verify_step`,
-        the drafted tokens chosen by the draft: point masses; greedy, the
+        token after them (the chain walked as a tree of one branch,
+        :func:`~ggpipe.speculation.verify.walk_tree`, its drafted tokens
+        chosen by the draft: point masses; greedy, the
         target's argmax; sampled, one draw per position from the target's
         distribution, as decoding without a draft draws: lossless, and a
         seeded request decides the tokens it decides alone wherever the
         rows agree bit for bit). The cells of the drafted tokens it refuses
         are removed by :meth:`settle`."""
-        sampler = row.job.sampler
-        decided = []
-        for i, lg in enumerate(logits):
-            kids = row.chain[i:i + 1]
-            t, k = verify_step(lg, kids, [None] * len(kids), sampler, chosen=True)
-            decided.append(t)
-            if k is None:
-                break
+        chain = row.chain     # node i: the row's token (0) or drafted token i; node i's logits decide node i + 1
+        decided, _, _ = walk_tree(lambda i: [i + 1] if i < len(chain) else [], lambda i: chain[i - 1],
+                                  lambda i: None, logits.__getitem__, 0, row.job.sampler, chosen=True)
         if row.chain:
             matched = len(decided) - 1
             self.gate.observe(matched, len(row.chain))
