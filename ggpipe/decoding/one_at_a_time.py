@@ -36,7 +36,6 @@ class OneAtATime:
         cached: -> tokens whose cells sequence 0 holds now (``n_cached``).
 
     Attributes:
-        queue: requests submitted and not started, oldest first.
         current: the request running now (during :meth:`step`), or None.
         rate: tokens generated lately (:meth:`generated` counts them).
         depth: micro-batches the loop keeps in flight as the scheduler
@@ -49,8 +48,7 @@ class OneAtATime:
         self.decoder = decoder
         self.n_ctx = n_ctx
         self._cached = cached
-        self.queue: deque[Job] = deque()
-        self._runs: dict[int, Callable[[Job], None]] = {}   # id(job) -> what runs it
+        self._pending: deque[tuple[Job, Callable[[Job], None]]] = deque()   # (request, what runs it), oldest first
         self.current: Job | None = None
         self._before = None      # the decoder's request before the current one started (until open() replaces it)
         self.rate = TokenRate()
@@ -68,18 +66,17 @@ class OneAtATime:
             ConfigError: it does not fit (:meth:`check_fits`)."""
         self.check_fits(len(job.tokens), job.n_predict)
         job.t_queued = time.monotonic()
-        self._runs[id(job)] = run
-        self.queue.append(job)
+        self._pending.append((job, run))
 
     @property
     def n_queued(self) -> int:
         """Requests waiting, cancelled ones left out."""
-        return sum(1 for job in list(self.queue) if not job.cancelled)
+        return sum(1 for job, _ in list(self._pending) if not job.cancelled)
 
     @property
     def n_busy(self) -> int:
         """1 while a request runs, or waits to run at the next :meth:`step`."""
-        return 1 if self.current is not None or self.queue else 0
+        return 1 if self.current is not None or self._pending else 0
 
     @property
     def busy(self) -> bool:
@@ -89,10 +86,9 @@ class OneAtATime:
     def step(self, wake: Callable[[], bool] = lambda: False) -> None:
         """Run the next queued request to its end (``wake`` is not read:
         nothing else runs meanwhile)."""
-        if not self.queue:
+        if not self._pending:
             return
-        job = self.queue.popleft()
-        run = self._runs.pop(id(job))
+        job, run = self._pending.popleft()
         self._before = self.decoder.r
         self.current = job
         try:
@@ -118,12 +114,12 @@ class OneAtATime:
         drafting so far (:meth:`~ggpipe.decoding.mode.Mode.drafting`)."""
         job = self.current
         r = self.decoder.r if job is not None else None
-        out = list(r.out) if r is not None and r is not self._before else []
+        started = r is not None and r is not self._before     # open() has made the current request the decoder's
+        out = list(r.out) if started else []
         if job is None:
             state = SlotState.IDLE
         else:
             state = SlotState.GENERATING if out else SlotState.PROMPT
-        started = r is not None and r is not self._before
         drafted, accepted, stats = self.decoder.drafting() if started else (0, 0, DraftStats())
         return [{"id": 0, "n_ctx": self.n_ctx, "is_processing": job is not None, "state": state.value,
                  "n_prompt_tokens": len(job.tokens) if job is not None else 0, "n_decoded": len(out),

@@ -296,8 +296,7 @@ class Engine:
             ConfigError: the prompt is empty or does not fit (one slot)."""
         toks = [int(t) for t in tokens]
         if self.decoder is not None:
-            self.check_fits(len(toks), n_predict)
-            job = Job(toks, n_predict, None)     # generate() builds its sampler
+            job = Job(toks, n_predict, None)     # generate() builds its sampler; the loop checks that it fits
             job.on_done = lambda j: on_done(None if j.cancelled else self.last)
             kw = dict(sampling=sampling, on_text=on_text, stop=stop, should_stop=should_stop)
             self.loop.submit(job, lambda j: self._run_queued(j, kw, on_error))
@@ -361,7 +360,7 @@ class Engine:
             s = self.loop
             activity = self.session.activity
             if activity is not None:
-                activity.set(f"answering {s.n_busy} requests ({len(s.queue)} queued, --parallel {self.parallel})")
+                activity.set(f"answering {s.n_busy} requests ({s.n_queued} queued, --parallel {self.parallel})")
         self.loop.step(wake)
 
     def _run_queued(self, job: Job, kw: dict, on_error: Callable[[Exception], None] | None) -> None:
