@@ -13,17 +13,22 @@ from ggpipe.sim.profile import Profile
 pytestmark = pytest.mark.full
 
 
-@pytest.fixture(scope="module")
-def profile(tmp_path_factory, smollm2):
-    """A profile of 2 ranks on this host, measured on SmolLM2 (target and draft)."""
-    out = tmp_path_factory.mktemp("cal") / "profile.json"
-    p = run_ggpipe(["calibrate", "-m", str(smollm2), "-md", str(smollm2), "--reps", "2", "--agreement-tokens", "24",
-                    "-o", str(out)], ranks=2, timeout=300)
+def calibrate(out, smollm2, draft=True):
+    """``ggpipe calibrate`` of 2 ranks on this host into ``out``, on SmolLM2
+    (as target, and as draft where ``draft``); returns ``out``."""
+    extra = ["-md", str(smollm2), "--agreement-tokens", "24"] if draft else []
+    p = run_ggpipe(["calibrate", "-m", str(smollm2), *extra, "--reps", "2", "-o", str(out)], ranks=2, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     summary = json.loads(p.stdout)
     assert summary["output"] == str(out)
     assert "rank 0" in p.stderr and "contention" in p.stderr  # progress, on rank 0 only
     return out
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory, smollm2):
+    """A profile of 2 ranks on this host, measured on SmolLM2 (target and draft)."""
+    return calibrate(tmp_path_factory.mktemp("cal") / "profile.json", smollm2)
 
 
 @pytest.mark.mpi
@@ -43,22 +48,34 @@ def test_calibrate_measures_every_rank_and_link(profile):
     assert Profile.from_dict(json.loads(profile.read_text())) == prof
 
 
-@pytest.mark.mpi
-def test_simulate_predicts_the_job_it_was_calibrated_for(profile, smollm2):
-    """The toy cluster (2 ranks x 1 thread on this host): ``simulate``'s
-    tokens/s for iterative decoding from the profile against the same job
-    measured right after, within 30% (the simulator's validation on this
-    machine, docs/benchmarks/simulator.md, gives a few percent; a profile
-    timed from the CPU's cache, as calibration once was, predicted 50-60%
-    too fast)."""
-    n = 64
+def simulated_and_measured(profile, smollm2, n=64):
+    """Iterative decoding of ``n`` tokens at 2 ranks x 1 thread: ``simulate``'s
+    tokens/s from ``profile``, and the mean of two runs of the job measured now."""
     measured = [generate_json(smollm2, "Describe a walk through a quiet forest in autumn.", n, 2,
                               ["-t", "1", "--ignore-eos"]) for _ in range(2)]
     tps = sum(m["metrics"]["tokens_per_s"] for m in measured) / len(measured)
     p = run_ggpipe(["simulate", "--profile", str(profile), "-m", str(smollm2), "--modes", "iterative", "--ranks", "2",
                     "-n", str(n), "--n-prompt", str(measured[0]["n_prompt"]), "--prompts", "1", "--json"])
     assert p.returncode == 0, p.stderr
-    simulated = json.loads(p.stdout.splitlines()[-1])["tokens_per_s"]
+    return json.loads(p.stdout.splitlines()[-1])["tokens_per_s"], tps
+
+
+@pytest.mark.mpi
+def test_simulate_predicts_the_job_it_was_calibrated_for(profile, smollm2, tmp_path):
+    """The toy cluster (2 ranks x 1 thread on this host): ``simulate``'s
+    tokens/s for iterative decoding from the profile against the same job
+    measured right after, within 30% (the simulator's validation on this
+    machine, docs/benchmarks/simulator.md, gives a few percent; a profile
+    timed from the CPU's cache, as calibration once was, predicted 50-60%
+    too fast).
+
+    A shared VM's speed can change by a third between the module's
+    calibration and this job (the same job was seen at 115 and 51 tokens/s),
+    so a miss is judged once more on a profile calibrated right before the
+    job, as the validation does: a simulator that is wrong misses both."""
+    simulated, tps = simulated_and_measured(profile, smollm2)
+    if abs(simulated / tps - 1) >= 0.30:
+        simulated, tps = simulated_and_measured(calibrate(tmp_path / "again.json", smollm2, draft=False), smollm2)
     assert abs(simulated / tps - 1) < 0.30, (simulated, tps)
 
 
