@@ -252,14 +252,13 @@ class ChainDrafter:
         """No draft work in flight (what :meth:`follow` submitted has been
         decoded and consumed), and the draft's KV lacks at most
         ``CATCH_UP_MAX`` tokens of ``context`` before its anchor (a proposer
-        that does not show its KV, ``cursor``, counts as holding it): a chain
-        now waits for little more than its own steps."""
+        that keeps no KV of the context, ``cursor`` None, counts as holding
+        it): a chain now waits for little more than its own steps."""
         p = self.proposer
         p.drain_ready()
         if p.busy():
             return False
-        cursor = getattr(p, "cursor", None)
-        return cursor is None or len(context) - 1 - reusable_prefix(cursor, context[:-1], False) <= CATCH_UP_MAX
+        return p.cursor is None or len(context) - 1 - reusable_prefix(p.cursor, context[:-1], False) <= CATCH_UP_MAX
 
     def settle(self) -> None:
         """Consume every draft run still in flight (bounded by ``timeout_s``

@@ -155,6 +155,9 @@ class Proposer(Protocol):
             decode from submission to result; 0 for an instant proposer;
             None until measured). Adaptive depth charges it when the target waits for
             the draft (synchronous speculation).
+        cursor: the tokens in the draft's KV (sequence 0, positions
+            0..len-1), or None where the proposer keeps no KV of the context
+            (it drafts from the tokens themselves, or through members).
     """
 
     name: str
@@ -163,6 +166,7 @@ class Proposer(Protocol):
     active: bool
     stats: dict
     step_s: float | None
+    cursor: list[int] | None
 
     def start(self, params: SamplingParams, rng: np.random.Generator,
               acceptance: Callable[[float], float] | None = None) -> None:

@@ -65,6 +65,7 @@ class ProposerBase:
     p_accept_auto_in: ClassVar[Container[str]] = ()
     iid_children = True
     bench_variants: ClassVar[dict[str, list[str]]] = {}
+    cursor: list[int] | None = None   # no KV of the context (a draft model's proposer keeps one)
 
     # -- declarations that depend on the settings (a vote asks its members) -----
 
