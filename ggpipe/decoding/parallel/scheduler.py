@@ -118,7 +118,7 @@ class Scheduler:
         self.n_ctx_slot = n_ctx_slot
         self.n_ubatch = n_ubatch
         self.is_eog = is_eog
-        self.depth = max(1, depth if depth is not None else getattr(target, "n_stages", 1))
+        self.depth = max(1, depth if depth is not None else target.n_stages)
         self.timeout_s = timeout_s
         self.idle = idle or poll_wait
         self.queue: deque[Job] = deque()
