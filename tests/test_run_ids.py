@@ -93,8 +93,10 @@ def test_two_ranks_across_the_wrap_stay_exact_and_cancel(goliath, reference):
     """A real 2-rank pipeinfer job whose run ids wrap at its third run
     (``GGPIPE_FIRST_RUN_ID``): the tokens equal single-node llama.cpp's, and
     rank 1 (the target's second stage) honours the cancellations of runs
-    issued after the wrap: every run the head cancelled came back cancelled
-    from it (before the fix, every cancel after the wrap was dropped)."""
+    issued after the wrap: runs the head cancelled come back cancelled from
+    it (before the fix, every cancel after the wrap was dropped). Not every
+    one: a cancel that reaches rank 1 after it finished the run finds nothing
+    to stop, and that run comes back complete (``DecodeBackend.cancel``)."""
     from conftest import assert_greedy, PROMPTS, run_ggpipe
 
     prompt, n = PROMPTS[1], 64
@@ -110,4 +112,4 @@ def test_two_ranks_across_the_wrap_stay_exact_and_cancel(goliath, reference):
     assert dec["cancel_sent"] > 0, dec
     worker = next(r for r in got["ranks"] if r["rank"] == 1)
     assert worker["cancelled_before_start"] + worker["cancelled_mid_compute"] > 0, worker
-    assert dec["returned_cancelled"] == dec["cancel_sent"], dec
+    assert 0 < dec["returned_cancelled"] <= dec["cancel_sent"], dec
