@@ -9,8 +9,9 @@ prompts, token counts and cores as ``ggpipe bench``.
 ``build`` downloads the sdist of the pinned ``llama-cpp-python==0.3.36`` with
 pip (``pip download --no-binary :all: --no-deps``), unpacks it and builds
 only the targets ``llama-completion``, ``llama-speculative-simple``,
-``ggml-rpc-server`` (``GGML_RPC=ON``), ``llama-batched-bench`` and
-``llama-server`` (scripts/bench_parallel.py runs the last two) of its
+``ggml-rpc-server`` (``GGML_RPC=ON``), ``llama-batched-bench``,
+``llama-server`` (scripts/bench_parallel.py runs these two) and
+``llama-bench`` (scripts/bench_kernels.py) of its
 vendored llama.cpp with cmake (Release, ``-march=native`` as llama-cpp-python,
 AMX off: ``GGML_AMX_TILE/INT8/BF16=OFF`` and ``-mno-amx-*``, see
 NOTES-llamacpp), in a cache directory outside the repository
