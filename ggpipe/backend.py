@@ -31,9 +31,14 @@ from ggpipe.runs import Run, RunResult
 class DraftResult(Protocol):
     """A finished run: float32 (n_outputs, n_vocab) ``logits`` (with the
     backend's ``reply_k`` > 0 their compact form, ggpipe.logits.TopLogits),
-    or None (no row was asked for, or the run was cancelled)."""
+    or None (no row was asked for, or the run was cancelled); the ``run``
+    it is the result of (``run.started_at``: submission, seconds of
+    ``time.perf_counter``) and ``finished_at`` (its arrival, same clock; 0:
+    not timed)."""
 
     logits: np.ndarray | TopLogits | None
+    run: Run
+    finished_at: float
 
 
 class DecodeBackend(Protocol):

@@ -377,13 +377,12 @@ class DraftModelProposer(ProposerBase):
         self._parent = node
         return tok
 
-    def _observe_step(self, result) -> None:
-        """Time a draft decode from submission to result (runs and results
-        carry ``started_at`` / ``finished_at``; others are skipped) and pass it
-        to :meth:`timed`."""
-        run = getattr(result, "run", None)
-        t1 = getattr(result, "finished_at", 0.0)
-        if run is None or not t1 or not run.started_at or t1 < run.started_at:
+    def _observe_step(self, result: DraftResult) -> None:
+        """Time a draft decode from submission to result (``run.started_at``
+        to ``finished_at``; a result without both times is skipped) and pass
+        it to :meth:`timed`."""
+        run, t1 = result.run, result.finished_at
+        if not t1 or not run.started_at or t1 < run.started_at:
             return
         self.timed(run.n_tokens, t1 - run.started_at)
 
