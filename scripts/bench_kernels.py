@@ -20,8 +20,8 @@ Rows, per model and round (the order rotates each round):
 * ``llama-bench``: ``llama-bench -m M -t THREADS -p P -n 0 -fa FA -r 2 -o json`` (prompt
   processing) and ``-p 0 -n N -d P`` (generation at the KV depth where ggpipe's
   requests generate); P: the ggpipe prompts' median token count. ggpipe runs
-  with the context llama-bench gives itself (``-c``: P + N + P, rounded up to
-  256 cells; ``--ctx`` sets another): without flash attention llama.cpp keeps
+  with the context llama-bench's generation test gives itself (``-c``: P + N,
+  rounded up to 256 cells; ``--ctx`` sets another): without flash attention llama.cpp keeps
   V transposed, rows ``-c`` cells apart, and a larger context costs a few
   percent of generation speed in both programs.
 * with ``--long``: one ``--long-tokens`` prompt (default 1,700) through
@@ -124,12 +124,14 @@ def run_llama_bench(model: Path, threads: int, p: int, n: int, fa: str) -> dict:
 
 
 def bench_ctx(p: int, n: int) -> int:
-    """The context llama-bench gives itself for a prompt of ``p`` tokens and
-    ``n`` generated ones at depth ``p`` (``n_prompt + n_gen + n_depth``,
-    rounded up to llama.cpp's 256-cell padding): ggpipe's ``-c`` in the
-    default rows, so both attend over a KV cache of the same size (without
-    flash attention llama.cpp keeps V transposed, rows ``-c`` cells apart)."""
-    return -(-(2 * p + n) // 256) * 256
+    """The context llama-bench gives its generation test of ``n`` tokens at
+    depth ``p`` (``-p 0 -n n -d p``: ``n_prompt + n_gen + n_depth`` = ``n +
+    p``, rounded up to llama.cpp's 256-cell padding; its prompt test ``-p p``
+    gets ``p`` rounded up, no more cells than that where ``p + n`` does not
+    cross a 256 boundary): ggpipe's ``-c`` in the default rows, so both
+    attend over a KV cache of the same size (without flash attention
+    llama.cpp keeps V transposed, rows ``-c`` cells apart)."""
+    return -(-(p + n) // 256) * 256
 
 
 def main() -> int:

@@ -20,8 +20,9 @@ model, ``-t THREADS``, tokens generated at KV depth ``--depth``:
     python scripts/experiments/generation_gap.py -m GOLIATH_Q4_0.gguf --rounds 6
 
 Prints one line a round and the medians, each row also as a fraction of
-``llama-bench``'s. ``-c`` is the context of every row but llama-bench (which
-sizes its own: depth + N rounded up to 256 cells).
+``llama-bench``'s. Every row attends over a KV cache of llama-bench's own
+size (depth + N rounded up to 256 cells; ``-c`` sets another for the rows
+but llama-bench): without flash attention a larger one costs a few percent.
 """
 
 from __future__ import annotations
@@ -127,11 +128,14 @@ def main() -> None:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--depth", type=int, default=298, help="KV depth (prompt tokens) where tokens are generated")
     ap.add_argument("-n", type=int, default=128, help="tokens generated")
-    ap.add_argument("-c", "--ctx", type=int, default=768, help="context (cells) of every row but llama-bench")
+    ap.add_argument("-c", "--ctx", type=int, default=0,
+                    help="context (cells) of every row but llama-bench (default: llama-bench's own, depth + n "
+                         "rounded up to 256)")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--requests", type=int, default=4, help="ggpipe row: requests (the first is a warm-up)")
     ap.add_argument("--row", choices=("bare", "stage"), help=argparse.SUPPRESS)
     a = ap.parse_args()
+    a.ctx = a.ctx or -(-(a.depth + a.n) // 256) * 256
     if a.row:
         print(in_process(a.row, a.model, a.threads, a.depth, a.n, a.ctx))
         return
