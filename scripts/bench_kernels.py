@@ -125,12 +125,12 @@ def run_llama_bench(model: Path, threads: int, p: int, n: int, fa: str) -> dict:
 
 def bench_ctx(p: int, n: int) -> int:
     """The context llama-bench gives its generation test of ``n`` tokens at
-    depth ``p`` (``-p 0 -n n -d p``: ``n_prompt + n_gen + n_depth`` = ``n +
-    p``, rounded up to llama.cpp's 256-cell padding; its prompt test ``-p p``
-    gets ``p`` rounded up, no more cells than that where ``p + n`` does not
-    cross a 256 boundary): ggpipe's ``-c`` in the default rows, so both
-    attend over a KV cache of the same size (without flash attention
-    llama.cpp keeps V transposed, rows ``-c`` cells apart)."""
+    depth ``p`` (``-p 0 -n n -d p``: ``n_prompt + n_gen + n_depth`` = ``p +
+    n``, rounded up to llama.cpp's 256-cell padding): ggpipe's ``-c`` in the
+    default rows, so both generate over a KV cache of the same size (without
+    flash attention llama.cpp keeps V transposed, rows ``-c`` cells apart).
+    Its prompt test (``-p p``) gets ``p`` rounded up: the same size unless
+    ``p + n`` crosses a 256-cell boundary."""
     return -(-(p + n) // 256) * 256
 
 

@@ -303,4 +303,4 @@ def test_walk_tree_of_chosen_nodes_draws_once_per_position():
         expected.append(plain.sample(toy.logits[n]))
         if n + 1 > 2 or expected[-1] != toy.tokens[n + 1]:
             break
-    assert complete and tokens == expected and nodes == [k for k in (1, 2)][:len(tokens) - 1]
+    assert complete and tokens == expected and nodes == [1, 2][:len(tokens) - 1]

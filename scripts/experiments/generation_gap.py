@@ -4,8 +4,9 @@ model, ``-t THREADS``, tokens generated at KV depth ``--depth``:
 
 * ``llama-bench``: ``llama-bench -p 0 -n N -d DEPTH -fa 0 -r 1`` (llama.cpp's
   default build: ``python scripts/peer_llamacpp.py build``);
-* ``bare``: a Python process loading the model with llama-cpp-python's
-  library, a context of llama-bench's own settings (``n_batch`` 2048,
+* ``bare``: a Python process holding the model as ggpipe's ``Stage`` loads
+  it (llama-cpp-python's library, repacked weights), a context of its own
+  with llama-bench's settings (``n_batch`` 2048,
   ``n_ubatch`` 512, one sequence, no callbacks), and a loop of
   ``llama_decode(llama_batch_get_one(token, 1))`` + ``llama_synchronize``
   (the same calls as llama-bench's generation test, through ctypes);
