@@ -47,6 +47,12 @@ class DecodeBackend(Protocol):
     inflight: Sized  # runs started whose results were not taken yet
     reply_k: int     # results of runs started from now on: 0 full logit rows, k the k best (ggpipe.logits)
 
+    @property
+    def n_cells(self) -> int | None:
+        """KV cells one sequence may fill (llama.cpp's ``n_ctx_seq``: ``-c``
+        rounded up to 256; with one stream per sequence, one stream's), or
+        None where the head does not know (no stage of this model on it)."""
+
     def decode(self, tokens: Sequence[int], start_pos: int, seq: int = 0, logits_last: bool = True,
                logits_all: bool = False) -> None:
         """Start one run of consecutive tokens of sequence ``seq``, with logits

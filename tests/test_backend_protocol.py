@@ -18,7 +18,7 @@ from ggpipe.sim.toy import FakePipeline, ToyLM
 
 
 def _members(proto) -> tuple[dict, set]:
-    """(methods by name, data attribute names) the protocol and its bases declare."""
+    """(methods by name, data attribute and property names) the protocol and its bases declare."""
     methods, data = {}, set()
     for klass in reversed(proto.__mro__):
         if klass in (object,) or not getattr(klass, "_is_protocol", False):
@@ -27,6 +27,8 @@ def _members(proto) -> tuple[dict, set]:
         for name, v in vars(klass).items():
             if inspect.isfunction(v) and not name.startswith("_"):
                 methods[name] = v
+            elif isinstance(v, property):
+                data.add(name)
     return methods, data
 
 

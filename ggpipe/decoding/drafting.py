@@ -21,7 +21,6 @@ from ggpipe.sampling import Sampler
 from ggpipe.speculation.adaptive import AdaptiveCutoff
 from ggpipe.speculation.cutoff import CutoffController
 from ggpipe.speculation.graph import ACCEPTED, DEAD
-from ggpipe.speculation.kv_room import kv_cells_of
 from ggpipe.speculation.partitions import PartitionPool
 from ggpipe.speculation.proposers.base import Proposer
 from ggpipe.speculation.tree import SpecTree
@@ -91,10 +90,10 @@ class Drafting(Mode):
         """The mode over ``target`` drafting with ``proposer`` (its own
         core; the KV partitions of ``--branches`` ids each out of
         ``n_seq_max``; ``n_cells``: the target's KV cells, by default
-        what ggpipe.speculation.kv_room.kv_cells_of finds)."""
+        what the target declares, ``target.n_cells``)."""
         core = SpecCore(target, spec, PartitionPool(n_seq_max, spec.branches), n_ubatch, is_eog,
                         timeout_s=timeout_s, idle=idle, cancels=cls.may_cancel(spec),
-                        n_cells=kv_cells_of(target) if n_cells is None else n_cells)
+                        n_cells=target.n_cells if n_cells is None else n_cells)
         return cls(core, proposer)
 
     # -- the core's measurements, for tests and --json ---------------------------------

@@ -43,7 +43,6 @@ from ggpipe.pipeline.waiting import Wait
 from ggpipe.speculation.draft_stats import DraftStats
 from ggpipe.plugins import registered
 from ggpipe.sampling import Sampler
-from ggpipe.speculation.kv_room import kv_cells_of
 
 
 @dataclass(frozen=True)
@@ -62,8 +61,8 @@ class BuildContext:
         idle: the wait for "any result" (``ggpipe.pipeline.waiting``); None:
             back-off polling.
         n_cells: the target's KV cells (llama.cpp's, ``-c`` rounded up to
-            256); None: what ``ggpipe.speculation.kv_room.kv_cells_of``
-            finds on the target, or unbounded.
+            256); None: what the target declares (``n_cells``), or
+            unbounded.
     """
 
     target: TargetBackend
@@ -79,7 +78,7 @@ class BuildContext:
 
     def __post_init__(self):
         if self.n_cells is None:
-            object.__setattr__(self, "n_cells", kv_cells_of(self.target))
+            object.__setattr__(self, "n_cells", self.target.n_cells)
 
 
 class Mode:

@@ -46,7 +46,6 @@ from ggpipe.errors import ConfigError, ProtocolError
 from ggpipe.metrics import GenerationClock
 from ggpipe.sampling import Sampler
 from ggpipe.speculation.cutoff import CutoffController
-from ggpipe.speculation.kv_room import kv_cells_of
 from ggpipe.speculation.layer_drafter import LayerDrafter
 from ggpipe.speculation.partitions import PartitionPool
 from ggpipe.speculation.tree import SpecTree
@@ -108,7 +107,7 @@ class PipeDec(Mode):
         core = SpecCore(ctx.target, spec, pool, ctx.n_ubatch, ctx.is_eog, timeout_s=ctx.timeout_s, idle=ctx.idle,
                         cancels=cls.may_cancel(spec), n_cells=ctx.n_cells)
         # the draft's context has the target's -c (ggpipe.cluster.loading) unless its pipeline says
-        drafter.n_cells = kv_cells_of(ctx.draft) or ctx.n_cells
+        drafter.n_cells = ctx.draft.n_cells or ctx.n_cells
         return cls(core, drafter)
 
     @property

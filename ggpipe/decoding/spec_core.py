@@ -62,7 +62,7 @@ class SpecCore:
             :func:`~ggpipe.pipeline.waiting.poll_wait`.
         cancels: dead runs are cancelled and dead rows masked (the
             asynchronous modes, unless ``--no-cancel``).
-        n_cells: the target's KV cells (ggpipe.speculation.kv_room.kv_cells_of);
+        n_cells: the target's KV cells (its ``n_cells``);
             None: unbounded. Speculative cells are admitted only where they
             fit (:meth:`spec_room`): a request whose prompt and ``-n`` fill
             the context still finishes, its trees shrinking near the end.

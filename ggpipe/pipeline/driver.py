@@ -126,6 +126,13 @@ class Pipeline:
         return int(self.stage is not None) + len(self.ranks)
 
     @property
+    def n_cells(self) -> int | None:
+        """KV cells of one sequence (the head's own stage's ``n_ctx_seq``:
+        ``-c`` rounded up to 256), or None with no stage of this model on
+        the head."""
+        return self.stage.n_ctx_seq if self.stage is not None else None
+
+    @property
     def last_rank(self) -> int | None:
         """The rank of the pipeline's last stage; None when it has no stage on
         another rank (the head's own stage is its only one)."""

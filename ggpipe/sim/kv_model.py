@@ -79,6 +79,11 @@ class KvCells:
             if src in self.seqs[i] and max(p0, 0) <= p < hi:
                 self.seqs[i].add(dst)
 
+    @property
+    def n_cells(self) -> int:
+        """Cells of the cache."""
+        return len(self.pos)
+
     def clear(self) -> None:
         """Free every cell."""
         self.__init__(len(self.pos))
@@ -104,6 +109,11 @@ class KvStreams:
     def __init__(self, size: int = 4096):
         self.size = size
         self.streams: dict[int, KvCells] = {}
+
+    @property
+    def n_cells(self) -> int:
+        """Cells of one stream (one sequence's)."""
+        return self.size
 
     def _stream(self, seq: int) -> KvCells:
         return self.streams.setdefault(seq, KvCells(self.size))

@@ -96,6 +96,11 @@ class ToyPipeline:
         self.n_seq_max = 256
         self.n_ubatch = 512   # with streams: each run must come out of llama.cpp's ubatch split in batch order
 
+    @property
+    def n_cells(self) -> int:
+        """KV cells of one sequence (its stream's, with ``streams``)."""
+        return self.kv_cells.n_cells
+
     # -- timing (subclasses) -----------------------------------------------------
 
     def _scheduled(self, run: Run) -> None:

@@ -95,21 +95,3 @@ class CellBook:
             else:
                 s.add(dst)
 
-
-def kv_cells_of(backend) -> int | None:
-    """Cells of ``backend``'s KV cache (a pipeline the head drives), or None
-    when it does not say: ``backend.n_ctx_cells`` if set, else its local
-    stage's ``n_ctx_seq`` (llama.cpp's cells: ``-c`` rounded up to 256),
-    else a toy pipeline's modelled cache (ggpipe.sim.kv_model)."""
-    n = getattr(backend, "n_ctx_cells", None)
-    if n:
-        return int(n)
-    stage = getattr(backend, "stage", None)
-    n = getattr(stage, "n_ctx_seq", None)
-    if isinstance(n, int) and n > 0:
-        return n
-    cells = getattr(backend, "kv_cells", None)
-    pos = getattr(cells, "pos", None)
-    if isinstance(pos, list):
-        return len(pos)
-    return None
