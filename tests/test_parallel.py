@@ -57,6 +57,22 @@ def test_batch_requests_equal_single_node_at_any_parallel(tmp_path, goliath, ref
         assert got[i]["finish_reason"] == "length"
 
 
+SYSTEM = "You are a careful assistant. You answer in one short paragraph, plainly, without lists. Question: "
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_requests_sharing_a_prefix_borrow_its_cells_and_stay_exact(tmp_path, goliath, reference, ranks):
+    """A burst of requests behind one system prompt: later requests copy the
+    stream of a slot that holds it (a whole-stream seq_cp on every stage)
+    and decode only their own rest; each request's tokens are still
+    single-node llama.cpp's."""
+    rows = [{"id": i, "prompt": SYSTEM + p, "n": n} for i, (p, n) in enumerate(zip(PROMPTS[:5], LENGTHS[:5]))]
+    got = _batch(tmp_path, goliath, ranks, 3, rows, "shared")
+    for i, row in enumerate(rows):
+        assert_greedy(got[i]["tokens"], goliath, row["prompt"], row["n"], msg=(ranks, row["prompt"]))
+    assert sum(got[i]["n_reused"] >= 16 for i in got) >= 3, [got[i]["n_reused"] for i in got]
+
+
 def test_seeded_sampling_is_the_same_at_any_parallel(tmp_path, goliath):
     rows = [{"id": i, "prompt": p, "n": n, "temperature": 0.8, "seed": 10 + i}
             for i, (p, n) in enumerate(zip(PROMPTS[:5], LENGTHS[:5]))]

@@ -25,10 +25,12 @@ PROMPTS = [[3, 9, 4, 3, 9], [7, 1], [5, 5, 5, 2, 8, 1, 4], [11], [2, 4, 6, 8, 10
 LENGTHS = [12, 3, 20, 7, 1, 15]
 
 
-def _run(jobs: list[Job], n_slots: int, depth: int = 2, n_ubatch: int = 8, latency: int = 3, eog=None):
+def _run(jobs: list[Job], n_slots: int, depth: int = 2, n_ubatch: int = 8, latency: int = 3, eog=None,
+         share_prefix: bool = True):
     target = FakePipeline(ToyLM(V), latency=latency, cell_order=True, streams=True)
     target.n_stages = depth
-    sched = Scheduler(target, n_slots, n_ctx_slot=64, n_ubatch=n_ubatch, is_eog=eog or (lambda t: False))
+    sched = Scheduler(target, n_slots, n_ctx_slot=64, n_ubatch=n_ubatch, is_eog=eog or (lambda t: False),
+                      share_prefix=share_prefix)
     done = []
     for j in jobs:
         j.on_done = done.append
@@ -79,6 +81,44 @@ def test_a_slot_reuses_the_cached_prefix_of_an_earlier_request():
         sched.run()
     assert follow.slot == first.slot and follow.n_reused == len(ctx) - 1
     assert follow.request.out == ToyLM(V).greedy(follow.tokens, 5)
+
+
+SYSTEM = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7]     # a chat template's system prompt, shared by a burst
+
+
+@pytest.mark.parametrize("n_slots,depth,n_ubatch", [(4, 2, 8), (4, 2, 32), (3, 3, 4), (2, 1, 16)])
+def test_a_burst_sharing_a_system_prompt_borrows_the_first_request_s_cells(n_slots, depth, n_ubatch):
+    """Requests that arrive together and share a prefix: each later one copies
+    the stream of a slot that already sent it and decodes only its own rest;
+    every request's tokens equal it run alone, every cell at index = position."""
+    prompts = [SYSTEM + tail for tail in ([10, 11], [12], [13, 14, 15], [16, 17], [18])]
+    jobs = _jobs(prompts=prompts, lengths=[6, 4, 9, 3, 5])
+    sched, done, target = _run(jobs, n_slots, depth, n_ubatch)
+    assert len(done) == len(jobs)
+    for j, pr in zip(jobs, prompts):
+        assert j.request.out == ToyLM(V).greedy(pr, j.n_predict), pr
+    borrowed = sum(j.n_reused for j in jobs)
+    assert borrowed >= (len(jobs) - n_slots) * len(SYSTEM)     # at least the requests that waited for a slot
+    assert any(j.n_reused >= len(SYSTEM) for j in jobs[1:n_slots])   # and some that came in the first burst
+    assert sched.stats["borrowed_tokens"] > 0
+    # the tokens the pipeline computed: fewer by exactly what was borrowed
+    plain_jobs = _jobs(prompts=prompts, lengths=[6, 4, 9, 3, 5])
+    plain, _, plain_target = _run(plain_jobs, n_slots, depth, n_ubatch, share_prefix=False)
+    assert [j.request.out for j in plain_jobs] == [j.request.out for j in jobs]
+    assert plain.stats["borrowed_tokens"] == 0
+    assert sum(plain_target.run_sizes) - sum(target.run_sizes) == \
+        sched.stats["borrowed_tokens"] == sched.stats["reused_tokens"] - plain.stats["reused_tokens"]
+
+
+def test_nothing_is_borrowed_when_sharing_is_off_or_the_prefix_is_short():
+    jobs = _jobs(prompts=[SYSTEM + [10], SYSTEM + [11]], lengths=[3, 3])
+    sched, _, _ = _run(jobs, 2, n_ubatch=32, share_prefix=False)
+    assert [j.n_reused for j in jobs] == [0, 0] and sched.stats["borrowed_tokens"] == 0
+    short = _jobs(prompts=[[1, 2, 3, 4, 5, 6, 7, 20], [1, 2, 3, 4, 5, 6, 7, 21]], lengths=[3, 3])
+    sched, _, _ = _run(short, 2)
+    assert sched.stats["borrowed_tokens"] == 0      # 7 shared tokens: computing them costs less than a copy
+    for j in short:
+        assert j.request.out == ToyLM(V).greedy(j.tokens, 3)
 
 
 def test_a_request_that_stops_frees_its_slot_and_disturbs_no_other():

@@ -147,7 +147,8 @@ class Engine:
                                         n_ctx_slot=self.n_ctx, n_ubatch=cfg.ubatch, is_eog=self.is_eog,
                                         depth=micro_batches or session.micro_batches_in_flight(),
                                         timeout_s=cfg.timeout_s, idle=self.waiter,
-                                        target_hosts=session.target_hosts)
+                                        target_hosts=session.target_hosts,
+                                        share_prefix=not _llama.is_recurrent(session.stage.model))
         else:
             self.decoder = build_decoder(mode, spec, session.pipeline, drafts[0] if drafts else None,
                                          more_drafts=drafts[1:], n_ubatch=cfg.ubatch, n_seq_max=cfg.n_seq_max,

@@ -18,6 +18,9 @@ class KvCells:
     was placed keeps its cells, as on a stage that finished it before its
     cancel arrived."""
 
+    #: ``seq_cp`` adds a sequence to cells (metadata); it copies nothing
+    copies_whole_streams = False
+
     def __init__(self, size: int = 4096):
         self.pos = [-1] * size
         self.seqs: list[set[int]] = [set() for _ in range(size)]
@@ -103,8 +106,11 @@ class KvStreams:
     """llama.cpp's KV cache with ``kv_unified = false``: one stream of
     cells per sequence (each a :class:`KvCells`), so a sequence's cells never
     sit among another's. A token belongs to one sequence (llama.cpp refuses
-    coupled sequences there), and a partial ``seq_cp`` is refused ("only
-    supported for full KV buffers")."""
+    coupled sequences there), and ``seq_cp`` copies a whole stream or is
+    refused ("only supported for full KV buffers")."""
+
+    #: ``seq_cp`` replaces the destination's cells with a copy of the source's
+    copies_whole_streams = True
 
     def __init__(self, size: int = 4096):
         self.size = size
@@ -141,9 +147,25 @@ class KvStreams:
                 cells.rm(s, p0, p1)
 
     def cp(self, src: int, dst: int, p0: int, p1: int) -> None:
-        """Refused: raises AssertionError, as llama.cpp refuses a partial
-        ``seq_cp`` between streams ("only supported for full KV buffers")."""
-        raise AssertionError("seq_cp() is only supported for full KV buffers (kv_unified = false)")
+        """``seq_cp`` between streams, as llama.cpp's ``llama_kv_cache::seq_cp``
+        does it: over the whole stream (``p0`` and ``p1`` open, or spanning
+        every cell), the destination's cells become those of the source, at
+        the same indices, relabelled; its head follows.
+
+        Raises:
+            AssertionError: a partial range ("only supported for full KV
+                buffers"), as llama.cpp asserts."""
+        if (0 < p0 and p0 + 1 < self.size) or (0 < p1 and p1 + 1 < self.size):
+            raise AssertionError("seq_cp() is only supported for full KV buffers (kv_unified = false)")
+        if src == dst:
+            return
+        a, b = self._stream(src), KvCells(self.size)
+        for i, (p, seqs) in enumerate(zip(a.pos, a.seqs)):
+            if src in seqs:
+                b.pos[i], b.seqs[i] = p, {dst}
+                b.used += 1
+        b.head = a.head
+        self.streams[dst] = b
 
     def clear(self) -> None:
         """Drop every stream."""

@@ -175,10 +175,16 @@ class ToyPipeline:
         """Add sequence ``dst`` to the cells of ``src`` at positions [p0, p1)
         (-1: open end).
 
+        With a stream per sequence, the whole stream of ``src`` replaces
+        that of ``dst`` (llama.cpp's copy of a stream's buffers).
+
         Raises:
             AssertionError: ``dst`` holds another token at one of those
-                positions, or the cache has a stream per sequence."""
+                positions; with a stream per sequence, a partial range."""
         self.kv_cells.cp(src, dst, p0, p1)
+        if self.kv_cells.copies_whole_streams:
+            self.cells[dst] = dict(self.cells.get(src, {}))
+            return
         hi = p1 if p1 >= 0 else 1 << 30
         lo = max(p0, 0)
         dcells = self.cells.setdefault(dst, {})

@@ -16,7 +16,14 @@ stage, each scheduled from requests not already in flight).
   (docs/user-guide/parallel.md). A request takes the free slot whose
   cached tokens share the longest prefix with its prompt (the lowest id on
   a tie); the cells after that prefix are removed and the rest of the prompt
-  is decoded (llama-server's prompt cache).
+  is decoded (llama-server's prompt cache). When its first chunk goes,
+  another slot may hold a longer prefix of its prompt (a chat template's
+  system prompt, the requests of one burst): that slot's stream is copied
+  into its own (``llama_memory_seq_cp`` of a whole stream, which llama.cpp
+  does as a copy of the stream's K and V buffers in order with the runs
+  before it on every stage) and only the rest is decoded
+  (:meth:`Scheduler._borrow_prefix`; vLLM's prefix caching across
+  requests).
 * **Micro-batches.** Each holds the next token of generating slots (in
   slot order: llama.cpp evaluates consecutive sequence ids of a non-unified
   cache in one ubatch) followed by one chunk of one prompt (chunked
@@ -94,6 +101,10 @@ class Scheduler:
             on the spot by an instant ``draft`` (the n-gram lookup) or
             drafted without waiting by a draft with ranks
             (:class:`~ggpipe.decoding.parallel.lone_drafts.LoneDrafts`).
+        share_prefix: a request may start from another slot's cells
+            (:meth:`_borrow_prefix`); False for a model whose state cannot
+            be cut at a position (recurrent or hybrid: llama.cpp copies and
+            keeps a sequence's state whole).
 
     A lone request's speculation (its chains, look-ahead rows, their
     verification, the gate) is ``spec``, a
@@ -101,7 +112,8 @@ class Scheduler:
 
     Attributes:
         stats: "micro_batches", "rows", "prefill_tokens", "generated",
-            "finished", "reused_tokens", "drafted", "draft_accepted",
+            "finished", "reused_tokens" (of them "borrowed_tokens", from
+            another slot's stream), "drafted", "draft_accepted",
             "draft_skipped", "lookahead" (look-ahead rows sent),
             "lookahead_kept" (of them, built on what the target then
             decided) (cumulative).
@@ -110,7 +122,7 @@ class Scheduler:
     def __init__(self, target: TargetBackend, n_slots: int, n_ctx_slot: int, n_ubatch: int,
                  is_eog: Callable[[int], bool], depth: int | None = None, timeout_s: float = 60.0,
                  idle: Wait | None = None, draft: SlotDrafter | Callable[[list[int], int], list[int]] | None = None,
-                 draft_max: int = 6, lookahead: bool = False):
+                 draft_max: int = 6, lookahead: bool = False, share_prefix: bool = True):
         if n_slots < 1:
             raise ConfigError(f"--parallel must be at least 1, got {n_slots}")
         self.target = target
@@ -118,6 +130,7 @@ class Scheduler:
         self.n_ctx_slot = n_ctx_slot
         self.n_ubatch = n_ubatch
         self.is_eog = is_eog
+        self.share_prefix = share_prefix
         self.depth = max(1, depth if depth is not None else target.n_stages)
         self.timeout_s = timeout_s
         self.idle = idle or poll_wait
@@ -125,8 +138,8 @@ class Scheduler:
         self._rows: dict[int, list[_Row]] = {}
         self._prompt_turn = False    # a prompt chunk goes next, when both prompts and tokens wait
         self.stats = dict.fromkeys(("micro_batches", "rows", "prefill_tokens", "generated", "finished",
-                                    "reused_tokens", "drafted", "draft_accepted", "draft_skipped",
-                                    "lookahead", "lookahead_kept"), 0)
+                                    "reused_tokens", "borrowed_tokens", "drafted", "draft_accepted",
+                                    "draft_skipped", "lookahead", "lookahead_kept"), 0)
         self.rate = TokenRate()      # the acceptances of the last 10 s (tokens_per_s)
         # a lone request's chains and look-ahead rows, their verification and the gate
         # (look-ahead rows follow a row in flight: with one micro-batch in flight there is no room for them)
@@ -212,6 +225,10 @@ class Scheduler:
             return self._send_ahead()
         # tokens without a prompt chunk now: a prompt's turn next
         self._prompt_turn = all(slot.generating for slot, _, _ in plan)
+        for i, (slot, n, _) in enumerate(plan):
+            if self._borrow_prefix(slot):      # a shorter rest: this chunk may now be the prompt's last
+                n = min(n, len(slot.todo))
+                plan[i] = (slot, n, n == len(slot.todo))
         rows = []
         for slot, n, wants in plan:
             chunk = slot.todo[:n]
@@ -221,6 +238,40 @@ class Scheduler:
             if not wants:
                 self.stats["prefill_tokens"] += n
         self._submit(rows)
+        return True
+
+    def _borrow_prefix(self, slot: Slot) -> bool:
+        """Before the first chunk of ``slot``'s prompt goes: when another
+        slot's tokens (sent or held: ``Slot.kv``) share a longer prefix with
+        the prompt than ``slot``'s own cells, copy that slot's whole stream
+        into ``slot``'s (``seq_cp``; a stream copy moves ``n_ctx_slot``
+        cells of K and V per layer, far less than computing a token, so it
+        is done for a gain of 8 tokens or more), remove the copied cells
+        after the common prefix (``seq_rm``), and leave only the rest of
+        the prompt to decode. Both operations go in order behind the
+        micro-batches already sent, so every stage copies the other slot's
+        cells as they are once those are computed. The cells are those the
+        same tokens at the same positions left, at the same indices
+        (position order), as a slot's own prompt cache. Returns whether it
+        copied."""
+        job = slot.job
+        if not self.share_prefix or job.request.out or len(slot.kv) != job.n_reused:
+            return False     # not a prompt whose first chunk is still to go
+        best, src = len(slot.kv), None
+        for other in self.slots:
+            if other is not slot:
+                k = reusable_prefix(other.kv, job.tokens)
+                if k > best:
+                    best, src = k, other
+        if src is None or best - len(slot.kv) < 8:
+            return False
+        self.target.seq_cp(src.seq, slot.seq, -1, -1)
+        self.target.seq_rm(slot.seq, best, -1)
+        slot.kv = src.kv[:best]
+        slot.todo = list(job.tokens[best:])
+        self.stats["reused_tokens"] += best - job.n_reused
+        self.stats["borrowed_tokens"] += best - job.n_reused
+        job.n_reused = best
         return True
 
     def _send_ahead(self) -> bool:
