@@ -194,6 +194,30 @@ def test_speculative_modes(name, mode, tiny_models):
     assert json.loads(p.stdout)["tokens"] == whole_model(model)
 
 
+# Requests one after the other in one job, as batch and serve run them: the
+# same prompt again, a prompt that shares only its first words, another one.
+# A recurrent state cannot be cut at a position, so the cache is kept whole
+# (the next turn of a conversation) or dropped.
+BATCH_PROMPTS = [PROMPT, PROMPT, PROMPT.split(",")[0] + ", and then something else entirely.", "Another prompt."]
+
+
+@pytest.mark.full
+@pytest.mark.mpi
+@pytest.mark.parametrize("parallel", [1, 2])
+@pytest.mark.parametrize("name", [n for n in CUT if n.split("-")[0] in ("lfm2", "granitehybrid", "qwen35")])
+def test_recurrent_and_hybrid_models_take_request_after_request(name, parallel, tiny_models, tmp_path):
+    model = tiny_models[name]
+    assert file_is_recurrent(model)
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "prompt": p, "n": 8}) + "\n" for i, p in enumerate(BATCH_PROMPTS)))
+    p = run_ggpipe(["batch", str(inp), "-o", str(out), "-m", str(model), "--parallel", str(parallel), "-c", str(256 * parallel),
+                    "--ignore-eos", "--no-progress"], 2)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = {r["id"]: r["tokens"] for r in map(json.loads, out.read_text().splitlines())}
+    for i, prompt in enumerate(BATCH_PROMPTS):
+        assert got[i] == baseline.greedy(model, prompt, 8, n_ctx=256, ignore_eos=True).tokens, (name, parallel, i)
+
+
 @pytest.mark.full
 @pytest.mark.mpi
 def test_gemma2_runs_whole_and_refuses_a_split(tiny_models):

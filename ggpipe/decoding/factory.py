@@ -70,7 +70,7 @@ def build_chain_drafter(mode: str, spec: SpecSettings, target, draft, *, n_ubatc
 
 def build_scheduler(mode: str, spec: SpecSettings, target, drafts: Sequence = (), *, slots: int, n_ctx_slot: int,
                     n_ubatch: int, is_eog: Callable[[int], bool], depth: int | None, timeout_s: float,
-                    idle: Wait | None = None, target_hosts: Sequence[str] = (), share_prefix: bool = True):
+                    idle: Wait | None = None, target_hosts: Sequence[str] = (), partial_reuse: bool = True):
     """The continuous-batching scheduler of ``--parallel`` ``slots`` in
     ``mode`` (ggpipe.decoding.parallel.scheduler), as ``serve``, ``batch``
     and ``simulate`` run it: in a speculative mode with the chain drafter of
@@ -84,8 +84,8 @@ def build_scheduler(mode: str, spec: SpecSettings, target, drafts: Sequence = ()
         n_ctx_slot: KV cells of one slot (tokens).
         depth: micro-batches in flight (None: the target's stages).
         timeout_s: bound of every wait (seconds).
-        share_prefix: a request may start from another slot's cells (False
-            for recurrent and hybrid models).
+        partial_reuse: the target's KV cells can be kept up to any position
+            (False for recurrent and hybrid models; see the scheduler).
 
     Raises:
         ConfigError: as :func:`build_chain_drafter`; a bad ``GGPIPE_LOOKAHEAD``."""
@@ -99,7 +99,7 @@ def build_scheduler(mode: str, spec: SpecSettings, target, drafts: Sequence = ()
     lookahead = declared.lookahead_in_slots and lookahead_wanted(list(target_hosts),
                                                                  drafter is not None and drafter.has_ranks)
     return Scheduler(target, slots, n_ctx_slot, n_ubatch, is_eog, depth=depth, timeout_s=timeout_s, idle=idle,
-                     draft=drafter, draft_max=spec.draft_max, lookahead=lookahead, share_prefix=share_prefix)
+                     draft=drafter, draft_max=spec.draft_max, lookahead=lookahead, partial_reuse=partial_reuse)
 
 
 def build_proposer(ctx: BuildContext, mode: str) -> Proposer:

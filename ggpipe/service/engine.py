@@ -132,6 +132,8 @@ class Engine:
         drafts = session.draft_pipelines
         self.waiter = EventWait([session.pipeline, *drafts])
         self.parallel = parallel
+        # a recurrent or hybrid model's state is kept or dropped whole (llama_memory_seq_rm refuses a cut)
+        self.recurrent = _llama.is_recurrent(session.stage.model)
         self.decoder = None
         declared = mode_class(mode)
         if declared.speculates:
@@ -147,8 +149,7 @@ class Engine:
                                         n_ctx_slot=self.n_ctx, n_ubatch=cfg.ubatch, is_eog=self.is_eog,
                                         depth=micro_batches or session.micro_batches_in_flight(),
                                         timeout_s=cfg.timeout_s, idle=self.waiter,
-                                        target_hosts=session.target_hosts,
-                                        share_prefix=not _llama.is_recurrent(session.stage.model))
+                                        target_hosts=session.target_hosts, partial_reuse=not self.recurrent)
         else:
             self.decoder = build_decoder(mode, spec, session.pipeline, drafts[0] if drafts else None,
                                          more_drafts=drafts[1:], n_ubatch=cfg.ubatch, n_seq_max=cfg.n_seq_max,
@@ -215,10 +216,12 @@ class Engine:
         """Keep the longest prefix of ``tokens`` already in the KV cache
         (at least one token is left to decode, for its logits); remove every
         cell after it on every stage. Returns the prefix length."""
-        common = reusable_prefix(self.kv_tokens, tokens) if self.reuse_kv else 0
+        common = reusable_prefix(self.kv_tokens, tokens, partial=not self.recurrent) if self.reuse_kv else 0
         # every sequence: speculation partitions are released after each request,
-        # but a cell past the prefix in any sequence must not survive
-        self.session.pipeline.seq_rm(-1, common, -1)
+        # but a cell past the prefix in any sequence must not survive; a recurrent
+        # or hybrid model (no speculation: sequence 0 alone) refuses seq_rm of
+        # sequence -1 (llama_memory_recurrent::seq_rm), so its sequence 0 goes
+        self.session.pipeline.seq_rm(0 if self.recurrent else -1, common, -1)
         del self.kv_tokens[common:]
         return common
 

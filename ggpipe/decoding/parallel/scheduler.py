@@ -101,10 +101,13 @@ class Scheduler:
             on the spot by an instant ``draft`` (the n-gram lookup) or
             drafted without waiting by a draft with ranks
             (:class:`~ggpipe.decoding.parallel.lone_drafts.LoneDrafts`).
-        share_prefix: a request may start from another slot's cells
-            (:meth:`_borrow_prefix`); False for a model whose state cannot
-            be cut at a position (recurrent or hybrid: llama.cpp copies and
-            keeps a sequence's state whole).
+        partial_reuse: a slot's cells can be kept up to any position, and a
+            request may start from another slot's cells
+            (:meth:`_borrow_prefix`). False for a model whose state cannot
+            be cut at a position (recurrent or hybrid: llama.cpp keeps or
+            drops a sequence's state whole): a request keeps its slot's
+            cells only where its prompt goes on after all of them, and
+            borrows nothing.
 
     A lone request's speculation (its chains, look-ahead rows, their
     verification, the gate) is ``spec``, a
@@ -122,7 +125,7 @@ class Scheduler:
     def __init__(self, target: TargetBackend, n_slots: int, n_ctx_slot: int, n_ubatch: int,
                  is_eog: Callable[[int], bool], depth: int | None = None, timeout_s: float = 60.0,
                  idle: Wait | None = None, draft: SlotDrafter | Callable[[list[int], int], list[int]] | None = None,
-                 draft_max: int = 6, lookahead: bool = False, share_prefix: bool = True):
+                 draft_max: int = 6, lookahead: bool = False, partial_reuse: bool = True):
         if n_slots < 1:
             raise ConfigError(f"--parallel must be at least 1, got {n_slots}")
         self.target = target
@@ -130,7 +133,7 @@ class Scheduler:
         self.n_ctx_slot = n_ctx_slot
         self.n_ubatch = n_ubatch
         self.is_eog = is_eog
-        self.share_prefix = share_prefix
+        self.partial_reuse = partial_reuse
         self.depth = max(1, depth if depth is not None else target.n_stages)
         self.timeout_s = timeout_s
         self.idle = idle or poll_wait
@@ -191,11 +194,11 @@ class Scheduler:
             if job.cancelled:
                 job.on_done(job)
                 continue
-            slot = max(free, key=lambda s: (reusable_prefix(s.kv, job.tokens), -s.seq))
+            slot = max(free, key=lambda s: (reusable_prefix(s.kv, job.tokens, partial=self.partial_reuse), -s.seq))
             self._start(slot, job)
 
     def _start(self, slot: Slot, job: Job) -> None:
-        keep = reusable_prefix(slot.kv, job.tokens)
+        keep = reusable_prefix(slot.kv, job.tokens, partial=self.partial_reuse)
         if keep < len(slot.kv):
             self.target.seq_rm(slot.seq, keep, -1)     # pipelined behind the runs already sent
             del slot.kv[keep:]
@@ -255,7 +258,7 @@ class Scheduler:
         (position order), as a slot's own prompt cache. Returns whether it
         copied."""
         job = slot.job
-        if not self.share_prefix or job.request.out or len(slot.kv) != job.n_reused:
+        if not self.partial_reuse or job.request.out or len(slot.kv) != job.n_reused:
             return False     # not a prompt whose first chunk is still to go
         best, src = len(slot.kv), None
         for other in self.slots:
