@@ -15,4 +15,6 @@ python -m pip install --quiet --upgrade pip
 bash scripts/install_exact.sh -e ".[mpich,test]"
 GGPIPE_EXACT=1 python -m pytest -q -rs --full tests/test_kernels.py tests/test_exact_every_run.py \
   tests/test_exactness.py tests/test_speculation_modes.py "tests/test_chat.py::test_piped_conversation_equals_single_node" \
-  "tests/test_parallel.py::test_a_sampled_request_alone_drafts_and_gives_its_seeded_tokens"
+  "tests/test_parallel.py::test_a_sampled_request_alone_drafts_and_gives_its_seeded_tokens" \
+  "tests/test_parallel.py::test_requests_sharing_a_prefix_borrow_its_cells_and_stay_exact" \
+  "tests/test_parallel.py::test_batch_requests_equal_single_node_at_any_parallel"
