@@ -76,7 +76,7 @@ def test_the_scheduler_counts_chains_and_lookahead_guesses_by_position(lookahead
     _consistent(st.verified, st.accepted)
     assert st.n_accepted == job.draft_accepted
     if lookahead:   # a kept guess continues the positions of the row before it
-        assert sched.stats["lookahead_kept"] > 0 and len(st.verified) > 4
+        assert sched.stats.lookahead_kept > 0 and len(st.verified) > 4
 
 
 def test_the_slots_view_reports_the_requests_drafting_so_far():

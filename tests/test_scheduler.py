@@ -52,9 +52,9 @@ def test_greedy_requests_equal_each_alone(n_slots, depth, n_ubatch, latency):
     assert len(done) == len(jobs)
     for j, p, n in zip(jobs, PROMPTS, LENGTHS):
         assert j.request.out == ToyLM(V).greedy(p, n), (p, n)
-    assert sched.stats["generated"] == sum(LENGTHS)
+    assert sched.stats.generated == sum(LENGTHS)
     if n_slots >= 3:
-        assert sched.stats["rows"] > sched.stats["micro_batches"]   # several requests per micro-batch
+        assert sched.stats.rows > sched.stats.micro_batches   # several requests per micro-batch
 
 
 def test_seeded_sampling_does_not_depend_on_what_runs_beside():
@@ -100,23 +100,23 @@ def test_a_burst_sharing_a_system_prompt_borrows_the_first_request_s_cells(n_slo
     borrowed = sum(j.n_reused for j in jobs)
     assert borrowed >= (len(jobs) - n_slots) * len(SYSTEM)     # at least the requests that waited for a slot
     assert any(j.n_reused >= len(SYSTEM) for j in jobs[1:n_slots])   # and some that came in the first burst
-    assert sched.stats["borrowed_tokens"] > 0
+    assert sched.stats.borrowed_tokens > 0
     # the tokens the pipeline computed: fewer by exactly what was borrowed
     plain_jobs = _jobs(prompts=prompts, lengths=[6, 4, 9, 3, 5])
     plain, _, plain_target = _run(plain_jobs, n_slots, depth, n_ubatch, partial_reuse=False)
     assert [j.request.out for j in plain_jobs] == [j.request.out for j in jobs]
-    assert plain.stats["borrowed_tokens"] == 0
+    assert plain.stats.borrowed_tokens == 0
     assert sum(plain_target.run_sizes) - sum(target.run_sizes) == \
-        sched.stats["reused_tokens"] - plain.stats["reused_tokens"]
+        sched.stats.reused_tokens - plain.stats.reused_tokens
 
 
 def test_nothing_is_borrowed_from_a_recurrent_state_or_for_a_short_prefix():
     jobs = _jobs(prompts=[SYSTEM + [10], SYSTEM + [11]], lengths=[3, 3])
     sched, _, _ = _run(jobs, 2, n_ubatch=32, partial_reuse=False)
-    assert [j.n_reused for j in jobs] == [0, 0] and sched.stats["borrowed_tokens"] == 0
+    assert [j.n_reused for j in jobs] == [0, 0] and sched.stats.borrowed_tokens == 0
     short = _jobs(prompts=[[1, 2, 3, 4, 5, 6, 7, 20], [1, 2, 3, 4, 5, 6, 7, 21]], lengths=[3, 3])
     sched, _, _ = _run(short, 2)
-    assert sched.stats["borrowed_tokens"] == 0      # 7 shared tokens: computing them costs less than a copy
+    assert sched.stats.borrowed_tokens == 0      # 7 shared tokens: computing them costs less than a copy
     for j in short:
         assert j.request.out == ToyLM(V).greedy(j.tokens, 3)
 
@@ -162,7 +162,7 @@ def test_the_rate_window_stays_bounded_when_nobody_reads_it(monkeypatch):
     clock = iter(range(0, 10**6, 2))     # seconds: each reading 2 s later
     monkeypatch.setattr(scheduler_module.time, "monotonic", lambda: float(next(clock)))
     sched, _, _ = _run(_jobs() + _jobs() + _jobs(), n_slots=2)
-    assert sched.stats["generated"] == 3 * sum(LENGTHS)
+    assert sched.stats.generated == 3 * sum(LENGTHS)
     assert len(sched.rate) <= sched.rate.window_s / 2 + 1
     assert 0 < sched.tokens_per_s() <= 3 * sum(LENGTHS) / sched.rate.window_s
 
@@ -348,15 +348,15 @@ def test_a_request_alone_drafts_chains_and_stays_exact():
     sched.run()
     assert job.request.out == lm.greedy(prompt, 40)
     st = sched.stats
-    assert st["drafted"] > 20 and st["draft_accepted"] > 0.8 * st["drafted"]
-    assert st["micro_batches"] < 20                      # far fewer passes than 40 tokens
+    assert st.drafted > 20 and st.draft_accepted > 0.8 * st.drafted
+    assert st.micro_batches < 20                      # far fewer passes than 40 tokens
     params = SamplingParams(temperature=0.7, top_k=0, top_p=1.0, seed=1)
     sampled = Job(list(prompt), 30, Sampler(params))
     sched.submit(sampled)
-    drafted, accepted = st["drafted"], st["draft_accepted"]
+    drafted, accepted = st.drafted, st.draft_accepted
     sched.run()
     assert sampled.drafted > 0 and sampled.draft_accepted > 0, (sampled.drafted, sampled.draft_accepted)
-    assert st["drafted"] > drafted and st["draft_accepted"] > accepted
+    assert st.drafted > drafted and st.draft_accepted > accepted
     plain = Job(list(prompt), 30, Sampler(params))
     alone = FakePipeline(lm, latency=2, cell_order=True, streams=True)
     no_draft = Scheduler(alone, 1, n_ctx_slot=256, n_ubatch=16, is_eog=lambda t: False)
@@ -377,7 +377,7 @@ def test_chains_fade_when_several_requests_generate():
     for j in jobs:
         assert j.request.out == lm.greedy(j.tokens, 30)
     # drafting only once the others have ended: the tails of the last requests
-    assert 0 < sched.stats["drafted"] < 60
+    assert 0 < sched.stats.drafted < 60
 
 
 def test_chains_that_miss_are_given_up_and_the_refused_cells_removed():
@@ -402,7 +402,7 @@ def test_chains_that_miss_are_given_up_and_the_refused_cells_removed():
     sched.submit(job)
     sched.run()
     assert job.request.out == lm.greedy([3, 9, 4], 60)
-    assert sched.stats["draft_skipped"] > 30
+    assert sched.stats.draft_skipped > 30
 
 
 def test_a_chain_drafter_gives_the_first_child_chain():
@@ -542,9 +542,9 @@ def test_lookahead_rows_follow_a_request_alone_and_stay_exact():
         plain, t_plain = _lone(lm, _ngram, False, n=80, depth=depth)
         ahead, t_ahead = _lone(lm, _ngram, True, n=80, depth=depth)
         st = ahead.stats
-        assert plain.stats["lookahead"] == 0
+        assert plain.stats.lookahead == 0
         # kept: the row before accepted whole (4-5 tokens at ~85% each) and the guess right
-        assert st["lookahead"] > 5 and st["lookahead_kept"] > 0.4 * st["lookahead"]
+        assert st.lookahead > 5 and st.lookahead_kept > 0.4 * st.lookahead
         assert t_ahead.clock < t_plain.clock
 
 
@@ -555,7 +555,7 @@ def test_refused_lookahead_rows_are_dropped_and_their_cells_removed():
     lm = ToyLM(V)
     wrong = lambda ctx, k: [(ctx[-1] + 1) % V] * k   # noqa: E731 (never the toy's next token)
     sched, _ = _lone(lm, wrong, True, n=30)
-    assert sched.stats["lookahead"] > 5 and sched.stats["lookahead_kept"] == 0
+    assert sched.stats.lookahead > 5 and sched.stats.lookahead_kept == 0
 
 
 def test_lookahead_stops_when_another_request_arrives_and_both_stay_exact():
@@ -573,7 +573,7 @@ def test_lookahead_stops_when_another_request_arrives_and_both_stay_exact():
     sched.submit(first)
     for _ in range(12):                       # the first request alone for a while: look-ahead rows go
         sched.step()
-    sent = sched.stats["lookahead"]
+    sent = sched.stats.lookahead
     assert sent > 0
     for j in more:
         sched.submit(j)
@@ -674,8 +674,8 @@ def test_a_draft_model_drafts_for_a_request_alone_and_stays_exact(lookahead, len
     for j in jobs:
         assert j.request.out == lm.greedy(j.tokens, j.n_predict)
     st = sched.stats
-    assert 0 < st["draft_accepted"] <= st["drafted"] and (st["drafted"] > 10 or lookahead)
-    assert (0 < st["lookahead_kept"] <= st["lookahead"]) == lookahead
+    assert 0 < st.draft_accepted <= st.drafted and (st.drafted > 10 or lookahead)
+    assert (0 < st.lookahead_kept <= st.lookahead) == lookahead
     assert not draft_pipe.inflight
 
 

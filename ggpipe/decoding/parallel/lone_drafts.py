@@ -29,7 +29,7 @@ from typing import Callable
 
 from ggpipe.errors import ConfigError
 from ggpipe.decoding.parallel.chain_draft import SlotDrafter, as_slot_drafter
-from ggpipe.decoding.parallel.slots import Slot, _Row
+from ggpipe.decoding.parallel.slots import SchedulerStats, Slot, _Row
 from ggpipe.runs import RunResult
 from ggpipe.speculation.adaptive import PassCost
 from ggpipe.speculation.gate import DraftGate
@@ -85,8 +85,9 @@ class LoneDrafts:
             ``has_ranks``: drafted without waiting, and no chain below a
             root).
         n_ctx_slot: KV cells of one slot.
-        stats: the scheduler's counters ("drafted", "draft_accepted",
-            "draft_skipped", "lookahead", "lookahead_kept"), updated here.
+        stats: the scheduler's counters
+            (:class:`~ggpipe.decoding.parallel.slots.SchedulerStats`): its
+            drafting ones are counted here.
 
     Attributes:
         gate: whether a chain pays (:class:`~ggpipe.speculation.gate.DraftGate`).
@@ -96,7 +97,7 @@ class LoneDrafts:
     """
 
     def __init__(self, target, draft: SlotDrafter | Callable[[list[int], int], list[int]] | None, draft_max: int,
-                 lookahead: bool, n_ctx_slot: int, stats: dict):
+                 lookahead: bool, n_ctx_slot: int, stats: SchedulerStats):
         self.target = target
         self.draft, self.draft_max = as_slot_drafter(draft), draft_max
         self.lookahead = lookahead and self.draft is not None
@@ -138,8 +139,8 @@ class LoneDrafts:
             return None
         row = _Row(slot, slot.job, True, guess[1:], p0=len(slot.kv), guess=guess[0])
         slot.ahead.append(row)
-        self.stats["lookahead"] += 1
-        self.stats["drafted"] += len(guess)
+        self.stats.lookahead += 1
+        self.stats.drafted += len(guess)
         slot.job.drafted += len(guess)
         return row, guess
 
@@ -160,7 +161,7 @@ class LoneDrafts:
         if row.chain:
             matched = len(decided) - 1
             self.gate.observe(matched, len(row.chain))
-            self.stats["draft_accepted"] += matched
+            self.stats.draft_accepted += matched
             row.job.draft_accepted += matched
             row.job.draft_stats.record_chain(row.first, len(row.chain), matched)
         return decided
@@ -180,8 +181,8 @@ class LoneDrafts:
             if kept:
                 nxt = slot.ahead.pop(0)
                 nxt.guess, nxt.first = None, at + 1
-                self.stats["lookahead_kept"] += 1
-                self.stats["draft_accepted"] += 1
+                self.stats.lookahead_kept += 1
+                self.stats.draft_accepted += 1
                 row.job.draft_accepted += 1
                 return True
         for a in slot.ahead:
@@ -230,11 +231,11 @@ class LoneDrafts:
             if not chain:
                 self.gate.observe(0, 0)     # an attempt that drafted nothing (it cost the draft's step)
         else:
-            self.stats["draft_skipped"] += 1
+            self.stats.draft_skipped += 1
             self.draft.follow(r.context)    # a draft with ranks follows the request meanwhile, not waited for
         self.gate.rooted(slot.job, now, len(r.out), attempt)
         self._drafting = slot.job if attempt else None
-        self.stats["drafted"] += len(chain)
+        self.stats.drafted += len(chain)
         slot.job.drafted += len(chain)
         return chain
 

@@ -60,7 +60,7 @@ from ggpipe.backend import TargetBackend
 from ggpipe.decoding.parallel.chain_draft import SlotDrafter
 from ggpipe.decoding.parallel.lone_drafts import LoneDrafts
 from ggpipe.decoding.request import Request
-from ggpipe.decoding.parallel.slots import Job, Slot, _Row, plan_microbatch
+from ggpipe.decoding.parallel.slots import Job, SchedulerStats, Slot, _Row, plan_microbatch
 from ggpipe.errors import ConfigError, GGPipeError
 from ggpipe.kv_reuse import reusable_prefix
 from ggpipe.metrics import TokenRate
@@ -114,12 +114,7 @@ class Scheduler:
     :class:`~ggpipe.decoding.parallel.lone_drafts.LoneDrafts`.
 
     Attributes:
-        stats: "micro_batches", "rows", "prefill_tokens", "generated",
-            "finished", "reused_tokens" (of them "borrowed_tokens", from
-            another slot's stream), "drafted", "draft_accepted",
-            "draft_skipped", "lookahead" (look-ahead rows sent),
-            "lookahead_kept" (of them, built on what the target then
-            decided) (cumulative).
+        stats: the counters (:class:`~ggpipe.decoding.parallel.slots.SchedulerStats`).
     """
 
     def __init__(self, target: TargetBackend, n_slots: int, n_ctx_slot: int, n_ubatch: int,
@@ -140,9 +135,7 @@ class Scheduler:
         self.queue: deque[Job] = deque()
         self._rows: dict[int, list[_Row]] = {}
         self._prompt_turn = False    # a prompt chunk goes next, when both prompts and tokens wait
-        self.stats = dict.fromkeys(("micro_batches", "rows", "prefill_tokens", "generated", "finished",
-                                    "reused_tokens", "borrowed_tokens", "drafted", "draft_accepted",
-                                    "draft_skipped", "lookahead", "lookahead_kept"), 0)
+        self.stats = SchedulerStats()
         self.rate = TokenRate()      # the acceptances of the last 10 s (tokens_per_s)
         # a lone request's chains and look-ahead rows, their verification and the gate
         # (look-ahead rows follow a row in flight: with one micro-batch in flight there is no room for them)
@@ -208,14 +201,14 @@ class Scheduler:
         job.request = Request(n_predict=job.n_predict, emit=job.emit, clock=job.clock, is_eog=self.is_eog,
                               context=list(job.tokens))
         slot.job, slot.todo, slot.waiting = job, list(job.tokens[keep:]), False
-        self.stats["reused_tokens"] += keep
+        self.stats.reused_tokens += keep
 
     def _end(self, slot: Slot) -> None:
         job = slot.job
         slot.job, slot.todo, slot.waiting = None, [], False
         slot.ahead = []     # look-ahead rows still in flight are dropped (their job has ended)
         job.clock.finish()
-        self.stats["finished"] += 1
+        self.stats.finished += 1
         job.on_done(job)
 
     # -- micro-batches --------------------------------------------------------------
@@ -239,7 +232,7 @@ class Scheduler:
             chain = chunk[1:] if slot.job.request.out else []   # drafted tokens below a generating slot's token
             rows.append((_Row(slot, slot.job, wants, chain, p0=len(slot.kv)), chunk))
             if not wants:
-                self.stats["prefill_tokens"] += n
+                self.stats.prefill_tokens += n
         self._submit(rows)
         return True
 
@@ -272,8 +265,8 @@ class Scheduler:
         self.target.seq_rm(slot.seq, best, -1)
         slot.kv = src.kv[:best]
         slot.todo = list(job.tokens[best:])
-        self.stats["reused_tokens"] += best - job.n_reused
-        self.stats["borrowed_tokens"] += best - job.n_reused
+        self.stats.reused_tokens += best - job.n_reused
+        self.stats.borrowed_tokens += best - job.n_reused
         job.n_reused = best
         return True
 
@@ -308,7 +301,7 @@ class Scheduler:
             outputs += [int(bool(row.chain))] * (n - 1) + [int(row.logits)]
             slot.kv += chunk
             slot.in_flight += 1
-            slot.last_sent = self.stats["micro_batches"]
+            slot.last_sent = self.stats.micro_batches
             slot.waiting = slot.waiting or row.logits
             if row.logits:
                 reply.append(slot.job.sampler.params.reply_k())
@@ -320,8 +313,8 @@ class Scheduler:
         self.target.reply_k = 0 if not reply or 0 in reply else max(reply)
         self._rows[run.run_id] = [row for row, _ in rows]
         self.target.submit(run)
-        self.stats["micro_batches"] += 1
-        self.stats["rows"] += n
+        self.stats.micro_batches += 1
+        self.stats.rows += n
 
     def _handle(self, res: RunResult) -> None:
         """A micro-batch's logits: each row's request decides its next
@@ -367,7 +360,7 @@ class Scheduler:
 
     def _generated(self, n: int) -> None:
         """Count ``n`` tokens generated now."""
-        self.stats["generated"] += n
+        self.stats.generated += n
         self.rate.add(n)
 
     # -- views (any thread) ----------------------------------------------------------

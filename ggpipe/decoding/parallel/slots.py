@@ -7,7 +7,7 @@ ggpipe.decoding.parallel.scheduler drives them."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Callable
 
@@ -16,6 +16,47 @@ from ggpipe.metrics import GenerationClock
 from ggpipe.runs import in_batch_order
 from ggpipe.sampling import Sampler
 from ggpipe.speculation.draft_stats import DraftStats
+
+
+@dataclass
+class SchedulerStats:
+    """The scheduler's counters since it started (cumulative; ``as_dict``
+    for reports).
+
+    Attributes:
+        micro_batches: micro-batches sent.
+        rows: tokens in them.
+        prefill_tokens: prompt tokens sent without a logit row (every
+            chunk of a prompt but its last).
+        generated: tokens the requests accepted.
+        finished: requests ended.
+        reused_tokens: prompt tokens whose cells a slot held or borrowed
+            (not decoded).
+        borrowed_tokens: of them, copied from another slot's stream.
+        drafted: drafted tokens sent (chains and look-ahead rows).
+        draft_accepted: of them, the target's.
+        draft_skipped: roots of a request alone sent without a chain (the
+            gate said a chain would not pay).
+        lookahead: look-ahead rows sent.
+        lookahead_kept: of them, built on what the target then decided.
+    """
+
+    micro_batches: int = 0
+    rows: int = 0
+    prefill_tokens: int = 0
+    generated: int = 0
+    finished: int = 0
+    reused_tokens: int = 0
+    borrowed_tokens: int = 0
+    drafted: int = 0
+    draft_accepted: int = 0
+    draft_skipped: int = 0
+    lookahead: int = 0
+    lookahead_kept: int = 0
+
+    def as_dict(self) -> dict:
+        """Every counter by name."""
+        return asdict(self)
 
 
 @dataclass(eq=False)
