@@ -250,25 +250,25 @@ class Drafting(Mode):
         g = r.graph
         mp = {j: j for j in range(len(tree))}
         if anchor == ORPHAN:
-            r.counts["stale_drafts"] += 1
+            r.counts.stale_drafts += 1
             return None
         if anchor is not None and len(tree):
             node = g.nodes.get(anchor)
             if node is None:    # trimmed: decided long ago (SpecGraph.trim)
-                r.counts["stale_drafts"] += 1
+                r.counts.stale_drafts += 1
                 return None
             if node.state == DEAD or (node.state == ACCEPTED and anchor != g.committed and g.committed is None):
-                r.counts["stale_drafts"] += 1
+                r.counts.stale_drafts += 1
                 return None
             if node.state == ACCEPTED and anchor != g.committed:
                 tree, mp = tree.reanchor(r.context[node.pos + 1:])
                 if not tree:
-                    r.counts["stale_drafts"] += 1
+                    r.counts.stale_drafts += 1
                     return None
                 anchor = g.committed
-                r.counts["reanchored_drafts"] += 1
+                r.counts.reanchored_drafts += 1
         if len(tree) == 0:
-            r.counts["failed_drafts"] += 1
+            r.counts.failed_drafts += 1
             if r.pending_root is not None:
                 self.core.submit_tree(None, tree)       # verify the root alone
             elif not self.target.ready():

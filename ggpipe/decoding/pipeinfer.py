@@ -111,7 +111,7 @@ class PipeInfer(Drafting):
         n_pass = len(tree) + (self.r.pending_root is not None)
         if not wait_pays(chain, wait_s, n_pass, self.core.pass_cost):
             return False
-        self.r.counts["waited_for_draft"] += 1
+        self.r.counts.waited_for_draft += 1
         return True
 
     def _new_root(self, token: int) -> None:
@@ -128,7 +128,7 @@ class PipeInfer(Drafting):
             # the draft is decoding this very token: send the root together with the
             # first draft token below it (one target pass for two tokens)
             r.spec_anchor = None
-            r.counts["deferred_roots"] += 1
+            r.counts.deferred_roots += 1
             return
         if sub is None and self.proposer.instant and self._may_speculate():
             self._begin_speculation()
@@ -138,7 +138,7 @@ class PipeInfer(Drafting):
             # the proposer goes on below its tip: a node of this run, or the root itself
             r.spec_anchor = r.graph.committed if tip == -1 else (
                 run_nodes[tip] if run_nodes and tip < len(run_nodes) else ORPHAN)
-            r.counts["salvaged_drafts"] += 1
+            r.counts.salvaged_drafts += 1
 
     def _salvage(self) -> tuple[SpecTree | None, int]:
         """Cut the proposer's tree if the tokens decided since its anchor lead

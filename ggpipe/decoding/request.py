@@ -8,15 +8,65 @@ A mode's policy object lives as long as the job; one :class:`Request` (or
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from ggpipe.metrics import GenerationClock
 from ggpipe.speculation.graph import SpecGraph
 
-COUNTERS = ("target_runs", "spec_runs", "root_runs", "cancel_sent", "returned_cancelled", "failed_drafts",
-            "verified_runs", "stale_drafts", "reanchored_drafts", "no_partition", "salvaged_drafts", "deferred_roots",
-            "kv_trims", "waited_for_draft", "rows_mask_sent", "draft_skipped", "kv_room_cuts", "kv_room_waits")
+
+@dataclass
+class RequestCounts:
+    """A speculative request's event counters, reported by name in
+    ``--json``'s ``decoder`` (:meth:`as_dict`).
+
+    Attributes:
+        target_runs: runs submitted to the target.
+        spec_runs: of them, speculative (drafted tokens, may be cancelled).
+        root_runs: of them, a decided token alone with no draft below it.
+        cancel_sent: cancellations sent for dead runs (PipeInfer IV.D).
+        returned_cancelled: results that came back cancelled.
+        verified_runs: results that came back computed (target passes).
+        rows_mask_sent: rows of runs in flight masked as dead (PipeDec 3.3.4).
+        failed_drafts: drafting attempts that gave no tree.
+        stale_drafts: drafted trees dropped because their anchor died meanwhile.
+        reanchored_drafts: drafted trees moved onto the verified tokens.
+        salvaged_drafts: drafted subtrees carried by a new root's run.
+        deferred_roots: roots held back to share a pass with the first
+            token drafted below them.
+        waited_for_draft: times the head waited for the draft's next token
+            because it paid (ggpipe.speculation.adaptive.wait_pays).
+        draft_skipped: roots the gate sent without drafting (a chain would
+            not pay).
+        no_partition: trees not sent for want of a free KV partition.
+        kv_trims: dead cells removed above the accepted tokens.
+        kv_room_cuts: trees shortened to the KV cells left (speculation/kv_room.py).
+        kv_room_waits: waits for cells to be freed before a root could go.
+    """
+
+    target_runs: int = 0
+    spec_runs: int = 0
+    root_runs: int = 0
+    cancel_sent: int = 0
+    returned_cancelled: int = 0
+    verified_runs: int = 0
+    rows_mask_sent: int = 0
+    failed_drafts: int = 0
+    stale_drafts: int = 0
+    reanchored_drafts: int = 0
+    salvaged_drafts: int = 0
+    deferred_roots: int = 0
+    waited_for_draft: int = 0
+    draft_skipped: int = 0
+    no_partition: int = 0
+    kv_trims: int = 0
+    kv_room_cuts: int = 0
+    kv_room_waits: int = 0
+
+    def as_dict(self) -> dict:
+        """Every counter by name."""
+        return asdict(self)
+
 
 Emit = Callable[[list[int]], "bool | None"]
 
@@ -87,7 +137,7 @@ class SpecRequest(Request):
         kv_top: one past the highest position any run of this request
             (or its prompt) placed in the target's KV cache: cells may exist
             below it, none above.
-        counts: event counters reported in ``stats``.
+        counts: its event counters (:class:`RequestCounts`).
     """
 
     graph: SpecGraph
@@ -96,7 +146,7 @@ class SpecRequest(Request):
     spec_anchor: int | None = None
     spec_path: float = 1.0
     kv_top: int = 0
-    counts: dict = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+    counts: RequestCounts = field(default_factory=RequestCounts)
 
     def room(self, anchor_pos: int, draft_max: int) -> int:
         """Most nodes a tree anchored at ``anchor_pos`` may have: ``draft_max``,

@@ -161,9 +161,9 @@ class SpecCore:
             info = g.runs.get(rid)
             if info is None or not info.cancelled:
                 raise ProtocolError(f"run {rid} came back cancelled, but the head did not cancel it")
-            r.counts["returned_cancelled"] += 1
+            r.counts.returned_cancelled += 1
         else:
-            r.counts["verified_runs"] += 1
+            r.counts.verified_runs += 1
         g.set_result(rid, None if res.cancelled else res.logits, rows=res.rows)
         if not res.cancelled:
             self.pass_cost.observe(res.run.n_tokens, res.finished_at - max(res.run.started_at, self._last_finish))
@@ -203,10 +203,10 @@ class SpecCore:
         if self.cancels:
             for d in dead:
                 self.target.cancel(d)
-                self.r.counts["cancel_sent"] += 1
+                self.r.counts.cancel_sent += 1
             if rows:
                 self.target.prune(rows)
-                self.r.counts["rows_mask_sent"] += len(rows)
+                self.r.counts.rows_mask_sent += len(rows)
 
     def release(self, info) -> None:
         """Clear a retired run's KV partition (pipelined behind its runs) and
@@ -262,12 +262,12 @@ class SpecCore:
                 info = g.runs.get(rid)
                 if info is None or not info.cancelled:
                     raise ProtocolError(f"run {rid} came back cancelled, but the head did not cancel it")
-                self.r.counts["returned_cancelled"] += 1
+                self.r.counts.returned_cancelled += 1
             else:
-                self.r.counts["verified_runs"] += 1
+                self.r.counts.verified_runs += 1
             g.set_result(rid, None if res.cancelled else res.logits, rows=res.rows)
             self._last_finish = res.finished_at
-            self.r.counts["kv_room_waits"] += 1
+            self.r.counts.kv_room_waits += 1
 
     # -- submission --------------------------------------------------------------------
 
@@ -287,12 +287,12 @@ class SpecCore:
         room = self.spec_room() - (anchor is None)
         if len(tree) > room:        # the context is nearly full: the tree shrinks (its first nodes stay)
             tree = tree.prefix(max(0, room))
-            r.counts["kv_room_cuts"] += 1
+            r.counts.kv_room_cuts += 1
             if anchor is not None and not len(tree):
                 return None
         part = self.pool.acquire() if len(tree) else None
         if len(tree) and part is None:
-            r.counts["no_partition"] += 1
+            r.counts.no_partition += 1
             if anchor is not None:
                 return None
             tree = SpecTree(anchor_pos=tree.anchor_pos)  # a root is never dropped: send it alone
@@ -322,8 +322,8 @@ class SpecCore:
         run = Run(run_id=run_id, tokens=tokens, pos=pos, n_seq_id=n_seq_id, seq_ids=seq_ids,
                   outputs=np.ones(tokens.shape[0], dtype=np.int8), speculative=speculative)
         self.submit(run)
-        r.counts["spec_runs"] += int(speculative)
-        r.counts["root_runs"] += int(anchor is None and not speculative)
+        r.counts.spec_runs += int(speculative)
+        r.counts.root_runs += int(anchor is None and not speculative)
         # a dead anchor means the tree was born dead: cancel at once
         if speculative and anchor is not None:
             self.cancel_dead()
@@ -344,7 +344,7 @@ class SpecCore:
         rid = next_run_id()
         gids = g.add_layer(rid, parents, tokens, dps, seqs, part)
         self.submit(Run.layer(tokens, pos, seqs, run_id=rid, speculative=True))
-        self.r.counts["spec_runs"] += 1
+        self.r.counts.spec_runs += 1
         return gids
 
     def submit(self, run: Run) -> None:
@@ -354,7 +354,7 @@ class SpecCore:
         if self.cells is not None:
             self.cells.place_run(run)
         self.target.submit(run)
-        r.counts["target_runs"] += 1
+        r.counts.target_runs += 1
 
     def trim_kv(self, p0: int) -> None:
         """Before a run whose first position is ``p0`` is placed: remove, on
@@ -374,7 +374,7 @@ class SpecCore:
         r = self.r
         if r.kv_top > p0 and r.graph.pending_top() <= p0:
             self.seq_rm(-1, p0, -1)
-            r.counts["kv_trims"] += 1
+            r.counts.kv_trims += 1
             r.kv_top = p0
 
     # -- the end -----------------------------------------------------------------
@@ -391,11 +391,11 @@ class SpecCore:
                 if info.speculative and not info.returned and not info.cancelled:
                     info.cancelled = True
                     self.target.cancel(info.run_id)
-                    r.counts["cancel_sent"] += 1
+                    r.counts.cancel_sent += 1
         while self.target.inflight:
             res = self.target.wait(self.timeout_s)
             g.set_result(res.run.run_id, None)
-            r.counts["returned_cancelled"] += int(res.cancelled)
+            r.counts.returned_cancelled += int(res.cancelled)
         drafter.settle(self.timeout_s)
         for info in list(g.runs.values()):
             self.release(info)

@@ -17,8 +17,8 @@ def request_stats(core, drafter, adaptive: bool) -> dict:
     position after a root (ggpipe.speculation.draft_stats). ``core``: the ggpipe.decoding.spec_core.SpecCore."""
     r, g = core.r, core.r.graph
     drafted = g.n_drafted
-    passes = max(1, r.counts["verified_runs"])
-    stats = dict(r.counts)
+    passes = max(1, r.counts.verified_runs)
+    stats = r.counts.as_dict()
     stats.update(drafter.stats)
     stats.update(
         spec_type=drafter.name,

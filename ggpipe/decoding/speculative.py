@@ -49,7 +49,7 @@ class Speculative(Drafting):
             drafting = self.gate.pays_at(self.proposer.step_s, core.pass_cost)
             self.gate.rooted(r, now, len(r.out), drafting)
             if not drafting:
-                r.counts["draft_skipped"] += 1
+                r.counts.draft_skipped += 1
                 # the draft follows the context meanwhile (its pipeline works beside the target's), so
                 # the next attempt decodes only its root, not every token skipped since the last one
                 self.proposer.prefill(r.context[:-1])
