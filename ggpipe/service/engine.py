@@ -85,10 +85,11 @@ class Completion:
         return out
 
 
-def _recurrent_models(session: Session) -> dict[str, bool]:
+def _recurrent_models(session: Session, target_recurrent: bool) -> dict[str, bool]:
     """Model file name -> recurrent or hybrid (llama.cpp's answer) for the
-    target (the head's own stage) and each draft model."""
-    out = {Path(session.model_path).name: _llama.is_recurrent(session.stage.model)}
+    target (``target_recurrent``, asked of the head's own stage) and each
+    draft model."""
+    out = {Path(session.model_path).name: target_recurrent}
     for name in session.config.draft_models:
         path = resolve(name)
         out[path.name] = _llama.file_is_recurrent(path)
@@ -137,7 +138,7 @@ class Engine:
         self.decoder = None
         declared = mode_class(mode)
         if declared.speculates:
-            check_speculation(mode, _recurrent_models(session))
+            check_speculation(mode, _recurrent_models(session, self.recurrent))
         if parallel > 1:
             note = declared.in_slots(spec)
             if note:        # the mode is not what it is one request at a time: say so once, at start-up

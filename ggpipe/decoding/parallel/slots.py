@@ -7,7 +7,7 @@ ggpipe.decoding.parallel.scheduler drives them."""
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable
 
@@ -20,8 +20,7 @@ from ggpipe.speculation.draft_stats import DraftStats
 
 @dataclass
 class SchedulerStats:
-    """The scheduler's counters since it started (cumulative; ``as_dict``
-    for reports).
+    """The scheduler's counters since it started (cumulative).
 
     Attributes:
         micro_batches: micro-batches sent.
@@ -53,10 +52,6 @@ class SchedulerStats:
     draft_skipped: int = 0
     lookahead: int = 0
     lookahead_kept: int = 0
-
-    def as_dict(self) -> dict:
-        """Every counter by name."""
-        return asdict(self)
 
 
 @dataclass(eq=False)
