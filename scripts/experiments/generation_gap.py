@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from bench_kernels import bench_ctx, prompts  # noqa: E402
 from peer_llamacpp import bin_path  # noqa: E402
 
 from ggpipe.child_process import child_env, ggpipe_command  # noqa: E402
@@ -117,8 +118,6 @@ def one_row(row: str, a: argparse.Namespace, req: Path, workdir: Path) -> float:
 
 def requests(model: str, depth: int, n: int, k: int) -> str:
     """``k`` requests of about ``depth`` prompt tokens (scripts/bench_kernels.py's held-out prompts)."""
-    from bench_kernels import prompts  # noqa: PLC0415
-
     texts, _ = prompts(Path(model), k, depth)
     return "".join(json.dumps({"id": i, "prompt": t, "n": n}) + "\n" for i, t in enumerate(texts))
 
@@ -136,7 +135,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=4, help="ggpipe row: requests (the first is a warm-up)")
     ap.add_argument("--row", choices=("bare", "stage"), help=argparse.SUPPRESS)
     a = ap.parse_args()
-    a.ctx = a.ctx or -(-(a.depth + a.n) // 256) * 256
+    a.ctx = a.ctx or bench_ctx(a.depth, a.n)
     if a.row:
         print(in_process(a.row, a.model, a.threads, a.depth, a.n, a.ctx))
         return
