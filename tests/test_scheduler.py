@@ -355,7 +355,8 @@ def test_a_request_alone_drafts_chains_and_stays_exact():
     sched.submit(sampled)
     drafted, accepted = st.drafted, st.draft_accepted
     sched.run()
-    assert sampled.drafted > 0 and sampled.draft_accepted > 0, (sampled.drafted, sampled.draft_accepted)
+    d = sampled.draft_stats
+    assert d.drafted > 0 and d.n_accepted > 0, (d.drafted, d.n_accepted)
     assert st.drafted > drafted and st.draft_accepted > accepted
     plain = Job(list(prompt), 30, Sampler(params))
     alone = FakePipeline(lm, latency=2, cell_order=True, streams=True)

@@ -108,7 +108,7 @@ def test_add_tree_structure_and_seqs():
     info = g.runs[2]
     assert info.speculative and info.partition == s.part and info.seqs == seqs
     assert info.nodes == [s.a, s.b, s.c, s.d, s.e]
-    assert g.n_drafted == 5 and g.pending_runs() == 2
+    assert g.draft_stats.drafted == 5 and g.pending_runs() == 2
 
 
 def test_add_tree_wrong_anchor_position():
@@ -143,7 +143,7 @@ def test_accept_two_then_disagree():
     assert g.nodes[s.a].seq == sq
     assert g.take_swap_ops() == [(sq, P + 1, P + 3)]
     assert g.take_swap_ops() == []
-    assert g.n_drafted == 5 and g.n_draft_accepted == 2
+    assert g.draft_stats.drafted == 5 and g.draft_stats.n_accepted == 2
     # the caller adds a root for X
     x = g.add_root(X, P + 3, run_id=3)
     assert g.committed == x and g.advance() == []
@@ -169,7 +169,7 @@ def test_reject_at_first_level_kills_whole_tree():
     assert g.advance() == [Decision(X, None)]
     assert s.state(s.a, s.b, s.c, s.d, s.e) == [DEAD] * 5
     assert g.take_swap_ops() == []
-    assert g.n_draft_accepted == 0
+    assert g.draft_stats.n_accepted == 0
     # run 2 in flight, every node dead: cancel it, once
     assert g.dead_runs() == [2]
     assert g.dead_runs() == []
@@ -311,7 +311,7 @@ def test_continuous_speculation_accepts_across_runs():
     out += g.advance()
     assert out == [Decision(A, a), Decision(B, b), Decision(C, c), Decision(D, d), Decision(Y, None)]
     assert g.take_swap_ops() == [(s3, P + 4, P + 5)]
-    assert g.n_draft_accepted == 4 and g.dead_runs() == []
+    assert g.draft_stats.n_accepted == 4 and g.dead_runs() == []
     assert sorted(i.run_id for i in g.retirable()) == [1, 2, 3]
 
 

@@ -208,15 +208,13 @@ class Mode:
     def reset(self) -> None:
         """The KV caches were cleared (target and draft)."""
 
-    def drafting(self) -> tuple[int, int, DraftStats]:
-        """The running (or last) request's drafted tokens, the accepted ones
-        among them, and both by position after a root (``/slots`` reads it
+    def drafting(self) -> DraftStats:
+        """The running (or last) request's drafting (``/slots`` reads it
         while the request runs, from another thread): its speculation
         graph's counters, or none drafted for a mode without one."""
         if self.core is None or self.r is None:
-            return 0, 0, DraftStats()
-        g = self.r.graph
-        return g.n_drafted, g.n_draft_accepted, g.draft_stats
+            return DraftStats()
+        return self.r.graph.draft_stats
 
     def _drive(self, core, observe: Callable[[list[int]], None]) -> None:
         """Drive ``core`` (the speculative modes' core,

@@ -120,7 +120,7 @@ class OneAtATime:
             state = SlotState.IDLE
         else:
             state = SlotState.GENERATING if out else SlotState.PROMPT
-        drafted, accepted, stats = self.decoder.drafting() if started else (0, 0, DraftStats())
+        drafting = self.decoder.drafting() if started else DraftStats()
         return [{"id": 0, "n_ctx": self.n_ctx, "is_processing": job is not None, "state": state.value,
                  "n_prompt_tokens": len(job.tokens) if job is not None else 0, "n_decoded": len(out),
-                 "n_cached": self._cached(), "drafted": drafted, "draft_accepted": accepted, **stats.as_dict()}]
+                 "n_cached": self._cached(), **drafting.as_dict()}]

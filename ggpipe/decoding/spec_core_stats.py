@@ -16,14 +16,11 @@ def request_stats(core, drafter, adaptive: bool) -> dict:
     cancellation counters, and the drafted tokens verified and accepted per
     position after a root (ggpipe.speculation.draft_stats). ``core``: the ggpipe.decoding.spec_core.SpecCore."""
     r, g = core.r, core.r.graph
-    drafted = g.n_drafted
     passes = max(1, r.counts.verified_runs)
     stats = r.counts.as_dict()
     stats.update(drafter.stats)
     stats.update(
         spec_type=drafter.name,
-        drafted=drafted, draft_accepted=g.n_draft_accepted,
-        acceptance_rate=(g.n_draft_accepted / drafted) if drafted else None,
         **g.draft_stats.as_dict(),
         # greedy: how close an accepted draft token came to a tie (docs/user-guide/exactness.md)
         min_accepted_margin=None if g.min_accepted_margin is None else round(g.min_accepted_margin, 6),

@@ -40,11 +40,11 @@ class Speculative(Drafting):
     def _begin_speculation(self) -> None:
         r, core = self.r, self.core
         if r.pending_root is not None:
-            g, now = r.graph, core.last_decision    # the pipelines' clock (virtual in the simulator)
+            d, now = r.graph.draft_stats, core.last_decision    # the pipelines' clock (virtual in the simulator)
             self.gate.root(r, now, len(r.out))    # the last root's tokens per second, drafted or plain
             if self._accepted_at_attempt is not None:
                 accepted0, drafted0 = self._accepted_at_attempt
-                self.gate.observe(g.n_draft_accepted - accepted0, g.n_drafted - drafted0)
+                self.gate.observe(d.n_accepted - accepted0, d.drafted - drafted0)
                 self._accepted_at_attempt = None
             drafting = self.gate.pays_at(self.proposer.step_s, core.pass_cost)
             self.gate.rooted(r, now, len(r.out), drafting)
@@ -55,7 +55,7 @@ class Speculative(Drafting):
                 self.proposer.prefill(r.context[:-1])
                 core.submit_tree(None, SpecTree(anchor_pos=len(r.context) - 1))
                 return
-            self._accepted_at_attempt = g.n_draft_accepted, g.n_drafted
+            self._accepted_at_attempt = d.n_accepted, d.drafted
         super()._begin_speculation()
 
     @classmethod

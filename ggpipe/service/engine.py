@@ -322,10 +322,7 @@ class Engine:
             on_done(Completion(tokens=[int(t) for t in out], text=stream.text, finish_reason=reason,
                                n_prompt=len(toks), n_reused=job.n_reused, metrics=job.clock.as_dict(),
                                decoder={"slot": job.slot, "queue_s": round(job.queue_s, 4),
-                                        "parallel": self.parallel, "drafted": job.drafted,
-                                        "draft_accepted": job.draft_accepted,
-                                        "acceptance_rate": job.draft_accepted / job.drafted if job.drafted else None,
-                                        **job.draft_stats.as_dict()},
+                                        "parallel": self.parallel, **job.draft_stats.as_dict()},
                                logprobs=job.sampler.logprobs[:len(out)] if sampling.logprobs >= 0 else None))
 
         job = Job(toks, n_predict, self.sampler(sampling, toks), emit=stream.emit, on_done=done)

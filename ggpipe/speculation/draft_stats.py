@@ -23,14 +23,17 @@ from dataclasses import dataclass, field
 
 @dataclass
 class DraftStats:
-    """Per position, drafted tokens verified and accepted (counts).
+    """Drafted tokens, and per position those verified and accepted (counts).
 
     Attributes:
+        drafted: tokens drafted for the request and sent to the target,
+            verified or not (tokens).
         verified: ``verified[i]``: drafted tokens the target verified at
             position ``i`` (tokens).
         accepted: ``accepted[i]``: of those, the ones it accepted (tokens).
     """
 
+    drafted: int = 0
     verified: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
 
@@ -70,13 +73,21 @@ class DraftStats:
         """Drafted tokens accepted, over every position."""
         return sum(self.accepted)
 
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted drafted tokens per drafted token, or None before any
+        was drafted."""
+        return self.n_accepted / self.drafted if self.drafted else None
+
     def acceptance_per_position(self) -> list[float]:
         """``accepted[i] / verified[i]`` per position (every position in
         the lists has at least one verified token)."""
         return [a / v for a, v in zip(self.accepted, self.verified)]
 
     def as_dict(self) -> dict:
-        """``--json``'s view: the counts per position and the rates (rounded
-        to 4 places)."""
-        return {"verified_per_position": list(self.verified), "accepted_per_position": list(self.accepted),
+        """``--json``'s, batch records', ``/slots``' and ``/metrics``' view:
+        ``drafted``, ``draft_accepted``, ``acceptance_rate``, the counts per
+        position and the rates (rounded to 4 places)."""
+        return {"drafted": self.drafted, "draft_accepted": self.n_accepted, "acceptance_rate": self.acceptance_rate,
+                "verified_per_position": list(self.verified), "accepted_per_position": list(self.accepted),
                 "acceptance_per_position": [round(r, 4) for r in self.acceptance_per_position()]}

@@ -121,11 +121,9 @@ class SpecGraph:
         self.runs: dict[int, RunInfo] = {}
         self.committed: int | None = None
         self.swap_ops: list[tuple[int, int, int]] = []   # (seq, p0, p1) to copy into seq 0
-        self.n_drafted = 0
-        self.n_draft_accepted = 0
         self.min_accepted_margin: float | None = None  # greedy: smallest top-1 minus top-2 logit of an accepted draft
         self.verified: list[tuple[float, bool]] = []   # (draft probability, accepted) per verified child
-        self.draft_stats = DraftStats()    # verified and accepted drafted tokens by position after a root
+        self.draft_stats = DraftStats()    # drafted tokens, verified and accepted ones by position after a root
         self._position = 0                 # the position after the last root of the committed node's children
 
     # -- building --------------------------------------------------------------
@@ -163,7 +161,7 @@ class SpecGraph:
             self.nodes[parent].children.append(nid)
             info.nodes.append(nid)
             ids.append(nid)
-        self.n_drafted += len(tree)
+        self.draft_stats.drafted += len(tree)
         if self._closed(anchor):
             for nid in ids:
                 self.nodes[nid].state = DEAD
@@ -204,7 +202,7 @@ class SpecGraph:
             pn.children.append(nid)
             info.nodes.append(nid)
             ids.append(nid)
-        self.n_drafted += len(ids)
+        self.draft_stats.drafted += len(ids)
         return ids
 
     # -- results ---------------------------------------------------------------
@@ -268,7 +266,6 @@ class SpecGraph:
                 break
             n = self.nodes[chosen]
             n.state = ACCEPTED
-            self.n_draft_accepted += 1
             self._position += 1
             if self.sampler.params.greedy:
                 m = top2_margin(c_logits)

@@ -141,7 +141,7 @@ class LoneDrafts:
         slot.ahead.append(row)
         self.stats.lookahead += 1
         self.stats.drafted += len(guess)
-        slot.job.drafted += len(guess)
+        slot.job.draft_stats.drafted += len(guess)
         return row, guess
 
     def verify(self, row: _Row, logits: list) -> list[int]:
@@ -162,7 +162,6 @@ class LoneDrafts:
             matched = len(decided) - 1
             self.gate.observe(matched, len(row.chain))
             self.stats.draft_accepted += matched
-            row.job.draft_accepted += matched
             row.job.draft_stats.record_chain(row.first, len(row.chain), matched)
         return decided
 
@@ -183,7 +182,6 @@ class LoneDrafts:
                 nxt.guess, nxt.first = None, at + 1
                 self.stats.lookahead_kept += 1
                 self.stats.draft_accepted += 1
-                row.job.draft_accepted += 1
                 return True
         for a in slot.ahead:
             a.stale = True
@@ -236,7 +234,7 @@ class LoneDrafts:
         self.gate.rooted(slot.job, now, len(r.out), attempt)
         self._drafting = slot.job if attempt else None
         self.stats.drafted += len(chain)
-        slot.job.drafted += len(chain)
+        slot.job.draft_stats.drafted += len(chain)
         return chain
 
     def arrived(self) -> bool:

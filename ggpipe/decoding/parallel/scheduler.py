@@ -373,9 +373,9 @@ class Scheduler:
         """One dict per slot (llama-server's ``/slots``): id, KV cells, busy,
         its state (:class:`~ggpipe.decoding.parallel.slots.SlotState`'s value), prompt
         tokens, tokens generated, cells cached; the request's drafting so far
-        (tokens drafted and accepted, and per position after a root:
-        :class:`~ggpipe.speculation.draft_stats.DraftStats`; zeros and empty
-        lists for a free slot)."""
+        (:meth:`~ggpipe.speculation.draft_stats.DraftStats.as_dict`: tokens
+        drafted and accepted, their rate, and per position after a root;
+        zeros, None and empty lists for a free slot)."""
         out = []
         for s in list(self.slots):
             job = s.job
@@ -384,8 +384,6 @@ class Scheduler:
                         "state": s.state.value,
                         "n_prompt_tokens": len(job.tokens) if job is not None else 0,
                         "n_decoded": len(r.out) if r is not None else 0, "n_cached": len(s.kv),
-                        "drafted": job.drafted if job is not None else 0,
-                        "draft_accepted": job.draft_accepted if job is not None else 0,
                         **(job.draft_stats if job is not None else DraftStats()).as_dict()})
         return out
 

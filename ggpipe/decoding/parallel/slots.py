@@ -72,10 +72,9 @@ class Job:
         slot: its slot, once started.
         n_reused: prompt tokens whose cells the slot already held.
         queue_s: seconds spent waiting for a slot.
-        drafted, draft_accepted: tokens drafted below this request's tokens,
-            and how many of them the target took.
-        draft_stats: drafted tokens verified and accepted per position
-            after a root (ggpipe.speculation.draft_stats).
+        draft_stats: tokens drafted below this request's tokens, and those
+            the target verified and accepted per position after a root
+            (ggpipe.speculation.draft_stats).
         error: what ended this request alone (its sampling raised), or None.
     """
 
@@ -90,8 +89,6 @@ class Job:
     slot: int | None = None
     n_reused: int = 0
     queue_s: float = 0.0
-    drafted: int = 0
-    draft_accepted: int = 0
     draft_stats: DraftStats = field(default_factory=DraftStats)
     t_queued: float = field(default_factory=time.monotonic)
     error: Exception | None = None
