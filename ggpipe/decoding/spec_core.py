@@ -156,15 +156,7 @@ class SpecCore:
             ProtocolError: a run came back cancelled that was not cancelled."""
         r = self.r
         g = r.graph
-        rid = res.run.run_id
-        if res.cancelled:
-            info = g.runs.get(rid)
-            if info is None or not info.cancelled:
-                raise ProtocolError(f"run {rid} came back cancelled, but the head did not cancel it")
-            r.counts.returned_cancelled += 1
-        else:
-            r.counts.verified_runs += 1
-        g.set_result(rid, None if res.cancelled else res.logits, rows=res.rows)
+        self._take_result(res)
         if not res.cancelled:
             self.pass_cost.observe(res.run.n_tokens, res.finished_at - max(res.run.started_at, self._last_finish))
         self._last_finish = res.finished_at
@@ -187,6 +179,22 @@ class SpecCore:
         for info in g.retirable():
             self.release(info)
         g.trim()    # nodes far behind the committed one: a long request's graph stays bounded
+
+    def _take_result(self, res: RunResult) -> None:
+        """Count a run's result (verified, or cancelled as the head asked)
+        and give the graph its logits.
+
+        Raises:
+            ProtocolError: a run came back cancelled that was not cancelled."""
+        r, rid = self.r, res.run.run_id
+        if res.cancelled:
+            info = r.graph.runs.get(rid)
+            if info is None or not info.cancelled:
+                raise ProtocolError(f"run {rid} came back cancelled, but the head did not cancel it")
+            r.counts.returned_cancelled += 1
+        else:
+            r.counts.verified_runs += 1
+        r.graph.set_result(rid, None if res.cancelled else res.logits, rows=res.rows)
 
     def wait_result(self) -> None:
         """Wait (bounded) for the oldest run in flight and handle it."""
@@ -257,15 +265,7 @@ class SpecCore:
                 raise GGPipeError(f"the KV cache is full ({self.cells.n_cells} cells, {self.cells.used} in use): "
                                   "raise --ctx-size or shorten the prompt/-n")
             res = self.target.wait(self.timeout_s)
-            rid = res.run.run_id
-            if res.cancelled:
-                info = g.runs.get(rid)
-                if info is None or not info.cancelled:
-                    raise ProtocolError(f"run {rid} came back cancelled, but the head did not cancel it")
-                self.r.counts.returned_cancelled += 1
-            else:
-                self.r.counts.verified_runs += 1
-            g.set_result(rid, None if res.cancelled else res.logits, rows=res.rows)
+            self._take_result(res)
             self._last_finish = res.finished_at
             self.r.counts.kv_room_waits += 1
 

@@ -187,11 +187,11 @@ class Scheduler:
             if job.cancelled:
                 job.on_done(job)
                 continue
-            slot = max(free, key=lambda s: (reusable_prefix(s.kv, job.tokens, partial=self.partial_reuse), -s.seq))
-            self._start(slot, job)
+            keep, _, slot = max((reusable_prefix(s.kv, job.tokens, partial=self.partial_reuse), -s.seq, s)
+                                for s in free)     # the longest cached prefix, the lowest id on a tie
+            self._start(slot, job, keep)
 
-    def _start(self, slot: Slot, job: Job) -> None:
-        keep = reusable_prefix(slot.kv, job.tokens, partial=self.partial_reuse)
+    def _start(self, slot: Slot, job: Job, keep: int) -> None:
         if keep < len(slot.kv):
             self.target.seq_rm(slot.seq, keep, -1)     # pipelined behind the runs already sent
             del slot.kv[keep:]
