@@ -5,7 +5,6 @@ mode's own decoder; its one slot reads as the scheduler's slots do
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from ggpipe.decoding.mode import mode_class
@@ -33,38 +32,33 @@ def _pipeinfer():
     return dec, lm, target
 
 
+def _job(n_predict: int, seen: list, loop: OneAtATime, done: list) -> Job:
+    def emit(new):
+        seen.append(loop.view()[0])
+        return False
+    return Job(list(PROMPT), n_predict, Sampler(SamplingParams()), emit=emit, on_done=done.append)
+
+
 def test_requests_run_in_order_and_the_slot_shows_each_while_it_runs():
     dec, lm, target = _pipeinfer()
-    loop = OneAtATime(dec, n_ctx=256, cached=lambda: 7)
-    seen, order = [], []
-
-    def run(job: Job) -> None:
-        if job.cancelled:
-            order.append(("cancelled", job.n_predict))
-            return
-
-        def emit(new):
-            loop.generated(len(new))
-            seen.append(loop.view()[0])
-            return False
-
-        target.clear()                       # as the engine keeps no prefix: every cell removed
-        dec.reset()
-        out = dec.generate(np.asarray(job.tokens, np.int32), job.n_predict, Sampler(SamplingParams()), emit=emit)
-        order.append(("ran", job.n_predict))
-        assert out == lm.greedy(job.tokens, job.n_predict)
-
+    loop = OneAtATime(dec, n_ctx=256, target=target)
+    seen, done = [], []
     assert loop.view()[0]["state"] == "idle" and not loop.busy
-    jobs = [Job(list(PROMPT), n, None) for n in (30, 5, 12)]
+    jobs = [_job(n, seen, loop, done) for n in (30, 5, 12)]
     for j in jobs:
-        loop.submit(j, run)
+        loop.submit(j)
     jobs[1].cancelled = True
     assert loop.n_queued == 2 and loop.n_busy == 1 and loop.busy
     while loop.busy:
         loop.step()
-    assert order == [("ran", 30), ("cancelled", 5), ("ran", 12)]
+    assert done == jobs and jobs[1].request is None
+    for j in (jobs[0], jobs[2]):
+        assert j.error is None and j.request.out == lm.greedy(PROMPT, j.n_predict)
+    # the second request reuses the first one's cells: all of its prompt but the last token
+    assert (jobs[0].n_reused, jobs[2].n_reused) == (0, len(PROMPT) - 1)
+    assert loop.kv == PROMPT + jobs[2].request.out[:-1]
     first = [v for v in seen if v["n_prompt_tokens"] == len(PROMPT)]
-    assert all(v["is_processing"] and v["state"] == "generating" and v["n_cached"] == 7 for v in first)
+    assert all(v["is_processing"] and v["state"] == "generating" for v in first)
     # the running request's drafting, live: the n-gram's drafts on text that repeats itself
     assert max(v["drafted"] for v in seen) > 0 and max(v["draft_accepted"] for v in seen) > 0
     assert any(v["verified_per_position"] for v in seen)
@@ -77,20 +71,30 @@ def test_a_request_that_does_not_fit_is_refused_at_submit():
     dec, _, _ = _pipeinfer()
     loop = OneAtATime(dec, n_ctx=16)
     with pytest.raises(ConfigError, match="context holds 16"):
-        loop.submit(Job(list(PROMPT), 10, None), lambda j: None)
+        loop.submit(Job(list(PROMPT), 10, None))
     with pytest.raises(ConfigError, match="empty"):
-        loop.submit(Job([], 1, None), lambda j: None)
+        loop.submit(Job([], 1, None))
     assert not loop.busy
 
 
-def test_a_failing_request_leaves_the_slot_idle():
-    dec, _, _ = _pipeinfer()
-    loop = OneAtATime(dec, n_ctx=256)
+def test_a_failing_request_is_reported_alone_after_recovery_and_leaves_the_slot_idle():
+    dec, lm, target = _pipeinfer()
+    recovered = []
+    loop = OneAtATime(dec, n_ctx=256, target=target, recover=lambda: recovered.append(True))
+    done = []
 
-    def boom(job):
-        raise RuntimeError("boom")
+    class Broken(Sampler):
+        def sample(self, logits):
+            raise ValueError("probs must be finite")
 
-    loop.submit(Job(list(PROMPT), 4, None), boom)
-    with pytest.raises(RuntimeError):
-        loop.step()
-    assert loop.current is None and not loop.busy and loop.view()[0]["state"] == "idle"
+    bad = Job(list(PROMPT), 4, Broken(SamplingParams()), on_done=done.append)
+    good = Job(list(PROMPT), 6, Sampler(SamplingParams()), on_done=done.append)
+    loop.submit(bad)
+    loop.submit(good)
+    loop.step()
+    assert isinstance(bad.error, ValueError) and recovered == [True] and done == [bad]
+    assert loop.current is None and loop.view()[0]["state"] == "idle"
+    target.clear()
+    loop.reset()     # as the engine's recovery clears every cache
+    loop.step()
+    assert good.error is None and good.request.out == lm.greedy(PROMPT, 6) and not loop.busy

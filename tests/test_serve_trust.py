@@ -20,7 +20,7 @@ from ggpipe.frontends.serve.server import read_api_key
 from ggpipe.frontends.serve.app import create_app
 from ggpipe.frontends.serve.state import ServerState
 from ggpipe.sampling_params import SamplingParams
-from ggpipe.service.engine import Completion, Engine
+from ggpipe.service.engine import Engine
 from ggpipe.speculation.draft_stats import DraftStats
 
 ORIGIN = "http://localhost:3000"
@@ -88,21 +88,49 @@ def _events(job) -> list:
     return out
 
 
+class _FakeDecoder:
+    """A mode's decoder as the one slot drives it: ``generate`` runs the
+    engine's :meth:`FakeEngine.reply`."""
+
+    name = "iterative"
+
+    def __init__(self, engine: "FakeEngine"):
+        self.engine, self.r, self.stats = engine, None, {}
+
+    def generate(self, prompt, n_predict, sampler, start_pos=0, emit=None, clock=None, history=None):
+        self.engine.calls.append("generate")
+        clock.start()
+        out = self.engine.reply(n_predict, emit)
+        self.r = SimpleNamespace(out=out)
+        clock.finish()
+        return out
+
+    def drafting(self):
+        return DraftStats()
+
+    def reset(self):
+        self.engine.calls.append("reset")
+
+
 class FakeEngine(Engine):
     """An engine that runs one request at a time (the engine's own
-    submit, step and recover) around a fake :meth:`reply`; ``fail``: the
-    exception the reply raises."""
+    submit, step and recover, the one slot's loop) around a fake
+    decoder whose request is :meth:`reply`; ``fail``: the exception it
+    raises."""
+
+    piece = "hi"     # the text of every token
 
     def __init__(self, fail: BaseException | None = None):
-        pipe = SimpleNamespace(drain=lambda timeout_s=None: self.calls.append("drain") or [])
+        pipe = SimpleNamespace(drain=lambda timeout_s=None: self.calls.append("drain") or [], clear=lambda: None)
         self.session = SimpleNamespace(model_path="m.gguf", stage=SimpleNamespace(n_vocab=100), size=1,
                                        hosts=["h"], liveness=None, pipeline=pipe, draft_pipelines=[],
                                        activity=None)
-        self.n_ctx, self.mode, self.parallel = 64, "iterative", 1
-        self.decoder, self.last = SimpleNamespace(r=None, drafting=lambda: (0, 0, DraftStats())), None
-        self.loop = OneAtATime(self.decoder, 1 << 20)     # check_fits (below) lets every request in
+        self.n_ctx, self.mode, self.parallel, self.last = 64, "iterative", 1, None
+        self.loop = OneAtATime(_FakeDecoder(self), 1 << 20, recover=self.recover)   # every request fits
         self._kernels = {"batch_rows_exact": True}
-        self.vocab = SimpleNamespace(chat_template=lambda: None, piece=lambda t: b"", is_eog=lambda t: False)
+        detok = SimpleNamespace(push=lambda t: self.piece, flush=lambda: "")
+        self.vocab = SimpleNamespace(chat_template=lambda: None, piece=lambda t: b"", is_eog=lambda t: False,
+                                     detokenizer=lambda: detok)
         self.fail = fail
         self.calls: list[str] = []
 
@@ -112,19 +140,15 @@ class FakeEngine(Engine):
     def check_fits(self, n_prompt, n_predict):
         pass
 
-    def generate(self, tokens, n_predict, sampling, on_text=None, stop=(), should_stop=None):
-        self.calls.append("generate")
-        self.last = self.reply(tokens, n_predict, on_text, should_stop)
-        return self.last
+    def sampler(self, sampling, context):
+        return None
 
-    def reply(self, tokens, n_predict, on_text, should_stop):
+    def reply(self, n_predict, emit) -> list[int]:
+        """The request's tokens, each accepted through ``emit``."""
         if self.fail is not None:
             raise self.fail
-        on_text("hi")
-        return Completion([5], "hi", "length", 3, 0, {})
-
-    def reset(self):
-        self.calls.append("reset")
+        emit([5])
+        return [5]
 
 
 def _one_request(server, job) -> None:
@@ -454,17 +478,18 @@ class SlowEngine(FakeEngine):
         self.step_s = step_s
         self.generated: list[int] = []   # tokens generated, per request
 
-    def reply(self, tokens, n_predict, on_text, should_stop):
+    piece = "x"
+
+    def reply(self, n_predict, emit):
         import time
 
         self.generated.append(0)
         for _ in range(n_predict):
             time.sleep(self.step_s)
             self.generated[-1] += 1
-            on_text("x")
-            if should_stop():
-                return Completion([5] * self.generated[-1], "x", "interrupted", 3, 0, {})
-        return Completion([5] * n_predict, "x" * n_predict, "length", 3, 0, {})
+            if emit([5]):
+                break
+        return [5] * self.generated[-1]
 
 
 @pytest.fixture()

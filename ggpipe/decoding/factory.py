@@ -1,6 +1,8 @@
-"""Build the decoder of a mode over a target pipeline and, for the
-speculative modes, a proposer: the one place that wires them, shared by the
-engine (real pipelines) and the simulator (ggpipe.sim, simulated ones)."""
+"""Build the loop requests go through (:func:`build_loop`: the scheduler's
+slots, or one slot running the mode's decoder), the decoder of a mode over
+a target pipeline and, for the speculative modes, a proposer: the one place
+that wires them, shared by the engine (real pipelines) and the simulator
+(ggpipe.sim, simulated ones)."""
 
 from __future__ import annotations
 
@@ -70,7 +72,8 @@ def build_chain_drafter(mode: str, spec: SpecSettings, target, draft, *, n_ubatc
 
 def build_scheduler(mode: str, spec: SpecSettings, target, drafts: Sequence = (), *, slots: int, n_ctx_slot: int,
                     n_ubatch: int, is_eog: Callable[[int], bool], depth: int | None, timeout_s: float,
-                    idle: Wait | None = None, target_hosts: Sequence[str] = (), partial_reuse: bool = True):
+                    idle: Wait | None = None, target_hosts: Sequence[str] = (), partial_reuse: bool = True,
+                    doing: Callable[..., None] | None = None):
     """The continuous-batching scheduler of ``--parallel`` ``slots`` in
     ``mode`` (ggpipe.decoding.parallel.scheduler), as ``serve``, ``batch``
     and ``simulate`` run it: in a speculative mode with the chain drafter of
@@ -86,6 +89,7 @@ def build_scheduler(mode: str, spec: SpecSettings, target, drafts: Sequence = ()
         timeout_s: bound of every wait (seconds).
         partial_reuse: the target's KV cells can be kept up to any position
             (False for recurrent and hybrid models; see the scheduler).
+        doing: tells what the job is doing (see the scheduler), or None.
 
     Raises:
         ConfigError: as :func:`build_chain_drafter`; a bad ``GGPIPE_LOOKAHEAD``."""
@@ -99,7 +103,35 @@ def build_scheduler(mode: str, spec: SpecSettings, target, drafts: Sequence = ()
     lookahead = declared.lookahead_in_slots and lookahead_wanted(list(target_hosts),
                                                                  drafter is not None and drafter.has_ranks)
     return Scheduler(target, slots, n_ctx_slot, n_ubatch, is_eog, depth=depth, timeout_s=timeout_s, idle=idle,
-                     draft=drafter, draft_max=spec.draft_max, lookahead=lookahead, partial_reuse=partial_reuse)
+                     draft=drafter, draft_max=spec.draft_max, lookahead=lookahead, partial_reuse=partial_reuse,
+                     doing=doing)
+
+
+def build_loop(mode: str, spec: SpecSettings, target, drafts: Sequence = (), *, slots: int, n_ctx: int,
+               n_ubatch: int, n_seq_max: int, is_eog: Callable[[int], bool], depth: int | None, timeout_s: float,
+               idle: Wait | None = None, target_hosts: Sequence[str] = (), partial_reuse: bool = True,
+               reuse_kv: bool = True, recover: Callable[[], None] = lambda: None,
+               doing: Callable[..., None] | None = None):
+    """The one loop every front end's requests go through
+    (``submit(job)``, ``step()``, ``view()``, ...): with ``slots`` > 1 the
+    continuous-batching scheduler (:func:`build_scheduler`; ``n_ctx``: the
+    cells of one slot); with one slot,
+    :class:`~ggpipe.decoding.one_at_a_time.OneAtATime` over the mode's own
+    decoder (:func:`build_decoder`), each request run to its end in full
+    (``n_ctx``: the context; ``reuse_kv``: keep a shared prefix's cells;
+    ``recover``: after a request failed unexpectedly).
+
+    Raises:
+        ConfigError: as :func:`build_scheduler` and :func:`build_decoder`."""
+    if slots > 1:
+        return build_scheduler(mode, spec, target, drafts, slots=slots, n_ctx_slot=n_ctx, n_ubatch=n_ubatch,
+                               is_eog=is_eog, depth=depth, timeout_s=timeout_s, idle=idle,
+                               target_hosts=target_hosts, partial_reuse=partial_reuse, doing=doing)
+    from ggpipe.decoding.one_at_a_time import OneAtATime  # noqa: PLC0415
+    decoder = build_decoder(mode, spec, target, drafts[0] if drafts else None, more_drafts=drafts[1:],
+                            n_ubatch=n_ubatch, n_seq_max=n_seq_max, is_eog=is_eog, timeout_s=timeout_s, idle=idle)
+    return OneAtATime(decoder, n_ctx, target, reuse_kv=reuse_kv, partial_reuse=partial_reuse, recover=recover,
+                      doing=doing)
 
 
 def build_proposer(ctx: BuildContext, mode: str) -> Proposer:

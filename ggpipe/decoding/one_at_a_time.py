@@ -1,13 +1,23 @@
 """One request at a time (``--parallel 1``) behind the interface of the
 continuous-batching scheduler (ggpipe.decoding.parallel.scheduler):
-requests queue, :meth:`OneAtATime.step` runs the next one to its end
-through the mode's own decoder, and a front end, ``/slots`` and the
-aggregate tokens/s read its one slot as they read the scheduler's.
+requests are the same :class:`~ggpipe.decoding.parallel.slots.Job`, they
+queue, :meth:`OneAtATime.step` runs the next one to its end through the
+mode's own decoder, and a front end, ``/slots`` and the aggregate tokens/s
+read its one slot as they read the scheduler's.
 
 The mode runs in full here (PipeInfer's trees and early cancellation,
 PipeDec's tree): its speculative sequences share KV cells
 (``llama_memory_seq_cp``) in one unified KV buffer, which the scheduler's
 one KV stream per slot does not allow (docs/user-guide/parallel.md).
+
+Prefix reuse (as llama.cpp's server and llama-cpp-python's ``Llama`` do):
+the slot remembers the tokens held in sequence 0 of the KV cache
+(:attr:`OneAtATime.kv`). A new request whose tokens start with some of them
+(the next chat turn, a shared system prompt) keeps those cells; every cell
+from the first difference on is removed (``llama_memory_seq_rm`` on every
+stage) and only the rest of the prompt goes down the pipeline. The draft
+model's KV follows the same context (the proposer decodes only what it
+lacks).
 
 Slot states (:class:`~ggpipe.decoding.parallel.slots.SlotState`), as the
 scheduler's: ``idle`` with nothing running; ``prompt`` from the moment
@@ -22,8 +32,12 @@ import time
 from collections import deque
 from typing import Callable
 
+import numpy as np
+
 from ggpipe.decoding.mode import Mode
 from ggpipe.decoding.parallel.slots import Job, SlotState
+from ggpipe.errors import GGPipeError
+from ggpipe.kv_reuse import reusable_prefix
 from ggpipe.metrics import TokenRate
 from ggpipe.runtime.vocab import check_prompt_fits
 from ggpipe.speculation.draft_stats import DraftStats
@@ -33,22 +47,40 @@ class OneAtATime:
     """Args:
         decoder: the mode's decoder (:class:`~ggpipe.decoding.mode.Mode`).
         n_ctx: KV cells a request's prompt and generation may fill.
-        cached: -> tokens whose cells sequence 0 holds now (``n_cached``).
+        target: the target pipeline (``seq_rm`` of the cells after a
+            reused prefix), or None: nothing is removed (the caller clears
+            the caches).
+        reuse_kv: keep the cells of the longest prefix a request shares with
+            the tokens sequence 0 holds.
+        partial_reuse: the cells can be kept up to any position; False for a
+            recurrent or hybrid model (llama.cpp keeps or drops its state
+            whole): only a prompt that goes on after all of them keeps them.
+        recover: called after a request failed unexpectedly, before it is
+            reported (the engine waits for the runs in flight and clears
+            every cache; it raises when the pipeline is out of step).
+        doing: ``doing(text, clock)`` tells what the job is doing (the
+            liveness messages': "answering a request ...", "idle between
+            requests"), or None.
 
     Attributes:
+        kv: the tokens whose cells sequence 0 holds (position i at index i).
         current: the request running now (during :meth:`step`), or None.
-        rate: tokens generated lately (:meth:`generated` counts them).
+        rate: tokens generated lately.
         depth: micro-batches the loop keeps in flight as the scheduler
             counts them: 1 (the mode itself keeps its own runs in flight).
     """
 
     depth = 1
 
-    def __init__(self, decoder: Mode, n_ctx: int, cached: Callable[[], int] = lambda: 0):
+    def __init__(self, decoder: Mode, n_ctx: int, target=None, reuse_kv: bool = True, partial_reuse: bool = True,
+                 recover: Callable[[], None] = lambda: None, doing: Callable[..., None] | None = None):
         self.decoder = decoder
         self.n_ctx = n_ctx
-        self._cached = cached
-        self._pending: deque[tuple[Job, Callable[[Job], None]]] = deque()   # (request, what runs it), oldest first
+        self.target = target
+        self.reuse_kv, self.partial_reuse = reuse_kv, partial_reuse
+        self._recover, self._doing = recover, doing or (lambda text, clock=None: None)
+        self.kv: list[int] = []
+        self._pending: deque[Job] = deque()     # oldest first
         self.current: Job | None = None
         self._before = None      # the decoder's request before the current one started (until open() replaces it)
         self.rate = TokenRate()
@@ -58,20 +90,21 @@ class OneAtATime:
         not fit the context, or the prompt is empty."""
         check_prompt_fits(n_prompt, n_predict, self.n_ctx)
 
-    def submit(self, job: Job, run: Callable[[Job], None]) -> None:
-        """Queue ``job``; :meth:`step` calls ``run(job)`` when its turn comes
-        (it runs the request to its end, or reports a cancelled one).
+    def submit(self, job: Job) -> None:
+        """Queue ``job``; :meth:`step` runs it when its turn comes, then
+        calls ``job.on_done(job)`` (``job.request`` None for one cancelled
+        while it waited; ``job.error`` set for one that failed).
 
         Raises:
             ConfigError: it does not fit (:meth:`check_fits`)."""
         self.check_fits(len(job.tokens), job.n_predict)
         job.t_queued = time.monotonic()
-        self._pending.append((job, run))
+        self._pending.append(job)
 
     @property
     def n_queued(self) -> int:
         """Requests waiting, cancelled ones left out."""
-        return sum(1 for job, _ in list(self._pending) if not job.cancelled)
+        return sum(1 for job in list(self._pending) if not job.cancelled)
 
     @property
     def n_busy(self) -> int:
@@ -84,21 +117,79 @@ class OneAtATime:
         return self.n_busy > 0
 
     def step(self, wake: Callable[[], bool] = lambda: False) -> None:
-        """Run the next queued request to its end (``wake`` is not read:
-        nothing else runs meanwhile)."""
+        """Run the next queued request to its end and report it (``wake``
+        is not read: nothing else runs meanwhile). A failure of the request
+        alone is its ``job.error``: its own settings
+        (:class:`~ggpipe.errors.GGPipeError`, nothing run), or an
+        unexpected error, after which ``recover`` ran.
+
+        Raises:
+            GGPipeError: the pipeline is out of step (``abort_job``); what
+                ``recover`` raises; MPI's own errors."""
         if not self._pending:
             return
-        job, run = self._pending.popleft()
-        self._before = self.decoder.r
-        self.current = job
-        try:
-            run(job)
-        finally:
-            self.current = None
+        job = self._pending.popleft()
+        if not job.cancelled:
+            self._before = self.decoder.r
+            self.current = job
+            try:
+                self._run(job)
+            finally:
+                self.current = None
+        job.on_done(job)
 
-    def generated(self, n: int) -> None:
-        """Count ``n`` tokens the running request accepted now."""
-        self.rate.add(n)
+    def _run(self, job: Job) -> None:
+        """``job`` through the decoder, after the cells of its reusable
+        prefix (:meth:`_keep_prefix`); its failure as :meth:`step` says."""
+        job.queue_s = time.monotonic() - job.t_queued
+        job.slot = 0
+        self._doing(f"answering a request ({len(job.tokens)} prompt tokens, {self.decoder.name})", job.clock)
+
+        def emit(new: list[int]) -> bool:
+            self.rate.add(len(new))
+            return job.emit(new)
+
+        try:
+            start = job.n_reused = self._keep_prefix(job.tokens)
+            out = self.decoder.generate(np.asarray(job.tokens[start:], dtype=np.int32), job.n_predict, job.sampler,
+                                        start_pos=start, emit=emit, clock=job.clock, history=job.tokens[:start])
+            job.request = self.decoder.r
+            self.kv = job.tokens + out[:-1]     # every generated token but the last has its cells
+        except GGPipeError as e:
+            if e.abort_job:
+                raise
+            job.error = e
+        except Exception as e:
+            if type(e).__module__.startswith("mpi4py"):
+                raise
+            self._recover()
+            job.error = e
+        finally:
+            self._doing("idle between requests")
+
+    def _keep_prefix(self, tokens: list[int]) -> int:
+        """Keep the longest prefix of ``tokens`` whose cells sequence 0
+        holds (at least one token is left to decode, for its logits);
+        remove every cell after it on every stage. Returns the prefix
+        length (tokens)."""
+        common = reusable_prefix(self.kv, tokens, partial=self.partial_reuse) if self.reuse_kv else 0
+        if self.target is not None:
+            # every sequence: speculation partitions are released after each request, but a cell past the
+            # prefix in any sequence must not survive; a recurrent or hybrid model (no speculation: sequence 0
+            # alone) refuses seq_rm of sequence -1 (llama_memory_recurrent::seq_rm), so its sequence 0 goes
+            self.target.seq_rm(-1 if self.partial_reuse else 0, common, -1)
+        del self.kv[common:]
+        return common
+
+    def reset(self) -> None:
+        """The KV caches were cleared (target and draft): nothing is cached."""
+        self.decoder.reset()
+        self.kv = []
+
+    def request_stats(self, job: Job) -> dict:
+        """The finished request's statistics (``--json``'s ``decoder``):
+        the mode's (:attr:`~ggpipe.decoding.mode.Mode.stats`)."""
+        return dict(self.decoder.stats)
 
     def tokens_per_s(self) -> float:
         """Tokens generated per second over the last 10 seconds."""
@@ -123,4 +214,4 @@ class OneAtATime:
         drafting = self.decoder.drafting() if started else DraftStats()
         return [{"id": 0, "n_ctx": self.n_ctx, "is_processing": job is not None, "state": state.value,
                  "n_prompt_tokens": len(job.tokens) if job is not None else 0, "n_decoded": len(out),
-                 "n_cached": self._cached(), **drafting.as_dict()}]
+                 "n_cached": len(self.kv), **drafting.as_dict()}]

@@ -1,42 +1,29 @@
 """The head rank's generation service, shared by every front end (generate,
-chat, batch, serve): requests go to one loop with one interface, the
-continuous-batching scheduler (ggpipe.decoding.parallel.scheduler) with
-``--parallel N``, each request in a slot of its own, or with ``--parallel 1``
-its one slot (ggpipe.decoding.one_at_a_time), where the mode's own decoder
-runs each request in full, with the KV cache's prefix reused between
-requests.
-
-Prefix reuse (as llama.cpp's server and llama-cpp-python's ``Llama`` do):
-the engine remembers the tokens held in sequence 0 of the KV cache. A new
-request whose tokens start with some of them (the next chat turn, a shared
-system prompt) keeps those cells; every cell from the first difference on is
-removed (``llama_memory_seq_rm`` on every stage) and only the rest of the
-prompt goes down the pipeline. The draft model's KV follows the same
-context (the proposer decodes only what it lacks).
+chat, batch, serve): every request is a job of one loop with one interface
+(ggpipe.decoding.factory.build_loop), the continuous-batching scheduler
+(ggpipe.decoding.parallel.scheduler) with ``--parallel N``, each request in
+a slot of its own, or with ``--parallel 1`` its one slot
+(ggpipe.decoding.one_at_a_time), where the mode's own decoder runs each
+request in full, with the KV cache's prefix reused between requests.
 """
 
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 
-from ggpipe.metrics import GenerationClock
 from ggpipe.runtime.vocab import Vocab
-from ggpipe.kv_reuse import reusable_prefix
 from ggpipe.sampling import Sampler, TokenLogprob
 from ggpipe.sampling_params import SamplingParams
 from ggpipe.cluster.session import Session
-from ggpipe.decoding.factory import build_decoder, build_scheduler
+from ggpipe.decoding.factory import build_loop
 from ggpipe.decoding.mode import mode_class
-from ggpipe.decoding.one_at_a_time import OneAtATime
 from ggpipe.decoding.parallel.slots import Job
 from ggpipe.decoding.settings import SpecSettings
-from ggpipe.errors import GGPipeError
 from ggpipe.models.registry import resolve
 from ggpipe.models.slicing import check_speculation
 from ggpipe.pipeline.waiting import EventWait
@@ -106,9 +93,8 @@ class Engine:
         ignore_eos: keep generating after end-of-generation tokens.
         reuse_kv: keep the KV cache's common prefix between requests.
         parallel: slots (``--parallel``); above 1, requests go through the
-            continuous-batching scheduler (:meth:`submit`, :meth:`step`;
-            not :meth:`generate`), and the session's contexts must keep one
-            KV stream per slot (``ClusterConfig.kv_unified`` False).
+            continuous-batching scheduler, and the session's contexts must
+            keep one KV stream per slot (``ClusterConfig.kv_unified`` False).
         micro_batches: the scheduler's micro-batches in flight
             (``--micro-batches``); None: as many as the target's stages can
             compute at once, per host as many as its CPUs hold their
@@ -125,37 +111,30 @@ class Engine:
         self.session = session
         self.mode = mode
         self.vocab = Vocab(session.stage.model, session.stage.vocab)
-        self.reuse_kv = reuse_kv
-        self.n_ctx = session.config.ctx_size
-        self.kv_tokens: list[int] = []  # tokens in sequence 0 of the target's KV, position i at index i
         self.is_eog = (lambda t: False) if ignore_eos else self.vocab.is_eog
         cfg = session.config
         drafts = session.draft_pipelines
         self.waiter = EventWait([session.pipeline, *drafts])
         self.parallel = parallel
         # a recurrent or hybrid model's state is kept or dropped whole (llama_memory_seq_rm refuses a cut)
-        self.recurrent = _llama.is_recurrent(session.stage.model)
-        self.decoder = None
+        recurrent = _llama.is_recurrent(session.stage.model)
         declared = mode_class(mode)
         if declared.speculates:
-            check_speculation(mode, _recurrent_models(session, self.recurrent))
-        if parallel > 1:
-            note = declared.in_slots(spec)
-            if note:        # the mode is not what it is one request at a time: say so once, at start-up
-                sys.stderr.write(f"ggpipe: {note}\n")
-            self.n_ctx = session.stage.n_ctx_seq    # the cells of one slot
-            # micro-batches in flight: as many as stages can compute at once, per host as many as its CPUs hold
-            # their threads (3 ranks x 1 thread on 2 cores: 2; 4 x 4 threads on 16 cores: 4; 2 x 2 on 2 cores: 1)
-            self.loop = build_scheduler(mode, spec, session.pipeline, drafts, slots=parallel,
-                                        n_ctx_slot=self.n_ctx, n_ubatch=cfg.ubatch, is_eog=self.is_eog,
-                                        depth=micro_batches or session.micro_batches_in_flight(),
-                                        timeout_s=cfg.timeout_s, idle=self.waiter,
-                                        target_hosts=session.target_hosts, partial_reuse=not self.recurrent)
-        else:
-            self.decoder = build_decoder(mode, spec, session.pipeline, drafts[0] if drafts else None,
-                                         more_drafts=drafts[1:], n_ubatch=cfg.ubatch, n_seq_max=cfg.n_seq_max,
-                                         is_eog=self.is_eog, timeout_s=cfg.timeout_s, idle=self.waiter)
-            self.loop = OneAtATime(self.decoder, self.n_ctx, cached=lambda: len(self.kv_tokens))
+            check_speculation(mode, _recurrent_models(session, recurrent))
+        note = declared.in_slots(spec) if parallel > 1 else None
+        if note:        # the mode is not what it is one request at a time: say so once, at start-up
+            sys.stderr.write(f"ggpipe: {note}\n")
+        # the cells of one request: the context, or with one KV stream per slot the cells of one slot
+        self.n_ctx = session.stage.n_ctx_seq if parallel > 1 else cfg.ctx_size
+        activity = session.activity
+        # micro-batches in flight: as many as stages can compute at once, per host as many as its CPUs hold
+        # their threads (3 ranks x 1 thread on 2 cores: 2; 4 x 4 threads on 16 cores: 4; 2 x 2 on 2 cores: 1)
+        self.loop = build_loop(mode, spec, session.pipeline, drafts, slots=parallel, n_ctx=self.n_ctx,
+                               n_ubatch=cfg.ubatch, n_seq_max=cfg.n_seq_max, is_eog=self.is_eog,
+                               depth=micro_batches or session.micro_batches_in_flight(), timeout_s=cfg.timeout_s,
+                               idle=self.waiter, target_hosts=session.target_hosts, partial_reuse=not recurrent,
+                               reuse_kv=reuse_kv, recover=self.recover,
+                               doing=None if activity is None else activity.set)
         self.last: Completion | None = None
         self._kernels: dict | None = None
 
@@ -206,32 +185,20 @@ class Engine:
     # -- the KV cache --------------------------------------------------------------
 
     def reset(self) -> None:
-        """Forget the conversation: clear every stage's KV cache (target and draft)."""
+        """Forget the conversation: clear every stage's KV cache (target and
+        draft); no slot holds cells."""
         self.session.pipeline.clear()
         for p in self.session.draft_pipelines:
             p.clear()
-        self.decoder.reset()
-        self.kv_tokens = []
+        self.loop.reset()
 
-    def _keep_prefix(self, tokens: list[int]) -> int:
-        """Keep the longest prefix of ``tokens`` already in the KV cache
-        (at least one token is left to decode, for its logits); remove every
-        cell after it on every stage. Returns the prefix length."""
-        common = reusable_prefix(self.kv_tokens, tokens, partial=not self.recurrent) if self.reuse_kv else 0
-        # every sequence: speculation partitions are released after each request,
-        # but a cell past the prefix in any sequence must not survive; a recurrent
-        # or hybrid model (no speculation: sequence 0 alone) refuses seq_rm of
-        # sequence -1 (llama_memory_recurrent::seq_rm), so its sequence 0 goes
-        self.session.pipeline.seq_rm(0 if self.recurrent else -1, common, -1)
-        del self.kv_tokens[common:]
-        return common
-
-    # -- one request ---------------------------------------------------------------
+    # -- requests through one loop: submit, step ------------------------------------------
 
     def generate(self, tokens: np.ndarray, n_predict: int, sampling: SamplingParams = SamplingParams(),
                  on_text: Callable[[str], None] | None = None, stop: list[str] | tuple = (),
                  should_stop: Callable[[], bool] | None = None) -> Completion:
-        """Generate up to ``n_predict`` tokens after ``tokens`` (int32 (n,)).
+        """Generate up to ``n_predict`` tokens after ``tokens`` (int32 (n,)):
+        :meth:`submit` one request and :meth:`step` until it has ended.
 
         Args:
             on_text: called with each new piece of text as it is accepted
@@ -242,43 +209,15 @@ class Engine:
 
         Raises:
             ConfigError: the prompt is empty or prompt + n_predict does not fit
-                the context.
-            RankTimeoutError, ProtocolError: from the pipeline.
-        """
-        if self.decoder is None:
-            raise RuntimeError("with --parallel > 1 requests go through submit() and step()")
-        toks = [int(t) for t in tokens]
-        self.check_fits(len(toks), n_predict)
-        start = self._keep_prefix(toks)
-        stream = TextStream(self.vocab, on_text, stop, should_stop)
-        clock = GenerationClock()
-        activity = self.session.activity
-        if activity is not None:
-            activity.set(f"answering a request ({len(toks)} prompt tokens, {self.mode})", clock)
-        waits0, cpu0 = dict(self.waiter.stats), time.thread_time()
-        loop = self.loop
-
-        def emit(new: list[int]) -> bool:
-            loop.generated(len(new))
-            return stream.emit(new)
-
-        try:
-            sampler = self.sampler(sampling, toks)
-            out = self.decoder.generate(np.asarray(toks[start:], dtype=np.int32), n_predict, sampler,
-                                        start_pos=start, emit=emit, clock=clock, history=toks[:start])
-        finally:
-            if activity is not None:
-                activity.set("idle between requests")
-        reason = stream.finish(out, n_predict)
-        # cells now in sequence 0: the prompt and every generated token but the last
-        self.kv_tokens = toks + out[:-1]
-        self.last = Completion(tokens=[int(t) for t in out], text=stream.text, finish_reason=reason,
-                               n_prompt=len(toks), n_reused=start, metrics=clock.as_dict(),
-                               decoder={**self.decoder.stats, **self._head_stats(waits0, cpu0)},
-                               logprobs=sampler.logprobs[:len(out)] if sampling.logprobs >= 0 else None)
-        return self.last
-
-    # -- requests through one loop: submit, step ------------------------------------------
+                the context; the sampling settings are invalid.
+            RankTimeoutError, ProtocolError: from the pipeline; what ended
+                the request alone (``job.error``)."""
+        done: list[Completion] = []
+        self.submit(tokens, n_predict, sampling, on_text=on_text, stop=stop, should_stop=should_stop,
+                    on_done=done.append)
+        while not done:
+            self.step()
+        return done[0]
 
     def submit(self, tokens: np.ndarray, n_predict: int, sampling: SamplingParams = SamplingParams(),
                on_text: Callable[[str], None] | None = None, stop: list[str] | tuple = (),
@@ -290,22 +229,19 @@ class Engine:
         alone in the one slot, through the mode's decoder, one request per
         :meth:`step`. ``on_text``, ``stop`` and ``should_stop`` as
         :meth:`generate`; ``on_done`` gets the :class:`Completion` when the
-        request ends, or None for a job cancelled while queued
-        (``job.cancelled``); ``on_error`` gets the exception that ended the
-        request alone (its sampling failed: ``job.error``; one request at a
-        time also its own settings, or an unexpected error after which the
-        pipeline was checked and the KV caches cleared), instead of
-        :meth:`step` raising it (without ``on_error``).
+        request ends (also :attr:`last`), or None for a job cancelled while
+        queued (``job.cancelled``); ``on_error`` gets the exception that
+        ended the request alone (``job.error``: its sampling failed; one
+        request at a time also its own settings, or an unexpected error
+        after which the pipeline was checked and the KV caches cleared,
+        :meth:`recover`), instead of :meth:`step` raising it (without
+        ``on_error``).
 
         Raises:
-            ConfigError: the prompt is empty or does not fit (one slot)."""
+            ConfigError: the prompt is empty or does not fit (one slot);
+                invalid sampling settings."""
         toks = [int(t) for t in tokens]
-        if self.decoder is not None:
-            job = Job(toks, n_predict, None)     # generate() builds its sampler; the loop checks that it fits
-            job.on_done = lambda j: on_done(None if j.cancelled else self.last)
-            kw = dict(sampling=sampling, on_text=on_text, stop=stop, should_stop=should_stop)
-            self.loop.submit(job, lambda j: self._run_queued(j, kw, on_error))
-            return job
+        self.loop.check_fits(len(toks), n_predict)
         stream = TextStream(self.vocab, on_text, stop, should_stop)
 
         def done(job: Job) -> None:
@@ -319,11 +255,12 @@ class Engine:
                 return
             out = job.request.out
             reason = stream.finish(out, n_predict)
-            on_done(Completion(tokens=[int(t) for t in out], text=stream.text, finish_reason=reason,
-                               n_prompt=len(toks), n_reused=job.n_reused, metrics=job.clock.as_dict(),
-                               decoder={"slot": job.slot, "queue_s": round(job.queue_s, 4),
-                                        "parallel": self.parallel, **job.draft_stats.as_dict()},
-                               logprobs=job.sampler.logprobs[:len(out)] if sampling.logprobs >= 0 else None))
+            self.last = Completion(tokens=[int(t) for t in out], text=stream.text, finish_reason=reason,
+                                   n_prompt=len(toks), n_reused=job.n_reused, metrics=job.clock.as_dict(),
+                                   decoder={"slot": job.slot, "queue_s": round(job.queue_s, 4),
+                                            "parallel": self.parallel, **self.loop.request_stats(job)},
+                                   logprobs=job.sampler.logprobs[:len(out)] if sampling.logprobs >= 0 else None)
+            on_done(self.last)
 
         job = Job(toks, n_predict, self.sampler(sampling, toks), emit=stream.emit, on_done=done)
         self.loop.submit(job)
@@ -357,42 +294,8 @@ class Engine:
         (:meth:`~ggpipe.decoding.parallel.scheduler.Scheduler.step`; ``wake``:
         stop waiting when it is true, new requests from another thread), or
         the next queued request run to its end through the mode's decoder
-        (:meth:`generate`; a cancelled one is only reported)."""
-        if self.decoder is None:
-            s = self.loop
-            activity = self.session.activity
-            if activity is not None:
-                activity.set(f"answering {s.n_busy} requests ({s.n_queued} queued, --parallel {self.parallel})")
+        (a cancelled one is only reported)."""
         self.loop.step(wake)
-
-    def _run_queued(self, job: Job, kw: dict, on_error: Callable[[Exception], None] | None) -> None:
-        """Run one queued request to its end through the mode's decoder
-        (a cancelled one is only reported). With ``on_error``, a failure of
-        this request alone goes there instead of up (as the scheduler ends
-        one request whose sampling failed): its own settings
-        (:class:`GGPipeError`, nothing run), or an unexpected error, after
-        which :meth:`recover` checks the pipeline and clears the KV caches.
-        A pipeline out of step (``abort_job``), MPI's own errors and a
-        failed :meth:`recover` always raise."""
-        if job.cancelled:
-            job.on_done(job)
-            return
-        job.queue_s = time.monotonic() - job.t_queued
-        try:
-            self.generate(np.asarray(job.tokens, dtype=np.int32), job.n_predict, **kw)
-        except GGPipeError as e:
-            if on_error is None or e.abort_job:
-                raise
-            on_error(e)
-            return
-        except Exception as e:
-            if on_error is None or type(e).__module__.startswith("mpi4py"):
-                raise
-            self.recover()
-            on_error(e)
-            return
-        job.request = self.decoder.r
-        job.on_done(job)
 
     def recover(self) -> None:
         """After a request failed unexpectedly: wait for its runs still in
@@ -411,13 +314,3 @@ class Engine:
     def drain(self) -> None:
         """Wait for the micro-batches in flight (before a shutdown)."""
         self.loop.drain()
-
-    def _head_stats(self, waits0: dict, cpu0: float) -> dict:
-        """The head's main thread during the last request: its CPU time
-        (seconds) and the speculative loop's waits (ggpipe.pipeline.waiting)."""
-        w = self.waiter.stats
-        out = {"head_thread_cpu_s": round(time.thread_time() - cpu0, 4)}
-        if w["waits"] > waits0["waits"]:
-            out.update(head_waits=w["waits"] - waits0["waits"], head_wait_probes=w["probes"] - waits0["probes"],
-                       head_wait_local_wakeups=w["local_wakeups"] - waits0["local_wakeups"])
-        return out

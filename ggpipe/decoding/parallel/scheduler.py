@@ -108,6 +108,8 @@ class Scheduler:
             drops a sequence's state whole): a request keeps its slot's
             cells only where its prompt goes on after all of them, and
             borrows nothing.
+        doing: ``doing(text)`` tells what the job is doing (the liveness
+            messages': "answering 3 requests (1 queued, --parallel 4)"), or None.
 
     A lone request's speculation (its chains, look-ahead rows, their
     verification, the gate) is ``spec``, a
@@ -120,7 +122,8 @@ class Scheduler:
     def __init__(self, target: TargetBackend, n_slots: int, n_ctx_slot: int, n_ubatch: int,
                  is_eog: Callable[[int], bool], depth: int | None = None, timeout_s: float = 60.0,
                  idle: Wait | None = None, draft: SlotDrafter | Callable[[list[int], int], list[int]] | None = None,
-                 draft_max: int = 6, lookahead: bool = False, partial_reuse: bool = True):
+                 draft_max: int = 6, lookahead: bool = False, partial_reuse: bool = True,
+                 doing: Callable[..., None] | None = None):
         if n_slots < 1:
             raise ConfigError(f"--parallel must be at least 1, got {n_slots}")
         self.target = target
@@ -129,6 +132,7 @@ class Scheduler:
         self.n_ubatch = n_ubatch
         self.is_eog = is_eog
         self.partial_reuse = partial_reuse
+        self._doing = doing or (lambda text: None)
         self.depth = max(1, depth if depth is not None else target.n_stages)
         self.timeout_s = timeout_s
         self.idle = idle or poll_wait
@@ -363,6 +367,17 @@ class Scheduler:
         self.stats.generated += n
         self.rate.add(n)
 
+    def reset(self) -> None:
+        """The KV caches were cleared (target and draft), with nothing in
+        flight: no slot holds cells."""
+        for s in self.slots:
+            s.kv = []
+
+    def request_stats(self, job: Job) -> dict:
+        """A finished request's statistics (``--json``'s ``decoder``): its
+        drafting (:meth:`~ggpipe.speculation.draft_stats.DraftStats.as_dict`)."""
+        return job.draft_stats.as_dict()
+
     # -- views (any thread) ----------------------------------------------------------
 
     def tokens_per_s(self) -> float:
@@ -399,6 +414,7 @@ class Scheduler:
         Raises:
             RankTimeoutError, ProtocolError: from the pipeline."""
         t = self.target
+        self._doing(f"answering {self.n_busy} requests ({self.n_queued} queued, --parallel {len(self.slots)})")
         progressed = False
         while t.ready():
             self._handle(t.poll())
