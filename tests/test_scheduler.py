@@ -641,6 +641,54 @@ def test_a_chain_drafted_without_waiting_is_taken_below_its_context_or_what_foll
     assert not draft_pipe.inflight
 
 
+def test_a_chain_still_drafted_goes_once_it_holds_the_least_tokens_asked():
+    """While the pipeline holds runs a look-ahead row waits for a fuller
+    chain (``take(..., least)``): a chain the draft is still drafting is
+    returned only once it has ``least`` tokens, and it is the draft's."""
+    drafter, draft_pipe = _draft_model_drafter(flip=0.0)
+    ctx = list(PROMPTS[0])
+    got = []
+    for _ in range(200):
+        got = drafter.take(ctx, 5, least=3)
+        if got:
+            break
+        drafter.arrived()
+    assert len(got) >= 3 and got == ToyLM(V).greedy(ctx, len(got))
+    drafter.settle()
+    assert not draft_pipe.inflight
+
+
+def test_a_request_that_starts_alone_has_the_draft_decode_its_prompt_at_once():
+    """A request that starts with no other in the slots: a draft with ranks
+    of its own follows its prompt at once (the draft's prefill beside the
+    target's, not after the first token); one that starts beside another
+    does not move the draft."""
+    from ggpipe.decoding.parallel.chain_draft import LookupDrafter
+
+    class Follows(LookupDrafter):
+        has_ranks = True
+
+        def __init__(self):
+            super().__init__(lambda c, k: [])
+            self.followed = []
+
+        def follow(self, context):
+            self.followed.append(list(context))
+
+    target = FakePipeline(ToyLM(V), latency=2, cell_order=True, streams=True)
+    target.n_stages = 2
+    draft = Follows()
+    sched = Scheduler(target, 2, n_ctx_slot=64, n_ubatch=8, is_eog=lambda t: False, draft=draft, lookahead=True,
+                      depth=2)
+    first, second = (Job(list(p), 6, Sampler(SamplingParams())) for p in PROMPTS[:2])
+    sched.submit(first)
+    sched.step()
+    assert draft.followed == [list(PROMPTS[0])]
+    sched.submit(second)
+    sched.run()
+    assert draft.followed == [list(PROMPTS[0])]
+
+
 def test_below_reads_a_chain_from_a_context_that_went_on_along_it():
     from ggpipe.decoding.parallel.chain_draft import _below
     assert _below([1, 2], [3, 4, 5], [1, 2]) == [3, 4, 5]

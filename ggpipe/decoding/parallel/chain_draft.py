@@ -90,10 +90,11 @@ class SlotDrafter(Protocol):
     def settle(self) -> None:
         """Consume the draft's work still in flight (before a shutdown)."""
 
-    def take(self, context: list[int], k: int) -> list[int]:
+    def take(self, context: list[int], k: int, least: int = 1) -> list[int]:
         """Without waiting: up to ``k`` tokens drafted below ``context`` as
-        far as they are drafted; else [] (and drafting below ``context``
-        starts, when the draft is free)."""
+        far as they are drafted (while drafting goes on, at least
+        ``least``); else [] (and drafting below ``context`` starts, when the
+        draft is free)."""
 
     def arrived(self) -> bool:
         """A result of the drafting :meth:`take` started has arrived (consumed
@@ -143,7 +144,7 @@ class LookupDrafter:
     def settle(self) -> None:
         """Nothing in flight."""
 
-    def take(self, context: list[int], k: int) -> list[int]:
+    def take(self, context: list[int], k: int, least: int = 1) -> list[int]:
         """The lookup itself: it is instant."""
         return self.lookup(context, k)
 
@@ -281,13 +282,14 @@ class ChainDrafter:
             self._begun = None
         p.drain_ready()
 
-    def take(self, context: list[int], k: int) -> list[int]:
+    def take(self, context: list[int], k: int, least: int = 1) -> list[int]:
         """Without waiting: up to ``k`` tokens drafted below ``context``
         (its last token the anchor), as far as the draft has drafted them:
         the drafting started by an earlier call goes on below the context it
         began with as long as ``context`` follows its chain, and what it has
         drafted beyond ``context`` (the tree so far, of a proposer that shows
-        it: ``Cuttable.partial``) is returned while it goes on; otherwise []
+        it: ``Cuttable.partial``) is returned while it goes on, once it is
+        ``least`` tokens or more (a finished chain, however short); otherwise []
         and drafting below ``context`` starts where the draft is free
         (drafting below a context that ``context`` leaves is abandoned). The
         draft's ranks work meanwhile beside the target's: nothing is waited
@@ -306,7 +308,7 @@ class ChainDrafter:
             tree = p.partial() if implements(p, Cuttable) else None
             rest = _below(self._begun, first_child_chain(tree) if tree is not None else [], context)
             if rest is not None:
-                return rest[:k]
+                return rest[:k] if len(rest) >= min(least, k) else []
             self.drop()     # the context left the drafting's chain: drafting below it again
         if self._begun is None and not p.active and not p.busy():
             p.observe(list(context))

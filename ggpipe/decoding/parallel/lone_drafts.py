@@ -36,6 +36,15 @@ from ggpipe.speculation.gate import DraftGate
 from ggpipe.speculation.verify import walk_tree
 
 
+#: Tokens a look-ahead row that a draft model is still drafting waits for
+#: while the pipeline holds runs (the draft's whole chain goes, however
+#: short, once it has stopped; to an empty pipeline a row goes at once): a
+#: pass of 3 tokens costs a stage little more than one of 1, so fuller rows
+#: carry the same tokens in fewer passes. 3 ranks sharing 2 cores, held-out
+#: prompts: 1.02-1.18x the speed with rows sent token by token
+#: (docs/user-guide/parallel.md).
+AHEAD_MIN_TOKENS = 3
+
 #: The variable that turns pipeinfer's look-ahead rows under ``--parallel`` on or off.
 LOOKAHEAD_ENV = "GGPIPE_LOOKAHEAD"
 
@@ -111,10 +120,11 @@ class LoneDrafts:
         self._last_finish = 0.0
         self._drafting = None    # the request whose last planned root the gate let draft a chain
 
-    def ahead(self, slot: Slot) -> tuple[_Row, list[int]] | None:
+    def ahead(self, slot: Slot, least: int = 1) -> tuple[_Row, list[int]] | None:
         """A look-ahead row for ``slot``, whose request generates alone and
         whose row waits for logits with nothing else to send: (the row, its
-        tokens), or None. The drafted guess of the token the target will
+        tokens), or None (a draft with ranks still drafting it: with fewer
+        than ``least`` tokens so far). The drafted guess of the token the target will
         decide once everything in flight is accepted, and the drafted chain
         below it, at the next positions of the slot's stream; it counts only
         if the row before it is accepted whole and the guess is the target's
@@ -134,7 +144,7 @@ class LoneDrafts:
         room = min(self.draft_max + 1, r.n_predict - len(r.out) - beyond - 1, self.n_ctx_slot - len(slot.kv) - 2)
         if room < 1:
             return None
-        guess = self.draft.take(list(slot.kv), room)
+        guess = self.draft.take(list(slot.kv), room, least)
         if not guess:
             return None
         row = _Row(slot, slot.job, True, guess[1:], p0=len(slot.kv), guess=guess[0])
@@ -236,6 +246,17 @@ class LoneDrafts:
         self.stats.drafted += len(chain)
         slot.job.draft_stats.drafted += len(chain)
         return chain
+
+    def started(self, prompt: list[int]) -> None:
+        """A request starts alone with ``prompt`` (token ids): a draft with
+        ranks of its own decodes the prompt now, beside the target's
+        prefill, without being waited for
+        (:meth:`~ggpipe.decoding.parallel.chain_draft.ChainDrafter.follow`),
+        so that its first chains do not wait for that prefill (as
+        ``--parallel 1``'s speculative modes start the draft's prefill with
+        the target's)."""
+        if self.draft is not None and self.draft.has_ranks:
+            self.draft.follow(prompt)
 
     def arrived(self) -> bool:
         """A draft result that a look-ahead row may wait for has arrived

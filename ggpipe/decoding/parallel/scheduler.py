@@ -58,7 +58,7 @@ import numpy as np
 
 from ggpipe.backend import TargetBackend
 from ggpipe.decoding.parallel.chain_draft import SlotDrafter
-from ggpipe.decoding.parallel.lone_drafts import LoneDrafts
+from ggpipe.decoding.parallel.lone_drafts import AHEAD_MIN_TOKENS, LoneDrafts
 from ggpipe.decoding.request import Request
 from ggpipe.decoding.parallel.slots import Job, SchedulerStats, Slot, _Row, plan_microbatch
 from ggpipe.errors import ConfigError, GGPipeError
@@ -206,6 +206,8 @@ class Scheduler:
                               context=list(job.tokens))
         slot.job, slot.todo, slot.waiting = job, list(job.tokens[keep:]), False
         self.stats.reused_tokens += keep
+        if self.n_busy == 1 and not self.queue:
+            self.spec.started(job.tokens)    # a request alone: the draft decodes its prompt beside the target
 
     def _end(self, slot: Slot) -> None:
         job = slot.job
@@ -278,14 +280,17 @@ class Scheduler:
         """A look-ahead row (:meth:`LoneDrafts.ahead`) for a request
         that is the only one in the slots, with nothing queued, while its
         row waits for logits: up to ``depth - 1`` of them in flight (a
-        draft model's: ``depth``), each built on the one before. Returns
-        whether one was sent."""
+        draft model's: ``depth``), each built on the one before; while
+        the pipeline holds runs, one that a draft model is still drafting
+        goes once it has
+        :data:`~ggpipe.decoding.parallel.lone_drafts.AHEAD_MIN_TOKENS`
+        tokens. Returns whether one was sent."""
         if not self.spec.lookahead or self.queue:
             return False
         busy = [s for s in self.slots if s.job is not None]
         if len(busy) != 1 or not (busy[0].generating and busy[0].waiting and not busy[0].todo):
             return False
-        made = self.spec.ahead(busy[0])
+        made = self.spec.ahead(busy[0], AHEAD_MIN_TOKENS if self.target.inflight else 1)
         if made is None:
             return False
         self._submit([made])
