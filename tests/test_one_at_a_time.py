@@ -98,3 +98,12 @@ def test_a_failing_request_is_reported_alone_after_recovery_and_leaves_the_slot_
     loop.reset()     # as the engine's recovery clears every cache
     loop.step()
     assert good.error is None and good.request.out == lm.greedy(PROMPT, 6) and not loop.busy
+
+
+def test_both_loops_speak_the_one_interface_front_ends_use():
+    from ggpipe.decoding.parallel.scheduler import Scheduler
+    from ggpipe.decoding.parallel.slots import RequestLoop
+    dec, _, target = _pipeinfer()
+    assert isinstance(OneAtATime(dec, n_ctx=64), RequestLoop)
+    assert isinstance(Scheduler(FakePipeline(ToyLM(V), latency=2, streams=True), 2, 64, 8, lambda t: False),
+                      RequestLoop)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from ggpipe.decoding.mode import BuildContext, Mode, mode_class
+from ggpipe.decoding.parallel.slots import RequestLoop
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.errors import ConfigError
 from ggpipe.pipeline.waiting import Wait
@@ -111,9 +112,9 @@ def build_loop(mode: str, spec: SpecSettings, target, drafts: Sequence = (), *, 
                n_ubatch: int, n_seq_max: int, is_eog: Callable[[int], bool], depth: int | None, timeout_s: float,
                idle: Wait | None = None, target_hosts: Sequence[str] = (), partial_reuse: bool = True,
                reuse_kv: bool = True, recover: Callable[[], None] = lambda: None,
-               doing: Callable[..., None] | None = None):
+               doing: Callable[..., None] | None = None) -> RequestLoop:
     """The one loop every front end's requests go through
-    (``submit(job)``, ``step()``, ``view()``, ...): with ``slots`` > 1 the
+    (:class:`~ggpipe.decoding.parallel.slots.RequestLoop`): with ``slots`` > 1 the
     continuous-batching scheduler (:func:`build_scheduler`; ``n_ctx``: the
     cells of one slot); with one slot,
     :class:`~ggpipe.decoding.one_at_a_time.OneAtATime` over the mode's own

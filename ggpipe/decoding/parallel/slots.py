@@ -1,7 +1,9 @@
 """The scheduler's pure parts: a request handed to it (:class:`Job`), a
 slot (:class:`Slot`: a KV sequence and the request that holds it, in one of
 the states of :class:`SlotState`), and which slots send what in the next
-micro-batch (:func:`plan_microbatch`). No pipeline, no MPI;
+micro-batch (:func:`plan_microbatch`); and :class:`RequestLoop`, what every
+front end asks of the loop its requests go through (the scheduler, or
+``--parallel 1``'s one slot). No pipeline, no MPI;
 ggpipe.decoding.parallel.scheduler drives them."""
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable
+from typing import Callable, Protocol, runtime_checkable
 
 from ggpipe.decoding.request import Emit, Request, _never_stop
 from ggpipe.metrics import GenerationClock
@@ -92,6 +94,63 @@ class Job:
     draft_stats: DraftStats = field(default_factory=DraftStats)
     t_queued: float = field(default_factory=time.monotonic)
     error: Exception | None = None
+
+
+@runtime_checkable
+class RequestLoop(Protocol):
+    """The one interface of the loop requests go through
+    (ggpipe.decoding.factory.build_loop): the continuous-batching scheduler
+    (:class:`~ggpipe.decoding.parallel.scheduler.Scheduler`) or ``--parallel
+    1``'s one slot (:class:`~ggpipe.decoding.one_at_a_time.OneAtATime`). The
+    engine holds one and never asks which.
+
+    Attributes:
+        depth: micro-batches the loop keeps in flight.
+    """
+
+    depth: int
+
+    def check_fits(self, n_prompt: int, n_predict: int) -> None:
+        """Raise ConfigError when a prompt of ``n_prompt`` tokens plus
+        ``n_predict`` do not fit a request's cells, or it is empty."""
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job``; ``job.on_done(job)`` is called when it has ended
+        (``job.request`` None for one cancelled while queued, ``job.error``
+        for one that failed alone).
+
+        Raises:
+            ConfigError: it does not fit."""
+
+    @property
+    def n_queued(self) -> int:
+        """Requests waiting for the slot(s)."""
+
+    @property
+    def n_busy(self) -> int:
+        """Slots holding a request."""
+
+    @property
+    def busy(self) -> bool:
+        """Requests queued or running."""
+
+    def step(self, wake: Callable[[], bool] = lambda: False) -> None:
+        """One turn of the loop (``wake``: stop a wait early when true)."""
+
+    def reset(self) -> None:
+        """The KV caches were cleared with nothing in flight: no slot holds cells."""
+
+    def request_stats(self, job: Job) -> dict:
+        """A finished request's statistics (``--json``'s ``decoder``)."""
+
+    def view(self) -> list[dict]:
+        """One dict per slot (llama-server's ``/slots``)."""
+
+    def tokens_per_s(self) -> float:
+        """Tokens generated per second over the last 10 seconds."""
+
+    def drain(self) -> None:
+        """Wait for every micro-batch in flight (before a shutdown)."""
 
 
 class SlotState(str, Enum):
