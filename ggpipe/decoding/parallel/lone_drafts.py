@@ -41,7 +41,7 @@ from ggpipe.speculation.verify import walk_tree
 #: short, once it has stopped; to an empty pipeline a row goes at once): a
 #: pass of 3 tokens costs a stage little more than one of 1, so fuller rows
 #: carry the same tokens in fewer passes. 3 ranks sharing 2 cores, held-out
-#: prompts: 1.02-1.18x the speed with rows sent token by token
+#: prompts: 1.07-1.17x the code that sent them token by token, run beside it
 #: (docs/user-guide/parallel.md).
 AHEAD_MIN_TOKENS = 3
 
