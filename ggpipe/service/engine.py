@@ -241,7 +241,7 @@ class Engine:
             ConfigError: the prompt is empty or does not fit (one slot);
                 invalid sampling settings."""
         toks = [int(t) for t in tokens]
-        self.loop.check_fits(len(toks), n_predict)
+        self.check_fits(len(toks), n_predict)     # before the sampler builds its grammar
         stream = TextStream(self.vocab, on_text, stop, should_stop)
 
         def done(job: Job) -> None:

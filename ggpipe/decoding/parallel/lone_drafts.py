@@ -120,11 +120,12 @@ class LoneDrafts:
         self._last_finish = 0.0
         self._drafting = None    # the request whose last planned root the gate let draft a chain
 
-    def ahead(self, slot: Slot, least: int = 1) -> tuple[_Row, list[int]] | None:
+    def ahead(self, slot: Slot) -> tuple[_Row, list[int]] | None:
         """A look-ahead row for ``slot``, whose request generates alone and
         whose row waits for logits with nothing else to send: (the row, its
-        tokens), or None (a draft with ranks still drafting it: with fewer
-        than ``least`` tokens so far). The drafted guess of the token the target will
+        tokens), or None (a draft with ranks still drafting it, while the
+        target holds runs: with fewer than :data:`AHEAD_MIN_TOKENS` tokens
+        so far). The drafted guess of the token the target will
         decide once everything in flight is accepted, and the drafted chain
         below it, at the next positions of the slot's stream; it counts only
         if the row before it is accepted whole and the guess is the target's
@@ -144,7 +145,7 @@ class LoneDrafts:
         room = min(self.draft_max + 1, r.n_predict - len(r.out) - beyond - 1, self.n_ctx_slot - len(slot.kv) - 2)
         if room < 1:
             return None
-        guess = self.draft.take(list(slot.kv), room, least)
+        guess = self.draft.take(list(slot.kv), room, AHEAD_MIN_TOKENS if self.target.inflight else 1)
         if not guess:
             return None
         row = _Row(slot, slot.job, True, guess[1:], p0=len(slot.kv), guess=guess[0])

@@ -58,7 +58,7 @@ import numpy as np
 
 from ggpipe.backend import TargetBackend
 from ggpipe.decoding.parallel.chain_draft import SlotDrafter
-from ggpipe.decoding.parallel.lone_drafts import AHEAD_MIN_TOKENS, LoneDrafts
+from ggpipe.decoding.parallel.lone_drafts import LoneDrafts
 from ggpipe.decoding.request import Request
 from ggpipe.decoding.parallel.slots import Job, SchedulerStats, Slot, _Row, plan_microbatch
 from ggpipe.errors import ConfigError, GGPipeError
@@ -132,7 +132,7 @@ class Scheduler:
         self.n_ubatch = n_ubatch
         self.is_eog = is_eog
         self.partial_reuse = partial_reuse
-        self._doing = doing or (lambda text: None)
+        self._doing = doing
         self.depth = max(1, depth if depth is not None else target.n_stages)
         self.timeout_s = timeout_s
         self.idle = idle or poll_wait
@@ -290,7 +290,7 @@ class Scheduler:
         busy = [s for s in self.slots if s.job is not None]
         if len(busy) != 1 or not (busy[0].generating and busy[0].waiting and not busy[0].todo):
             return False
-        made = self.spec.ahead(busy[0], AHEAD_MIN_TOKENS if self.target.inflight else 1)
+        made = self.spec.ahead(busy[0])
         if made is None:
             return False
         self._submit([made])
@@ -419,7 +419,8 @@ class Scheduler:
         Raises:
             RankTimeoutError, ProtocolError: from the pipeline."""
         t = self.target
-        self._doing(f"answering {self.n_busy} requests ({self.n_queued} queued, --parallel {len(self.slots)})")
+        if self._doing is not None:     # (the simulator's steps tell no one)
+            self._doing(f"answering {self.n_busy} requests ({self.n_queued} queued, --parallel {len(self.slots)})")
         progressed = False
         while t.ready():
             self._handle(t.poll())
