@@ -35,12 +35,11 @@ from typing import Callable
 import numpy as np
 
 from ggpipe.decoding.mode import Mode
-from ggpipe.decoding.parallel.slots import Job, SlotState
+from ggpipe.decoding.parallel.slots import Job, SlotState, slot_view
 from ggpipe.errors import GGPipeError
 from ggpipe.kv_reuse import reusable_prefix
 from ggpipe.metrics import TokenRate
 from ggpipe.runtime.vocab import check_prompt_fits
-from ggpipe.speculation.draft_stats import DraftStats
 
 
 class OneAtATime:
@@ -200,18 +199,12 @@ class OneAtATime:
 
     def view(self) -> list[dict]:
         """The one slot as the scheduler's ``view`` gives each
-        (llama-server's ``/slots``): id, KV cells, busy, state, prompt
-        tokens, tokens generated, cells cached, and the running request's
-        drafting so far (:meth:`~ggpipe.decoding.mode.Mode.drafting`)."""
+        (:func:`~ggpipe.decoding.parallel.slots.slot_view`; the running
+        request's drafting so far: :meth:`~ggpipe.decoding.mode.Mode.drafting`)."""
         job = self.current
         r = self.decoder.r if job is not None else None
         started = r is not None and r is not self._before     # open() has made the current request the decoder's
-        out = list(r.out) if started else []
-        if job is None:
-            state = SlotState.IDLE
-        else:
-            state = SlotState.GENERATING if out else SlotState.PROMPT
-        drafting = self.decoder.drafting() if started else DraftStats()
-        return [{"id": 0, "n_ctx": self.n_ctx, "is_processing": job is not None, "state": state.value,
-                 "n_prompt_tokens": len(job.tokens) if job is not None else 0, "n_decoded": len(out),
-                 "n_cached": len(self.kv), **drafting.as_dict()}]
+        n_out = len(r.out) if started else 0
+        state = SlotState.IDLE if job is None else SlotState.GENERATING if n_out else SlotState.PROMPT
+        return [slot_view(0, self.n_ctx, job, state, n_out, len(self.kv),
+                          self.decoder.drafting() if started else None)]

@@ -22,8 +22,8 @@ stage, each scheduled from requests not already in flight).
   into its own (``llama_memory_seq_cp`` of a whole stream, which llama.cpp
   does as a copy of the stream's K and V buffers in order with the runs
   before it on every stage) and only the rest is decoded
-  (:meth:`Scheduler._borrow_prefix`; vLLM's prefix caching across
-  requests).
+  (:func:`~ggpipe.decoding.parallel.prefix_cache.borrow_prefix`; vLLM's
+  prefix caching across requests).
 * **Micro-batches.** Each holds the next token of generating slots (in
   slot order: llama.cpp evaluates consecutive sequence ids of a non-unified
   cache in one ubatch) followed by one chunk of one prompt (chunked
@@ -59,14 +59,13 @@ import numpy as np
 from ggpipe.backend import TargetBackend
 from ggpipe.decoding.parallel.chain_draft import SlotDrafter
 from ggpipe.decoding.parallel.lone_drafts import LoneDrafts
+from ggpipe.decoding.parallel.prefix_cache import borrow_prefix, pick_slot
 from ggpipe.decoding.request import Request
-from ggpipe.decoding.parallel.slots import Job, SchedulerStats, Slot, _Row, plan_microbatch
+from ggpipe.decoding.parallel.slots import Job, SchedulerStats, Slot, _Row, plan_microbatch, slot_view
 from ggpipe.errors import ConfigError, GGPipeError
-from ggpipe.kv_reuse import reusable_prefix
 from ggpipe.metrics import TokenRate
 from ggpipe.pipeline.waiting import Wait, poll_wait
 from ggpipe.runs import Run, RunResult, next_run_id
-from ggpipe.speculation.draft_stats import DraftStats
 
 
 
@@ -103,7 +102,7 @@ class Scheduler:
             (:class:`~ggpipe.decoding.parallel.lone_drafts.LoneDrafts`).
         partial_reuse: a slot's cells can be kept up to any position, and a
             request may start from another slot's cells
-            (:meth:`_borrow_prefix`). False for a model whose state cannot
+            (:func:`~ggpipe.decoding.parallel.prefix_cache.borrow_prefix`). False for a model whose state cannot
             be cut at a position (recurrent or hybrid: llama.cpp keeps or
             drops a sequence's state whole): a request keeps its slot's
             cells only where its prompt goes on after all of them, and
@@ -191,8 +190,7 @@ class Scheduler:
             if job.cancelled:
                 job.on_done(job)
                 continue
-            keep, _, slot = max((reusable_prefix(s.kv, job.tokens, partial=self.partial_reuse), -s.seq, s)
-                                for s in free)     # the longest cached prefix, the lowest id on a tie
+            keep, slot = pick_slot(free, job.tokens, self.partial_reuse)
             self._start(slot, job, keep)
 
     def _start(self, slot: Slot, job: Job, keep: int) -> None:
@@ -228,7 +226,8 @@ class Scheduler:
         # tokens without a prompt chunk now: a prompt's turn next
         self._prompt_turn = all(slot.generating for slot, _, _ in plan)
         for i, (slot, n, _) in enumerate(plan):
-            if self._borrow_prefix(slot):      # a shorter rest: this chunk may now be the prompt's last
+            if self.partial_reuse and borrow_prefix(self.target, self.slots, slot, self.stats):
+                # a shorter rest: this chunk may now be the prompt's last
                 n = min(n, len(slot.todo))
                 plan[i] = (slot, n, n == len(slot.todo))
         rows = []
@@ -240,40 +239,6 @@ class Scheduler:
             if not wants:
                 self.stats.prefill_tokens += n
         self._submit(rows)
-        return True
-
-    def _borrow_prefix(self, slot: Slot) -> bool:
-        """Before the first chunk of ``slot``'s prompt goes: when another
-        slot's tokens (sent or held: ``Slot.kv``) share a longer prefix with
-        the prompt than ``slot``'s own cells, copy that slot's whole stream
-        into ``slot``'s (``seq_cp``; a stream copy moves ``n_ctx_slot``
-        cells of K and V per layer, far less than computing a token, so it
-        is done for a gain of 8 tokens or more), remove the copied cells
-        after the common prefix (``seq_rm``), and leave only the rest of
-        the prompt to decode. Both operations go in order behind the
-        micro-batches already sent, so every stage copies the other slot's
-        cells as they are once those are computed. The cells are those the
-        same tokens at the same positions left, at the same indices
-        (position order), as a slot's own prompt cache. Returns whether it
-        copied."""
-        job = slot.job
-        if not self.partial_reuse or job.request.out or len(slot.kv) != job.n_reused:
-            return False     # not a prompt whose first chunk is still to go
-        best, src = len(slot.kv), None
-        for other in self.slots:
-            if other is not slot:
-                k = reusable_prefix(other.kv, job.tokens)
-                if k > best:
-                    best, src = k, other
-        if src is None or best - len(slot.kv) < 8:
-            return False
-        self.target.seq_cp(src.seq, slot.seq, -1, -1)
-        self.target.seq_rm(slot.seq, best, -1)
-        slot.kv = src.kv[:best]
-        slot.todo = list(job.tokens[best:])
-        self.stats.reused_tokens += best - job.n_reused
-        self.stats.borrowed_tokens += best - job.n_reused
-        job.n_reused = best
         return True
 
     def _send_ahead(self) -> bool:
@@ -390,22 +355,10 @@ class Scheduler:
         return self.rate.per_s()
 
     def view(self) -> list[dict]:
-        """One dict per slot (llama-server's ``/slots``): id, KV cells, busy,
-        its state (:class:`~ggpipe.decoding.parallel.slots.SlotState`'s value), prompt
-        tokens, tokens generated, cells cached; the request's drafting so far
-        (:meth:`~ggpipe.speculation.draft_stats.DraftStats.as_dict`: tokens
-        drafted and accepted, their rate, and per position after a root;
-        zeros, None and empty lists for a free slot)."""
-        out = []
-        for s in list(self.slots):
-            job = s.job
-            r = job.request if job is not None else None
-            out.append({"id": s.seq, "n_ctx": self.n_ctx_slot, "is_processing": job is not None,
-                        "state": s.state.value,
-                        "n_prompt_tokens": len(job.tokens) if job is not None else 0,
-                        "n_decoded": len(r.out) if r is not None else 0, "n_cached": len(s.kv),
-                        **(job.draft_stats if job is not None else DraftStats()).as_dict()})
-        return out
+        """One dict per slot (:func:`~ggpipe.decoding.parallel.slots.slot_view`)."""
+        return [slot_view(s.seq, self.n_ctx_slot, s.job, s.state,
+                          len(s.job.request.out) if s.job is not None and s.job.request is not None else 0,
+                          len(s.kv), s.job.draft_stats if s.job is not None else None) for s in list(self.slots)]
 
     # -- the loop ------------------------------------------------------------------
 
@@ -429,8 +382,7 @@ class Scheduler:
         while len(t.inflight) < self.depth and self._submit_next():
             progressed = True
         # a lone request's look-ahead rows drafted by a draft model: one more in flight than the micro-batches of
-        # groups, queued at the first stage to compute the moment it frees (3 ranks on 2 cores, held-out prompts:
-        # 1.01-1.07x the rows' speed without it)
+        # groups, queued at the first stage to compute the moment it frees (docs/user-guide/parallel.md)
         if self.spec.continuous and len(t.inflight) == self.depth and self._send_ahead():
             progressed = True
         if not progressed and t.inflight:
