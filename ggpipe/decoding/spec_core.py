@@ -93,7 +93,6 @@ class SpecCore:
         self.acceptance = AcceptanceModel()
         self.pass_cost = PassCost()
         self.decode_rate = DecodeRate()
-        self._last_finish = 0.0
         self._last_decision = 0.0     # when the request's last tokens were decided (the results' clock)
 
     # -- a request's start -----------------------------------------------------
@@ -157,9 +156,7 @@ class SpecCore:
         r = self.r
         g = r.graph
         self._take_result(res)
-        if not res.cancelled:
-            self.pass_cost.observe(res.run.n_tokens, res.finished_at - max(res.run.started_at, self._last_finish))
-        self._last_finish = res.finished_at
+        self.pass_cost.finished(res.run.n_tokens, res.run.started_at, res.finished_at, counts=not res.cancelled)
         decisions = g.advance()
         for dp, ok in g.take_verified():
             self.acceptance.observe(dp, ok)
@@ -266,7 +263,7 @@ class SpecCore:
                                   "raise --ctx-size or shorten the prompt/-n")
             res = self.target.wait(self.timeout_s)
             self._take_result(res)
-            self._last_finish = res.finished_at
+            self.pass_cost.finished(res.run.n_tokens, res.run.started_at, res.finished_at, counts=False)
             self.r.counts.kv_room_waits += 1
 
     # -- submission --------------------------------------------------------------------

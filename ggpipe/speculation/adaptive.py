@@ -120,6 +120,19 @@ class PassCost:
     max_tokens: int = 16
     mean: dict = field(default_factory=dict)
     _fit: tuple[float, float] | None = field(default=None, init=False, repr=False)  # (slope, intercept)
+    _last_finish: float = field(default=0.0, init=False, repr=False)   # when the pass before finished
+
+    def finished(self, n_tokens: int, started_at: float, finished_at: float, counts: bool = True) -> None:
+        """A pass of ``n_tokens`` tokens, submitted at ``started_at`` and
+        finished at ``finished_at`` (seconds, the pipelines' clock:
+        ``RunResult.finished_at``), in the order the passes finish. Its
+        service time runs from the later of its submission and the previous
+        pass's finish (a pass queued behind another waits for it, which is
+        not its cost); it is observed when ``counts`` (a cancelled pass, or
+        one of another shape, only moves the previous finish)."""
+        if counts:
+            self.observe(n_tokens, finished_at - max(started_at, self._last_finish))
+        self._last_finish = finished_at
 
     def observe(self, n_tokens: int, seconds: float) -> None:
         """A pass of ``n_tokens`` tokens took ``seconds`` of the target's time."""

@@ -17,9 +17,7 @@ drafts below every token sent so far; when its chain is there and the
 request's row still waits, the chain goes as a look-ahead row. The draft's
 ranks and the target's work at once, as in ``--mode pipeinfer`` one request
 at a time, where a chain the head waits for costs the draft's steps in
-full (measured on 3 ranks sharing 2 cores, held-out prompts: 0.92-1.00x
-``--parallel 1``'s PipeInfer, against 0.80-0.91x with waited-for chains;
-docs/user-guide/parallel.md).
+full (docs/user-guide/parallel.md measures both against ``--parallel 1``).
 """
 
 from __future__ import annotations
@@ -40,9 +38,8 @@ from ggpipe.speculation.verify import walk_tree
 #: while the pipeline holds runs (the draft's whole chain goes, however
 #: short, once it has stopped; to an empty pipeline a row goes at once): a
 #: pass of 3 tokens costs a stage little more than one of 1, so fuller rows
-#: carry the same tokens in fewer passes. 3 ranks sharing 2 cores, held-out
-#: prompts: 1.07-1.17x the code that sent them token by token, run beside it
-#: (docs/user-guide/parallel.md).
+#: carry the same tokens in fewer passes (docs/user-guide/parallel.md
+#: measures it against rows sent token by token).
 AHEAD_MIN_TOKENS = 3
 
 #: The variable that turns pipeinfer's look-ahead rows under ``--parallel`` on or off.
@@ -69,11 +66,9 @@ def lookahead_wanted(target_hosts: list[str], draft_has_ranks: bool = False, env
     ``draft_has_ranks``; with an instant draft, the n-gram lookup, on where
     the target's stages each have a host of their own, ``target_hosts``:
     the host of each target rank). Where stages share a host, two that
-    compute at once slow each other: on 2 cores shared by the stages,
-    n-gram look-ahead made 0.96x the scheduler without it on held-out
-    prompts it was not chosen on (docs/benchmarks/many-requests.md,
-    look-ahead rows), where a draft model's made 0.92-1.00x ``--parallel
-    1``'s PipeInfer against 0.80-0.91x without (docs/user-guide/parallel.md).
+    compute at once slow each other, which an n-gram lookup's rows do not
+    repay and a draft model's do (docs/benchmarks/batching.md,
+    look-ahead rows; docs/user-guide/parallel.md).
 
     Raises:
         ConfigError: another value."""
@@ -117,7 +112,6 @@ class LoneDrafts:
         self.gate = DraftGate()
         self.pass_cost = PassCost()
         self.clock = 0.0
-        self._last_finish = 0.0
         self._drafting = None    # the request whose last planned root the gate let draft a chain
 
     def ahead(self, slot: Slot) -> tuple[_Row, list[int]] | None:
@@ -135,9 +129,8 @@ class LoneDrafts:
         (:meth:`~ggpipe.decoding.parallel.chain_draft.ChainDrafter.take`: None until
         its chain is there). A look-ahead row is speculation
         too, and where stages share a host's cores, two that compute at
-        once slow each other (docs/benchmarks/many-requests.md, look-ahead
-        rows: guesses sent at every root lost up to 0.90x on 2 cores shared
-        by the stages, on prompts whose guesses were seldom kept)."""
+        once slow each other (docs/benchmarks/batching.md, look-ahead
+        rows)."""
         r = slot.job.request
         if not self.lookahead or self._drafting is not slot.job:   # (set by below() for a request alone)
             return None
@@ -269,10 +262,9 @@ class LoneDrafts:
         micro-batches of one sequence with a logit row per token (a slot's
         token, alone or with its chain; not prompt chunks)."""
         run = res.run
-        if (res.finished_at and run.started_at and run.n_outputs == run.n_tokens
-                and len(set(run.seq_ids.tolist())) == 1):
-            self.pass_cost.observe(run.n_tokens, res.finished_at - max(run.started_at, self._last_finish))
-        self._last_finish = res.finished_at
+        self.pass_cost.finished(run.n_tokens, run.started_at, res.finished_at,
+                                counts=bool(res.finished_at and run.started_at and run.n_outputs == run.n_tokens
+                                            and len(set(run.seq_ids.tolist())) == 1))
 
     def finish(self) -> None:
         """Shutdown: the draft's runs that followed a request are waited for."""
