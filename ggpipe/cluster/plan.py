@@ -388,11 +388,10 @@ def concurrent_stages(hosts: list[str], cpus: list, threads: list[int]) -> int:
     hosts -> 3; four stages of 4 threads on 16 CPUs -> 4; two stages of 4
     threads on 4 CPUs -> 1.
 
-    Measured (docs/benchmarks/many-requests.md, On a 16-core host): 4 ranks x 4 threads on one 16-core
-    host, 16 requests, made 1.2-2.2x the rows per second with 4 micro-batches
-    as with 2, pinned (``-bind-to core:4``) or not, in each of 4 interleaved
-    pairs; a cap of 2 on such a full host (§20, measured before §21's waits)
-    is gone."""
+    Measured (docs/benchmarks/batching.md, On a 16-core host): 4 ranks x 4
+    threads on one 16-core host, 16 requests, made 1.2-2.2x the rows per
+    second with 4 micro-batches as with 2, pinned (``-bind-to core:4``) or
+    not."""
     by_host: dict[str, list[int]] = {}
     for i, h in enumerate(hosts):
         by_host.setdefault(h, []).append(i)

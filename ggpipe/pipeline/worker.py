@@ -61,7 +61,8 @@ class Worker:
             ``--parallel`` scheduler): cancellations and prunes are still
             taken before each run, and the helper's wake-ups no longer
             take time from the computation on a host whose cores the
-            stages fill (docs/benchmarks/many-requests.md).
+            stages fill (docs/design/how-it-works.md, KV operations, cancellations
+            and prunes).
     """
 
     def __init__(self, stage: Stage, transport, prev: int, next: int | None, head: int, max_tokens: int,
