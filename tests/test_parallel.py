@@ -114,6 +114,33 @@ def test_a_draft_model_drafts_for_a_request_alone_and_stays_exact(tmp_path, goli
     assert ("only with --parallel 1" in said[0]) == (mode == "pipeinfer")
 
 
+@pytest.mark.parametrize("ranks,mode,spec_type", [(3, "pipedec", "draft"), (2, "speculative", "staged"),
+                                                  (3, "speculative", "vote")])
+def test_every_other_mode_and_strategy_under_parallel_stays_exact(tmp_path, goliath, smollm2, reference,
+                                                                   ranks, mode, spec_type):
+    """The modes and strategies the tests above leave out, under --parallel
+    with requests of different lengths joining and leaving: PipeDec (its
+    tree runs only with --parallel 1: here, chains drafted by the draft
+    model, said once at start-up), Staged SD's draft-of-draft and Minions'
+    vote (draft model and n-gram lookup), each through the scheduler's
+    chains for the longest request once it generates alone (chains the head
+    waits for: ``--p-accept 0`` lets the first go whole). Every request's
+    tokens: single-node llama.cpp's."""
+    rows = [{"id": 0, "prompt": CODE, "n": 64}, {"id": 1, "prompt": PROMPTS[3], "n": 10},
+            {"id": 2, "prompt": PROMPTS[0], "n": 4}, {"id": 3, "prompt": PROMPTS[5], "n": 14}]
+    err: list[str] = []
+    got = _batch(tmp_path, goliath, ranks, 2, rows, f"{mode}-{spec_type}",
+                 ["-md", str(smollm2), "--mode", mode, "--spec-type", spec_type, "--p-accept", "0"], stderr=err)
+    assert sorted(got) == [0, 1, 2, 3]
+    for r in rows:
+        assert_greedy(got[r["id"]]["tokens"], goliath, r["prompt"], r["n"], msg=(mode, spec_type, r))
+        assert got[r["id"]]["finish_reason"] == "length"
+    m = got[0]["metrics"]
+    assert m["drafted"] > 0 and 0 < m["draft_accepted"] <= m["drafted"], m
+    said = [ln for ln in err[0].splitlines() if ln.startswith(f"ggpipe: --mode {mode} under --parallel")]
+    assert len(said) == 1 and f"--spec-type {spec_type}" in said[0], err[0][-2000:]
+
+
 def test_ngram_chains_of_a_request_alone_are_exact(tmp_path, goliath, reference):
     """--spec-type ngram with --parallel: a request that generates alone sends
     n-gram chains below its tokens, verified in micro-batches of its own;
