@@ -12,7 +12,7 @@ import pytest
 from ggpipe.decoding.factory import build_decoder
 from ggpipe.decoding.parallel.scheduler import Scheduler
 from ggpipe.decoding.settings import SpecSettings
-from ggpipe.decoding.parallel.slots import Job
+from ggpipe.decoding.loop import Job
 from ggpipe.sampling import Sampler
 from ggpipe.sampling_params import SamplingParams
 from ggpipe.sim.toy import FakePipeline, ToyLM

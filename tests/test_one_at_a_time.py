@@ -9,7 +9,7 @@ import pytest
 
 from ggpipe.decoding.mode import mode_class
 from ggpipe.decoding.one_at_a_time import OneAtATime
-from ggpipe.decoding.parallel.slots import Job
+from ggpipe.decoding.loop import Job
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.errors import ConfigError
 from ggpipe.sampling import Sampler
@@ -102,7 +102,7 @@ def test_a_failing_request_is_reported_alone_after_recovery_and_leaves_the_slot_
 
 def test_both_loops_speak_the_one_interface_front_ends_use():
     from ggpipe.decoding.parallel.scheduler import Scheduler
-    from ggpipe.decoding.parallel.slots import RequestLoop
+    from ggpipe.decoding.loop import RequestLoop
     dec, _, target = _pipeinfer()
     assert isinstance(OneAtATime(dec, n_ctx=64), RequestLoop)
     assert isinstance(Scheduler(FakePipeline(ToyLM(V), latency=2, streams=True), 2, 64, 8, lambda t: False),

@@ -12,7 +12,8 @@ import pytest
 
 import ggpipe.decoding.parallel.scheduler as scheduler_module
 from ggpipe.decoding.parallel.scheduler import Scheduler
-from ggpipe.decoding.parallel.slots import Job, Slot, decode_groups, plan_microbatch
+from ggpipe.decoding.loop import Job
+from ggpipe.decoding.parallel.slots import Slot, decode_groups, plan_microbatch
 from ggpipe.runs import in_batch_order, ubatches
 from ggpipe.decoding.request import Request
 from ggpipe.errors import ConfigError
@@ -752,9 +753,9 @@ def test_lookahead_is_on_where_the_target_stages_have_hosts_of_their_own(monkeyp
 
 
 def test_a_slot_goes_through_its_states_in_order():
-    """idle -> prompt -> generating -> done -> idle (ggpipe.decoding.parallel.slots.
+    """idle -> prompt -> generating -> done -> idle (ggpipe.decoding.loop.
     SlotState), as /slots shows them, for a request alone in its slot."""
-    from ggpipe.decoding.parallel.slots import SlotState
+    from ggpipe.decoding.loop import SlotState
 
     target = FakePipeline(ToyLM(V), latency=2, cell_order=True, streams=True)
     sched = Scheduler(target, 2, n_ctx_slot=256, n_ubatch=4, is_eog=lambda t: False)

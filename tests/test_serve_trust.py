@@ -214,7 +214,7 @@ def test_one_request_at_a_time_still_ends_the_job_when_the_pipeline_failed():
 
 def test_scheduler_ends_only_the_request_whose_sampling_failed():
     from ggpipe.decoding.parallel.scheduler import Scheduler
-    from ggpipe.decoding.parallel.slots import Job as SchedJob
+    from ggpipe.decoding.loop import Job as SchedJob
     from ggpipe.sampling import Sampler
     from ggpipe.sim.toy import FakePipeline, ToyLM
 

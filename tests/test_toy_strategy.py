@@ -126,7 +126,7 @@ def test_the_scheduler_slots_and_bench_read_its_declarations(repeat):
     from ggpipe.cli.parallel import slots
     from ggpipe.decoding.factory import build_chain_drafter
     from ggpipe.decoding.parallel.scheduler import Scheduler
-    from ggpipe.decoding.parallel.slots import Job
+    from ggpipe.decoding.loop import Job
 
     assert slots(None, "pipeinfer", "repeat", 2) == 8 and slots(None, "pipeinfer", "draft", 2) == 1
     assert mode_args()["repeat"] == ["--mode", "pipeinfer", "--spec-type", "repeat"] and variant_speculates("repeat")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from ggpipe.decoding.mode import BuildContext, Mode, mode_class
-from ggpipe.decoding.parallel.slots import RequestLoop
+from ggpipe.decoding.loop import RequestLoop
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.errors import ConfigError
 from ggpipe.pipeline.waiting import Wait
@@ -114,7 +114,7 @@ def build_loop(mode: str, spec: SpecSettings, target, drafts: Sequence = (), *, 
                reuse_kv: bool = True, recover: Callable[[], None] = lambda: None,
                doing: Callable[..., None] | None = None) -> RequestLoop:
     """The one loop every front end's requests go through
-    (:class:`~ggpipe.decoding.parallel.slots.RequestLoop`): with ``slots`` > 1 the
+    (:class:`~ggpipe.decoding.loop.RequestLoop`): with ``slots`` > 1 the
     continuous-batching scheduler (:func:`build_scheduler`; ``n_ctx``: the
     cells of one slot); with one slot,
     :class:`~ggpipe.decoding.one_at_a_time.OneAtATime` over the mode's own

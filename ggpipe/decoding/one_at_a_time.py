@@ -1,6 +1,7 @@
-"""One request at a time (``--parallel 1``) behind the interface of the
-continuous-batching scheduler (ggpipe.decoding.parallel.scheduler):
-requests are the same :class:`~ggpipe.decoding.parallel.slots.Job`, they
+"""One request at a time (``--parallel 1``) behind the interface every
+request loop speaks (:class:`~ggpipe.decoding.loop.RequestLoop`, as the
+continuous-batching scheduler, ggpipe.decoding.parallel.scheduler):
+requests are the same :class:`~ggpipe.decoding.loop.Job`, they
 queue, :meth:`OneAtATime.step` runs the next one to its end through the
 mode's own decoder, and a front end, ``/slots`` and the aggregate tokens/s
 read its one slot as they read the scheduler's.
@@ -19,7 +20,7 @@ stage) and only the rest of the prompt goes down the pipeline. The draft
 model's KV follows the same context (the proposer decodes only what it
 lacks).
 
-Slot states (:class:`~ggpipe.decoding.parallel.slots.SlotState`), as the
+Slot states (:class:`~ggpipe.decoding.loop.SlotState`), as the
 scheduler's: ``idle`` with nothing running; ``prompt`` from the moment
 :meth:`~OneAtATime.step` takes a request until its first token;
 ``generating`` until it ends; then ``idle`` again (a request leaves the
@@ -35,7 +36,7 @@ from typing import Callable
 import numpy as np
 
 from ggpipe.decoding.mode import Mode
-from ggpipe.decoding.parallel.slots import Job, SlotState, slot_view
+from ggpipe.decoding.loop import Job, SlotState, slot_view
 from ggpipe.errors import GGPipeError
 from ggpipe.kv_reuse import reusable_prefix
 from ggpipe.metrics import TokenRate
@@ -199,7 +200,7 @@ class OneAtATime:
 
     def view(self) -> list[dict]:
         """The one slot as the scheduler's ``view`` gives each
-        (:func:`~ggpipe.decoding.parallel.slots.slot_view`; the running
+        (:func:`~ggpipe.decoding.loop.slot_view`; the running
         request's drafting so far: :meth:`~ggpipe.decoding.mode.Mode.drafting`)."""
         job = self.current
         r = self.decoder.r if job is not None else None

@@ -22,7 +22,7 @@ from ggpipe.sampling_params import SamplingParams
 from ggpipe.cluster.session import Session
 from ggpipe.decoding.factory import build_loop
 from ggpipe.decoding.mode import mode_class
-from ggpipe.decoding.parallel.slots import Job
+from ggpipe.decoding.loop import Job
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.models.registry import resolve
 from ggpipe.models.slicing import check_speculation

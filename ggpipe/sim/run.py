@@ -19,7 +19,7 @@ from ggpipe.cluster.roles import Roles
 from ggpipe.cluster.split import SplitSpec, plan_layers
 from ggpipe.decoding.factory import build_decoder, build_scheduler
 from ggpipe.decoding.mode import mode_class, seq_ids_needed
-from ggpipe.decoding.parallel.slots import Job
+from ggpipe.decoding.loop import Job
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.errors import ConfigError
 from ggpipe.metrics import GenerationClock

@@ -61,7 +61,8 @@ from ggpipe.decoding.parallel.chain_draft import SlotDrafter
 from ggpipe.decoding.parallel.lone_drafts import LoneDrafts
 from ggpipe.decoding.parallel.prefix_cache import borrow_prefix, pick_slot
 from ggpipe.decoding.request import Request
-from ggpipe.decoding.parallel.slots import Job, SchedulerStats, Slot, _Row, plan_microbatch, slot_view
+from ggpipe.decoding.loop import Job, slot_view
+from ggpipe.decoding.parallel.slots import SchedulerStats, Slot, _Row, plan_microbatch
 from ggpipe.errors import ConfigError, GGPipeError
 from ggpipe.metrics import TokenRate
 from ggpipe.pipeline.waiting import Wait, poll_wait
@@ -355,7 +356,7 @@ class Scheduler:
         return self.rate.per_s()
 
     def view(self) -> list[dict]:
-        """One dict per slot (:func:`~ggpipe.decoding.parallel.slots.slot_view`)."""
+        """One dict per slot (:func:`~ggpipe.decoding.loop.slot_view`)."""
         return [slot_view(s.seq, self.n_ctx_slot, s.job, s.state,
                           len(s.job.request.out) if s.job is not None and s.job.request is not None else 0,
                           len(s.kv), s.job.draft_stats if s.job is not None else None) for s in list(self.slots)]

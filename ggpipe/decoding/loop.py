@@ -1,0 +1,150 @@
+"""What every request loop speaks (the continuous-batching scheduler,
+ggpipe.decoding.parallel.scheduler, and ``--parallel 1``'s one slot,
+ggpipe.decoding.one_at_a_time): a request handed to it (:class:`Job`), the
+interface front ends drive (:class:`RequestLoop`), a slot's state
+(:class:`SlotState`, its transitions) and a slot as ``/slots`` shows it
+(:func:`slot_view`). No pipeline, no MPI."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Callable, Protocol, runtime_checkable
+
+from ggpipe.decoding.request import Emit, Request, _never_stop
+from ggpipe.metrics import GenerationClock
+from ggpipe.sampling import Sampler
+from ggpipe.speculation.draft_stats import DraftStats
+
+
+@dataclass(eq=False)
+class Job:
+    """One request handed to the :class:`Scheduler`.
+
+    Attributes:
+        tokens: the prompt's token ids (history included: the whole context).
+        n_predict: most tokens to generate.
+        sampler: the request's own sampler (settings and random stream).
+        emit: called with each accepted token list; a true return ends the
+            request (a stop string, a client that left).
+        on_done: called once with the job when the request has ended.
+        cancelled: set by another thread to drop a job that waits in the
+            queue (its ``on_done`` is still called, with ``request`` None).
+        clock: TTFT / ITL clock (restarted when the job gets a slot).
+        request: the running request (:class:`~ggpipe.decoding.request.Request`), once started.
+        slot: its slot, once started.
+        n_reused: prompt tokens whose cells the slot already held.
+        queue_s: seconds spent waiting for a slot.
+        draft_stats: tokens drafted below this request's tokens, and those
+            the target verified and accepted per position after a root
+            (ggpipe.speculation.draft_stats).
+        error: what ended this request alone (its sampling raised), or None.
+    """
+
+    tokens: list[int]
+    n_predict: int
+    sampler: Sampler
+    emit: Emit = _never_stop
+    on_done: Callable[["Job"], None] = lambda job: None
+    cancelled: bool = False
+    clock: GenerationClock = field(default_factory=GenerationClock)
+    request: Request | None = None
+    slot: int | None = None
+    n_reused: int = 0
+    queue_s: float = 0.0
+    draft_stats: DraftStats = field(default_factory=DraftStats)
+    t_queued: float = field(default_factory=time.monotonic)
+    error: Exception | None = None
+
+@runtime_checkable
+class RequestLoop(Protocol):
+    """The one interface of the loop requests go through
+    (ggpipe.decoding.factory.build_loop): the continuous-batching scheduler
+    (:class:`~ggpipe.decoding.parallel.scheduler.Scheduler`) or ``--parallel
+    1``'s one slot (:class:`~ggpipe.decoding.one_at_a_time.OneAtATime`). The
+    engine holds one and never asks which.
+
+    Attributes:
+        depth: micro-batches the loop keeps in flight.
+    """
+
+    depth: int
+
+    def check_fits(self, n_prompt: int, n_predict: int) -> None:
+        """Raise ConfigError when a prompt of ``n_prompt`` tokens plus
+        ``n_predict`` do not fit a request's cells, or it is empty."""
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job``; ``job.on_done(job)`` is called when it has ended
+        (``job.request`` None for one cancelled while queued, ``job.error``
+        for one that failed alone).
+
+        Raises:
+            ConfigError: it does not fit."""
+
+    @property
+    def n_queued(self) -> int:
+        """Requests waiting for the slot(s)."""
+
+    @property
+    def n_busy(self) -> int:
+        """Slots holding a request."""
+
+    @property
+    def busy(self) -> bool:
+        """Requests queued or running."""
+
+    def step(self, wake: Callable[[], bool] = lambda: False) -> None:
+        """One turn of the loop (``wake``: stop a wait early when true)."""
+
+    def reset(self) -> None:
+        """The KV caches were cleared with nothing in flight: no slot holds cells."""
+
+    def request_stats(self, job: Job) -> dict:
+        """A finished request's statistics (``--json``'s ``decoder``)."""
+
+    def view(self) -> list[dict]:
+        """One dict per slot (llama-server's ``/slots``)."""
+
+    def tokens_per_s(self) -> float:
+        """Tokens generated per second over the last 10 seconds."""
+
+    def drain(self) -> None:
+        """Wait for every micro-batch in flight (before a shutdown)."""
+
+class SlotState(str, Enum):
+    """A slot's state (``/slots``' ``state``; llama-server's slot states).
+
+    Transitions (ggpipe.decoding.parallel.scheduler):
+
+    * ``idle`` -> ``prompt``: a queued request takes the free slot; the
+      cells of the longest common prefix with what the slot held are kept,
+      the rest removed, and the prompt's other tokens go in chunks.
+    * ``prompt`` -> ``generating``: the last chunk's logits arrive and the
+      request's first token is sampled.
+    * ``prompt`` or ``generating`` -> ``done``: the request ends
+      (end-of-generation token, ``n_predict``, a stop string, a client that
+      left, its own sampling error); its rows still in flight are dropped
+      as they return.
+    * ``done`` -> ``idle``: the request has left the slot and no
+      micro-batch holding its rows is in flight; its cells stay for the
+      next request's common prefix.
+    """
+
+    IDLE = "idle"
+    PROMPT = "prompt"
+    GENERATING = "generating"
+    DONE = "done"
+
+def slot_view(seq: int, n_ctx: int, job: Job | None, state: SlotState, n_decoded: int, n_cached: int,
+              drafting: DraftStats | None) -> dict:
+    """One slot as llama-server's ``/slots`` shows it (every loop's
+    ``view``): id, KV cells, busy, state (its value), prompt tokens, tokens
+    generated, cells cached, and the request's drafting so far
+    (:meth:`~ggpipe.speculation.draft_stats.DraftStats.as_dict`: tokens
+    drafted and accepted, their rate, and per position after a root; zeros,
+    None and empty lists for ``drafting`` None)."""
+    return {"id": seq, "n_ctx": n_ctx, "is_processing": job is not None, "state": state.value,
+            "n_prompt_tokens": len(job.tokens) if job is not None else 0, "n_decoded": n_decoded,
+            "n_cached": n_cached, **(drafting or DraftStats()).as_dict()}
