@@ -16,6 +16,7 @@ from ggpipe.decoding.loop import Job
 from ggpipe.sampling import Sampler
 from ggpipe.sampling_params import SamplingParams
 from ggpipe.sim.toy import FakePipeline, ToyLM
+from ggpipe.speculation.adaptive import PassCost
 from ggpipe.speculation.draft_stats import DraftStats
 from ggpipe.speculation.proposers.ngram import ngram_lookup
 
@@ -47,6 +48,16 @@ def test_a_chain_counts_its_accepted_tokens_and_the_first_refused_one():
         s.record(-1, True)
 
 
+def test_the_pass_costs_the_loop_measured_are_reported_beside_the_drafting():
+    s = DraftStats()
+    assert s.as_dict()["pass_cost_ms"] == {}
+    s.pass_cost = PassCost()
+    s.pass_cost.finished(1, 0.0, 0.020)
+    s.pass_cost.finished(3, 0.010, 0.048)    # queued behind the first: its cost runs from 0.020
+    s.pass_cost.finished(1, 0.050, 0.060, counts=False)
+    assert s.as_dict()["pass_cost_ms"] == {1: 20.0, 3: 28.0}
+
+
 @pytest.mark.parametrize("mode", ["speculative", "pipeinfer"])
 def test_one_request_at_a_time_counts_the_verified_positions(mode):
     lm = ToyLM(V, period=7)
@@ -59,6 +70,7 @@ def test_one_request_at_a_time_counts_the_verified_positions(mode):
     _consistent(st["verified_per_position"], st["accepted_per_position"])
     assert sum(st["accepted_per_position"]) == st["draft_accepted"]
     assert len(st["acceptance_per_position"]) == len(st["verified_per_position"])
+    assert dec.r.graph.draft_stats.pass_cost is dec.core.pass_cost    # the pass costs the mode weighs drafts by
 
 
 @pytest.mark.parametrize("lookahead", [False, True])
@@ -77,6 +89,7 @@ def test_the_scheduler_counts_chains_and_lookahead_guesses_by_position(lookahead
     assert (st.drafted, st.n_accepted) == (sched.stats.drafted, sched.stats.draft_accepted)   # one request: all of it
     if lookahead:   # a kept guess continues the positions of the row before it
         assert sched.stats.lookahead_kept > 0 and len(st.verified) > 4
+    assert st.pass_cost is sched.spec.pass_cost     # the pass costs the scheduler's gate weighs chains by
 
 
 def test_the_slots_view_reports_the_requests_drafting_so_far():
@@ -97,6 +110,7 @@ def test_the_slots_view_reports_the_requests_drafting_so_far():
     _consistent(last["verified_per_position"], last["accepted_per_position"])
     idle = seen[-1][1 - job.slot]
     assert (idle["drafted"], idle["verified_per_position"], idle["acceptance_per_position"]) == (0, [], [])
+    assert idle["pass_cost_ms"] == {}
 
 
 def test_metrics_count_drafted_tokens_by_position():

@@ -104,6 +104,7 @@ class SpecCore:
         self.r = SpecRequest(n_predict=n_predict, emit=emit, clock=clock, is_eog=self.is_eog,
                              graph=SpecGraph(sampler), cutoff=cutoff,
                              context=history + [int(t) for t in prompt])
+        self.r.graph.draft_stats.pass_cost = self.pass_cost     # reported beside the request's drafting
         self.target.reply_k = sampler.params.reply_k()  # greedy verification reads the argmax, top-k sampling the top k
         # the target's cells: sequence 0 holds the history (the engine removed the rest), nothing else does
         self.cells = CellBook(self.n_cells, seq0=len(history)) if self.n_cells else None

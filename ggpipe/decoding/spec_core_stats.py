@@ -29,7 +29,6 @@ def request_stats(core, drafter, adaptive: bool) -> dict:
         look_threshold=_finite_or(r.cutoff.look_threshold, "never") if adaptive else None,
         decode_rate=None if core.decode_rate.rate() is None else round(core.decode_rate.rate(), 2),
         acceptance_exponent=core.acceptance.k if adaptive else None,
-        pass_cost_ms={n: round(1e3 * t, 2) for n, t in sorted(core.pass_cost.mean.items())},
         draft_step_ms=None if drafter.step_s is None else round(1e3 * drafter.step_s, 3),
         head_cancelled_before_start=core.target.stats["cancelled_before_start"],
         head_cancelled_mid_compute=core.target.stats["cancelled_mid_compute"],

@@ -12,13 +12,16 @@ accepted): it is then accepted or refused. Tokens never verified (below a
 refused one, or cancelled before their logits came back) are not counted,
 so ``acceptance_per_position[i]`` is the chance that a drafted token at
 position ``i`` is accepted once the target gets to it, and the product of
-the first ``i + 1`` rates the chance that a chain is accepted that far. No
-MPI.
+the first ``i + 1`` rates the chance that a chain is accepted that far.
+Beside them, the target's pass costs by pass size as the request's loop
+measured them (what its decisions to draft were weighed against). No MPI.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from ggpipe.speculation.adaptive import PassCost
 
 
 @dataclass
@@ -31,11 +34,16 @@ class DraftStats:
         verified: ``verified[i]``: drafted tokens the target verified at
             position ``i`` (tokens).
         accepted: ``accepted[i]``: of those, the ones it accepted (tokens).
+        pass_cost: the target's pass costs as the request's loop measures
+            them (:class:`~ggpipe.speculation.adaptive.PassCost`, seconds
+            per pass size; shared by the loop's requests, read when the
+            statistics are), or None (nothing measured).
     """
 
     drafted: int = 0
     verified: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
+    pass_cost: PassCost | None = field(default=None, repr=False, compare=False)
 
     def record(self, position: int, accepted: bool) -> None:
         """One drafted token verified at ``position`` (>= 0).
@@ -87,7 +95,10 @@ class DraftStats:
     def as_dict(self) -> dict:
         """``--json``'s, batch records', ``/slots``' and ``/metrics``' view:
         ``drafted``, ``draft_accepted``, ``acceptance_rate``, the counts per
-        position and the rates (rounded to 4 places)."""
+        position and the rates (rounded to 4 places), and ``pass_cost_ms``:
+        milliseconds per pass of n tokens, by n ({} before any is measured)."""
+        cost = self.pass_cost.mean if self.pass_cost is not None else {}
         return {"drafted": self.drafted, "draft_accepted": self.n_accepted, "acceptance_rate": self.acceptance_rate,
                 "verified_per_position": list(self.verified), "accepted_per_position": list(self.accepted),
-                "acceptance_per_position": [round(r, 4) for r in self.acceptance_per_position()]}
+                "acceptance_per_position": [round(r, 4) for r in self.acceptance_per_position()],
+                "pass_cost_ms": {n: round(1e3 * t, 2) for n, t in sorted(cost.items())}}

@@ -199,6 +199,7 @@ class Scheduler:
             self.target.seq_rm(slot.seq, keep, -1)     # pipelined behind the runs already sent
             del slot.kv[keep:]
         job.slot, job.n_reused = slot.seq, keep
+        job.draft_stats.pass_cost = self.spec.pass_cost     # reported beside the request's drafting
         job.queue_s = time.monotonic() - job.t_queued
         job.clock.start()     # TTFT and ITL from the start in a slot (the queue wait is queue_s)
         job.request = Request(n_predict=job.n_predict, emit=job.emit, clock=job.clock, is_eog=self.is_eog,
