@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One request alone through `ggpipe batch` under --parallel (docs/benchmarks/many-requests.md): each prompt of a JSONL file
+# One request alone through `ggpipe batch` under --parallel (docs/user-guide/parallel.md, docs/benchmarks/batching.md): each prompt of a JSONL file
 # run by itself, interleaved, in four variants: --mode pipeinfer --spec-type ngram at --parallel 8 with this tree
 # ("after") and with an earlier one ("before", BEFORE=a worktree holding ggpipe/ and its _native*.so), pipeinfer at
 # --parallel 1 ("p1"), --mode iterative at --parallel 8 ("iterative"), and "after" without look-ahead rows
