@@ -59,7 +59,7 @@ class Worker:
             §IV.C), so that a cancelled run stops at its next layer. False
             where the head never cancels a run (iterative decoding, the
             ``--parallel`` scheduler): cancellations and prunes are still
-            taken before each run, and the helper's wake-ups no longer
+            taken before each run, and the helper's wake-ups do not
             take time from the computation on a host whose cores the
             stages fill (docs/design/how-it-works.md, KV operations, cancellations
             and prunes).

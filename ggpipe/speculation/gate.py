@@ -28,7 +28,7 @@ kept drafting 4-token chains that took 170 ms for 4 tokens. An attempt is made a
 ``explore_every`` roots in a row without one (the wait doubles after each
 such exploration, up to ``explore_max``, and resets once drafting pays), so
 ``y`` follows text where the draft becomes right again. Until ``y`` and
-``c(1)`` are known every root is drafted (the behaviour before the gate; an
+``c(1)`` are known every root is drafted (an
 unknown ``c(2)`` counts as ``c(1)``), except that when every pass carried a
 chain for ``explore_every`` attempts, one root goes alone so ``c(1)`` is
 measured. The continuous-batching scheduler asks the same rule of a request
