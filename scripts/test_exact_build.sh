@@ -17,4 +17,8 @@ GGPIPE_EXACT=1 python -m pytest -q -rs --full tests/test_kernels.py tests/test_e
   tests/test_exactness.py tests/test_speculation_modes.py "tests/test_chat.py::test_piped_conversation_equals_single_node" \
   "tests/test_parallel.py::test_a_sampled_request_alone_drafts_and_gives_its_seeded_tokens" \
   "tests/test_parallel.py::test_requests_sharing_a_prefix_borrow_its_cells_and_stay_exact" \
-  "tests/test_parallel.py::test_batch_requests_equal_single_node_at_any_parallel"
+  "tests/test_parallel.py::test_batch_requests_equal_single_node_at_any_parallel" \
+  "tests/test_parallel.py::test_a_draft_model_drafts_for_a_request_alone_and_stays_exact" \
+  "tests/test_parallel.py::test_ngram_chains_of_a_request_alone_are_exact" \
+  "tests/test_parallel.py::test_pipeinfer_lookahead_rows_of_a_request_alone_are_exact" \
+  "tests/test_parallel.py::test_every_other_mode_and_strategy_under_parallel_stays_exact"
