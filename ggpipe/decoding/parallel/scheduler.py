@@ -103,11 +103,11 @@ class Scheduler:
             (:class:`~ggpipe.decoding.parallel.lone_drafts.LoneDrafts`).
         partial_reuse: a slot's cells can be kept up to any position, and a
             request may start from another slot's cells
-            (:func:`~ggpipe.decoding.parallel.prefix_cache.borrow_prefix`). False for a model whose state cannot
-            be cut at a position (recurrent or hybrid: llama.cpp keeps or
-            drops a sequence's state whole): a request keeps its slot's
-            cells only where its prompt goes on after all of them, and
-            borrows nothing.
+            (:func:`~ggpipe.decoding.parallel.prefix_cache.borrow_prefix`).
+            False for a model whose state cannot be cut at a position
+            (recurrent or hybrid: llama.cpp keeps or drops a sequence's
+            state whole): a request keeps its slot's cells only where its
+            prompt goes on after all of them, and borrows nothing.
         doing: ``doing(text)`` tells what the job is doing (the liveness
             messages': "answering 3 requests (1 queued, --parallel 4)"), or None.
 
