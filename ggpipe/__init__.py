@@ -14,10 +14,11 @@ Layout (upper folders use lower ones, never the reverse):
                  loops against measured costs on a virtual clock
     cluster/     session start-up, rank roles, layer split planning, memory
     decoding/    the modes (iterative, speculative, pipeinfer, pipedec), each
-                 one module that declares itself (mode.py); one_at_a_time.py,
-                 --parallel 1's one slot; parallel/, the
-                 scheduler of --parallel (slots, micro-batches, a lone
-                 request's chains and look-ahead rows)
+                 one module that declares itself (mode.py); loop.py, what
+                 every request loop speaks; one_at_a_time.py, --parallel 1's
+                 one slot; parallel/, the scheduler of --parallel (slots,
+                 micro-batches, their prompt cache, a lone request's chains
+                 and look-ahead rows)
     speculation/ MPI-free speculation logic: speculation tree and graph,
                  verification, KV partitions, cutoff, the draft gate;
                  proposers/ (drafting strategies: draft model, n-gram,
