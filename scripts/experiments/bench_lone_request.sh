@@ -6,9 +6,9 @@
 # ("nolookahead": GGPIPE_LOOKAHEAD=off; with a draft model, chains the head waits for). Prints one line per run: variant, id,
 # the request's tokens/s (its metrics), acceptance, drafted tokens, a hash of its tokens. DRAFT=MODEL speculates with
 # that draft model instead of the n-gram lookup (--mode pipeinfer -md MODEL); PARALLEL=N sets the slots of the
-# --parallel variants (default 8). TEMP=T samples at temperature T, each request seeded (seed 1): the variants' hashes
+# --parallel variants (default 8); MODE=NAME speculates in that mode instead of pipeinfer. TEMP=T samples at temperature T, each request seeded (seed 1): the variants' hashes
 # then show whether a speculating variant decided iterative's tokens.
-#   [BEFORE=DIR] [VARIANTS="before after p1 iterative"] [MODEL=...] [DRAFT=...] [PARALLEL=N] [TEMP=T] \
+#   [BEFORE=DIR] [VARIANTS="before after p1 iterative"] [MODEL=...] [DRAFT=...] [MODE=...] [PARALLEL=N] [TEMP=T] \
 #       bash scripts/experiments/bench_lone_request.sh PROMPTS.jsonl ROUNDS [RANKS] [THREADS]
 set -euo pipefail
 P=$1; R=$2; N=${3:-2}; T=${4:-1}; M=${MODEL:-smollm2-goliath-40l-f32}; W=$(mktemp -d)
@@ -23,8 +23,8 @@ for i, line in enumerate(open(sys.argv[1])):
 PY
 for r in $(seq "$R"); do for f in "$W"/p*.jsonl; do for v in ${VARIANTS:-before after p1 iterative}; do
   [ $v = before ] && [ -z "${BEFORE:-}" ] && continue
-  pp=""; par=${PARALLEL:-8}; mode=(--mode pipeinfer --spec-type ngram)
-  [ -n "${DRAFT:-}" ] && mode=(--mode pipeinfer -md "$DRAFT")
+  pp=""; par=${PARALLEL:-8}; mode=(--mode "${MODE:-pipeinfer}" --spec-type ngram)
+  [ -n "${DRAFT:-}" ] && mode=(--mode "${MODE:-pipeinfer}" -md "$DRAFT")
   [ $v = before ] && pp=$BEFORE; [ $v = p1 ] && par=1; [ $v = iterative ] && mode=(--mode iterative)
   la=${GGPIPE_LOOKAHEAD:-}; [ $v = nolookahead ] && la=off
   rm -f "$W/o.jsonl"
