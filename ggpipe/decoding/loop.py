@@ -137,14 +137,16 @@ class SlotState(str, Enum):
     GENERATING = "generating"
     DONE = "done"
 
+
 def slot_view(seq: int, n_ctx: int, job: Job | None, state: SlotState, n_decoded: int, n_cached: int,
               drafting: DraftStats | None) -> dict:
     """One slot as llama-server's ``/slots`` shows it (every loop's
     ``view``): id, KV cells, busy, state (its value), prompt tokens, tokens
     generated, cells cached, and the request's drafting so far
     (:meth:`~ggpipe.speculation.draft_stats.DraftStats.as_dict`: tokens
-    drafted and accepted, their rate, and per position after a root; zeros,
-    None and empty lists for ``drafting`` None)."""
+    drafted and accepted, their rate, per position after a root, and the
+    target's pass costs; zeros, None and empty lists and dicts for
+    ``drafting`` None)."""
     return {"id": seq, "n_ctx": n_ctx, "is_processing": job is not None, "state": state.value,
             "n_prompt_tokens": len(job.tokens) if job is not None else 0, "n_decoded": n_decoded,
             "n_cached": n_cached, **(drafting or DraftStats()).as_dict()}

@@ -38,7 +38,9 @@ def borrow_prefix(target, slots: list[Slot], slot: Slot, stats: SchedulerStats) 
     once those are computed. The cells are those the same tokens at the
     same positions left, at the same indices (position order), as a slot's
     own prompt cache. Counts the tokens in ``stats`` and the job's
-    ``n_reused``. Returns whether it copied."""
+    ``n_reused``. Returns whether it copied. Only for a model whose cells
+    can be cut at a position (the scheduler's ``partial_reuse``; a
+    recurrent state is kept or dropped whole): the caller checks."""
     job = slot.job
     if job.request.out or len(slot.kv) != job.n_reused:
         return False     # not a prompt whose first chunk is still to go
