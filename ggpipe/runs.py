@@ -135,13 +135,34 @@ def ubatches(seq_ids, n_ubatch: int) -> list[list[int]]:
 
 def in_batch_order(seq_ids, n_ubatch: int) -> bool:
     """Whether llama.cpp computes a batch's rows in batch order
-    (:func:`ubatches` concatenated), which a stage's hidden-state capture
-    (ubatch after ubatch, ggpipe._native) and the next stage's input rely
-    on. True for one sequence's chunk, for one token of each of several
-    sequences in ascending id order, and for those followed by one
-    sequence's chunk unless that sequence's id fills a gap among theirs
-    (it would join the ubatch of the ids below the gap)."""
-    return [i for u in ubatches(seq_ids, n_ubatch) for i in u] == list(range(len(seq_ids)))
+    (:func:`ubatches` concatenated). True for one sequence's chunk, for one
+    token of each of several sequences in ascending id order, and for those
+    followed by one sequence's chunk unless that sequence's id fills a gap
+    among theirs (it would join the ubatch of the ids below the gap)."""
+    return ubatch_order(seq_ids, n_ubatch) is None
+
+
+def ubatch_order(seq_ids, n_ubatch: int) -> np.ndarray | None:
+    """The batch indices of a batch's tokens in the order llama.cpp computes
+    their rows on a KV cache of one stream per sequence (:func:`ubatches`
+    concatenated), or None where that is batch order (always for one
+    sequence's tokens). A non-last stage captures its hidden states ubatch
+    after ubatch (ggpipe._native) and puts row ``j`` of the capture back at
+    batch index ``order[j]`` (:meth:`ggpipe.runtime.stage.Stage.decode`), so
+    a micro-batch may hold any sequences' rows in any order. Pure.
+
+    Args:
+        seq_ids: int (n,) the sequence id of each token, in batch order.
+        n_ubatch: most tokens of one ubatch (>= 1).
+
+    Returns:
+        intp (n,) batch indices, or None.
+    """
+    s = np.asarray(seq_ids)
+    if s.size == 0 or bool((s == s.flat[0]).all()):
+        return None
+    order = np.fromiter((i for u in ubatches(s.tolist(), n_ubatch) for i in u), dtype=np.intp, count=s.size)
+    return None if bool((order == np.arange(s.size)).all()) else order
 
 
 @dataclass

@@ -78,7 +78,7 @@ def test_the_scheduler_counts_chains_and_lookahead_guesses_by_position(lookahead
     lm = ToyLM(V, period=7)
     target = FakePipeline(lm, latency=3, cell_order=True, streams=True)
     target.n_stages = 2
-    sched = Scheduler(target, 2, n_ctx_slot=256, n_ubatch=16, is_eog=lambda t: False,
+    sched = Scheduler(target, 2, n_ctx_slot=256, n_batch=16, is_eog=lambda t: False,
                       draft=lambda ctx, k: ngram_lookup(ctx, 1, 4, k), draft_max=4, lookahead=lookahead)
     job = Job(list(PROMPT), 60, Sampler(SamplingParams()))
     sched.submit(job)
@@ -95,7 +95,7 @@ def test_the_scheduler_counts_chains_and_lookahead_guesses_by_position(lookahead
 def test_the_slots_view_reports_the_requests_drafting_so_far():
     lm = ToyLM(V, period=7)
     target = FakePipeline(lm, latency=3, cell_order=True, streams=True)
-    sched = Scheduler(target, 2, n_ctx_slot=256, n_ubatch=16, is_eog=lambda t: False,
+    sched = Scheduler(target, 2, n_ctx_slot=256, n_batch=16, is_eog=lambda t: False,
                       draft=lambda ctx, k: ngram_lookup(ctx, 1, 4, k), draft_max=4)
     job = Job(list(PROMPT), 60, Sampler(SamplingParams()))
     sched.submit(job)

@@ -224,7 +224,7 @@ def test_scheduler_ends_only_the_request_whose_sampling_failed():
 
     target = FakePipeline(ToyLM(48), latency=2, cell_order=True, streams=True)
     target.n_stages = 2
-    sched = Scheduler(target, 3, n_ctx_slot=64, n_ubatch=8, is_eog=lambda t: False)
+    sched = Scheduler(target, 3, n_ctx_slot=64, n_batch=8, is_eog=lambda t: False)
     prompts = [[3, 9, 4], [7, 1], [5, 5, 2, 8]]
     jobs = [SchedJob(list(p), 6, Sampler(SamplingParams())) for p in prompts]
     jobs[1].sampler = Broken(SamplingParams())

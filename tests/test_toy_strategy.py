@@ -134,7 +134,7 @@ def test_the_scheduler_slots_and_bench_read_its_declarations(repeat):
     target = FakePipeline(lm, latency=2, cell_order=True, streams=True)
     draft = build_chain_drafter("pipeinfer", SpecSettings(spec_type="repeat"), target, None, n_ubatch=8, timeout_s=5)
     assert not draft.has_ranks
-    sched = Scheduler(target, 2, n_ctx_slot=256, n_ubatch=16, is_eog=lambda t: False, draft=draft, draft_max=4)
+    sched = Scheduler(target, 2, n_ctx_slot=256, n_batch=16, is_eog=lambda t: False, draft=draft, draft_max=4)
     job = Job(list(PROMPT), 24, Sampler(SamplingParams()))
     sched.submit(job)
     sched.run()

@@ -40,8 +40,12 @@ def cluster_options(f):
         click.option("-t", "--threads", default="1", show_default=True,
                      help="Threads per rank: one value, or one per rank (2,1,1)."),
         click.option("-c", "--ctx-size", default=2048, show_default=True, type=int, help="KV cache size (tokens)."),
-        click.option("--ubatch", default=512, show_default=True, type=int,
-                     help="Micro-batch size (tokens): prompt chunk sent down the pipeline."),
+        click.option("-b", "--batch-size", default=None, type=int,
+                     help="Most tokens of one micro-batch (llama.cpp's n_batch): the token budget a step shares "
+                          "between generating requests and prompt chunks under --parallel, and the prompt chunk "
+                          "sent down the pipeline. Default: --ubatch."),
+        click.option("-ub", "--ubatch", default=512, show_default=True, type=int,
+                     help="Tokens a stage computes at once (llama.cpp's n_ubatch); a larger micro-batch is split."),
         click.option("--n-seq-max", default=None, type=int,
                      help="KV sequence ids per target context (default: 1, or enough for the speculation settings)."),
         click.option("-fa", "--flash-attn", type=click.Choice(["on", "off", "auto"]), default="off",
@@ -265,7 +269,7 @@ def job_options(f):
     return cluster_options(speculation_options(sampling_options(f)))
 
 
-_JOB_KEYS = ("model", "draft_model", "split", "threads", "ctx_size", "ubatch", "n_seq_max", "timeout", "flash_attn",
+_JOB_KEYS = ("model", "draft_model", "split", "threads", "ctx_size", "batch_size", "ubatch", "n_seq_max", "timeout", "flash_attn",
              "cache_type_k", "cache_type_v", "cache_type_k_draft", "cache_type_v_draft", "mlock", "no_mmap", "numa",
              "exact", "no_repack",
              "liveness_timeout", "mode", "spec_type",
@@ -339,7 +343,8 @@ def split_job_options(kw: dict):
 
         o["split"] = auto_split(o["split"], dict(o), launched_size() or 1)
     cfg = ClusterConfig(model=o["model"], draft_model=o["draft_model"], split=o["split"], threads=o["threads"],
-                        ctx_size=o["ctx_size"], n_seq_max=n_seq_max, ubatch=o["ubatch"], timeout_s=o["timeout"],
+                        ctx_size=o["ctx_size"], n_seq_max=n_seq_max, ubatch=o["ubatch"],
+                        batch_size=o["batch_size"], timeout_s=o["timeout"],
                         liveness_timeout_s=o["liveness_timeout"], flash_attn=o["flash_attn"],
                         cache_type_k=o["cache_type_k"], cache_type_v=o["cache_type_v"],
                         cache_type_k_draft=o["cache_type_k_draft"], cache_type_v_draft=o["cache_type_v_draft"],

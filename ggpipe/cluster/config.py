@@ -24,7 +24,13 @@ class ClusterConfig:
             ("2,1,1").
         ctx_size: KV cache cells per stage (tokens).
         n_seq_max: KV sequence ids per context (1..256).
-        ubatch: tokens per micro-batch (n_batch = n_ubatch).
+        ubatch: ``-ub/--ubatch``, tokens a stage computes at once
+            (llama.cpp's ``n_ubatch``; a larger micro-batch is split).
+        batch_size: ``-b/--batch-size``, the most tokens of one
+            micro-batch (llama.cpp's ``n_batch``: the token budget a step
+            shares between generating requests and prompt chunks, and the
+            prefill chunk of one request at a time); None: ``ubatch``, at
+            most the context (:attr:`n_batch`).
         timeout_s: bound of every wait inside a transaction, seconds.
         load_timeout_s: bound of start-up waits (fetching, slicing, loading).
         liveness_timeout_s: heartbeat silence after which a rank counts as
@@ -62,6 +68,7 @@ class ClusterConfig:
     ctx_size: int = 2048
     n_seq_max: int = 1
     ubatch: int = 512
+    batch_size: int | None = None
     timeout_s: float = 60.0
     load_timeout_s: float = 900.0
     liveness_timeout_s: float = 6.0
@@ -76,6 +83,28 @@ class ClusterConfig:
     numa: str | None = None
     exact: bool = False
     repack: bool = True
+
+    @property
+    def n_batch(self) -> int:
+        """The most tokens of one micro-batch: ``batch_size``, else
+        ``ubatch`` but no more than the context (as llama.cpp cuts its
+        ``n_batch`` to ``n_ctx``)."""
+        return self.batch_size if self.batch_size is not None else min(self.ubatch, self.ctx_size)
+
+    def check_batch(self) -> None:
+        """Refuse a token budget llama.cpp cannot take, in one line, before
+        anything loads.
+
+        Raises:
+            ConfigError: ``-ub`` or ``-b`` below one token, or ``-b``
+                given larger than the context (``-c``)."""
+        if self.ubatch < 1:
+            raise ConfigError(f"--ubatch must be at least 1 token, got {self.ubatch}")
+        if self.n_batch < 1:
+            raise ConfigError(f"--batch-size must be at least 1 token, got {self.n_batch}")
+        if self.n_batch > self.ctx_size:
+            raise ConfigError(f"--batch-size {self.n_batch} is larger than the context (-c {self.ctx_size}): a "
+                              f"micro-batch cannot hold more tokens than the KV cache has cells; lower -b or raise -c")
 
     @property
     def extra_bufts(self) -> bool:

@@ -1,11 +1,12 @@
 """Loading one rank's stage: the layer split, the rank's slice of its model
 (target or draft, cut and cached) loaded into llama.cpp, and the head's own
 draft model when no rank runs it; with the checks done before anything loads
-(``--n-seq-max``, ``--ubatch``, ``-t``, a draft's vocabulary)."""
+(``--n-seq-max``, ``-b``/``-ub``, ``-t``, a draft's vocabulary)."""
 
 from __future__ import annotations
 
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,25 +25,32 @@ from ggpipe.runtime.stage import Stage, StageSpec
 
 @dataclass
 class Loaded:
-    """One rank's loaded stage: its layers [start, stop), the model file it was cut from, the job's roles."""
+    """One rank's loaded stage: its layers [start, stop), the model file it
+    was cut from, the job's roles, and the seconds its load took
+    (``load_s``), of which warming it up (``warmup_s``, :meth:`Stage.warmup`)."""
 
     stage: Stage
     layers: tuple[int, int]
     path: str
     roles: Roles
     draft_stage: Stage | None = None
+    load_s: float = 0.0
+    warmup_s: float = 0.0
 
 
 def load_rank(config: ClusterConfig, rank: int, size: int) -> Loaded:
-    """This rank's stage (and the head's draft stage when no rank runs the draft).
+    """This rank's stage (and the head's draft stage when no rank runs the
+    draft), each warmed up (:meth:`~ggpipe.runtime.stage.Stage.warmup`).
 
     Raises:
         GGPipeError: a bad setting, a model that cannot be resolved, read, cut or loaded.
     """
     if not 1 <= config.n_seq_max <= 256:
         raise ConfigError(f"--n-seq-max must be 1..256 (llama.cpp's LLAMA_MAX_SEQ), got {config.n_seq_max}")
-    if config.ubatch < 1 or config.ctx_size < 8:
-        raise ConfigError("--ubatch must be >= 1 and --ctx-size >= 8")
+    t_load = time.perf_counter()
+    if config.ctx_size < 8:
+        raise ConfigError("--ctx-size must be >= 8")
+    config.check_batch()
     config.check_cache_types()
     threads = parse_threads(config.threads, size)
     split = parse_split(config.split)
@@ -85,7 +93,7 @@ def load_rank(config: ClusterConfig, rank: int, size: int) -> Loaded:
     stage = Stage(StageSpec(
         model_path=stage_slice(m_path, start, stop, cache_dir()), n_layer=stop - start,
         first=index == 0, last=index == n_stages - 1, n_ctx=n_ctx, n_threads=n_threads,
-        n_seq_max=n_seqs, n_ubatch=config.ubatch, kv_unified=unified,
+        n_seq_max=n_seqs, n_ubatch=config.ubatch, n_batch=config.n_batch, kv_unified=unified,
         cache_type_k=types[0], cache_type_v=types[1], **load,
         rank=rank, label=f"{where}, {describe_role(roles, rank, (start, stop))} of {m_path.name}",
         layer_output=layer_output_name(m_info.arch),
@@ -96,14 +104,27 @@ def load_rank(config: ClusterConfig, rank: int, size: int) -> Loaded:
         try:
             draft_stage = Stage(StageSpec(model_path=draft_path, n_layer=draft_info.n_layer, first=True, last=True,
                                           n_ctx=d_ctx, n_threads=n_threads, n_seq_max=d_seqs, kv_unified=d_unified,
-                                          n_ubatch=config.ubatch, cache_type_k=d_k, cache_type_v=d_v, **load,
+                                          n_ubatch=config.ubatch, n_batch=config.n_batch, cache_type_k=d_k,
+                                          cache_type_v=d_v, **load,
                                           label=f"{where}, the draft model {draft_path.name}"))
         except BaseException:
             stage.close()
             raise
+    try:
+        t_warm = time.perf_counter()
+        for st in (stage, draft_stage):
+            if st is not None:
+                st.warmup()
+        warm = time.perf_counter() - t_warm
+    except BaseException:
+        for st in (stage, draft_stage):
+            if st is not None:
+                st.close()
+        raise
     for w in warnings:
         warn(w)
-    return Loaded(stage, (start, stop), str(m_path), roles, draft_stage)
+    return Loaded(stage, (start, stop), str(m_path), roles, draft_stage, load_s=time.perf_counter() - t_load,
+                  warmup_s=warm)
 
 
 def default_ranges(path, info, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -85,6 +85,8 @@ class Session:
     liveness: object = None                 # ggpipe.transport.liveness.Liveness (MPI jobs)
     activity: Activity | None = None
     cpus: list = field(default_factory=list)  # each rank's CPU affinity (CPU ids, or None)
+    load_s: float = 0.0                     # seconds this rank's load took, of which warming up its stages:
+    warmup_s: float = 0.0
 
     def micro_batches_in_flight(self) -> int:
         """The scheduler's default micro-batches in flight (``--micro-batches
@@ -108,11 +110,14 @@ class Session:
 
     def rank_stats(self) -> dict:
         """This rank's statistics: its identity (:func:`ggpipe.metrics.rank_info`),
-        model, layer range, threads and memory readings (bytes,
-        :meth:`ggpipe.metrics.MemorySampler.report`)."""
+        model, layer range, threads, memory readings (bytes,
+        :meth:`ggpipe.metrics.MemorySampler.report`), and the seconds its
+        load took (``load_s``), of which warming its stages up
+        (``warmup_s``)."""
         info = rank_info(self.rank)
         info.update(model=self.roles.model_of(self.rank), layers=list(self.layers),
-                    threads=self.stage.spec.n_threads, **self.memory.report())
+                    threads=self.stage.spec.n_threads, load_s=round(self.load_s, 3),
+                    warmup_s=round(self.warmup_s, 3), **self.memory.report())
         return info
 
     def serve(self, mid_run_cancels: bool = True) -> None:
@@ -121,7 +126,7 @@ class Session:
         head may cancel runs (ggpipe.pipeline.worker.Worker)."""
         from ggpipe.pipeline.worker import Worker  # noqa: PLC0415
 
-        w = Worker(self.stage, self.transport, max_tokens=self.config.ubatch, mid_run_cancels=mid_run_cancels,
+        w = Worker(self.stage, self.transport, max_tokens=self.config.n_batch, mid_run_cancels=mid_run_cancels,
                    **self.roles.links(self.rank))
         if self.activity is not None:
             self.activity.set(f"serving {describe_role(self.roles, self.rank, self.layers)}")
@@ -201,7 +206,7 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
     activity.set("idle")
     s = Session(config, rank, size, transport, loaded.stage, loaded.layers, loaded.path, hosts,
                 memory, loaded.roles, draft_stage=loaded.draft_stage, liveness=liveness, activity=activity,
-                cpus=cpus)
+                cpus=cpus, load_s=loaded.load_s, warmup_s=loaded.warmup_s)
     if rank == 0:
         _add_pipelines(s, loaded, async_head)
     return s
@@ -246,10 +251,10 @@ def _add_pipelines(s: Session, loaded: Loaded, async_head: bool) -> None:
     """Head: the target pipeline and one per draft model."""
     config, roles = s.config, loaded.roles
     s.pipeline = Pipeline(loaded.stage, s.transport, roles.target_ranks, loaded.stage.n_vocab,
-                          config.n_seq_max, max_outputs=config.ubatch, async_local=async_head, name="target")
+                          config.n_seq_max, max_outputs=config.n_batch, async_local=async_head, name="target")
     for k in range(len(roles.drafts)):
         s.draft_pipelines.append(Pipeline(loaded.draft_stage, s.transport, roles.draft_ranks_of(k),
-                                          loaded.stage.n_vocab, config.draft_context[1], max_outputs=config.ubatch,
+                                          loaded.stage.n_vocab, config.draft_context[1], max_outputs=config.n_batch,
                                           name=roles.draft_name(k)))
 
 

@@ -72,7 +72,7 @@ def build_chain_drafter(mode: str, spec: SpecSettings, target, draft, *, n_ubatc
 
 
 def build_scheduler(mode: str, spec: SpecSettings, target, drafts: Sequence = (), *, slots: int, n_ctx_slot: int,
-                    n_ubatch: int, is_eog: Callable[[int], bool], depth: int | None, timeout_s: float,
+                    n_batch: int, is_eog: Callable[[int], bool], depth: int | None, timeout_s: float,
                     idle: Wait | None = None, target_hosts: Sequence[str] = (), partial_reuse: bool = True,
                     doing: Callable[..., None] | None = None):
     """The continuous-batching scheduler of ``--parallel`` ``slots`` in
@@ -86,6 +86,8 @@ def build_scheduler(mode: str, spec: SpecSettings, target, drafts: Sequence = ()
 
     Args:
         n_ctx_slot: KV cells of one slot (tokens).
+        n_batch: most tokens per micro-batch (``-b``; also the chain
+            drafter's prefill chunk).
         depth: micro-batches in flight (None: the target's stages).
         timeout_s: bound of every wait (seconds).
         partial_reuse: the target's KV cells can be kept up to any position
@@ -100,16 +102,16 @@ def build_scheduler(mode: str, spec: SpecSettings, target, drafts: Sequence = ()
     drafter = None
     if declared.speculates:
         drafter = build_chain_drafter(mode, spec, target, drafts[0] if drafts else None, more_drafts=drafts[1:],
-                                      n_ubatch=n_ubatch, timeout_s=timeout_s, idle=idle)
+                                      n_ubatch=n_batch, timeout_s=timeout_s, idle=idle)
     lookahead = declared.lookahead_in_slots and lookahead_wanted(list(target_hosts),
                                                                  drafter is not None and drafter.has_ranks)
-    return Scheduler(target, slots, n_ctx_slot, n_ubatch, is_eog, depth=depth, timeout_s=timeout_s, idle=idle,
+    return Scheduler(target, slots, n_ctx_slot, n_batch, is_eog, depth=depth, timeout_s=timeout_s, idle=idle,
                      draft=drafter, draft_max=spec.draft_max, lookahead=lookahead, partial_reuse=partial_reuse,
                      doing=doing)
 
 
 def build_loop(mode: str, spec: SpecSettings, target, drafts: Sequence = (), *, slots: int, n_ctx: int,
-               n_ubatch: int, n_seq_max: int, is_eog: Callable[[int], bool], depth: int | None, timeout_s: float,
+               n_batch: int, n_seq_max: int, is_eog: Callable[[int], bool], depth: int | None, timeout_s: float,
                idle: Wait | None = None, target_hosts: Sequence[str] = (), partial_reuse: bool = True,
                reuse_kv: bool = True, recover: Callable[[], None] = lambda: None,
                doing: Callable[..., None] | None = None) -> RequestLoop:
@@ -120,19 +122,21 @@ def build_loop(mode: str, spec: SpecSettings, target, drafts: Sequence = (), *, 
     :class:`~ggpipe.decoding.one_at_a_time.OneAtATime` over the mode's own
     decoder (:func:`build_decoder`), each request run to its end in full
     (``n_ctx``: the context; ``reuse_kv``: keep a shared prefix's cells;
-    ``recover``: after a request failed unexpectedly).
+    ``recover``: after a request failed unexpectedly). ``n_batch``: the
+    most tokens of one micro-batch (``-b``): the scheduler's token budget,
+    and the decoders' prefill chunk.
 
     Raises:
         ConfigError: as :func:`build_scheduler` and :func:`build_decoder`."""
     if slots > 1:
-        return build_scheduler(mode, spec, target, drafts, slots=slots, n_ctx_slot=n_ctx, n_ubatch=n_ubatch,
+        return build_scheduler(mode, spec, target, drafts, slots=slots, n_ctx_slot=n_ctx, n_batch=n_batch,
                                is_eog=is_eog, depth=depth, timeout_s=timeout_s, idle=idle,
                                target_hosts=target_hosts, partial_reuse=partial_reuse, doing=doing)
     from ggpipe.decoding.one_at_a_time import OneAtATime  # noqa: PLC0415
     decoder = build_decoder(mode, spec, target, drafts[0] if drafts else None, more_drafts=drafts[1:],
-                            n_ubatch=n_ubatch, n_seq_max=n_seq_max, is_eog=is_eog, timeout_s=timeout_s, idle=idle)
+                            n_ubatch=n_batch, n_seq_max=n_seq_max, is_eog=is_eog, timeout_s=timeout_s, idle=idle)
     return OneAtATime(decoder, n_ctx, target, reuse_kv=reuse_kv, partial_reuse=partial_reuse, recover=recover,
-                      doing=doing)
+                      doing=doing, n_batch=n_batch)
 
 
 def build_proposer(ctx: BuildContext, mode: str) -> Proposer:

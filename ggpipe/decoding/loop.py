@@ -18,6 +18,42 @@ from ggpipe.sampling import Sampler
 from ggpipe.speculation.draft_stats import DraftStats
 
 
+@dataclass
+class PromptSteps:
+    """How a request's prompt went through the micro-batches: how many
+    carried its chunks, and what they carried in all (generating requests'
+    next tokens, drafted tokens, prompt tokens: its own and others').
+
+    Attributes:
+        steps: micro-batches that carried a chunk of the prompt.
+        decode, draft, prompt: tokens of each kind in them, summed.
+    """
+
+    steps: int = 0
+    decode: int = 0
+    draft: int = 0
+    prompt: int = 0
+
+    def add(self, decode: int, draft: int, prompt: int) -> None:
+        """One more micro-batch carried a chunk, with these tokens in all."""
+        self.steps += 1
+        self.decode += decode
+        self.draft += draft
+        self.prompt += prompt
+
+    def as_dict(self) -> dict:
+        """``{"prompt_steps", "step_tokens": {"decode", "draft", "prompt"}}``:
+        the micro-batches, and their mean tokens of each kind (tokens per
+        micro-batch; zeros for a prompt that needed none)."""
+        n = max(self.steps, 1)
+        return {"prompt_steps": self.steps,
+                "step_tokens": {k: round(getattr(self, k) / n, 1) for k in ("decode", "draft", "prompt")}}
+
+
+def _never(*_: object) -> bool:
+    return False
+
+
 @dataclass(eq=False)
 class Job:
     """One request handed to the :class:`Scheduler`.
@@ -29,8 +65,12 @@ class Job:
         emit: called with each accepted token list; a true return ends the
             request (a stop string, a client that left).
         on_done: called once with the job when the request has ended.
-        cancelled: set by another thread to drop a job that waits in the
-            queue (its ``on_done`` is still called, with ``request`` None).
+        cancelled: set by another thread to drop the job: one that waits in
+            the queue is dropped (its ``on_done`` is still called, with
+            ``request`` None); one in a slot ends at the next step.
+        should_stop: polled at every step while the request's prompt is
+            processed (its client left: it ends then, freeing its slot;
+            once it generates, ``emit``'s return says the same).
         clock: TTFT / ITL clock (restarted when the job gets a slot).
         request: the running request (:class:`~ggpipe.decoding.request.Request`), once started.
         slot: its slot, once started.
@@ -40,6 +80,8 @@ class Job:
             the target verified and accepted per position after a root
             (ggpipe.speculation.draft_stats).
         error: what ended this request alone (its sampling raised), or None.
+        arrival: its order among the requests submitted to the loop (0, 1, ...).
+        prompt_steps: how its prompt went through the micro-batches.
     """
 
     tokens: list[int]
@@ -56,6 +98,10 @@ class Job:
     draft_stats: DraftStats = field(default_factory=DraftStats)
     t_queued: float = field(default_factory=time.monotonic)
     error: Exception | None = None
+    should_stop: Callable[[], bool] = _never
+    arrival: int = 0
+    prompt_steps: PromptSteps = field(default_factory=PromptSteps)
+
 
 @runtime_checkable
 class RequestLoop(Protocol):
@@ -110,6 +156,11 @@ class RequestLoop(Protocol):
     def tokens_per_s(self) -> float:
         """Tokens generated per second over the last 10 seconds."""
 
+    def step_tokens(self) -> dict:
+        """What the micro-batches carried since the loop started:
+        ``{"micro_batches", "decode", "draft", "prompt"}`` (counts of
+        micro-batches and of tokens of each kind); any thread."""
+
     def drain(self) -> None:
         """Wait for every micro-batch in flight (before a shutdown)."""
 
@@ -142,11 +193,15 @@ def slot_view(seq: int, n_ctx: int, job: Job | None, state: SlotState, n_decoded
               drafting: DraftStats | None) -> dict:
     """One slot as llama-server's ``/slots`` shows it (every loop's
     ``view``): id, KV cells, busy, state (its value), prompt tokens, tokens
-    generated, cells cached, and the request's drafting so far
+    generated, cells cached, the request's wait for the slot (``queue_s``,
+    seconds) and its prompt's micro-batches so far
+    (:meth:`PromptSteps.as_dict`), and its drafting so far
     (:meth:`~ggpipe.speculation.draft_stats.DraftStats.as_dict`: tokens
     drafted and accepted, their rate, per position after a root, and the
     target's pass costs; zeros, None and empty lists and dicts for
     ``drafting`` None)."""
     return {"id": seq, "n_ctx": n_ctx, "is_processing": job is not None, "state": state.value,
             "n_prompt_tokens": len(job.tokens) if job is not None else 0, "n_decoded": n_decoded,
-            "n_cached": n_cached, **(drafting or DraftStats()).as_dict()}
+            "n_cached": n_cached, "queue_s": round(job.queue_s, 4) if job is not None else None,
+            **(job.prompt_steps if job is not None else PromptSteps()).as_dict(),
+            **(drafting or DraftStats()).as_dict()}

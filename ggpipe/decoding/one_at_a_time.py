@@ -36,10 +36,11 @@ from typing import Callable
 import numpy as np
 
 from ggpipe.decoding.mode import Mode
-from ggpipe.decoding.loop import Job, SlotState, slot_view
+from ggpipe.decoding.loop import Job, PromptSteps, SlotState, slot_view
 from ggpipe.errors import GGPipeError
 from ggpipe.kv_reuse import reusable_prefix
 from ggpipe.metrics import TokenRate
+from ggpipe.pipeline.prefill import prefill_chunks
 from ggpipe.runtime.vocab import check_prompt_fits
 
 
@@ -61,6 +62,8 @@ class OneAtATime:
         doing: ``doing(text, clock)`` tells what the job is doing (the
             liveness messages': "answering a request ...", "idle between
             requests"), or None.
+        n_batch: the decoder's prefill chunk (tokens; the prompt's steps
+            reported in ``request_stats``).
 
     Attributes:
         kv: the tokens whose cells sequence 0 holds (position i at index i).
@@ -73,8 +76,11 @@ class OneAtATime:
     depth = 1
 
     def __init__(self, decoder: Mode, n_ctx: int, target=None, reuse_kv: bool = True, partial_reuse: bool = True,
-                 recover: Callable[[], None] = lambda: None, doing: Callable[..., None] | None = None):
+                 recover: Callable[[], None] = lambda: None, doing: Callable[..., None] | None = None,
+                 n_batch: int = 512):
         self.decoder = decoder
+        self.n_batch = n_batch
+        self._n_stages = getattr(target, "n_stages", 1) if target is not None else 1
         self.n_ctx = n_ctx
         self.target = target
         self.reuse_kv, self.partial_reuse = reuse_kv, partial_reuse
@@ -84,6 +90,8 @@ class OneAtATime:
         self.current: Job | None = None
         self._before = None      # the decoder's request before the current one started (until open() replaces it)
         self.rate = TokenRate()
+        self._steps = PromptSteps()          # every request's prompt chunks
+        self._generated = 0
 
     def check_fits(self, n_prompt: int, n_predict: int) -> None:
         """Raise ConfigError when the prompt (tokens) plus ``n_predict`` do
@@ -147,10 +155,14 @@ class OneAtATime:
 
         def emit(new: list[int]) -> bool:
             self.rate.add(len(new))
+            self._generated += len(new)
             return job.emit(new)
 
         try:
             start = job.n_reused = self._keep_prefix(job.tokens)
+            for n in prefill_chunks(len(job.tokens) - start, self.n_batch, self._n_stages):
+                job.prompt_steps.add(0, 0, n)      # its chunks carry its own tokens alone
+                self._steps.add(0, 0, n)
             out = self.decoder.generate(np.asarray(job.tokens[start:], dtype=np.int32), job.n_predict, job.sampler,
                                         start_pos=start, emit=emit, clock=job.clock, history=job.tokens[:start])
             job.request = self.decoder.r
@@ -188,12 +200,20 @@ class OneAtATime:
 
     def request_stats(self, job: Job) -> dict:
         """The finished request's statistics (``--json``'s ``decoder``):
-        the mode's (:attr:`~ggpipe.decoding.mode.Mode.stats`)."""
-        return dict(self.decoder.stats)
+        the mode's (:attr:`~ggpipe.decoding.mode.Mode.stats`), and its
+        prompt's chunks (:meth:`~ggpipe.decoding.loop.PromptSteps.as_dict`)."""
+        return {**self.decoder.stats, **job.prompt_steps.as_dict()}
 
     def tokens_per_s(self) -> float:
         """Tokens generated per second over the last 10 seconds."""
         return self.rate.per_s()
+
+    def step_tokens(self) -> dict:
+        """The prompts' chunks (``micro_batches``, ``prompt`` tokens) and
+        the tokens generated (``decode``); the mode's own runs (its drafts,
+        its trees) are its statistics' (``request_stats``): ``draft`` 0."""
+        return {"micro_batches": self._steps.steps, "decode": self._generated, "draft": 0,
+                "prompt": self._steps.prompt}
 
     def drain(self) -> None:
         """Nothing stays in flight between requests."""

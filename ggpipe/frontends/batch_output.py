@@ -48,7 +48,8 @@ def record(rid: str | int, done) -> dict:
     m = dict(done.metrics)
     m.update({k: v for k, v in done.decoder.items() if k in ("acceptance_rate", "accepted_per_pass", "drafted",
                                                               "draft_accepted", "target_passes",
-                                                              "acceptance_per_position")})
+                                                              "acceptance_per_position", "prompt_steps",
+                                                              "step_tokens")})
     out = {"id": rid, "text": done.text, "tokens": done.tokens, "finish_reason": done.finish_reason,
            "n_prompt": done.n_prompt, "n_reused": done.n_reused, "metrics": m}
     if done.logprobs is not None:   # per token: [token, logprob, [[id, logprob], ...]]

@@ -17,6 +17,7 @@ keeps only output rows in the last layer (``get_rows(inp_out_ids)``).
 from __future__ import annotations
 
 import ctypes
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,7 @@ import numpy as np
 from ggpipe.errors import ConfigError, GGPipeError, ModelError, NonFiniteError
 from ggpipe.runtime import faults, kernels
 from ggpipe.runtime import llama as _llama
+from ggpipe.runs import ubatch_order
 
 
 class InvalidBatch(GGPipeError):
@@ -50,7 +52,11 @@ class StageSpec:
         n_ctx: KV cache size in tokens (cells).
         n_threads: CPU threads for llama.cpp.
         n_seq_max: sequence ids the context accepts (1..256, LLAMA_MAX_SEQ).
-        n_ubatch: largest batch one decode call takes (tokens); also n_batch.
+        n_ubatch: tokens llama.cpp computes at once (``n_ubatch``, its
+            physical batch); a larger batch is split into ubatches.
+        n_batch: largest batch one decode call takes (tokens; llama.cpp's
+            ``n_batch``, the scheduler's token budget per micro-batch);
+            None: ``n_ubatch``.
         flash_attn: "off" (llama-cpp-python's Llama() default, the exactness
             reference), "on" or "auto" (llama.cpp's tools' default).
         kv_unified: one KV buffer for every sequence (llama.cpp's
@@ -86,6 +92,7 @@ class StageSpec:
     n_threads: int = 1
     n_seq_max: int = 1
     n_ubatch: int = 512
+    n_batch: int | None = None
     flash_attn: str = "off"
     kv_unified: bool = True
     cache_type_k: str = "f16"
@@ -155,10 +162,15 @@ class Stage:
         self.n_vocab = int(L.llama_vocab_n_tokens(self.vocab))
 
         self.hooks = native.Hooks()
+        #: most tokens of one decode call (llama.cpp's n_batch)
+        self.n_batch = max(spec.n_batch or spec.n_ubatch, 1)
+        # with one KV stream per sequence llama.cpp computes a batch's rows ubatch by ubatch, sequence after
+        # sequence (llama_batch_allocr::split_equal): a non-last stage puts its captured rows back in batch order
+        self._streams = not spec.kv_unified and spec.n_seq_max > 1
         cparams = L.llama_context_default_params()
         cparams.n_ctx = spec.n_ctx
-        cparams.n_batch = spec.n_ubatch
-        cparams.n_ubatch = spec.n_ubatch
+        cparams.n_batch = self.n_batch
+        cparams.n_ubatch = min(spec.n_ubatch, self.n_batch)
         cparams.n_seq_max = spec.n_seq_max
         cparams.n_threads = spec.n_threads
         cparams.n_threads_batch = spec.n_threads
@@ -184,10 +196,11 @@ class Stage:
                 f"n_ubatch={spec.n_ubatch}, KV types {spec.cache_type_k}/{spec.cache_type_v}) for {spec.model_path}"
             )
         self.mem = L.llama_get_memory(self.ctx)
+        self._n_ubatch = int(L.llama_n_ubatch(self.ctx))
         # cells one sequence may fill: n_ctx, or with one KV stream per sequence
         # n_ctx / n_seq_max rounded up to 256 (llama_context's n_ctx_seq)
         self.n_ctx_seq = int(L.llama_n_ctx_seq(self.ctx))
-        self._batch = L.llama_batch_init(spec.n_ubatch, 0 if spec.first else self.n_embd, spec.n_seq_max)
+        self._batch = L.llama_batch_init(self.n_batch, 0 if spec.first else self.n_embd, spec.n_seq_max)
         self._batch_addr = ctypes.addressof(self._batch)
         self._mrope_pos = self._mrope_positions(L)
         self._capture_node = f"{spec.layer_output}-{spec.n_layer - 1}"
@@ -207,7 +220,7 @@ class Stage:
         if self.spec.first or L.llama_model_rope_type(self.model) not in (L.LLAMA_ROPE_TYPE_MROPE,
                                                                            L.LLAMA_ROPE_TYPE_IMROPE):
             return None
-        buf = (ctypes.c_int32 * (4 * self.spec.n_ubatch))()
+        buf = (ctypes.c_int32 * (4 * self.n_batch))()
         original = ctypes.cast(self._batch.pos, ctypes.c_void_p).value  # an address: a field's pointer object shares
         self._batch.pos = ctypes.cast(buf, type(self._batch.pos))         # the field's memory
         return buf, original
@@ -227,7 +240,7 @@ class Stage:
         """Evaluate one micro-batch through this stage's layers.
 
         Args:
-            pos: int32 (n,) positions, 1 <= n <= n_ubatch.
+            pos: int32 (n,) positions, 1 <= n <= n_batch.
             n_seq_id: int32 (n,) number of sequence ids of each token.
             seq_ids: int32 (sum(n_seq_id),) the sequence ids, token by token.
             outputs: int8 (n,) 1 where the last stage must return logits.
@@ -236,8 +249,11 @@ class Stage:
 
         Returns:
             Non-last stage: float32 (n, n_embd) hidden states after the
-            slice's last layer. Last stage: float32 (sum(outputs), n_vocab)
-            logits, in batch order.
+            slice's last layer, in batch order (with one KV stream per
+            sequence, the rows llama.cpp computed ubatch by ubatch are put
+            back in batch order: :func:`ggpipe.runs.ubatch_order`). Last
+            stage: float32 (sum(outputs), n_vocab) logits, in batch order
+            (llama.cpp's ``llama_get_logits`` reorders them).
 
         Raises:
             Cancelled: the cancellation flag was set during the call.
@@ -247,7 +263,7 @@ class Stage:
         n = int(pos.shape[0])
         flags = outputs if self.spec.last else np.ones(n, dtype=np.int8)
         _llama.native().fill_batch(
-            self._batch_addr, self.spec.n_ubatch, self.n_embd, self.spec.n_seq_max,
+            self._batch_addr, self.n_batch, self.n_embd, self.spec.n_seq_max,
             tokens if self.spec.first else None,
             None if self.spec.first else embd,
             pos, n_seq_id, seq_ids, flags,
@@ -286,6 +302,12 @@ class Stage:
                 raise GGPipeError(
                     f"captured {captured} bytes of {self._capture_node}, expected {hidden.nbytes}"
                 )
+            if self._streams:
+                order = ubatch_order(seq_ids, self._n_ubatch)
+                if order is not None:       # row j of the capture is the batch's row order[j]
+                    rows = np.empty_like(hidden)
+                    rows[order] = hidden
+                    hidden = rows
             if fault == "nan":
                 hidden[:, 0] = np.nan
             return self._finite(hidden, "hidden states")
@@ -295,6 +317,37 @@ class Stage:
         if fault == "nan":
             out[:, 0] = np.nan
         return self._finite(out, "logits")
+
+    def warmup(self) -> float:
+        """Run one two-token batch through the stage and clear its KV cache,
+        as llama.cpp's tools do at load (``common_init_from_params``: BOS and
+        EOS decoded with ``llama_set_warmup``, then ``llama_memory_clear``):
+        every weight page is touched once (a mixture of experts' every
+        expert), the threads start and the compute buffers are used, so the
+        first request's prompt goes as fast as the next one's. A later
+        stage is fed zero hidden states. Nothing of it stays: the cells are
+        removed (their data too) and planned faults (``GGPIPE_FAULT``) do
+        not count it. Returns its seconds.
+
+        Raises:
+            GGPipeError: llama.cpp failed (as :meth:`decode`).
+        """
+        L = self._L
+        t0 = time.perf_counter()
+        toks = [t for t in (L.llama_vocab_bos(self.vocab), L.llama_vocab_eos(self.vocab)) if t >= 0][:2] or [0]
+        n = min(len(toks), self.n_batch)
+        fault, self._fault = self._fault, None
+        L.llama_set_warmup(self.ctx, True)
+        try:
+            self.decode(pos=np.arange(n, dtype=np.int32), n_seq_id=np.ones(n, np.int32),
+                        seq_ids=np.zeros(n, np.int32), outputs=np.eye(1, n, n - 1, dtype=np.int8)[0],
+                        tokens=np.asarray(toks[:n], np.int32) if self.spec.first else None,
+                        embd=None if self.spec.first else np.zeros((n, self.n_embd), np.float32))
+        finally:
+            L.llama_set_warmup(self.ctx, False)
+            L.llama_memory_clear(self.mem, True)
+            self._fault = fault
+        return time.perf_counter() - t0
 
     def _finite(self, out: np.ndarray, what: str) -> np.ndarray:
         """``out`` if every value is finite.

@@ -149,7 +149,7 @@ def measure_agreement(model: str, draft: str, threads: str, prompts: tuple[str, 
             toks = engine.tokenize(prompt)
             c = engine.generate(toks, n_predict, SamplingParams(temperature=0.0))
             seq = [*toks.tolist(), *c.tokens]
-            n, a = agreed_positions(seq, len(toks), _draft_best(engine.session.draft_pipelines[0], seq, cfg.ubatch))
+            n, a = agreed_positions(seq, len(toks), _draft_best(engine.session.draft_pipelines[0], seq, cfg.n_batch))
             positions, agreed = positions + n, agreed + a
         got["a"] = Agreement(agreed / positions if positions else 0.0, positions, agreed, len(prompts), n_predict)
         return 0

@@ -83,6 +83,20 @@ def _recurrent_models(session: Session, target_recurrent: bool) -> dict[str, boo
     return out
 
 
+def request_metrics(job: Job, n_prompt: int) -> dict:
+    """A finished request's timing (``Completion.metrics``): its clock's
+    figures (:meth:`~ggpipe.metrics.GenerationClock.as_dict`: TTFT, ITL,
+    tokens/s, ``prompt_s``; seconds), the seconds it waited for a slot
+    (``queue_s``) and the prompt tokens it decoded per second of prompt
+    processing (``prompt_tokens_per_s``: its ``n_prompt`` tokens less the
+    reused ones; None when nothing was decoded or timed)."""
+    m = job.clock.as_dict()
+    decoded = n_prompt - job.n_reused
+    m["queue_s"] = round(job.queue_s, 4)
+    m["prompt_tokens_per_s"] = decoded / m["prompt_s"] if decoded > 0 and m.get("prompt_s") else None
+    return m
+
+
 class Engine:
     """Head rank: generate through ``session``'s pipeline(s) in ``mode``.
 
@@ -130,7 +144,7 @@ class Engine:
         # micro-batches in flight: as many as stages can compute at once, per host as many as its CPUs hold
         # their threads (3 ranks x 1 thread on 2 cores: 2; 4 x 4 threads on 16 cores: 4; 2 x 2 on 2 cores: 1)
         self.loop = build_loop(mode, spec, session.pipeline, drafts, slots=parallel, n_ctx=self.n_ctx,
-                               n_ubatch=cfg.ubatch, n_seq_max=cfg.n_seq_max, is_eog=self.is_eog,
+                               n_batch=cfg.n_batch, n_seq_max=cfg.n_seq_max, is_eog=self.is_eog,
                                depth=micro_batches or session.micro_batches_in_flight(), timeout_s=cfg.timeout_s,
                                idle=self.waiter, target_hosts=session.target_hosts, partial_reuse=not recurrent,
                                reuse_kv=reuse_kv, recover=self.recover,
@@ -254,15 +268,19 @@ class Engine:
                 on_done(None)
                 return
             out = job.request.out
+            if job.cancelled:
+                stream.stopped = stream.stopped or "interrupted"
             reason = stream.finish(out, n_predict)
             self.last = Completion(tokens=[int(t) for t in out], text=stream.text, finish_reason=reason,
-                                   n_prompt=len(toks), n_reused=job.n_reused, metrics=job.clock.as_dict(),
+                                   n_prompt=len(toks), n_reused=job.n_reused,
+                                   metrics=request_metrics(job, len(toks)),
                                    decoder={"slot": job.slot, "queue_s": round(job.queue_s, 4),
                                             "parallel": self.parallel, **self.loop.request_stats(job)},
                                    logprobs=job.sampler.logprobs[:len(out)] if sampling.logprobs >= 0 else None)
             on_done(self.last)
 
-        job = Job(toks, n_predict, self.sampler(sampling, toks), emit=stream.emit, on_done=done)
+        job = Job(toks, n_predict, self.sampler(sampling, toks), emit=stream.emit, on_done=done,
+                  should_stop=stream.check_stop)
         self.loop.submit(job)
         return job
 

@@ -57,8 +57,13 @@ class TextStream:
             self._flush(len(self.text))
             return True
         self._flush(len(self.text) - max(self.hold - 1, 0))
+        return self.check_stop()
+
+    def check_stop(self) -> bool:
+        """Poll ``should_stop``; True (and ``stopped`` "interrupted") when
+        the reply must stop."""
         if self.should_stop is not None and self.should_stop():
-            self.stopped = "interrupted"
+            self.stopped = self.stopped or "interrupted"
             return True
         return False
 

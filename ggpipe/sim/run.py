@@ -287,7 +287,7 @@ def _simulate_parallel(cfg: SimConfig, spec: SpecSettings, clock: SimClock, pipe
         ConfigError: as ``build_scheduler``."""
     target = pipes[0]
     sched = build_scheduler(cfg.mode, spec, target, pipes[1:], slots=cfg.parallel,
-                            n_ctx_slot=1 << 30, n_ubatch=cfg.ubatch, is_eog=lambda t: False,
+                            n_ctx_slot=1 << 30, n_batch=cfg.ubatch, is_eog=lambda t: False,
                             depth=None, timeout_s=3600.0, idle=idle_until_next(clock, pipes),
                             target_hosts=[cfg.profile.host(r).host for r in range(target.n_stages)])
     rng = np.random.default_rng(cfg.seed)

@@ -21,7 +21,7 @@ import numpy as np
 from ggpipe.logits import TopLogits, top_k
 from ggpipe.pipeline.masking import rows_in
 from ggpipe.pipeline.prefill import submit_chunks
-from ggpipe.runs import Run, RunResult, in_batch_order, ubatches
+from ggpipe.runs import Run, RunResult
 from ggpipe.sim.kv_model import KvCells, KvStreams
 
 
@@ -94,7 +94,6 @@ class ToyPipeline:
         self.run_sizes: list[int] = []
         self.n_stages = 1     # as Pipeline.n_stages (pipedec bounds its runs in flight by it)
         self.n_seq_max = 256
-        self.n_ubatch = 512   # with streams: each run must come out of llama.cpp's ubatch split in batch order
 
     @property
     def n_cells(self) -> int:
@@ -231,10 +230,6 @@ class ToyPipeline:
         new: list[tuple[int, int, int]] = []
         ends = np.cumsum(run.n_seq_id)
         run_seqs = [[int(s) for s in run.seq_ids[end - n:end]] for n, end in zip(run.n_seq_id, ends)]
-        if isinstance(self.kv_cells, KvStreams) and not in_batch_order(run.seq_ids, self.n_ubatch):
-            raise AssertionError(f"run {run.run_id}: llama.cpp would compute its rows out of batch order "
-                                 f"(ubatches {ubatches(run.seq_ids, self.n_ubatch)}), which the stages' "
-                                 "hidden-state capture cannot follow")
         self.kv_cells.place([int(p) for p in run.pos], run_seqs)
         if self.cell_order:
             for i in range(run.n_tokens):

@@ -1,7 +1,8 @@
-"""The slots' prompt cache: which free slot a request takes, and the
-prefix it borrows from another slot's stream before its first chunk goes
+"""The slots' prompt cache: which free slot a request takes, the prefix
+it borrows from another slot's stream before its first chunk goes, and
+whether it waits for another request's prompt to fill that prefix first
 (llama-server's prompt cache per slot; vLLM's prefix caching across
-requests). Pure bookkeeping over :class:`~ggpipe.decoding.parallel.slots.Slot`
+requests, which shares a prefix still being computed once it is). Pure bookkeeping over :class:`~ggpipe.decoding.parallel.slots.Slot`
 plus the target's ``seq_cp`` / ``seq_rm``, pipelined behind the runs sent.
 No MPI; ggpipe.decoding.parallel.scheduler calls it.
 """
@@ -60,3 +61,27 @@ def borrow_prefix(target, slots: list[Slot], slot: Slot, stats: SchedulerStats) 
     stats.borrowed_tokens += best - job.n_reused
     job.n_reused = best
     return True
+
+
+def awaits_donor(slots: list[Slot], slot: Slot) -> bool:
+    """Before the first chunk of ``slot``'s prompt goes: whether a request
+    that arrived earlier, whose prompt is still being sent, shares a longer
+    prefix with this prompt than any slot's cells hold now, by
+    :data:`BORROW_MIN_TOKENS` or more. Then this prompt waits until that
+    prefix has been sent and borrows it (:func:`borrow_prefix`) instead of
+    computing it a second time: a burst of requests behind one system
+    prompt computes it once. The earliest such request never waits, so
+    every prompt goes in the end. Pure."""
+    job = slot.job
+    if job is None or job.request is None or job.request.out or len(slot.kv) != job.n_reused:
+        return False
+    have = max([len(slot.kv)] + [reusable_prefix(o.kv, job.tokens) for o in slots if o is not slot])
+    for other in slots:
+        o = other.job
+        if other is slot or o is None or o.request is None or o.request.out or not other.todo \
+                or o.arrival > job.arrival:
+            continue
+        k = reusable_prefix(o.tokens, job.tokens)
+        if k - have >= BORROW_MIN_TOKENS and len(other.kv) < k:
+            return True
+    return False

@@ -23,18 +23,22 @@ stage, each scheduled from requests not already in flight).
   does as a copy of the stream's K and V buffers in order with the runs
   before it on every stage) and only the rest is decoded
   (:func:`~ggpipe.decoding.parallel.prefix_cache.borrow_prefix`; vLLM's
-  prefix caching across requests).
-* **Micro-batches.** Each holds the next token of generating slots (in
-  slot order: llama.cpp evaluates consecutive sequence ids of a non-unified
-  cache in one ubatch) followed by one chunk of one prompt (chunked
-  prefill, at most ``n_ubatch`` tokens in all), or either alone
-  (:func:`plan_microbatch` says when they cannot share one). A slot whose next
+  prefix caching across requests). A prompt whose longer shared prefix an
+  earlier request is still sending waits for it instead of computing it
+  again (:func:`~ggpipe.decoding.parallel.prefix_cache.awaits_donor`).
+* **Micro-batches.** Each holds the rows of one group of generating slots
+  (their next tokens, in slot order) and then chunks of waiting prompts,
+  up to one token budget (``-b``, llama.cpp's ``n_batch``); a prompt that
+  arrived while others were generating takes only what keeps their time
+  between tokens bounded (:func:`~ggpipe.decoding.parallel.budget.plan_step`,
+  :class:`~ggpipe.decoding.parallel.budget.StepCost`). A slot whose next
   token waits for logits is in one micro-batch at a time; prompt chunks of
-  one slot may follow each other without waiting. With ``depth`` micro-batches in
-  flight (default: the pipeline's stages, so every stage works at once; the
-  service passes ``--micro-batches``, by default as many as can compute at once), the
-  generating slots fall into ``depth`` groups of consecutive slot ids that
-  take turns (:func:`~ggpipe.decoding.parallel.slots.decode_groups`: consecutive, so
+  one slot may follow each other without waiting. With ``depth``
+  micro-batches in flight (default: the pipeline's stages, so every stage
+  works at once; the service passes ``--micro-batches``, by default as many
+  as can compute at once), the generating slots fall into ``depth`` groups
+  of consecutive slot ids that take turns
+  (:func:`~ggpipe.decoding.parallel.slots.decode_groups`: consecutive, so
   that each stage evaluates a group in one ubatch, streaming its weights
   once).
 * **Results** come back in order; each slot's row is sampled with the
@@ -57,12 +61,13 @@ from typing import Callable
 import numpy as np
 
 from ggpipe.backend import TargetBackend
+from ggpipe.decoding.parallel.budget import ITL_BOUND, StepCost, plan_step
 from ggpipe.decoding.parallel.chain_draft import SlotDrafter
 from ggpipe.decoding.parallel.lone_drafts import LoneDrafts
-from ggpipe.decoding.parallel.prefix_cache import borrow_prefix, pick_slot
+from ggpipe.decoding.parallel.prefix_cache import awaits_donor, borrow_prefix, pick_slot
 from ggpipe.decoding.request import Request
 from ggpipe.decoding.loop import Job, slot_view
-from ggpipe.decoding.parallel.slots import SchedulerStats, Slot, _Row, plan_microbatch
+from ggpipe.decoding.parallel.slots import SchedulerStats, Slot, _Row
 from ggpipe.errors import ConfigError, GGPipeError
 from ggpipe.metrics import TokenRate
 from ggpipe.pipeline.waiting import Wait, poll_wait
@@ -76,7 +81,7 @@ class Scheduler:
         n_slots: slots (``--parallel``), KV sequences 0..n_slots-1.
         n_ctx_slot: KV cells of one slot (tokens a request's prompt and
             generation may fill).
-        n_ubatch: most tokens per micro-batch.
+        n_batch: most tokens per micro-batch (the token budget, ``-b``).
         is_eog: token -> end of generation?
         depth: micro-batches in flight (default: the pipeline's stages).
         timeout_s: bound of every wait for a result (seconds).
@@ -91,7 +96,7 @@ class Scheduler:
             ``draft(context, k) -> tokens`` is an instant lookup), or None:
             no speculation. Used while one request is generating
             (:class:`~ggpipe.decoding.parallel.lone_drafts.LoneDrafts`).
-        draft_max: most drafted tokens per chain.
+        draft_max: most drafted tokens per chain (at most ``n_batch - 1``).
         lookahead: PipeInfer's continuation for a request that generates
             alone (``--mode pipeinfer``; with ``depth`` >= 2): while its row
             waits for logits, up to ``depth - 1`` look-ahead rows built on
@@ -117,19 +122,26 @@ class Scheduler:
 
     Attributes:
         stats: the counters (:class:`~ggpipe.decoding.parallel.slots.SchedulerStats`).
+        cost: the measured cost of micro-batches
+            (:class:`~ggpipe.decoding.parallel.budget.StepCost`).
+        itl_bound: the bound on a generating request's time between tokens
+            when a later prompt shares its micro-batches (a factor of their
+            cost alone; :func:`~ggpipe.decoding.parallel.budget.plan_step`).
     """
 
-    def __init__(self, target: TargetBackend, n_slots: int, n_ctx_slot: int, n_ubatch: int,
+    def __init__(self, target: TargetBackend, n_slots: int, n_ctx_slot: int, n_batch: int,
                  is_eog: Callable[[int], bool], depth: int | None = None, timeout_s: float = 60.0,
                  idle: Wait | None = None, draft: SlotDrafter | Callable[[list[int], int], list[int]] | None = None,
                  draft_max: int = 6, lookahead: bool = False, partial_reuse: bool = True,
                  doing: Callable[..., None] | None = None):
         if n_slots < 1:
             raise ConfigError(f"--parallel must be at least 1, got {n_slots}")
+        if n_batch < 1:
+            raise ConfigError(f"--batch-size must be at least 1 token, got {n_batch}")
         self.target = target
         self.slots = [Slot(s) for s in range(n_slots)]
         self.n_ctx_slot = n_ctx_slot
-        self.n_ubatch = n_ubatch
+        self.n_batch = n_batch
         self.is_eog = is_eog
         self.partial_reuse = partial_reuse
         self._doing = doing
@@ -138,12 +150,15 @@ class Scheduler:
         self.idle = idle or poll_wait
         self.queue: deque[Job] = deque()
         self._rows: dict[int, list[_Row]] = {}
-        self._prompt_turn = False    # a prompt chunk goes next, when both prompts and tokens wait
+        self._arrivals = 0           # requests submitted so far
         self.stats = SchedulerStats()
+        self.cost = StepCost()
+        self.itl_bound = ITL_BOUND
         self.rate = TokenRate()      # the acceptances of the last 10 s (tokens_per_s)
         # a lone request's chains and look-ahead rows, their verification and the gate
         # (look-ahead rows follow a row in flight: with one micro-batch in flight there is no room for them)
-        self.spec = LoneDrafts(target, draft, draft_max, lookahead and self.depth >= 2, n_ctx_slot, self.stats)
+        self.spec = LoneDrafts(target, draft if n_batch > 1 else None, min(draft_max, n_batch - 1),
+                               lookahead and self.depth >= 2, n_ctx_slot, self.stats)
 
     # -- requests ------------------------------------------------------------------
 
@@ -164,6 +179,8 @@ class Scheduler:
             ConfigError: it does not fit a slot."""
         self.check_fits(len(job.tokens), job.n_predict)
         job.t_queued = time.monotonic()
+        job.arrival = self._arrivals
+        self._arrivals += 1
         self.queue.append(job)
 
     @property
@@ -205,6 +222,7 @@ class Scheduler:
         job.request = Request(n_predict=job.n_predict, emit=job.emit, clock=job.clock, is_eog=self.is_eog,
                               context=list(job.tokens))
         slot.job, slot.todo, slot.waiting = job, list(job.tokens[keep:]), False
+        slot.generating_since = None
         self.stats.reused_tokens += keep
         if self.n_busy == 1 and not self.queue:
             self.spec.started(job.tokens)    # a request alone: the draft decodes its prompt beside the target
@@ -220,13 +238,13 @@ class Scheduler:
     # -- micro-batches --------------------------------------------------------------
 
     def _submit_next(self) -> bool:
-        """Form and submit the next micro-batch, if any slot has something to
-        send (or a look-ahead row, :meth:`_send_ahead`)."""
-        plan = plan_microbatch(self.slots, self.n_ubatch, self.depth, self._prompt_turn)
+        """Form and submit the next micro-batch
+        (:func:`~ggpipe.decoding.parallel.budget.plan_step`), if any slot has
+        something to send (or a look-ahead row, :meth:`_send_ahead`)."""
+        plan = plan_step(self.slots, self.n_batch, self.depth, self.target.n_stages, self.cost, self.itl_bound,
+                         defer=(lambda s: awaits_donor(self.slots, s)) if self.partial_reuse else None)
         if not plan:
             return self._send_ahead()
-        # tokens without a prompt chunk now: a prompt's turn next
-        self._prompt_turn = all(slot.generating for slot, _, _ in plan)
         for i, (slot, n, _) in enumerate(plan):
             if self.partial_reuse and borrow_prefix(self.target, self.slots, slot, self.stats):
                 # a shorter rest: this chunk may now be the prompt's last
@@ -238,8 +256,6 @@ class Scheduler:
             del slot.todo[:n]
             chain = chunk[1:] if slot.job.request.out else []   # drafted tokens below a generating slot's token
             rows.append((_Row(slot, slot.job, wants, chain, p0=len(slot.kv)), chunk))
-            if not wants:
-                self.stats.prefill_tokens += n
         self._submit(rows)
         return True
 
@@ -268,6 +284,7 @@ class Scheduler:
         its slot's stream (a logit row for every token of a row with a
         chain, else for its last token when it asks)."""
         tokens, pos, seqs, outputs, reply = [], [], [], [], []
+        mix = self.stats.add_micro_batch(rows)
         for row, chunk in rows:
             slot, n = row.slot, len(chunk)
             row.n = n
@@ -281,6 +298,8 @@ class Scheduler:
             slot.waiting = slot.waiting or row.logits
             if row.logits:
                 reply.append(slot.job.sampler.params.reply_k())
+            if not slot.generating:
+                slot.job.prompt_steps.add(*mix)
         n = len(tokens)
         run = Run(run_id=next_run_id(), tokens=np.asarray(tokens, np.int32), pos=np.asarray(pos, np.int32),
                   n_seq_id=np.ones(n, np.int32), seq_ids=np.asarray(seqs, np.int32),
@@ -289,8 +308,6 @@ class Scheduler:
         self.target.reply_k = 0 if not reply or 0 in reply else max(reply)
         self._rows[run.run_id] = [row for row, _ in rows]
         self.target.submit(run)
-        self.stats.micro_batches += 1
-        self.stats.rows += n
 
     def _handle(self, res: RunResult) -> None:
         """A micro-batch's logits: each row's request decides its next
@@ -298,6 +315,7 @@ class Scheduler:
         more)."""
         rows = self._rows.pop(res.run.run_id)
         self.spec.timed(res)
+        self.cost.finished(res.run.n_tokens, res.run.n_outputs, res.run.started_at, res.finished_at)
         self.spec.clock = res.finished_at or time.perf_counter()   # the pipeline's clock (the toy's, in tests)
         k = 0
         for row in rows:
@@ -315,6 +333,7 @@ class Scheduler:
             r = row.job.request
             if not r.out:
                 r.clock.prompt_done()
+                slot.generating_since = self._arrivals   # prompts submitted from now on arrive while it generates
             try:
                 decided = self.spec.verify(row, logits)
             except Exception as e:   # this request's sampling failed (a bug): it ends alone, the others go on
@@ -334,6 +353,18 @@ class Scheduler:
             else:
                 slot.todo = [r.out[-1]] + self.spec.below(slot, sum(s.generating for s in self.slots) <= 1)
 
+    def _end_stopped(self) -> None:
+        """End the running requests that were cancelled or whose
+        ``should_stop`` is true (a client that left while its prompt is
+        processed): each frees its slot now; its rows still in flight are
+        dropped as they return, and the cells its chunks filled stay as the
+        slot's cached prefix, as any ended request's."""
+        for slot in self.slots:
+            job = slot.job
+            if job is not None and (job.cancelled or job.should_stop()):
+                job.request.done = True
+                self._end(slot)
+
     def _generated(self, n: int) -> None:
         """Count ``n`` tokens generated now."""
         self.stats.generated += n
@@ -347,14 +378,23 @@ class Scheduler:
 
     def request_stats(self, job: Job) -> dict:
         """A finished request's statistics (``--json``'s ``decoder``): its
-        drafting (:meth:`~ggpipe.speculation.draft_stats.DraftStats.as_dict`)."""
-        return job.draft_stats.as_dict()
+        drafting (:meth:`~ggpipe.speculation.draft_stats.DraftStats.as_dict`)
+        and how its prompt went through the micro-batches
+        (:meth:`~ggpipe.decoding.loop.PromptSteps.as_dict`)."""
+        return {**job.draft_stats.as_dict(), **job.prompt_steps.as_dict()}
 
     # -- views (any thread) ----------------------------------------------------------
 
     def tokens_per_s(self) -> float:
         """Tokens generated per second over the last 10 seconds, every request together."""
         return self.rate.per_s()
+
+    def step_tokens(self) -> dict:
+        """Micro-batches sent and their tokens by kind (the counters of
+        :class:`~ggpipe.decoding.parallel.slots.SchedulerStats`)."""
+        st = self.stats
+        return {"micro_batches": st.micro_batches, "decode": st.decode_tokens, "draft": st.drafted,
+                "prompt": st.prompt_tokens}
 
     def view(self) -> list[dict]:
         """One dict per slot (:func:`~ggpipe.decoding.loop.slot_view`)."""
@@ -380,6 +420,7 @@ class Scheduler:
         while t.ready():
             self._handle(t.poll())
             progressed = True
+        self._end_stopped()
         self._start_queued()
         while len(t.inflight) < self.depth and self._submit_next():
             progressed = True

@@ -1,15 +1,15 @@
 """The scheduler's pure parts: its counters (:class:`SchedulerStats`), a
 slot (:class:`Slot`: a KV sequence and the request that holds it, in one of
-the states of :class:`~ggpipe.decoding.loop.SlotState`), and which slots
-send what in the next micro-batch (:func:`plan_microbatch`). No pipeline,
-no MPI; ggpipe.decoding.parallel.scheduler drives them."""
+the states of :class:`~ggpipe.decoding.loop.SlotState`), and the groups of
+generating slots that take turns (:func:`decode_groups`); what one
+micro-batch carries is ggpipe.decoding.parallel.budget's. No pipeline, no
+MPI; ggpipe.decoding.parallel.scheduler drives them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from ggpipe.decoding.loop import Job, SlotState
-from ggpipe.runs import in_batch_order
 
 
 @dataclass
@@ -19,8 +19,9 @@ class SchedulerStats:
     Attributes:
         micro_batches: micro-batches sent.
         rows: tokens in them.
-        prefill_tokens: prompt tokens sent without a logit row (every
-            chunk of a prompt but its last).
+        decode_tokens: of them, generating requests' next tokens.
+        prompt_tokens: of them, prompt tokens (chunks of prompts being
+            processed); the others are drafted (``drafted``).
         generated: tokens the requests accepted.
         finished: requests ended.
         reused_tokens: prompt tokens whose cells a slot held or borrowed
@@ -36,7 +37,8 @@ class SchedulerStats:
 
     micro_batches: int = 0
     rows: int = 0
-    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prompt_tokens: int = 0
     generated: int = 0
     finished: int = 0
     reused_tokens: int = 0
@@ -46,6 +48,24 @@ class SchedulerStats:
     draft_skipped: int = 0
     lookahead: int = 0
     lookahead_kept: int = 0
+
+    def add_micro_batch(self, rows: list[tuple["_Row", list[int]]]) -> tuple[int, int, int]:
+        """Count a micro-batch of ``rows`` (each a row and the tokens it
+        sends); returns its (decode, draft, prompt) tokens."""
+        decode = draft = prompt = 0
+        for row, chunk in rows:
+            if not row.job.request.out:
+                prompt += len(chunk)
+            elif row.guess is not None:     # a look-ahead row: a guessed token and the chain below it
+                draft += len(chunk)
+            else:
+                decode += 1
+                draft += len(chunk) - 1
+        self.micro_batches += 1
+        self.rows += decode + draft + prompt
+        self.decode_tokens += decode
+        self.prompt_tokens += prompt
+        return decode, draft, prompt
 
 
 @dataclass(eq=False)
@@ -65,6 +85,9 @@ class Slot:
         ahead: look-ahead rows in flight behind the slot's row that waits
             for logits, oldest first (each built on the one before it being
             accepted whole; ggpipe.decoding.parallel.lone_drafts ``LoneDrafts.ahead``).
+        generating_since: requests submitted to the scheduler when its
+            request sampled its first token (a prompt submitted later
+            arrived while this one was generating), or None.
     """
 
     seq: int
@@ -75,6 +98,7 @@ class Slot:
     in_flight: int = 0
     last_sent: int = -1
     ahead: list["_Row"] = field(default_factory=list)
+    generating_since: int | None = None
 
     @property
     def generating(self) -> bool:
@@ -155,54 +179,3 @@ def decode_groups(slots: list[Slot], depth: int, max_size: int | None = None) ->
             break
         groups[i:i + 1] = [g[:len(g) // 2], g[len(g) // 2:]]
     return groups
-
-
-def plan_microbatch(slots: list[Slot], budget: int, depth: int,
-                    prefer_prompt: bool = False) -> list[tuple[Slot, int, bool]]:
-    """Which slots send what in the next micro-batch: (slot, tokens, wants
-    logits of its last token), in batch order. Pure.
-
-    A micro-batch holds the next token of the generating slots of one group
-    (:func:`decode_groups`, at most ``budget`` of them, in id order; a group
-    goes only when none of its slots is in flight, and of those that can,
-    the one whose slot went least recently), followed by a chunk of the
-    earliest-queued prompt in the tokens left (chunked prefill, as
-    llama-server's batch of every slot's next token and a prompt's chunk, and
-    vLLM's micro-batches of decode and prefill rows): its last chunk asks for
-    the logits of its last token. With one KV stream per sequence llama.cpp
-    splits a batch into ubatches of consecutive sequence ids
-    (``llama_batch_allocr::split_equal``), and the stages' hidden-state
-    capture needs their rows in batch order, so the chunk joins the group
-    only where :func:`ggpipe.runs.in_batch_order` says they come out so (its
-    slot id must not fill a gap among the group's ids); otherwise the two go
-    in turns, the chunk first when ``prefer_prompt`` (the scheduler
-    alternates while both wait) or when no group can send. A generating
-    slot's token with a drafted chain below it (every row's logits) goes
-    alone. Slots waiting for logits send nothing.
-
-    Args:
-        slots: every slot, in slot id order.
-        budget: most tokens in the micro-batch (``n_ubatch``).
-        depth: micro-batches the scheduler keeps in flight (>= 1).
-    """
-    ready = [s for s in slots if s.job is not None and s.todo and not s.waiting]
-    decode = {id(s) for s in ready if s.generating and len(s.todo) == 1}
-    chunks = sorted((s for s in ready if id(s) not in decode), key=lambda s: s.job.t_queued)
-    group = []
-    if decode:
-        sendable = [[s for s in g if id(s) in decode] for g in decode_groups(slots, depth, budget)
-                    if not any(s.waiting for s in g)]
-        group = min((g for g in sendable if g), key=lambda g: min(s.last_sent for s in g), default=[])
-    tokens = [(s, 1, True) for s in group]     # decode_groups cut it to at most budget slots
-    prompt = next((s for s in chunks if not s.generating), None)
-    if tokens and prompt is not None and len(tokens) < budget:
-        n = min(budget - len(tokens), len(prompt.todo))
-        if in_batch_order([s.seq for s in group] + [prompt.seq] * n, budget):
-            return tokens + [(prompt, n, n == len(prompt.todo))]
-    if tokens and not (chunks and prefer_prompt):
-        return tokens
-    if chunks:
-        s = chunks[0]
-        n = min(budget, len(s.todo))
-        return [(s, n, n == len(s.todo))]
-    return []

@@ -5,13 +5,14 @@ from __future__ import annotations
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily
 
 
 class ServeMetrics:
     """Prometheus metrics of one server (its own registry)."""
 
     def __init__(self, queue_depth: Callable[[], float], running: Callable[[], float], n_slots: int = 1,
-                 tokens_per_s: Callable[[], float] | None = None):
+                 tokens_per_s: Callable[[], float] | None = None, step_tokens: Callable[[], dict] | None = None):
         disable_created_metrics()  # no *_created series: they only add noise here
         r = self.registry = CollectorRegistry()
         self.requests = Counter("ggpipe_requests", "HTTP requests by endpoint and status code",
@@ -19,6 +20,11 @@ class ServeMetrics:
         self.prompt_tokens = Counter("ggpipe_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.reused_tokens = Counter("ggpipe_prompt_tokens_reused", "Prompt tokens whose KV cells were reused",
                                      registry=r)
+        self.prompt_processed = Counter("ggpipe_prompt_tokens_processed", "Prompt tokens of finished requests "
+                                        "that were decoded (not reused)", registry=r)
+        self.prompt_seconds = Counter("ggpipe_prompt_seconds", "Seconds finished requests spent processing "
+                                      "their prompts (from the slot to the first token; prompt tokens per second: "
+                                      "ggpipe_prompt_tokens_processed over it)", registry=r)
         self.gen_tokens = Counter("ggpipe_generated_tokens", "Generated tokens", registry=r)
         self.gen_seconds = Counter("ggpipe_generation_seconds", "Seconds spent generating (after the prompt)",
                                    registry=r)
@@ -62,6 +68,8 @@ class ServeMetrics:
         if tokens_per_s is not None:
             g.set_function(tokens_per_s)
         self._drafted = self._accepted = 0.0
+        if step_tokens is not None:
+            r.register(_StepTokens(step_tokens))
 
     def finished(self, done, queue_wait_s: float) -> None:
         """Record a finished request (``done``: a Completion; its
@@ -70,6 +78,9 @@ class ServeMetrics:
         m = done.metrics
         self.prompt_tokens.inc(done.n_prompt)
         self.reused_tokens.inc(done.n_reused)
+        self.prompt_processed.inc(done.n_prompt - done.n_reused)
+        if m.get("prompt_s"):
+            self.prompt_seconds.inc(m["prompt_s"])
         self.gen_tokens.inc(len(done.tokens))
         self.queue_wait.observe(queue_wait_s)
         if m.get("gen_s"):
@@ -93,3 +104,24 @@ class ServeMetrics:
         for i, (v, a) in enumerate(zip(d.get("verified_per_position") or (), d.get("accepted_per_position") or ())):
             self.verified_pos.labels(position=str(i)).inc(v)
             self.accepted_pos.labels(position=str(i)).inc(a)
+
+
+class _StepTokens:
+    """A Prometheus collector of what the micro-batches carried
+    (``RequestLoop.step_tokens``): ``ggpipe_micro_batches`` and
+    ``ggpipe_micro_batch_tokens{kind=decode|draft|prompt}``, read when
+    ``/metrics`` is."""
+
+    def __init__(self, read: Callable[[], dict]):
+        self.read = read
+
+    def collect(self):
+        counts = self.read()
+        yield CounterMetricFamily("ggpipe_micro_batches", "Micro-batches sent down the pipeline",
+                                  value=counts["micro_batches"])
+        tokens = CounterMetricFamily("ggpipe_micro_batch_tokens", "Tokens the micro-batches carried, by kind: "
+                                     "generating requests' next tokens (decode), drafted tokens (draft), prompt "
+                                     "tokens (prompt)", labels=["kind"])
+        for kind in ("decode", "draft", "prompt"):
+            tokens.add_metric([kind], counts[kind])
+        yield tokens

@@ -160,7 +160,8 @@ class Server:
                   "chat_template": bool(engine.vocab.chat_template()),
                   "micro_batches": engine.loop.depth,
                   "kernels": lambda: engine.kernels},   # the row probe: on the first /v1/models, not at start-up
-            parallel=engine.parallel, slots=engine.loop.view, tokens_per_s=engine.loop.tokens_per_s)
+            parallel=engine.parallel, slots=engine.loop.view, tokens_per_s=engine.loop.tokens_per_s,
+            step_tokens=engine.loop.step_tokens)
         self.shutdown_grace_s = shutdown_grace_s
         self.deadline: float | None = None  # interrupt the running request after this (monotonic)
         self.signals = 0

@@ -71,6 +71,8 @@ class ServerState:
         parallel: slots (``--parallel``); n_ctx is then one slot's cells.
         slots: -> the ``/slots`` view (one dict per slot), or None.
         tokens_per_s: -> tokens generated per second lately, all requests together.
+        step_tokens: -> what the micro-batches carried so far
+            (``RequestLoop.step_tokens``), or None.
     """
 
     tokenize: Callable[[str | None, list | None], np.ndarray]
@@ -94,9 +96,11 @@ class ServerState:
     parallel: int = 1
     slots: Callable[[], list[dict]] | None = None
     tokens_per_s: Callable[[], float] | None = None
+    step_tokens: Callable[[], dict] | None = None
 
     def __post_init__(self):
-        self.metrics = ServeMetrics(lambda: self.jobs.qsize(), lambda: self.running, self.parallel, self.tokens_per_s)
+        self.metrics = ServeMetrics(lambda: self.jobs.qsize(), lambda: self.running, self.parallel, self.tokens_per_s,
+                                    self.step_tokens)
 
 
 def state_of(request: Request) -> ServerState:

@@ -1,0 +1,168 @@
+"""One token budget per micro-batch (ggpipe/decoding/parallel/budget.py):
+generating slots first, then prompt chunks of as many slots as fit, a bound
+on the time between tokens for prompts that arrive while others generate,
+uniform micro-batches under a pipeline; and the scheduler on the toy
+pipeline: a burst of prompts enters together, a prompt whose client leaves
+half-way frees its slot and disturbs no other request."""
+
+from __future__ import annotations
+
+import pytest
+
+from ggpipe.decoding.loop import Job
+from ggpipe.decoding.parallel.budget import StepCost, plan_step
+from ggpipe.decoding.parallel.scheduler import Scheduler
+from ggpipe.decoding.parallel.slots import Slot
+from ggpipe.decoding.request import Request
+from ggpipe.pipeline.prefill import prefill_chunks
+from ggpipe.sampling import Sampler
+from ggpipe.sampling_params import SamplingParams
+from ggpipe.sim.toy import FakePipeline, ToyLM
+
+V = 48
+
+
+def _slot(seq, todo, generating=False, arrival=0, since=None, waiting=False):
+    job = Job([1], 8, Sampler(SamplingParams()))
+    job.arrival = arrival
+    job.request = Request(n_predict=8, out=[1] if generating else [])
+    return Slot(seq, job=job, todo=list(todo), waiting=waiting, generating_since=since if generating else None)
+
+
+def _plan(slots, budget=512, depth=1, n_stages=1, cost=None):
+    return [(s.seq, n, w) for s, n, w in plan_step(slots, budget, depth, n_stages, cost or StepCost())]
+
+
+def test_sixteen_short_prompts_enter_in_one_micro_batch():
+    slots = [_slot(i, range(13), arrival=i) for i in range(16)]
+    assert _plan(slots, budget=512) == [(i, 13, True) for i in range(16)]
+
+
+def test_a_prompt_longer_than_what_is_left_goes_on_in_the_next_micro_batch():
+    slots = [_slot(0, range(300), arrival=0), _slot(1, range(300), arrival=1), _slot(2, range(5), arrival=2)]
+    # oldest first: slot 0 whole, slot 1 cut to what is left (its logits come with its last chunk), slot 2 waits
+    assert _plan(slots, budget=512) == [(0, 300, True), (1, 212, False)]
+
+
+def test_generating_rows_go_first_and_rows_are_in_slot_order():
+    slots = [_slot(0, range(40), arrival=0), _slot(1, [7], generating=True, since=2),
+             _slot(2, [8], generating=True, since=2), _slot(3, range(10), arrival=1)]
+    # the prompts arrived before the requests began generating (a burst): they take what the budget leaves
+    assert _plan(slots, budget=32) == [(0, 30, False), (1, 1, True), (2, 1, True)]
+    assert _plan(slots, budget=64) == [(0, 40, True), (1, 1, True), (2, 1, True), (3, 10, True)]
+    slots[1].waiting = True          # in flight: its group waits for it
+    assert _plan(slots, budget=64) == [(0, 40, True), (3, 10, True)]
+
+
+def test_a_prompt_that_arrives_while_others_generate_keeps_their_micro_batches_short():
+    gen = [_slot(i, [i], generating=True, since=3) for i in range(7)]
+    late = _slot(7, range(2000), arrival=3)
+    # no measured cost yet: cost proportional to tokens, so 1.5x the 7 rows' cost leaves 3 prompt tokens
+    assert _plan(gen + [late], budget=512) == [(i, 1, True) for i in range(7)] + [(7, 3, False)]
+    cost = StepCost()
+    for n, o, s in [(1, 1, 0.030), (7, 7, 0.090), (64, 1, 0.660), (512, 1, 5.140), (8, 8, 0.100)]:
+        cost.finished(n, o, 1.0, 1.0 + s)
+        cost._last_finish = 0.0
+    a, b, c = cost.coefficients()
+    assert a == pytest.approx(0.02, abs=1e-6) and b == pytest.approx(0.01, abs=1e-6) and c == pytest.approx(0, abs=1e-6)
+    # 7 rows cost 0.09 s: 1.5x leaves 0.045 s, 4 prompt tokens
+    assert _plan(gen + [late], budget=512, cost=cost)[-1] == (7, 4, False)
+    assert cost.extra_tokens(7, 7, 3.0) == 18
+    # a prompt that was waiting before they began generating takes the whole budget
+    early = _slot(7, range(2000), arrival=2)
+    assert _plan(gen + [early], budget=512, cost=cost)[-1] == (7, 505, False)
+
+
+def test_under_a_pipeline_each_micro_batch_takes_the_first_pipelined_chunk():
+    slots = [_slot(0, range(1700), arrival=0)]
+    assert _plan(slots, budget=512, depth=2, n_stages=2) == [(0, prefill_chunks(1700, 512, 2)[0], False)]
+    # short prompts of a burst: chunks of at least 64 tokens, so a few micro-batches carry them
+    slots = [_slot(i, range(13), arrival=i) for i in range(16)]
+    first = _plan(slots, budget=512, depth=2, n_stages=2)
+    assert sum(n for _, n, _ in first) == prefill_chunks(208, 512, 2)[0] >= 64
+
+
+def test_the_cost_fit_waits_for_three_shapes_and_has_no_term_below_zero():
+    cost = StepCost()
+    assert cost.coefficients() is None and cost.extra_tokens(4, 4, 2.0) == 4
+    cost.finished(1, 1, 1.0, 1.01)
+    cost.finished(2, 2, 1.01, 1.03)
+    assert cost.coefficients() is None
+    cost.finished(3, 1, 1.03, 1.02 + 0.03)        # queued behind the one before: timed from its finish
+    assert cost.coefficients() is not None
+    cost = StepCost()
+    for n, s in [(1, 0.05), (2, 0.04), (3, 0.01)]:  # cheaper with more tokens: no weight term below zero
+        cost.finished(n, n, 10.0 * n, 10.0 * n + s)
+    assert min(cost.coefficients()) >= 0 and cost.coefficients()[1] > 0
+
+
+def _job(prompt, n, stop=lambda: False):
+    return Job(list(prompt), n, Sampler(SamplingParams()), should_stop=stop)
+
+
+def test_a_burst_of_prompts_goes_in_one_micro_batch_and_every_request_stays_exact():
+    lm = ToyLM(V)
+    target = FakePipeline(lm, latency=1, cell_order=True, streams=True)
+    sched = Scheduler(target, 8, n_ctx_slot=64, n_batch=64, is_eog=lambda t: False, depth=1)
+    runs = []
+    submit = target.submit
+    target.submit = lambda run: (runs.append([int(s) for s in run.seq_ids]), submit(run))
+    jobs = [_job([1 + i, 2 + i, 3, 4 + i, 5][:2 + i % 4], 6) for i in range(8)]
+    for j in jobs:
+        sched.submit(j)
+    sched.run()
+    assert sorted(set(runs[0])) == list(range(8))      # every prompt in the first micro-batch
+    for j in jobs:
+        assert j.request.out == lm.greedy(j.tokens, 6)
+        assert j.prompt_steps.steps == 1 and j.prompt_steps.as_dict()["step_tokens"]["prompt"] == 28
+    assert sched.stats.prompt_tokens == 28 and sched.stats.decode_tokens == 8 * 5
+
+
+@pytest.mark.parametrize("how", ["cancelled", "should_stop"])
+def test_a_request_whose_client_leaves_mid_prompt_frees_its_slot_and_disturbs_no_other(how):
+    """A 40-token prompt in chunks of 8 tokens; after its second chunk its client leaves: the request ends
+    at the next step (its rows still in flight are dropped), its slot takes the next request, and the other
+    requests' tokens are the greedy ones."""
+    lm = ToyLM(V)
+    target = FakePipeline(lm, latency=2, cell_order=True, streams=True)
+    sched = Scheduler(target, 2, n_ctx_slot=128, n_batch=8, is_eog=lambda t: False, depth=1)
+    gone = []
+    leaving = _job([(7 * i) % V for i in range(40)], 10, stop=lambda: bool(gone))
+    others = [_job([3, 4, 5], 12), _job([9, 8, 7, 6], 9)]
+    done = []
+    for j in [leaving] + others:
+        j.on_done = done.append
+        sched.submit(j)
+    while leaving.prompt_steps.steps < 2:
+        sched.step()
+    if how == "cancelled":
+        leaving.cancelled = True
+    else:
+        gone.append(True)
+    sched.step()
+    assert done and done[0] is leaving and leaving.request.out == [] and leaving.request.done
+    sched.run()
+    assert [j.request.out for j in others] == [lm.greedy(j.tokens, j.n_predict) for j in others]
+    assert not target.inflight and all(s.job is None for s in sched.slots)
+
+
+def test_a_burst_behind_one_shared_prefix_computes_it_once():
+    """Four requests behind a 20-token system prompt, all at once, a budget that holds them all: the first
+    micro-batch carries the first request's prompt alone, the other three wait for its cells and borrow them
+    (vLLM's prefix caching of blocks still being computed), then go together; every request stays exact."""
+    lm = ToyLM(V)
+    target = FakePipeline(lm, latency=1, cell_order=True, streams=True)
+    sched = Scheduler(target, 4, n_ctx_slot=64, n_batch=64, is_eog=lambda t: False, depth=1)
+    runs = []
+    submit = target.submit
+    target.submit = lambda run: (runs.append([int(s) for s in run.seq_ids]), submit(run))
+    system = [(5 * i + 3) % V for i in range(20)]
+    jobs = [_job(system + [i + 1, i + 2], 5) for i in range(4)]
+    for j in jobs:
+        sched.submit(j)
+    sched.run()
+    assert runs[0] == [0] * 22
+    assert runs[1] == [0, 1, 1, 2, 2, 3, 3]    # its next token, and the three rests
+    assert [j.n_reused for j in jobs] == [0, 20, 20, 20] and sched.stats.prompt_tokens == 22 + 3 * 2
+    for j in jobs:
+        assert j.request.out == lm.greedy(j.tokens, 5)
