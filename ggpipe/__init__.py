@@ -17,8 +17,8 @@ Layout (upper folders use lower ones, never the reverse):
                  one module that declares itself (mode.py); loop.py, what
                  every request loop speaks; one_at_a_time.py, --parallel 1's
                  one slot; parallel/, the scheduler of --parallel (slots,
-                 micro-batches, their prompt cache, a lone request's chains
-                 and look-ahead rows)
+                 micro-batches and their token budget, their prompt cache, a
+                 lone request's chains and look-ahead rows)
     speculation/ MPI-free speculation logic: speculation tree and graph,
                  verification, KV partitions, cutoff, the draft gate;
                  proposers/ (drafting strategies: draft model, n-gram,

@@ -196,10 +196,10 @@ def llama_server(model: str, parallel: int, n: int, threads: int, port: int, ctx
     return Server(cmd, port)
 
 
-def batched_bench(model: str, npl: int, npp: int, ntg: int, threads: int, fa: str, n_layer: int,
+def batched_bench(model: str, npl: int, npp: int, ntg: int, threads: int, fa: str, n_layer: int, n_ctx: int,
                   rpc: RpcServer | None = None) -> dict:
     """llama-batched-bench's row: T_PP (prompt seconds), S (all tokens / all seconds)."""
-    cmd = [str(bin_path("llama-batched-bench")), "-m", model, "-c", str(npl * (npp + ntg) + 256), "-b", "2048",
+    cmd = [str(bin_path("llama-batched-bench")), "-m", model, "-c", str(n_ctx), "-b", "2048",
            "-ub", "512", "-npp", str(npp), "-ntg", str(ntg), "-npl", str(npl), "-t", str(threads), "-fa", fa]
     if rpc is not None:
         cmd += ["--rpc", rpc.addr, "-ngl", str(n_layer // 2)]
@@ -257,7 +257,8 @@ def main() -> None:
     long_item = load_prompts(HERE / "prompts" / "long2000.jsonl")[0]
     print(f"{a.workload}: {len(items)} requests, prompts of {min(lengths)}-{max(lengths)} tokens (mean {npp}), "
           f"{n_out} out; ggpipe {ranks} rank(s) x {threads} thread(s), llama.cpp {cores} thread(s)", flush=True)
-    ctx_slot = 256 * (-(-(max(lengths + [2100]) + n_out + 64) // 256))
+    longest = max(lengths + ([2100] if a.workload == "arrival" else []))
+    ctx_slot = 256 * (-(-(longest + n_out + 64) // 256))     # every system gets these KV cells per sequence
     extra = a.extra.split() + ["-fa", a.flash_attn, "-c", str(ctx_slot * len(items))]
     systems = [("ggpipe", None)] + ([("ggpipe (before)", a.before)] if a.before else [])
     if not a.no_llamacpp:
@@ -271,7 +272,8 @@ def main() -> None:
             if kind == "bb":
                 rpc = RpcServer(1) if a.workload == "long2" else None
                 try:
-                    r = batched_bench(model, len(items), npp, n_out, 1 if rpc else cores, a.flash_attn, n_layer, rpc)
+                    r = batched_bench(model, len(items), npp, n_out, 1 if rpc else cores, a.flash_attn, n_layer,
+                                      ctx_slot * len(items), rpc)
                 finally:
                     if rpc is not None:
                         rpc.stop()

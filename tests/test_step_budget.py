@@ -65,9 +65,9 @@ def test_a_prompt_that_arrives_while_others_generate_keeps_their_micro_batches_s
         cost._last_finish = 0.0
     a, b, c = cost.coefficients()
     assert a == pytest.approx(0.02, abs=1e-6) and b == pytest.approx(0.01, abs=1e-6) and c == pytest.approx(0, abs=1e-6)
-    # 7 rows cost 0.09 s: 1.5x leaves 0.045 s, 4 prompt tokens
-    assert _plan(gen + [late], budget=512, cost=cost)[-1] == (7, 4, False)
-    assert cost.extra_tokens(7, 7, 3.0) == 18
+    # 7 rows cost 0.09 s: 1.5x leaves 0.045 s, of which a ubatch of their own takes 0.02 s: 2 prompt tokens
+    assert _plan(gen + [late], budget=512, cost=cost)[-1] == (7, 2, False)
+    assert cost.extra_tokens(7, 7, 3.0) == 16
     # a prompt that was waiting before they began generating takes the whole budget
     early = _slot(7, range(2000), arrival=2)
     assert _plan(gen + [early], budget=512, cost=cost)[-1] == (7, 505, False)

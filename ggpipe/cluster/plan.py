@@ -14,7 +14,7 @@ Prints the launcher command and a rank -> host -> model/layers -> memory table:
   use one unified KV buffer of ``n_ctx`` cells shared by every sequence, so
   ``--n-seq-max`` does not multiply it.
 * not counted: llama.cpp's compute buffers and the last stage's logits
-  buffer (n_ubatch x n_vocab x 4 bytes), typically tens of MB.
+  buffer (n_batch x n_vocab x 4 bytes), typically tens of MB.
 
 A model without its file, ``-m ARCH:QUANT`` or a described registry model
 (models.toml ``shape``) not in the cache, is sized from its shape

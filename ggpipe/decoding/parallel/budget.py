@@ -100,13 +100,16 @@ class StepCost:
         """The most prompt tokens (one logit row among them) that a
         micro-batch of ``n_tokens`` tokens with ``n_outputs`` logit rows
         can take while its predicted cost stays within ``bound`` times its
-        own; at least 1."""
+        own; at least 1. A prompt's chunk beside other sequences' rows is
+        mostly a ubatch of its own (llama.cpp's ``split_equal`` takes equal
+        tokens per sequence), so it is charged one more pass over the
+        weights (``a``) besides its tokens."""
         fit = self.coefficients()
         if fit is None:
             return max(1, int((bound - 1.0) * n_tokens))
         a, b, c = fit
         own = a + b * n_tokens + c * n_outputs
-        return max(1, int(((bound - 1.0) * own - c) / b + 1e-9))
+        return max(1, int(((bound - 1.0) * own - a - c) / b + 1e-9))
 
 
 def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float] | None:
