@@ -24,8 +24,8 @@ generation ignored; ggpipe on one rank runs without ``mpiexec``):
 * ``long2``: the same requests through 2 ranks x 1 thread, against
   ``llama-batched-bench --rpc`` over a local ``ggml-rpc-server`` (2
   processes x 1 thread, the last half of the layers on the server).
-* ``arrival``: 7 requests generate (``--prompts`` short ones, 256 tokens
-  each); once each has streamed 24 chunks, a chat request with a
+* ``arrival``: 7 requests generate (``--prompts`` short ones, 320 tokens
+  each); once each has streamed 48 chunks, a chat request with a
   2,000-token prompt (``scripts/prompts/long2000.jsonl``) arrives. Printed:
   the 7's time between chunks, median before it arrived and 90th
   percentile while its prompt was processed (until its first token), and
@@ -71,10 +71,10 @@ WORKLOADS = {   # name: (default prompts, requests, tokens out, ggpipe ranks x t
     "short": ("many16.jsonl", 16, 64, (1, 2)),
     "long": ("long8.jsonl", 8, 64, (1, 2)),
     "long2": ("long8.jsonl", 8, 64, (2, 1)),
-    "arrival": ("many16.jsonl", 7, 256, (1, 2)),
+    "arrival": ("many16.jsonl", 7, 320, (1, 2)),
     "first": ("long8.jsonl", 2, 1, (1, 2)),
 }
-ARRIVE_AFTER = 24   # chunks each running request streams before the long prompt arrives
+ARRIVE_AFTER = 48   # chunks each running request streams before the long prompt arrives
 
 
 def load_prompts(path: Path) -> list[dict]:
@@ -153,10 +153,13 @@ def arrival(port: int, items: list[dict], long_item: dict, n: int, fields: dict)
         t.join()
     t_arr, t_first = late["sent"], late["chunks"][0] if late["chunks"] else late["done"]
     before = [b - a for o in outs for a, b in zip(o["chunks"], o["chunks"][1:]) if b <= t_arr]
-    during = [b - a for o in outs for a, b in zip(o["chunks"], o["chunks"][1:]) if a >= t_arr and b <= t_first]
+    # every gap that overlaps the long prompt's processing (one that spans its arrival included)
+    during = [b - a for o in outs for a, b in zip(o["chunks"], o["chunks"][1:]) if b > t_arr and a < t_first]
     med = statistics.median(before)
     p90 = pct(during, .9) if during else None
-    return {"itl_before_p50_ms": round(1e3 * med, 2), "itl_during_p90_ms": round(1e3 * p90, 2) if p90 else None,
+    return {"itl_before_p50_ms": round(1e3 * med, 2), "itl_before_p90_ms": round(1e3 * pct(before, .9), 2),
+            "itl_during_p50_ms": round(1e3 * pct(during, .5), 2) if during else None,
+            "itl_during_p90_ms": round(1e3 * p90, 2) if p90 else None,
             "itl_ratio": round(p90 / med, 2) if p90 else None, "long_prompt_tokens": late["prompt_tokens"],
             "long_ttft_s": round(t_first - t_arr, 3), "steps_during": len(during)}
 
@@ -259,7 +262,8 @@ def main() -> None:
           f"{n_out} out; ggpipe {ranks} rank(s) x {threads} thread(s), llama.cpp {cores} thread(s)", flush=True)
     longest = max(lengths + ([2100] if a.workload == "arrival" else []))
     ctx_slot = 256 * (-(-(longest + n_out + 64) // 256))     # every system gets these KV cells per sequence
-    extra = a.extra.split() + ["-fa", a.flash_attn, "-c", str(ctx_slot * len(items))]
+    n_slots = len(items) + (a.workload == "arrival")     # a slot for the long request too
+    extra = a.extra.split() + ["-fa", a.flash_attn, "-c", str(ctx_slot * n_slots)]
     systems = [("ggpipe", None)] + ([("ggpipe (before)", a.before)] if a.before else [])
     if not a.no_llamacpp:
         if a.workload in ("short", "long", "long2"):
@@ -279,9 +283,9 @@ def main() -> None:
                         rpc.stop()
             else:
                 port = free_port()
-                srv = (llama_server(model, len(items), n_out, cores, port, ctx_slot, a.flash_attn)
+                srv = (llama_server(model, n_slots, n_out, cores, port, ctx_slot, a.flash_attn)
                        if kind == "server" else
-                       ggpipe_server(model, ranks, threads, len(items), n_out, port, extra, kind))
+                       ggpipe_server(model, ranks, threads, n_slots, n_out, port, extra, kind))
                 fields = {"ignore_eos": True} if kind == "server" else {}
                 try:
                     if a.workload == "first":

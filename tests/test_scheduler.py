@@ -13,7 +13,7 @@ import pytest
 import ggpipe.decoding.parallel.scheduler as scheduler_module
 from ggpipe.decoding.parallel.scheduler import Scheduler
 from ggpipe.decoding.loop import Job
-from ggpipe.decoding.parallel.budget import StepCost, plan_step
+from ggpipe.decoding.parallel.budget import plan_step
 from ggpipe.decoding.parallel.slots import Slot, decode_groups
 from ggpipe.runs import ubatch_order, ubatches
 from ggpipe.decoding.request import Request
@@ -402,7 +402,7 @@ def test_a_chain_drafter_gives_the_first_child_chain():
 
 
 def _plan(slots, budget, depth):
-    return plan_step(slots, budget, depth, 1, StepCost())
+    return plan_step(slots, budget, depth, 1)
 
 
 def test_a_group_split_across_micro_batches_goes_back_together():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from ggpipe.decoding.loop import Job
-from ggpipe.decoding.parallel.budget import StepCost, plan_step
+from ggpipe.decoding.parallel.budget import LateShare, late_prompts, plan_late, plan_step
 from ggpipe.decoding.parallel.scheduler import Scheduler
 from ggpipe.decoding.parallel.slots import Slot
 from ggpipe.decoding.request import Request
@@ -29,8 +29,8 @@ def _slot(seq, todo, generating=False, arrival=0, since=None, waiting=False):
     return Slot(seq, job=job, todo=list(todo), waiting=waiting, generating_since=since if generating else None)
 
 
-def _plan(slots, budget=512, depth=1, n_stages=1, cost=None):
-    return [(s.seq, n, w) for s, n, w in plan_step(slots, budget, depth, n_stages, cost or StepCost())]
+def _plan(slots, budget=512, depth=1, n_stages=1):
+    return [(s.seq, n, w) for s, n, w in plan_step(slots, budget, depth, n_stages, late=late_prompts(slots))]
 
 
 def test_sixteen_short_prompts_enter_in_one_micro_batch():
@@ -54,23 +54,32 @@ def test_generating_rows_go_first_and_rows_are_in_slot_order():
     assert _plan(slots, budget=64) == [(0, 40, True), (3, 10, True)]
 
 
-def test_a_prompt_that_arrives_while_others_generate_keeps_their_micro_batches_short():
+def test_a_prompt_that_arrives_while_others_generate_goes_apart():
     gen = [_slot(i, [i], generating=True, since=3) for i in range(7)]
     late = _slot(7, range(2000), arrival=3)
-    # no measured cost yet: cost proportional to tokens, so 1.5x the 7 rows' cost leaves 3 prompt tokens
-    assert _plan(gen + [late], budget=512) == [(i, 1, True) for i in range(7)] + [(7, 3, False)]
-    cost = StepCost()
-    for n, o, s in [(1, 1, 0.030), (7, 7, 0.090), (64, 1, 0.660), (512, 1, 5.140), (8, 8, 0.100)]:
-        cost.finished(n, o, 1.0, 1.0 + s)
-        cost._last_finish = 0.0
-    a, b, c = cost.coefficients()
-    assert a == pytest.approx(0.02, abs=1e-6) and b == pytest.approx(0.01, abs=1e-6) and c == pytest.approx(0, abs=1e-6)
-    # 7 rows cost 0.09 s: 1.5x leaves 0.045 s, of which a ubatch of their own takes 0.02 s: 2 prompt tokens
-    assert _plan(gen + [late], budget=512, cost=cost)[-1] == (7, 2, False)
-    assert cost.extra_tokens(7, 7, 3.0) == 16
-    # a prompt that was waiting before they began generating takes the whole budget
-    early = _slot(7, range(2000), arrival=2)
-    assert _plan(gen + [early], budget=512, cost=cost)[-1] == (7, 505, False)
+    early = _slot(8, range(30), arrival=2)     # waiting before they began generating: it joins them
+    slots = gen + [late, early]
+    assert late_prompts(slots) == {7}
+    assert _plan(slots) == [(i, 1, True) for i in range(7)] + [(8, 30, True)]
+    assert [(s.seq, n, w) for s, n, w in plan_late(slots, 5, {7})] == [(7, 5, False)]
+    assert late_prompts(gen) == set() and late_prompts([late, early]) == set()   # nothing generates: no late
+
+
+def test_late_micro_batches_are_sized_by_their_measured_time():
+    share = LateShare(bound=1.5)
+    assert share.tokens(7, 512) == 3                  # before a measurement: half the generating rows' tokens
+    share.decoded(0.100)
+    share.late(3, 0.025)                              # half the room used: twice the tokens next
+    assert share.tokens(7, 512) == 6
+    share.late(6, 0.200)                              # four times over: halved (at most by 2 per step)
+    assert share.tokens(7, 512) == 3
+    share.late(3, 0.050)                              # on target: kept
+    assert share.tokens(7, 512) == 3 and share.tokens(7, 2) == 2
+    for _ in range(20):                               # a cost of 0.01 + 0.01 s per token settles at 4 tokens
+        n = share.tokens(7, 512)
+        share.late(n, 0.01 + 0.01 * n)
+    assert share.tokens(7, 512) in (3, 4)
+    assert share.service(1.0, 1.5) == 0.5 and share.service(1.2, 1.7) == pytest.approx(0.2)   # queued behind it
 
 
 def test_under_a_pipeline_each_micro_batch_takes_the_first_pipelined_chunk():
@@ -80,20 +89,6 @@ def test_under_a_pipeline_each_micro_batch_takes_the_first_pipelined_chunk():
     slots = [_slot(i, range(13), arrival=i) for i in range(16)]
     first = _plan(slots, budget=512, depth=2, n_stages=2)
     assert sum(n for _, n, _ in first) == prefill_chunks(208, 512, 2)[0] >= 64
-
-
-def test_the_cost_fit_waits_for_three_shapes_and_has_no_term_below_zero():
-    cost = StepCost()
-    assert cost.coefficients() is None and cost.extra_tokens(4, 4, 2.0) == 4
-    cost.finished(1, 1, 1.0, 1.01)
-    cost.finished(2, 2, 1.01, 1.03)
-    assert cost.coefficients() is None
-    cost.finished(3, 1, 1.03, 1.02 + 0.03)        # queued behind the one before: timed from its finish
-    assert cost.coefficients() is not None
-    cost = StepCost()
-    for n, s in [(1, 0.05), (2, 0.04), (3, 0.01)]:  # cheaper with more tokens: no weight term below zero
-        cost.finished(n, n, 10.0 * n, 10.0 * n + s)
-    assert min(cost.coefficients()) >= 0 and cost.coefficients()[1] > 0
 
 
 def _job(prompt, n, stop=lambda: False):
@@ -166,3 +161,30 @@ def test_a_burst_behind_one_shared_prefix_computes_it_once():
     assert [j.n_reused for j in jobs] == [0, 20, 20, 20] and sched.stats.prompt_tokens == 22 + 3 * 2
     for j in jobs:
         assert j.request.out == lm.greedy(j.tokens, 5)
+
+
+def test_a_late_prompt_goes_in_micro_batches_of_its_own_between_the_generating_ones():
+    """Three requests generate; a 40-token prompt arrives: its chunks go alone, one micro-batch after each
+    micro-batch of generating rows (never among them), and every request stays exact."""
+    lm = ToyLM(V)
+    target = FakePipeline(lm, latency=1, cell_order=True, streams=True)
+    sched = Scheduler(target, 4, n_ctx_slot=128, n_batch=64, is_eog=lambda t: False, depth=1)
+    runs = []
+    submit = target.submit
+    target.submit = lambda run: (runs.append([int(s) for s in run.seq_ids]), submit(run))
+    jobs = [_job([3 + i, 4, 5 + i], 30) for i in range(3)]
+    for j in jobs:
+        sched.submit(j)
+    while not all(j.request is not None and j.request.out for j in jobs):
+        sched.step()
+    late = _job([(7 * i) % V for i in range(40)], 5)
+    sched.submit(late)
+    start = len(runs)
+    sched.run()
+    mixed = runs[start:]
+    late_runs = [r for r in mixed if 3 in r]
+    assert late_runs and all(set(r) == {3} for r in late_runs)    # its chunks alone, never among the others
+    first = mixed.index(late_runs[0])
+    assert all(set(mixed[i]) == {0, 1, 2} for i in range(first - 1, first + 2 * 3, 2))   # alternating
+    for j in jobs + [late]:
+        assert j.request.out == lm.greedy(j.tokens, j.n_predict)

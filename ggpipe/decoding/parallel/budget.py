@@ -1,7 +1,8 @@
 """What one micro-batch carries: one token budget per step, shared the way
 stall-free schedulers share it. Pure: no pipeline, no MPI;
-ggpipe.decoding.parallel.scheduler asks :func:`plan_step` for each
-micro-batch and tells :class:`StepCost` what each one cost.
+ggpipe.decoding.parallel.scheduler asks :func:`plan_step` or
+:func:`plan_late` for each micro-batch and tells :class:`LateShare` what
+each one cost.
 
 * **One budget** (``-b/--batch-size``, llama.cpp's ``n_batch``): the most
   tokens of one micro-batch. The generating slots' rows go first (their next
@@ -14,15 +15,19 @@ micro-batch and tells :class:`StepCost` what each one cost.
   micro-batch.
 * **A bound on the time between tokens** (Sarathi-Serve's stall-free
   batches, Agrawal et al., OSDI 2024): a prompt that arrived while other
-  requests were already generating shares a micro-batch with their rows
-  only up to the prompt tokens that keep its predicted cost within
-  :data:`ITL_BOUND` times the cost of those rows alone (:class:`StepCost`,
-  fitted to the micro-batches measured so far). Prompts that were waiting
-  before a request began generating (a burst that arrived together) take
-  the whole budget: they were there first. So a 4,000-token prompt never
-  holds the running requests' next tokens much longer than their own
-  micro-batch takes, and a burst of prompts is prefilled at the batched
-  speed.
+  requests were already generating (:func:`late_prompts`) goes in
+  micro-batches of its own, one after each micro-batch of generating rows,
+  each measured to take at most ``ITL_BOUND - 1`` times as long as that
+  one (:class:`LateShare`): the running requests' time between tokens
+  stays within :data:`ITL_BOUND` times its value without the prompt. Apart,
+  because llama.cpp attends every sequence of a ubatch over as many cells
+  as its longest one holds: a long prompt's first token among the
+  generating rows would make each of them attend over the whole prompt.
+  Prompts that were waiting before a request began generating (a burst
+  that arrived together) take the whole budget beside the generating rows:
+  they were there first. So a 4,000-token prompt never holds the running
+  requests' next tokens much longer than their own micro-batch takes, and a
+  burst of prompts is prefilled at the batched speed.
 * **Uniform micro-batches under a pipeline**: with several stages, the
   prompt tokens of one micro-batch are the first of the chunks that
   :func:`~ggpipe.pipeline.prefill.prefill_chunks` cuts the waiting prompts
@@ -39,98 +44,94 @@ batch order (:func:`ggpipe.runs.ubatch_order`).
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Callable
-
-import numpy as np
 
 from ggpipe.decoding.parallel.slots import Slot, decode_groups
 from ggpipe.pipeline.prefill import prefill_chunks
 
-#: A micro-batch that holds rows of generating requests and tokens of a
-#: prompt that arrived after they began is planned to cost at most this
-#: many times those rows alone (their time between tokens), so that noise
-#: keeps it under twice (docs/user-guide/parallel.md, Prompts).
-ITL_BOUND = 1.5
+#: The time between a generating request's tokens while a prompt that
+#: arrived after it is processed, as a multiple of that time without it;
+#: planned below twice, so that noise keeps it under
+#: (docs/user-guide/parallel.md, Prompts).
+ITL_BOUND = 1.4
 
 
-class StepCost:
-    """A micro-batch's service time against what it carries: a least-squares
-    fit ``seconds = a + b * tokens + c * logit_rows`` with no term below
-    zero, over the last ``window`` micro-batches measured (``a``: streaming
-    the weights once; ``b``: computing one token; ``c``: one row of the
-    output layer). Until three micro-batches of different shapes were
-    measured, or when no fit has a cost per token above zero, cost is taken
-    as proportional to tokens.
+class LateShare:
+    """How many tokens of late prompts go in one micro-batch of their own:
+    as many as keep its measured service time within ``bound - 1`` times
+    that of the micro-batches of generating rows. A multiplicative
+    controller on measurements, not a model: each late micro-batch's time
+    against the recent generating ones' scales the next one's tokens (at
+    most by 2, at least by 1/2, per micro-batch), so the share follows the
+    prompt's attention cost as its context grows and any machine's balance
+    of weight streaming and compute. Before any measurement: ``bound - 1``
+    times the tokens of a micro-batch of generating rows.
 
     Args:
-        window: micro-batches the fit remembers.
+        bound: :data:`ITL_BOUND`.
+        alpha: weight of a new measurement of the generating micro-batches'
+            time (an exponentially weighted mean).
     """
 
-    def __init__(self, window: int = 64):
-        self._obs: deque[tuple[int, int, float]] = deque(maxlen=window)
-        self._fit: tuple[float, float, float] | None = None
-        self._stale = False
+    def __init__(self, bound: float = ITL_BOUND, alpha: float = 0.3):
+        self.bound = bound
+        self.alpha = alpha
+        self.decode_s: float | None = None   # recent service time of a micro-batch of generating rows
+        self._tokens: float | None = None
         self._last_finish = 0.0
 
-    def finished(self, n_tokens: int, n_outputs: int, started_at: float, finished_at: float) -> None:
-        """A micro-batch of ``n_tokens`` tokens with ``n_outputs`` logit
-        rows, submitted at ``started_at`` and finished at ``finished_at``
-        (seconds, the pipeline's clock), in the order they finish. Its
-        service time runs from the later of its submission and the previous
-        finish (one queued behind another waits for it; that is not its
-        cost)."""
-        seconds = finished_at - max(started_at, self._last_finish)
+    def service(self, started_at: float, finished_at: float) -> float:
+        """A micro-batch's service time (seconds): from the later of its
+        submission and the previous one's finish (one queued behind another
+        waits for it; that is not its cost). Called for every micro-batch,
+        in the order they finish."""
+        s = finished_at - max(started_at, self._last_finish)
         self._last_finish = finished_at
-        if seconds > 0 and n_tokens > 0 and started_at > 0:
-            self._obs.append((n_tokens, n_outputs, seconds))
-            self._stale = True
+        return s
 
-    def coefficients(self) -> tuple[float, float, float] | None:
-        """``(a, b, c)`` of the fit (seconds), or None (see the class)."""
-        if self._stale:
-            self._stale = False
-            self._fit = None
-            if len({(n, o) for n, o, _ in self._obs}) >= 3:
-                self._fit = _nonnegative_fit(np.array([(1.0, n, o) for n, o, _ in self._obs]),
-                                             np.array([s for _, _, s in self._obs]))
-        return self._fit
+    def decoded(self, seconds: float) -> None:
+        """A micro-batch of generating rows took ``seconds``."""
+        if seconds > 0:
+            self.decode_s = seconds if self.decode_s is None else \
+                self.decode_s + self.alpha * (seconds - self.decode_s)
 
-    def extra_tokens(self, n_tokens: int, n_outputs: int, bound: float) -> int:
-        """The most prompt tokens (one logit row among them) that a
-        micro-batch of ``n_tokens`` tokens with ``n_outputs`` logit rows
-        can take while its predicted cost stays within ``bound`` times its
-        own; at least 1. A prompt's chunk beside other sequences' rows is
-        mostly a ubatch of its own (llama.cpp's ``split_equal`` takes equal
-        tokens per sequence), so it is charged one more pass over the
-        weights (``a``) besides its tokens."""
-        fit = self.coefficients()
-        if fit is None:
-            return max(1, int((bound - 1.0) * n_tokens))
-        a, b, c = fit
-        own = a + b * n_tokens + c * n_outputs
-        return max(1, int(((bound - 1.0) * own - a - c) / b + 1e-9))
+    def late(self, n_tokens: int, seconds: float) -> None:
+        """A micro-batch of ``n_tokens`` late prompt tokens took ``seconds``:
+        the next one's tokens are scaled by the bound's room over it."""
+        if seconds <= 0 or self.decode_s is None:
+            return
+        scale = min(2.0, max(0.5, (self.bound - 1.0) * self.decode_s / seconds))
+        self._tokens = max(1.0, n_tokens * scale)
+
+    def tokens(self, n_decode: int, budget: int) -> int:
+        """Late prompt tokens for the next micro-batch (1..``budget``);
+        ``n_decode``: the tokens of a micro-batch of generating rows (the
+        first guess)."""
+        if self._tokens is None:
+            self._tokens = max(1.0, (self.bound - 1.0) * n_decode)
+        return max(1, min(budget, int(self._tokens)))
 
 
-def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float] | None:
-    """Least squares ``y ~ x @ (a, b, c)`` with every coefficient >= 0 and
-    ``b`` > 0 (non-negative least squares, solved exactly by trying each
-    subset of free terms: three terms, seven subsets); None if none fits."""
-    best, best_err = None, np.inf
-    for keep in ((0, 1, 2), (0, 1), (1, 2), (1,)):
-        coef = np.zeros(3)
-        sol, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
-        coef[list(keep)] = sol
-        if (coef < 0).any() or coef[1] <= 0:
-            continue
-        err = float(np.sum((x @ coef - y) ** 2))
-        if err < best_err:
-            best, best_err = (float(coef[0]), float(coef[1]), float(coef[2])), err
-    return best
+def late_prompts(slots: list[Slot]) -> set[int]:
+    """The slot ids whose prompt arrived while another request was already
+    generating (its ``arrival`` at or after that request's
+    ``generating_since``): their chunks go apart, in :func:`plan_late`. Pure."""
+    since = [s.generating_since for s in slots if s.generating and s.generating_since is not None]
+    if not since:
+        return set()
+    first = min(since)
+    return {s.seq for s in slots if s.job is not None and s.todo and not s.generating and s.job.arrival >= first}
 
 
-def plan_step(slots: list[Slot], budget: int, depth: int, n_stages: int, cost: StepCost,
-              bound: float = ITL_BOUND, defer: Callable[[Slot], bool] | None = None) -> list[tuple[Slot, int, bool]]:
+def _ready_prompts(slots: list[Slot], defer: Callable[[Slot], bool] | None) -> list[Slot]:
+    """Prompts with tokens to send, oldest request first (``defer``: held back this time)."""
+    return sorted((s for s in slots if s.job is not None and s.todo and not s.waiting and not s.generating
+                   and not (defer and defer(s))), key=lambda s: s.job.arrival)
+
+
+def plan_step(slots: list[Slot], budget: int, depth: int, n_stages: int,
+              defer: Callable[[Slot], bool] | None = None, late: set[int] = frozenset()) \
+        -> list[tuple[Slot, int, bool]]:
     """Which slots send what in the next micro-batch: (slot, tokens, wants
     the logits of its last token), in slot id order. Pure.
 
@@ -140,57 +141,56 @@ def plan_step(slots: list[Slot], budget: int, depth: int, n_stages: int, cost: S
     only when none of its slots waits for logits, the one sent least
     recently first; each slot sends its next token and any drafted chain
     below it (every row's logits). Then chunks of the prompts being
-    processed, oldest request first, in the tokens the budget leaves; a
-    prompt that arrived after a request began generating takes only what
-    keeps the micro-batch within ``bound`` times the cost of its generating
-    rows (:meth:`StepCost.extra_tokens`; with no generating row in this
-    micro-batch, of one group's rows); with several stages, at most the
-    first of the pipelined chunks of everything waiting
-    (:func:`~ggpipe.pipeline.prefill.prefill_chunks`). A prompt's last
-    chunk asks for logits. Slots waiting for logits send nothing, nor
+    processed, oldest request first, in the tokens the budget leaves; with
+    several stages, at most the first of the pipelined chunks of everything
+    waiting (:func:`~ggpipe.pipeline.prefill.prefill_chunks`). A prompt's
+    last chunk asks for logits. Slots waiting for logits send nothing, nor
     prompts that ``defer`` holds back (one waiting to borrow a prefix
     another request is computing:
-    :func:`~ggpipe.decoding.parallel.prefix_cache.awaits_donor`).
+    :func:`~ggpipe.decoding.parallel.prefix_cache.awaits_donor`) or that
+    are ``late`` (they go apart: :func:`plan_late`).
 
     Args:
         slots: every slot, in slot id order.
         budget: most tokens in the micro-batch (``-b``).
         depth: micro-batches the scheduler keeps in flight (>= 1).
         n_stages: the target pipeline's stages.
-        cost: the measured cost of micro-batches.
-        bound: the time bound above (a factor >= 1).
         defer: slot -> its prompt waits this time, or None.
+        late: slot ids of late prompts (:func:`late_prompts`).
     """
-    ready = [s for s in slots if s.job is not None and s.todo and not s.waiting]
-    gen = [s for s in ready if s.generating]
-    prompts = sorted((s for s in ready if not s.generating and not (defer and defer(s))), key=lambda s: s.job.arrival)
+    gen = [s for s in slots if s.job is not None and s.todo and not s.waiting and s.generating]
     group: list[Slot] = []
-    groups = decode_groups(slots, depth, budget) if any(s.generating for s in slots) else []
     if gen:
         ids = {id(s) for s in gen}
-        sendable = [[s for s in g if id(s) in ids] for g in groups if not any(s.waiting for s in g)]
+        sendable = [[s for s in g if id(s) in ids] for g in decode_groups(slots, depth, budget)
+                    if not any(s.waiting for s in g)]
         group = min((g for g in sendable if g), key=lambda g: min(s.last_sent for s in g), default=[])
     plan = [(s, len(s.todo), True) for s in group]     # a chain fits: the scheduler drafts at most budget - 1
-    used = sum(len(s.todo) for s in group)
-    if prompts and used < budget:
-        left = budget - used
+    prompts = [s for s in _ready_prompts(slots, defer) if s.seq not in late]
+    left = budget - sum(len(s.todo) for s in group)
+    if prompts and left > 0:
         if n_stages > 1:   # uniform micro-batches: the first pipelined chunk of all that waits
             left = min(left, prefill_chunks(sum(len(s.todo) for s in prompts), budget, n_stages)[0])
-        since = [s.generating_since for s in slots if s.generating and s.generating_since is not None]
-        late_left = None
-        if since:
-            ref = used if group else max(1, round(np.mean([len(g) for g in groups])) if groups else 1)
-            late_left = cost.extra_tokens(ref, ref, bound)
         for s in prompts:
             if left <= 0:
                 break
-            take = left
-            if late_left is not None and s.job.arrival >= min(since):
-                take = min(take, late_left)
-                if take <= 0:
-                    break
-                late_left -= min(take, len(s.todo))
-            n = min(take, len(s.todo))
+            n = min(left, len(s.todo))
+            plan.append((s, n, n == len(s.todo)))
+            left -= n
+    return sorted(plan, key=lambda p: p[0].seq)
+
+
+def plan_late(slots: list[Slot], tokens: int, late: set[int],
+              defer: Callable[[Slot], bool] | None = None) -> list[tuple[Slot, int, bool]]:
+    """A micro-batch of late prompts' chunks alone: at most ``tokens``
+    tokens, oldest request first, in slot id order (as :func:`plan_step`'s
+    tuples). Pure."""
+    plan, left = [], tokens
+    for s in _ready_prompts(slots, defer):
+        if left <= 0:
+            break
+        if s.seq in late:
+            n = min(left, len(s.todo))
             plan.append((s, n, n == len(s.todo)))
             left -= n
     return sorted(plan, key=lambda p: p[0].seq)

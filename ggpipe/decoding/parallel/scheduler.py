@@ -29,9 +29,11 @@ stage, each scheduled from requests not already in flight).
 * **Micro-batches.** Each holds the rows of one group of generating slots
   (their next tokens, in slot order) and then chunks of waiting prompts,
   up to one token budget (``-b``, llama.cpp's ``n_batch``); a prompt that
-  arrived while others were generating takes only what keeps their time
-  between tokens bounded (:func:`~ggpipe.decoding.parallel.budget.plan_step`,
-  :class:`~ggpipe.decoding.parallel.budget.StepCost`). A slot whose next
+  arrived while others were generating goes in micro-batches of its own,
+  one after each of theirs, measured to keep their time between tokens
+  bounded (:func:`~ggpipe.decoding.parallel.budget.plan_step`,
+  :func:`~ggpipe.decoding.parallel.budget.plan_late`,
+  :class:`~ggpipe.decoding.parallel.budget.LateShare`). A slot whose next
   token waits for logits is in one micro-batch at a time; prompt chunks of
   one slot may follow each other without waiting. With ``depth``
   micro-batches in flight (default: the pipeline's stages, so every stage
@@ -61,7 +63,7 @@ from typing import Callable
 import numpy as np
 
 from ggpipe.backend import TargetBackend
-from ggpipe.decoding.parallel.budget import ITL_BOUND, StepCost, plan_step
+from ggpipe.decoding.parallel.budget import ITL_BOUND, LateShare, late_prompts, plan_late, plan_step
 from ggpipe.decoding.parallel.chain_draft import SlotDrafter
 from ggpipe.decoding.parallel.lone_drafts import LoneDrafts
 from ggpipe.decoding.parallel.prefix_cache import awaits_donor, borrow_prefix, pick_slot
@@ -122,11 +124,11 @@ class Scheduler:
 
     Attributes:
         stats: the counters (:class:`~ggpipe.decoding.parallel.slots.SchedulerStats`).
-        cost: the measured cost of micro-batches
-            (:class:`~ggpipe.decoding.parallel.budget.StepCost`).
-        itl_bound: the bound on a generating request's time between tokens
-            when a later prompt shares its micro-batches (a factor of their
-            cost alone; :func:`~ggpipe.decoding.parallel.budget.plan_step`).
+        share: how many tokens of prompts that arrived while others
+            generate go in a micro-batch of their own
+            (:class:`~ggpipe.decoding.parallel.budget.LateShare`; its
+            ``bound``: the bound on the generating requests' time between
+            tokens meanwhile, a factor of its value without them).
     """
 
     def __init__(self, target: TargetBackend, n_slots: int, n_ctx_slot: int, n_batch: int,
@@ -151,9 +153,10 @@ class Scheduler:
         self.queue: deque[Job] = deque()
         self._rows: dict[int, list[_Row]] = {}
         self._arrivals = 0           # requests submitted so far
+        self._kind: dict[int, str] = {}   # run id -> "decode" (generating rows only), "late", or "step"
+        self._late_turn = False      # a late prompt's micro-batch goes next (one after each with generating rows)
         self.stats = SchedulerStats()
-        self.cost = StepCost()
-        self.itl_bound = ITL_BOUND
+        self.share = LateShare(ITL_BOUND)
         self.rate = TokenRate()      # the acceptances of the last 10 s (tokens_per_s)
         # a lone request's chains and look-ahead rows, their verification and the gate
         # (look-ahead rows follow a row in flight: with one micro-batch in flight there is no room for them)
@@ -238,11 +241,26 @@ class Scheduler:
     # -- micro-batches --------------------------------------------------------------
 
     def _submit_next(self) -> bool:
-        """Form and submit the next micro-batch
-        (:func:`~ggpipe.decoding.parallel.budget.plan_step`), if any slot has
-        something to send (or a look-ahead row, :meth:`_send_ahead`)."""
-        plan = plan_step(self.slots, self.n_batch, self.depth, self.target.n_stages, self.cost, self.itl_bound,
-                         defer=(lambda s: awaits_donor(self.slots, s)) if self.partial_reuse else None)
+        """Form and submit the next micro-batch, if any slot has something
+        to send (or a look-ahead row, :meth:`_send_ahead`): after a
+        micro-batch of generating rows, while prompts that arrived late
+        wait, one of their chunks alone
+        (:func:`~ggpipe.decoding.parallel.budget.plan_late`, as many tokens
+        as :class:`~ggpipe.decoding.parallel.budget.LateShare` allows);
+        otherwise the generating rows and the other prompts' chunks
+        (:func:`~ggpipe.decoding.parallel.budget.plan_step`)."""
+        defer = (lambda s: awaits_donor(self.slots, s)) if self.partial_reuse else None
+        late = late_prompts(self.slots)
+        plan, kind = [], "step"
+        if late and self._late_turn:
+            n_gen = sum(s.generating for s in self.slots)
+            plan = plan_late(self.slots, self.share.tokens(-(-n_gen // self.depth), self.n_batch), late, defer)
+            kind = "late"
+        self._late_turn = False
+        if not plan:
+            plan = plan_step(self.slots, self.n_batch, self.depth, self.target.n_stages, defer, late)
+            kind = "decode" if plan and all(slot.generating for slot, _, _ in plan) else "step"
+            self._late_turn = bool(late) and any(slot.generating for slot, _, _ in plan)
         if not plan:
             return self._send_ahead()
         for i, (slot, n, _) in enumerate(plan):
@@ -256,7 +274,7 @@ class Scheduler:
             del slot.todo[:n]
             chain = chunk[1:] if slot.job.request.out else []   # drafted tokens below a generating slot's token
             rows.append((_Row(slot, slot.job, wants, chain, p0=len(slot.kv)), chunk))
-        self._submit(rows)
+        self._submit(rows, kind)
         return True
 
     def _send_ahead(self) -> bool:
@@ -279,7 +297,7 @@ class Scheduler:
         self._submit([made])
         return True
 
-    def _submit(self, rows: list[tuple[_Row, list[int]]]) -> None:
+    def _submit(self, rows: list[tuple[_Row, list[int]]], kind: str = "decode") -> None:
         """Send one micro-batch: each row's tokens at the next positions of
         its slot's stream (a logit row for every token of a row with a
         chain, else for its last token when it asks)."""
@@ -307,6 +325,7 @@ class Scheduler:
         # the rows' samplers read the k best of each row (greedy: the argmax), or whole rows
         self.target.reply_k = 0 if not reply or 0 in reply else max(reply)
         self._rows[run.run_id] = [row for row, _ in rows]
+        self._kind[run.run_id] = kind
         self.target.submit(run)
 
     def _handle(self, res: RunResult) -> None:
@@ -314,8 +333,14 @@ class Scheduler:
         token (a chain: the drafted tokens the target agrees with, and one
         more)."""
         rows = self._rows.pop(res.run.run_id)
+        kind = self._kind.pop(res.run.run_id)
         self.spec.timed(res)
-        self.cost.finished(res.run.n_tokens, res.run.n_outputs, res.run.started_at, res.finished_at)
+        if res.run.started_at and res.finished_at:     # (the toy pipelines keep no time)
+            took = self.share.service(res.run.started_at, res.finished_at)
+            if kind == "decode":
+                self.share.decoded(took)
+            elif kind == "late":
+                self.share.late(res.run.n_tokens, took)
         self.spec.clock = res.finished_at or time.perf_counter()   # the pipeline's clock (the toy's, in tests)
         k = 0
         for row in rows:
