@@ -162,30 +162,127 @@ if MPI_FLAVOR == "openmpi":
 
 
 FULL_TIER = "python -m pytest -q -rs --full"   # README "Development and tests"; what .ci/run runs
-_LEFT_TO_FULL = pytest.StashKey[int]()
+ALL_TIER = "python -m pytest -q -rs --all"
+_LEFT = pytest.StashKey[tuple[str, int]]()
 
 
 def pytest_addoption(parser):
     parser.addoption("--full", action="store_true", default=False,
                      help="the full tier: also the tests marked `full` (real MPI ranks on real weights; "
-                          "20-25 minutes on 2 cores). Without it they are deselected, but for those marked `smoke`.")
+                          "what CI runs). Without it they are deselected, but for those marked `smoke`.")
+    parser.addoption("--all", action="store_true", default=False,
+                     help="the whole matrix: the full tier and the tests marked `exhaustive` (every further split, "
+                          "prompt and layout of a case the full tier runs once; about 80 minutes on 2 cores).")
+
+
+# The rest of each real-rank matrix (README "Development and tests"): the full tier keeps a
+# representative of every mode, layout family and option (the multi-stage layouts first: they
+# cover the one-stage code paths too); these further splits, layouts and variants run with --all.
+EXHAUSTIVE = (
+    "test_exactness.py::test_smollm2_pipeline_matches_single_node[R1-even]",
+    "test_exactness.py::test_smollm2_pipeline_matches_single_node[R2-0.2,0.8]",
+    "test_exactness.py::test_smollm2_pipeline_matches_single_node[R3-even]",
+    "test_exactness.py::test_smollm2_pipeline_matches_single_node[R4-even]",
+    "test_exactness.py::test_goliath_pipeline_matches_single_node[2-None]",
+    "test_exactness.py::test_goliath_pipeline_matches_single_node[4-None]",
+    "test_flash_attention.py::test_pipeline_equals_reference_with_flash_attention[auto]",
+    "test_flash_attention.py::test_speculation_equals_reference_with_flash_attention[speculative-auto]",
+    "test_flash_attention.py::test_speculation_equals_reference_with_flash_attention[speculative-on]",
+    "test_flash_attention.py::test_speculation_equals_reference_with_flash_attention[pipeinfer-auto]",
+    "test_kv_cache_types.py::test_q8_0_pipeline_equals_reference[1]",
+    "test_kv_cache_types.py::test_q8_0_pipeline_equals_reference[2]",
+    "test_kv_room.py::test_every_mode_fills_the_context_exactly_on_real_ranks[iterative-2-None]",
+    "test_kv_room.py::test_every_mode_fills_the_context_exactly_on_real_ranks[speculative-2-3-0.5,0.5/1.0]",
+    "test_kv_room.py::test_every_mode_fills_the_context_exactly_on_real_ranks[pipeinfer-2-2-None]",
+    "test_kv_room.py::test_every_mode_fills_the_context_exactly_on_real_ranks[pipedec-3-2-None]",
+    "test_kernels.py::test_iterative_equals_single_node_at_any_prompt_chunking[512]",
+    "test_netns_cluster.py::test_across_hosts_greedy_equals_single_node[iterative-3]",
+    "test_speculation_modes.py::test_greedy_speculation_equals_single_node_target[speculative-R2]",
+    "test_speculation_modes.py::test_greedy_speculation_equals_single_node_target[pipeinfer-R3]",
+    "test_speculation_modes.py::test_greedy_speculation_equals_single_node_target[no-continuous-R3]",
+    "test_speculation_modes.py::test_greedy_ngram_speculation_equals_single_node_target[R1-pipeinfer]",
+    "test_speculation_modes.py::test_greedy_ngram_speculation_equals_single_node_target[R2-pipeinfer]",
+    "test_speculation_modes.py::test_greedy_vote_equals_single_node_target[R2-pipeinfer]",
+    "test_speculation_modes.py::test_greedy_vote_equals_single_node_target[R2-speculative]",
+    "test_speculation_modes.py::test_greedy_staged_equals_single_node_target[R3-speculative-4]",
+    "test_speculation_modes.py::test_greedy_pipedec_equals_single_node_target[R2]",
+    "test_speculation_modes.py::test_greedy_pipedec_equals_single_node_target[R3]",
+    "test_parallel.py::test_requests_sharing_a_prefix_borrow_its_cells_and_stay_exact[3]",
+    "test_parallel.py::test_pipeinfer_lookahead_rows_of_a_request_alone_are_exact[kept-2]",
+    "test_parallel.py::test_pipeinfer_lookahead_rows_of_a_request_alone_are_exact[dropped-3]",
+    "test_long_generation.py::test_graph_stays_bounded_over_a_long_request[0.0-pipedec-extra2]",
+    "test_long_generation.py::test_graph_stays_bounded_over_a_long_request[0.0-speculative-extra0]",
+    "test_long_generation.py::test_graph_stays_bounded_over_a_long_request[0.8-pipeinfer-extra1]",
+    "test_parallel.py::test_a_draft_model_drafts_for_a_request_alone_and_stays_exact[2-speculative]",
+    "test_parallel.py::test_every_other_mode_and_strategy_under_parallel_stays_exact[2-speculative-staged]",
+    "test_speculation_modes.py::test_greedy_staged_equals_single_node_target[R4-pipeinfer-4]",
+    "test_exactness.py::test_smollm2_pipeline_matches_single_node[RNone-even]",
+    "test_kv_room.py::test_every_mode_fills_the_context_exactly_on_real_ranks[iterative-3-0.5,0.5/1.0]",
+    "test_kv_room.py::test_every_mode_fills_the_context_exactly_on_real_ranks[speculative-2-2-None]",
+    "test_speculation_modes.py::test_greedy_speculation_equals_single_node_target[no-cancel-R3]",
+    "test_speculation_modes.py::test_greedy_ngram_speculation_equals_single_node_target[R2-speculative]",
+    "test_speculation_modes.py::test_greedy_vote_over_two_draft_models_equals_single_node_target[R3-pipeinfer]",
+    "test_speculation_modes.py::test_greedy_pipedec_equals_single_node_target[R3-tree]",
+    "test_speculation_modes.py::test_greedy_vote_equals_single_node_target[R3-pipeinfer]",
+    "test_kv_cache_types.py::test_q8_0_pipeinfer_equals_reference",
+    "test_netns_cluster.py::test_a_link_shaped_to_1_gbit",
+    "test_flash_attention.py::test_flash_attention_changes_the_numbers",
+    "test_exactness.py::test_smollm2_pipeline_matches_single_node[R4-0.1,0.2,0.3,0.4]",
+    "test_kv_room.py::test_every_mode_fills_the_context_exactly_on_real_ranks[pipeinfer-2-3-0.5,0.5/1.0]",
+    "test_random_models.py::test_the_1b_shape_derives_to_its_hash_and_runs",
+    "test_derive.py::test_concurrent_stage_slices",
+    "test_derive.py::test_derive_f16_types_and_values",
+    "test_stage_faults.py::test_damaged_weights_named_in_one_line[3-extra6]",
+    "test_stage_faults.py::test_damaged_weights_named_in_one_line[2-extra2]",
+    "test_output_paths.py::test_calibrate_makes_the_profiles_folder",
+    "test_resource_bounds.py::test_pipeinfer_2000_tokens_rss_does_not_grow[0.8]",
+)
+
+
+@pytest.fixture(scope="session")
+def whole_matrix(request) -> bool:
+    """Whether pytest runs the whole matrix (``--all``): a test that loops
+    over splits itself runs its representative ones without it."""
+    return bool(request.config.getoption("all"))
+
+
+# every family's KV sequence operations run under pipeinfer in the full tier (PipeDec's trees and n-gram
+# chains on real weights: tests/test_speculation_modes.py)
+EXHAUSTIVE_FAMILIES = re.compile(r"test_arch_families\.py::test_speculative_modes\[.*-(speculative-ngram|pipedec)\]")
+
+
+def _exhaustive(item) -> bool:
+    nodeid = item.nodeid.removeprefix("tests/")
+    return (item.get_closest_marker("exhaustive") is not None or nodeid in EXHAUSTIVE
+            or EXHAUSTIVE_FAMILIES.fullmatch(nodeid) is not None)
+
+
+def _tier(item, full: bool, everything: bool) -> bool:
+    """Whether ``item`` runs in the tier the options chose."""
+    if everything:
+        return True
+    if _exhaustive(item):
+        return False
+    return full or not item.get_closest_marker("full") or bool(item.get_closest_marker("smoke"))
 
 
 @pytest.hookimpl(trylast=True)  # after -k/-m: the count below is of what they left
 def pytest_collection_modifyitems(config, items):
-    """Two tiers (README "Development and tests"): without ``--full``, tests
+    """Three tiers (README "Development and tests"): without ``--full``, tests
     marked ``full`` are deselected unless also marked ``smoke`` (the few
-    real-rank tests of the fast tier). Tests marked ``hydra`` use MPICH's
-    launcher (its flags, PMI_RANK, its signals): skipped under another MPI,
-    with the reason."""
-    if not config.getoption("full"):
-        keep, left = [], []
-        for item in items:
-            (left if item.get_closest_marker("full") and not item.get_closest_marker("smoke") else keep).append(item)
-        if left:
-            config.hook.pytest_deselected(items=left)
-            items[:] = keep
-        config.stash[_LEFT_TO_FULL] = len(left)
+    real-rank tests of the fast tier); without ``--all``, tests marked
+    ``exhaustive`` are deselected too (the rest of a matrix whose
+    representative cases the full tier runs). Tests marked ``hydra`` use
+    MPICH's launcher (its flags, PMI_RANK, its signals): skipped under another
+    MPI, with the reason."""
+    full, everything = config.getoption("full"), config.getoption("all")
+    keep, left = [], []
+    for item in items:
+        (keep if _tier(item, full, everything) else left).append(item)
+    if left:
+        config.hook.pytest_deselected(items=left)
+        items[:] = keep
+    config.stash[_LEFT] = ("the whole matrix" if full else "the full tier", len(left))
     if MPI_FLAVOR == "mpich":
         return
     skip = pytest.mark.skip(reason=f"needs MPICH's hydra launcher; this mpiexec is {MPI_FLAVOR}")
@@ -195,11 +292,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    """One line: how many tests the fast tier left to the full tier, and how to run them."""
-    left = config.stash.get(_LEFT_TO_FULL, 0)
+    """One line: how many tests this tier left to larger ones, and the command that runs them."""
+    tier, left = config.stash.get(_LEFT, ("", 0))
     if left:
-        terminalreporter.write_line(f"fast tier: {left} tests marked `full` (real ranks on real weights) were "
-                                    f"deselected; the full tier runs them: {FULL_TIER}")
+        cmd = ALL_TIER if tier == "the whole matrix" else f"{FULL_TIER} (and --all: the whole matrix)"
+        terminalreporter.write_line(f"{left} tests were left to {tier} (real ranks on real weights): {cmd}")
 
 
 def stderr_lines(stderr: str) -> list[str]:

@@ -34,6 +34,7 @@ PROMPT = ("The pipeline must compute exactly what the whole model computes, for 
 # (ranks, --split weights): even splits and uneven ones; sliding-window
 # families also get a stage holding only their first global-attention block.
 SPLITS = [(2, None), (3, None), (4, None), (2, "1,7"), (2, "3,5"), (3, "5,1,2")]
+FULL_TIER_SPLITS = [(4, None), (3, "5,1,2")]   # 4 stages and an uneven 3; every split with --all
 REFUSED = {"gemma2"}
 
 
@@ -139,12 +140,12 @@ def test_models_info_says_how_it_splits(tiny_models):
 @pytest.mark.full
 @pytest.mark.mpi
 @pytest.mark.parametrize("name", CUT)
-def test_every_split_equals_the_whole_model(name, tiny_models):
+def test_every_split_equals_the_whole_model(name, tiny_models, whole_matrix):
     model = tiny_models[name]
     want = whole_model(model)
     assert len(want) == N_TOKENS
     fam = FAMILIES[_arch(name)]
-    splits = list(SPLITS)
+    splits = list(SPLITS if whole_matrix else FULL_TIER_SPLITS)
     if fam.swa_period is not None:  # block g = period - 1 is global: a stage of it alone
         g = fam.swa_period - 1
         splits.append((3, f"{g},1,{N_LAYER - g - 1}"))
