@@ -119,6 +119,14 @@ class Server:
                 self.proc.wait(30)
 
 
+def sse_events(response):
+    """The JSON events of a server-sent event stream (an OpenAI streaming reply), up to ``data: [DONE]``."""
+    for raw in response:
+        line = raw.decode("utf-8", "replace").strip()
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
+
 def one_request(port: int, prompt: str, n: int, out: dict, fields: dict) -> None:
     """A streaming chat completion (``fields`` added to its body); fills
     ``out`` with send / chunk times and the token count."""
@@ -128,11 +136,7 @@ def one_request(port: int, prompt: str, n: int, out: dict, fields: dict) -> None
                                  headers={"Content-Type": "application/json"})
     out["sent"], out["chunks"], out["tokens"] = time.perf_counter(), [], None
     with urllib.request.urlopen(req, timeout=1800) as r:
-        for raw in r:
-            line = raw.decode("utf-8", "replace").strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
+        for ev in sse_events(r):
             if ev.get("usage"):
                 out["tokens"] = ev["usage"]["completion_tokens"]
             for ch in ev.get("choices") or []:

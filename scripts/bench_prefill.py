@@ -62,7 +62,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_parallel import Server, free_port, pct  # noqa: E402
+from bench_parallel import Server, free_port, pct, sse_events  # noqa: E402
 from peer_llamacpp import RpcServer, bin_path  # noqa: E402
 
 from ggpipe.child_process import ggpipe_command  # noqa: E402
@@ -100,11 +100,7 @@ def one_request(port: int, item: dict, n: int, out: dict, fields: dict, stream: 
             out["tokens"] = out["reply"]["usage"]["completion_tokens"]
             out["prompt_tokens"] = out["reply"]["usage"]["prompt_tokens"]
         else:
-            for raw in r:
-                line = raw.decode("utf-8", "replace").strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                ev = json.loads(line[6:])
+            for ev in sse_events(r):
                 if ev.get("usage"):
                     out["tokens"] = ev["usage"]["completion_tokens"]
                     out["prompt_tokens"] = ev["usage"]["prompt_tokens"]

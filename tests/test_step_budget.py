@@ -95,13 +95,20 @@ def _job(prompt, n, stop=lambda: False):
     return Job(list(prompt), n, Sampler(SamplingParams()), should_stop=stop)
 
 
-def test_a_burst_of_prompts_goes_in_one_micro_batch_and_every_request_stays_exact():
+def _recording_scheduler(n_slots: int):
+    """A scheduler of ``n_slots`` slots (64 cells each, a 64-token budget) over the toy pipeline,
+    and the list its micro-batches' sequence ids are recorded in, one list per micro-batch."""
     lm = ToyLM(V)
     target = FakePipeline(lm, latency=1, cell_order=True, streams=True)
-    sched = Scheduler(target, 8, n_ctx_slot=64, n_batch=64, is_eog=lambda t: False, depth=1)
+    sched = Scheduler(target, n_slots, n_ctx_slot=64, n_batch=64, is_eog=lambda t: False, depth=1)
     runs = []
     submit = target.submit
     target.submit = lambda run: (runs.append([int(s) for s in run.seq_ids]), submit(run))
+    return lm, sched, runs
+
+
+def test_a_burst_of_prompts_goes_in_one_micro_batch_and_every_request_stays_exact():
+    lm, sched, runs = _recording_scheduler(8)
     jobs = [_job([1 + i, 2 + i, 3, 4 + i, 5][:2 + i % 4], 6) for i in range(8)]
     for j in jobs:
         sched.submit(j)
@@ -145,12 +152,7 @@ def test_a_burst_behind_one_shared_prefix_computes_it_once():
     """Four requests behind a 20-token system prompt, all at once, a budget that holds them all: the first
     micro-batch carries the first request's prompt alone, the other three wait for its cells and borrow them
     (vLLM's prefix caching of blocks still being computed), then go together; every request stays exact."""
-    lm = ToyLM(V)
-    target = FakePipeline(lm, latency=1, cell_order=True, streams=True)
-    sched = Scheduler(target, 4, n_ctx_slot=64, n_batch=64, is_eog=lambda t: False, depth=1)
-    runs = []
-    submit = target.submit
-    target.submit = lambda run: (runs.append([int(s) for s in run.seq_ids]), submit(run))
+    lm, sched, runs = _recording_scheduler(4)
     system = [(5 * i + 3) % V for i in range(20)]
     jobs = [_job(system + [i + 1, i + 2], 5) for i in range(4)]
     for j in jobs:
