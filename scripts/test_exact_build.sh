@@ -4,7 +4,7 @@
 # every job run with --exact (GGPIPE_EXACT=1) and the single-node reference with
 # the same kernels. There, every speculative mode's greedy output equals the
 # reference in every run, also at near-ties (tests/test_exact_every_run.py).
-#   bash scripts/test_exact_build.sh         # what CI runs; venv in $GGPIPE_EXACT_VENV or a temporary directory
+#   bash scripts/test_exact_build.sh         # a short set; venv in $GGPIPE_EXACT_VENV or a temporary directory
 #   bash scripts/test_exact_build.sh --all   # every greedy speculation, exactness and --parallel test
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +14,7 @@ VENV="${GGPIPE_EXACT_VENV:-$(mktemp -d)/venv-exact}"
 source "$VENV/bin/activate"
 python -m pip install --quiet --upgrade pip
 bash scripts/install_exact.sh -e ".[mpich,test]"
-# Without arguments (CI): the kernel report, every run of the near-tie prompts in each speculative loop, and
+# Without arguments: the kernel report, every run of the near-tie prompts in each speculative loop, and
 # bursts under --parallel (prompts batched together, a shared prefix, a lone request's drafts), which must equal
 # the reference bit for bit here. With --all: every greedy speculation test and the rest of each matrix.
 if [ "${1:-}" = "--all" ]; then

@@ -163,7 +163,7 @@ if MPI_FLAVOR == "openmpi":
 
 FULL_TIER = "python -m pytest -q -rs --full"   # README "Development and tests"; what .ci/run runs
 ALL_TIER = "python -m pytest -q -rs --all"
-_LEFT = pytest.StashKey[tuple[str, int]]()
+_LEFT = pytest.StashKey[tuple[int, str]]()   # tests a tier left out, and the command that runs them
 
 
 def pytest_addoption(parser):
@@ -282,7 +282,8 @@ def pytest_collection_modifyitems(config, items):
     if left:
         config.hook.pytest_deselected(items=left)
         items[:] = keep
-    config.stash[_LEFT] = ("the whole matrix" if full else "the full tier", len(left))
+    config.stash[_LEFT] = (len(left), f"the whole matrix: {ALL_TIER}" if full
+                           else f"the full tier: {FULL_TIER} (and --all: the whole matrix)")
     if MPI_FLAVOR == "mpich":
         return
     skip = pytest.mark.skip(reason=f"needs MPICH's hydra launcher; this mpiexec is {MPI_FLAVOR}")
@@ -293,10 +294,9 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """One line: how many tests this tier left to larger ones, and the command that runs them."""
-    tier, left = config.stash.get(_LEFT, ("", 0))
+    left, where = config.stash.get(_LEFT, (0, ""))
     if left:
-        cmd = ALL_TIER if tier == "the whole matrix" else f"{FULL_TIER} (and --all: the whole matrix)"
-        terminalreporter.write_line(f"{left} tests were left to {tier} (real ranks on real weights): {cmd}")
+        terminalreporter.write_line(f"{left} tests were left to {where}")
 
 
 def stderr_lines(stderr: str) -> list[str]:
