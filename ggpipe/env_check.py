@@ -32,8 +32,10 @@ def _link(env: Mapping[str, str]) -> None:
 
 def _fault(env: Mapping[str, str]) -> None:
     from ggpipe.runtime import faults  # noqa: PLC0415
+    from ggpipe.transport.launcher_signal import launched_size  # noqa: PLC0415
 
-    faults.planned(0, True, dict(env))
+    # the job's ranks as the launcher gives them (one without a launcher)
+    faults.planned(0, True, dict(env), n_ranks=launched_size() or 1)
 
 
 def _lookahead(env: Mapping[str, str]) -> None:

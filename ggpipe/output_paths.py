@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import stat
+import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -33,7 +34,8 @@ def check_output(path: str | os.PathLike, *, inputs: Iterable[str | os.PathLike 
                  directory: bool = False, foreign: Callable[[Path], str | None] | None = None,
                  what: str = "the output") -> Path:
     """Resolve ``path`` (:func:`resolve`) and check it as a place to write;
-    returns the resolved path, which the caller writes to. Nothing is created.
+    returns the resolved path, which the caller writes to. Nothing is left
+    behind.
 
     Args:
         inputs: the command's input files; the output may be none of them.
@@ -46,7 +48,8 @@ def check_output(path: str | os.PathLike, *, inputs: Iterable[str | os.PathLike 
         ConfigError: the output is an input; it exists and is of the other
             kind, or not a regular file or folder (a device, a FIFO); it
             is a file ggpipe did not write; its nearest existing parent is not
-            a folder.
+            a folder, or nothing can be made in it (tried with an empty
+            folder, removed at once: ``/proc``, a read-only mount).
     """
     given = Path(path)
     out = resolve(given)
@@ -82,6 +85,11 @@ def check_output(path: str | os.PathLike, *, inputs: Iterable[str | os.PathLike 
         parent = parent.parent
     if not parent.is_dir():
         raise ConfigError(f"cannot write {what} {shown}: {parent} is not a folder")
+    try:    # tried, not guessed from mode bits (root passes those; /proc and read-only mounts do not)
+        os.rmdir(tempfile.mkdtemp(prefix=".ggpipe-check-", dir=parent))
+    except OSError as e:
+        raise ConfigError(f"cannot write {what} {shown}: nothing can be made in {parent} "
+                          f"({e.strerror or e})") from None
     return out
 
 

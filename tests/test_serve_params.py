@@ -47,6 +47,25 @@ def test_a_field_that_would_be_ignored_is_refused_by_name(path, body, field, val
     ({"json_schema": "not a schema"}, "json_schema"),
     ({"json_schema": SCHEMA, "grammar": 'root ::= "a"'}, "grammar"),
     ({"grammar": 5}, "grammar"), ({"n": 9}, "n"), ({"n": 2, "stream": True}, "n"),
+    # invalid schemas (the metaschema) and unsatisfiable ones are refused, not answered with output that does not hold
+    ({"json_schema": {"type": "object", "required": "x"}}, "json_schema"),
+    ({"json_schema": {"type": "object", "required": 5}}, "json_schema"),
+    ({"json_schema": {"type": "object", "additionalProperties": "x"}}, "json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["b"],
+        "additionalProperties": False}}}}, "response_format"),
+    ({"json_schema": {"type": "array", "minItems": 3, "maxItems": 2}}, "json_schema"),
+    ({"json_schema": {"type": "string", "maxLength": 10**6}}, "json_schema"),
+    ({"json_schema": {"enum": []}}, "json_schema"),
+    # unknown keys inside response_format, and the types of its known ones
+    ({"response_format": {"type": "json_object", "extra": 1}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "bogus": 1}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": "yes"}}},
+     "response_format"),
+    ({"response_format": {"type": "text", "json_schema": {"schema": SCHEMA}}}, "response_format"),
+    ({"stream_options": {"include_usage": True, "extra": 1}}, "stream_options"),
+    ({"stream_options": {"include_usage": "yes"}}, "stream_options"),
 ])
 @pytest.mark.parametrize("path, body", [("/v1/chat/completions", CHAT), ("/v1/completions", TEXT)])
 def test_a_bad_value_is_refused_naming_its_field(path, body, fields, param):
@@ -54,7 +73,7 @@ def test_a_bad_value_is_refused_naming_its_field(path, body, fields, param):
     r = _post(c, path, {**body, **fields})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["param"] == param and param in err["message"], err
+    assert err["param"].split(".")[0] == param and param in err["message"], err
 
 
 @pytest.mark.parametrize("path, body, fields, param", [
@@ -76,6 +95,9 @@ def test_bad_logprobs_are_refused(path, body, fields, param):
     {"response_format": {"type": "json_object"}}, {"response_format": {"type": "json_schema",
                                                                        "json_schema": {"name": "x", "schema": SCHEMA}}},
     {"json_schema": SCHEMA}, {"grammar": 'root ::= "a"'}, {"n": 3},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "description": "d", "strict": True,
+                                                                "schema": SCHEMA}}},
+    {"json_schema": {**SCHEMA, "$schema": "http://json-schema.org/draft-07/schema#"}},
 ])
 @pytest.mark.parametrize("path, body", [("/v1/chat/completions", CHAT), ("/v1/completions", TEXT)])
 def test_implemented_fields_are_accepted(path, body, fields):
@@ -108,3 +130,47 @@ def test_the_servers_own_constraints_are_kept():
     s = request_sampling(d, CompletionBody.model_validate({"prompt": "x", "temperature": 0.5}), logprobs=2)
     assert (s.grammar, s.logit_bias, s.repeat_penalty, s.min_p, s.top_k) == (d.grammar, d.logit_bias, 1.2, 0.1, 20)
     assert (s.temperature, s.logprobs) == (0.5, 2)
+
+
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+@pytest.mark.parametrize("schema, words", [
+    ({"type": "object", "required": "x"}, "not a valid JSON schema (at required)"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["b"], "additionalProperties": False},
+     "'b' is required but not among the properties"),
+    ({"properties": {"p": {"type": "array", "minItems": 3, "maxItems": 2}}}, "properties.p: minItems 3 is more"),
+    (_nested(40), "nested more than"),
+])
+def test_an_invalid_or_unsatisfiable_schema_is_one_line_naming_the_problem(schema, words):
+    from ggpipe.errors import ConfigError
+    from ggpipe.runtime.grammar import json_grammar
+
+    with pytest.raises(ConfigError) as e:
+        json_grammar(schema)
+    assert words in str(e.value) and "\n" not in str(e.value), e.value
+
+
+@pytest.mark.parametrize("message", [
+    {"role": "user", "content": "hi", "extra": 1},
+    {"role": "user", "content": [{"type": "text", "text": "hi", "bogus": True}]},
+    {"role": "assistant", "content": "hi", "tool_calls": [{"id": "1"}]},
+])
+def test_unknown_or_unimplemented_keys_of_a_message_are_refused(message):
+    c = app_client(max_queue=8)
+    r = _post(c, "/v1/chat/completions", {**CHAT, "messages": [message]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].startswith("messages"), r.text
+
+
+def test_a_message_echoed_back_with_its_empty_fields_is_accepted():
+    c = app_client(max_queue=0)   # accepted: 503, the queue is full
+    echoed = {"role": "assistant", "content": "hello", "refusal": None, "tool_calls": None, "function_call": None,
+              "audio": None, "annotations": [], "name": "bot"}
+    r = _post(c, "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "hi"}, echoed,
+                                                               {"role": "user", "content": "again"}]})
+    assert r.status_code == 503, r.text

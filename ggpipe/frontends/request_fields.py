@@ -75,6 +75,7 @@ def _grammar(fields: dict) -> str | None:
     rf = fields.get("response_format")
     if rf is not None:
         kind = rf.get("type") if isinstance(rf, dict) else None
+        _known_keys(rf, RESPONSE_FORMAT_KEYS.get(kind, ("type",)), "response_format")
         if kind == "json_object":
             schema = rf.get("schema")    # llama-server also takes a schema here
             asked.append(("response_format", None if schema is None else _schema(schema, "response_format")))
@@ -83,6 +84,12 @@ def _grammar(fields: dict) -> str | None:
             if not isinstance(js, dict) or "schema" not in js:
                 raise FieldError("response_format", 'response_format json_schema needs '
                                  '{"json_schema": {"name": ..., "schema": {...}}}')
+            _known_keys(js, JSON_SCHEMA_KEYS, "response_format.json_schema")
+            for key, kinds, shown in (("name", str, "a string"), ("description", str, "a string"),
+                                      ("strict", bool, "true or false")):
+                if js.get(key) is not None and not isinstance(js[key], kinds):
+                    raise FieldError("response_format", f"response_format.json_schema.{key} must be {shown} "
+                                     f"(got {_shown(js[key])})")
             asked.append(("response_format", _schema(js["schema"], "response_format")))
         elif kind != "text":
             raise FieldError("response_format", 'response_format type must be "text", "json_object" or '
@@ -104,8 +111,26 @@ def _grammar(fields: dict) -> str | None:
         return value
     try:
         return json_grammar(value)
-    except ConfigError as e:
-        raise FieldError(name, str(e)) from None
+    except ConfigError as e:   # "json_schema: ..." named after the field that carried the schema
+        text = str(e)
+        raise FieldError(name, f"{name}:{text.split(':', 1)[1]}" if text.startswith("json_schema:") else text) \
+            from None
+
+
+#: The keys ``response_format`` may have, by its type (OpenAI's, and
+#: llama-server's ``schema`` beside ``json_object``), and those of its
+#: ``json_schema`` object; any other is refused, as unknown top-level fields are.
+RESPONSE_FORMAT_KEYS = {"text": ("type",), "json_object": ("type", "schema"), "json_schema": ("type", "json_schema")}
+JSON_SCHEMA_KEYS = ("name", "description", "schema", "strict")
+
+
+def _known_keys(obj, known: tuple[str, ...], where: str) -> None:
+    if not isinstance(obj, dict):
+        return
+    for k in obj:
+        if k not in known:
+            raise FieldError("response_format", f"{where}: unknown key {str(k)[:64]!r} (it takes "
+                             f"{', '.join(known)})")
 
 
 def _schema(s, name: str):

@@ -38,11 +38,15 @@ class Fault:
         return self.calls == self.at
 
 
-def planned(rank: int, target: bool, env: dict | None = None) -> Fault | None:
+def planned(rank: int, target: bool, env: dict | None = None, n_ranks: int | None = None) -> Fault | None:
     """The fault ``GGPIPE_FAULT`` plans for this rank's stage, or None.
 
+    Args:
+        n_ranks: the job's ranks, when known: ``RANK`` must be one of them.
+
     Raises:
-        ConfigError: ``GGPIPE_FAULT`` is not ``RANK:KIND:N``.
+        ConfigError: ``GGPIPE_FAULT`` is not ``RANK:KIND:N``, or ``RANK`` is
+            not a rank of a job of ``n_ranks``.
     """
     text = (os.environ if env is None else env).get("GGPIPE_FAULT", "")
     if not text or not target:
@@ -54,4 +58,6 @@ def planned(rank: int, target: bool, env: dict | None = None) -> Fault | None:
         raise ConfigError(f"GGPIPE_FAULT={text!r}: expected RANK:KIND:N, KIND one of {', '.join(KINDS)}") from None
     if kind not in KINDS or n < 1 or len(parts) != 3:
         raise ConfigError(f"GGPIPE_FAULT={text!r}: expected RANK:KIND:N, KIND one of {', '.join(KINDS)}, N >= 1")
+    if n_ranks is not None and not 0 <= r < n_ranks:
+        raise ConfigError(f"GGPIPE_FAULT={text!r}: this job has no rank {r} (its ranks are 0..{n_ranks - 1})")
     return Fault(kind, n) if r == rank else None

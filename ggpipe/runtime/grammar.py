@@ -166,32 +166,117 @@ UNENFORCED = frozenset({
     "unevaluatedItems"})
 
 
+def subschemas(schema, where: str = "", depth: int = 0):
+    """Every schema object in ``schema`` (a JSON schema) with where it is
+    (``properties.age.``) and how deep (0: ``schema`` itself, which comes
+    first), walked through the keywords the converter reads (``items``,
+    ``prefixItems``, ``anyOf``, ``oneOf``, ``allOf``,
+    ``additionalProperties``, ``properties``, ``$defs``, ``definitions``):
+    an iterator of (str, dict, int). Stops below :data:`DEPTH_MAX` + 1
+    levels (the deepest it yields says the schema is too deep)."""
+    if depth > DEPTH_MAX + 1:
+        return
+    if isinstance(schema, list):
+        for i, sub in enumerate(schema):
+            yield from subschemas(sub, f"{where}{i}.", depth)
+        return
+    if not isinstance(schema, dict):
+        return
+    yield where, schema, depth
+    for k in ("items", "prefixItems", "anyOf", "oneOf", "allOf", "additionalProperties"):
+        if k in schema:
+            yield from subschemas(schema[k], f"{where}{k}.", depth + 1)
+    for group in ("properties", "$defs", "definitions"):
+        if isinstance(schema.get(group), dict):
+            for name, sub in schema[group].items():
+                yield from subschemas(sub, f"{where}{group}.{name}.", depth + 1)
+
+
 def unenforced(schema, where: str = "") -> str | None:
     """The first keyword of ``schema`` (a JSON schema, walked through its
     subschemas) that the converter would ignore, with where it is
     (``properties.age.maximum``); None when every keyword is enforced or
     only annotates."""
-    if isinstance(schema, list):
-        for i, sub in enumerate(schema):
-            found = unenforced(sub, f"{where}{i}.")
-            if found:
-                return found
-        return None
-    if not isinstance(schema, dict):
-        return None
-    for key in schema:
-        if key in UNENFORCED:
-            return f"{where}{key}"
-    subs = [(k, schema[k]) for k in ("items", "prefixItems", "anyOf", "oneOf", "allOf", "additionalProperties")
-            if k in schema]
-    for group in ("properties", "$defs", "definitions"):
-        if isinstance(schema.get(group), dict):
-            subs += [(f"{group}.{name}", sub) for name, sub in schema[group].items()]
-    for k, sub in subs:
-        found = unenforced(sub, f"{where}{k}.")
-        if found:
-            return found
+    for at, node, _ in subschemas(schema, where):
+        for key in node:
+            if key in UNENFORCED:
+                return f"{at}{key}"
     return None
+
+
+#: Most nesting of subschemas, and largest length or count bound
+#: (``maxLength``, ``minItems``, ...), a schema may have: the converter's
+#: rules grow with both (a repetition is written out), and a larger schema is
+#: refused before it is compiled rather than compiled for minutes.
+DEPTH_MAX = 32
+REPEAT_MAX = 1000
+
+
+def _bounds_problem(node: dict) -> str | None:
+    for lo, hi in (("minLength", "maxLength"), ("minItems", "maxItems")):
+        for k in (lo, hi):
+            v = node.get(k)
+            if v is not None and isinstance(v, int) and v > REPEAT_MAX:
+                return f"{k} {v} is more than ggpipe compiles ({REPEAT_MAX})"
+        a, b = node.get(lo), node.get(hi)
+        if isinstance(a, int) and isinstance(b, int) and a > b:
+            return f"{lo} {a} is more than {hi} {b}: no value can satisfy it"
+    return None
+
+
+def unsatisfiable(schema) -> str | None:
+    """Why a valid JSON schema cannot be turned into a grammar that keeps to
+    it, with where (``properties.x: ...``), or None: a required property that
+    the schema leaves out (``required`` names it, ``properties`` does not,
+    ``additionalProperties`` is false), an empty ``enum``, a lower bound over
+    its upper one (``minItems`` > ``maxItems``, ``minLength`` >
+    ``maxLength``), nesting deeper than :data:`DEPTH_MAX` or a bound over
+    :data:`REPEAT_MAX`."""
+    for at, node, depth in subschemas(schema):
+        shown = at.rstrip(".") or "the schema"
+        if depth > DEPTH_MAX:
+            return f"nested more than {DEPTH_MAX} levels deep, more than ggpipe compiles"
+        required = node.get("required")
+        props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        if node.get("additionalProperties") is False and isinstance(required, list):
+            missing = [r for r in required if isinstance(r, str) and r not in props]
+            if missing:
+                return (f"{shown}: {missing[0]!r} is required but not among the properties, and "
+                        "additionalProperties is false: no object can satisfy it")
+        if node.get("enum") == []:
+            return f"{shown}: an empty enum: no value can satisfy it"
+        why = _bounds_problem(node)
+        if why:
+            return f"{shown}: {why}"
+    return None
+
+
+def check_schema(schema: dict) -> None:
+    """Refuse a JSON schema that is not one (the JSON Schema metaschema of
+    its ``$schema``, draft 2020-12 when it names none: ``jsonschema``'s
+    ``check_schema``), that the converter would loosen
+    (:func:`unenforced`) or that no grammar can keep to
+    (:func:`unsatisfiable`).
+
+    Raises:
+        ConfigError: naming the problem and where it is.
+    """
+    import jsonschema  # noqa: PLC0415 (only requests with a schema need it)
+
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        cls.check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = ".".join(str(p) for p in e.path)
+        raise ConfigError(f"json_schema: not a valid JSON schema{f' (at {where})' if where else ''}: "
+                          f"{' '.join(e.message.split())[:160]}") from None
+    bad = unenforced(schema)
+    if bad is not None:
+        raise ConfigError(f"json_schema: {bad.rsplit('.', 1)[-1]!r} (at {bad}) is not enforced by the grammar "
+                          "(llama-cpp-python's converter); leave it out")
+    why = unsatisfiable(schema)
+    if why is not None:
+        raise ConfigError(f"json_schema: {why}")
 
 
 def json_grammar(schema: dict | None) -> str:
@@ -201,17 +286,15 @@ def json_grammar(schema: dict | None) -> str:
     the JSON schema ``schema`` (llama-cpp-python's ``json_schema_to_gbnf``).
 
     Raises:
-        ConfigError: a schema the converter cannot turn into a grammar, or
-            one with a keyword it would ignore (:data:`UNENFORCED`).
+        ConfigError: a schema :func:`check_schema` refuses (not a JSON
+            schema, a keyword the converter would ignore, unsatisfiable, too
+            large to compile), or one the converter cannot turn into a grammar.
     """
     from llama_cpp import llama_grammar  # noqa: PLC0415 (heavy import, the head's first use)
 
-    bad = unenforced(schema)
-    if bad is not None:
-        raise ConfigError(f"json_schema: {bad.rsplit('.', 1)[-1]!r} (at {bad}) is not enforced by the grammar "
-                          "(llama-cpp-python's converter); leave it out")
     if not schema:    # None or {}: any JSON object (llama.cpp's -j '{}')
         return llama_grammar.JSON_GBNF
+    check_schema(schema)
     try:
         gbnf = llama_grammar.json_schema_to_gbnf(json.dumps(schema))
     except Exception as e:  # noqa: BLE001 - the converter raises bare exceptions of several kinds

@@ -37,6 +37,7 @@ What is not emulated:
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from collections import deque
@@ -79,7 +80,11 @@ def _parse_number(text: str, units: dict[str, float], what: str, spec: str) -> f
     if not m or m.group("unit") not in units:
         raise ConfigError(f"bad {what} {text.strip()!r} in link {spec!r}: expected a number with a unit "
                           f"({', '.join(sorted(units))}), e.g. 1gbit,200us")
-    return float(m.group("num")) * units[m.group("unit")]
+    value = float(m.group("num")) * units[m.group("unit")]
+    if not math.isfinite(value):
+        raise ConfigError(f"bad {what} {text.strip()!r} in link {spec!r}: not a finite number"
+                          + (" (an unlimited link is inf)" if what == "bandwidth" else ""))
+    return value
 
 
 def parse_link(spec: str | None) -> LinkSpec | None:
@@ -87,7 +92,8 @@ def parse_link(spec: str | None) -> LinkSpec | None:
     ``inf,50us``); ``shm``/``none``/empty/None mean no emulation (None).
 
     Raises:
-        ConfigError: not of that form, an unknown unit, or a non-positive bandwidth.
+        ConfigError: not of that form, an unknown unit, a figure too large
+            to be finite (``1e400gbit``), or a non-positive bandwidth.
     """
     if spec is None or spec.strip().lower() in OFF_NAMES:
         return None

@@ -149,7 +149,7 @@ class _Body(BaseModel):
     seed: Annotated[StrictInt, Field(ge=0, lt=2**63)] | None = None
     stop: StrictStr | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(max_length=STOP_MAX)] | None = None
     stream: StrictBool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     n: Annotated[StrictInt, Field(ge=1, le=N_MAX)] = 1
     echo: StrictBool = False
     # the constraints (ggpipe.frontends.request_fields checks their types and bounds, as for batch records)
@@ -177,24 +177,61 @@ class _Body(BaseModel):
         return list(self.stop)
 
     def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.get("include_usage"))
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` (a last chunk with the usage)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    include_usage: StrictBool | None = None
 
 
 class TextPart(BaseModel):
     """A text part of a chat message's content (``{"type": "text", "text": ...}``)."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
     type: Literal["text"]
     text: StrictStr
 
 
-class ChatMessage(BaseModel):
-    """One chat message: a role (system, developer, user, assistant) and
-    content, a string or a list of text parts."""
+#: Keys of a chat message (OpenAI's) that ggpipe does not implement, with the
+#: values that ask for nothing: clients echo an assistant reply back with
+#: them (``"refusal": null``, ``"tool_calls": []``); any other value is refused.
+MESSAGE_NOT_IMPLEMENTED: dict[str, tuple] = {
+    "tool_calls": ([],), "function_call": (), "refusal": (), "audio": (), "annotations": ([],)}
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+
+class ChatMessage(BaseModel):
+    """One chat message: a role (system, developer, user, assistant),
+    content (a string or a list of text parts) and an optional ``name``
+    (metadata); another key is refused, one of
+    :data:`MESSAGE_NOT_IMPLEMENTED` unless it asks for nothing."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_keys(cls, data):
+        """Drop the keys that ask for nothing; refuse the others by name.
+
+        Raises:
+            APIError: 400 naming the key."""
+        if not isinstance(data, dict):
+            return data
+        out = {}
+        for k, v in data.items():
+            if k in MESSAGE_NOT_IMPLEMENTED:
+                if not _neutral(v, MESSAGE_NOT_IMPLEMENTED[k]):
+                    raise APIError(400, f"messages: {k}: ggpipe does not implement it; leave it out or send null",
+                                   param="messages", code="unsupported_parameter")
+            else:
+                out[k] = v
+        return out
+
     role: Literal[ROLES]  # type: ignore[valid-type]
     content: StrictStr | list[TextPart]
+    name: StrictStr | None = None
 
     def as_template_message(self) -> dict:
         """The message as chat templates take it: ``{"role", "content"}``, the
