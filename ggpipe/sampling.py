@@ -1,8 +1,9 @@
 """Token sampling on the head rank (numpy only).
 
 :func:`target_probs` is the single definition of "the target distribution": the
-distribution :meth:`Sampler.sample` draws from, and the one speculative
-verification (SpecInfer multi-step speculative sampling) must use. The
+distribution :meth:`Sampler.sample` draws from, the one speculative
+verification decides by (ggpipe.speculation.verify) and the one a sampling
+drafter draws its proposals from. The
 settings it draws by, their bounds and checks are ggpipe.sampling_params
 (:class:`~ggpipe.sampling_params.SamplingParams`).
 
@@ -37,6 +38,13 @@ top_k -> top_p -> min_p -> temperature -> dist:
 4. temperature (``llama_sampler_temp_ext_apply``): divide the survivors' logits
    by ``temperature``.
 5. dist (``llama_sampler_dist_apply``): softmax over the survivors, draw one.
+   ggpipe draws by Gumbel-max with noise keyed by (the request's seed, the
+   token's output index: 0 for the first generated token)
+   (ggpipe.keyed_noise): an exact draw, and the same token for the same
+   seed, index and distribution,
+   whatever speculation drafted before it (llama.cpp draws from the slot's
+   RNG in order, which one draw per position also keeps independent of
+   the drafts).
 
 Differences from llama.cpp: float64 arithmetic after the constraints
 (llama.cpp uses float32, which can move the top-p cut when a cumulative sum
@@ -54,6 +62,7 @@ is taken as 0.
 from __future__ import annotations
 
 import math
+import secrets
 from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Protocol
@@ -61,6 +70,7 @@ from typing import Protocol
 import numpy as np
 
 from ggpipe.errors import ConfigError
+from ggpipe.keyed_noise import gumbel_pick
 from ggpipe.logits import TopRow, argmax, dense
 from ggpipe.logits import top_k_sorted as _top_k_sorted
 from ggpipe.sampling_params import SamplingParams
@@ -184,10 +194,13 @@ def _top_p(x: np.ndarray, k: int, p: float) -> np.ndarray:
 class Sampler:
     """Draws tokens according to :class:`~ggpipe.sampling_params.SamplingParams`, for one sequence.
 
-    ``rng`` is the ``np.random.Generator`` (seeded from ``params.seed``; None ->
-    fresh entropy) used by every random draw; speculative verification should
-    draw its uniforms from it too so a seeded run is reproducible end to end.
-    Greedy sampling draws nothing from ``rng``.
+    Every random draw is keyed (ggpipe.keyed_noise): ``key`` is
+    ``params.seed`` (None: 63 bits of fresh entropy) and ``index`` the
+    output index of the token decided next (0 for the first generated
+    token, one more per accepted token), so the token at output index i is
+    a function of (seed, i, its distribution) alone: a seeded request gives
+    the same text whatever a speculative mode drafted and whenever.
+    Greedy sampling draws nothing.
 
     A sampler follows its sequence: every decided token goes through
     :meth:`accept` (:meth:`sample` does it; speculative verification,
@@ -205,7 +218,8 @@ class Sampler:
 
     def __init__(self, params: SamplingParams | None = None, history=(), grammar: LogitMask | None = None):
         self.params = (params or SamplingParams()).validate()
-        self.rng = np.random.default_rng(self.params.seed)
+        self.key = self.params.seed if self.params.seed is not None else secrets.randbits(63)
+        self.index = 0    # the output index of the token decided next (the keyed noise's counter)
         if self.params.grammar is not None and grammar is None:
             raise ConfigError("a grammar needs the model's vocabulary: build the sampler on the head")
         self.grammar = grammar
@@ -278,6 +292,7 @@ class Sampler:
         """``token`` was decided at the next position: advance the
         penalties' window and the grammar, record its log-probabilities."""
         token = int(token)
+        self.index += 1
         if self.params.logprobs >= 0 and self._row is not None:
             self.logprobs.append(_logprob(self._row, token, self.params.logprobs))
             self._row = None
@@ -305,21 +320,14 @@ class Sampler:
         return t
 
     def sample_from(self, probs: np.ndarray) -> int:
-        """One draw from ``probs`` (shape (n,), non-negative, need not be exactly
-        normalised) by inverse CDF with one ``rng.random()``. Zero-probability
-        entries are never returned. Raises ValueError for a bad vector."""
-        p = np.asarray(probs, dtype=np.float64)
-        if p.ndim != 1 or p.size == 0:
-            raise ValueError(f"probs must have shape (n,), got {p.shape}")
-        if not np.isfinite(p).all() or (p < 0).any():
-            raise ValueError("probs must be finite and non-negative")
-        cdf = np.cumsum(p)
-        if cdf[-1] <= 0:
-            raise ValueError("probs sum to zero")
-        i = int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"))
-        if i >= p.size or p[i] == 0:  # only reachable through float rounding at the top
-            i = int(np.flatnonzero(p)[-1])
-        return i
+        """The draw from ``probs`` (shape (n,), non-negative, need not be
+        exactly normalised) at the next output index: Gumbel-max with the
+        noise of (``key``, ``index``) (:func:`ggpipe.keyed_noise.gumbel_pick`);
+        not accepted. Zero-probability entries are never returned.
+
+        Raises:
+            ValueError: a bad vector (not 1-D, negative, not finite, all zero)."""
+        return gumbel_pick(probs, self.key, self.index)
 
 
 def _logprob(row, token: int, k: int) -> TokenLogprob:

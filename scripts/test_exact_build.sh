@@ -15,11 +15,12 @@ source "$VENV/bin/activate"
 python -m pip install --quiet --upgrade pip
 bash scripts/install_exact.sh -e ".[mpich,test]"
 # Without arguments: the kernel report, every run of the near-tie prompts in each speculative loop, and
-# bursts under --parallel (prompts batched together, a shared prefix, a lone request's drafts), which must equal
-# the reference bit for bit here. With --all: every greedy speculation test and the rest of each matrix.
+# bursts under --parallel (prompts batched together, a shared prefix, a lone request's drafts) and seeded sampling
+# in each speculative mode, which must equal the reference bit for bit here. With --all: every greedy and seeded
+# speculation test and the rest of each matrix.
 if [ "${1:-}" = "--all" ]; then
   GGPIPE_EXACT=1 python -m pytest -q -rs --all tests/test_kernels.py tests/test_exact_every_run.py tests/test_exactness.py \
-    tests/test_speculation_modes.py -k "greedy or not test_speculation_modes" \
+    tests/test_speculation_modes.py -k "greedy or seed or not test_speculation_modes" \
     "tests/test_chat.py::test_piped_conversation_equals_single_node" tests/test_parallel.py
 else
   GGPIPE_EXACT=1 python -m pytest -q -rs --full "tests/test_kernels.py::test_the_probe_measures_the_build" \
@@ -27,5 +28,6 @@ else
     "tests/test_parallel.py::test_batch_requests_equal_single_node_at_any_parallel" \
     "tests/test_parallel.py::test_requests_sharing_a_prefix_borrow_its_cells_and_stay_exact" \
     "tests/test_parallel.py::test_a_sampled_request_alone_drafts_and_gives_its_seeded_tokens" \
-    "tests/test_parallel.py::test_ngram_chains_of_a_request_alone_are_exact"
+    "tests/test_parallel.py::test_ngram_chains_of_a_request_alone_are_exact" \
+    "tests/test_speculation_modes.py::test_sampled_speculation_gives_iterative_tokens_for_the_seed"
 fi

@@ -100,7 +100,7 @@ def test_greedy_takes_the_argmax_of_the_constrained_row():
     best = int(np.argmax(x))
     s = Sampler(SamplingParams(logit_bias=((best, -100.0),)))
     second = int(np.argsort(-x, kind="stable")[1])
-    assert verify_step(x, [best, second], [None, None], s) == (second, 1)
+    assert verify_step(x, [best, second], s) == (second, 1)
     assert s.params.reply_k() == 0     # a constrained run asks for full rows
 
 
@@ -208,7 +208,7 @@ def test_a_json_schema_holds_every_sampled_output(vocab):
             x = rng.normal(0, 2, vocab.n_vocab).astype(np.float32)
             q = target_probs(rng.normal(0, 2, vocab.n_vocab).astype(np.float32), SamplingParams(temperature=1.0))
             kids = [int(k) for k in rng.choice(vocab.n_vocab, size=2, p=q)]
-            t, _ = verify_step(x, kids, [q, q], s)
+            t, _ = verify_step(x, kids, s)
             out.append(t)
         assert vocab.is_eog(out[-1]), _text(vocab, out)
         jsonschema.validate(json.loads(_text(vocab, out)), SCHEMA)

@@ -84,7 +84,7 @@ def test_greedy_decisions_on_compact_rows_equal_full_rows():
         c = top_k(x[None], 1)[0]
         assert g.sample(c) == g.sample(x)
         kids = [int(np.argsort(-x)[j]) for j in (1, 0, 2)]
-        assert verify_step(c, kids, [None] * 3, g) == verify_step(x, kids, [None] * 3, g)
+        assert verify_step(c, kids, g) == verify_step(x, kids, g)
 
 
 @settings(max_examples=150, deadline=None)

@@ -55,3 +55,32 @@ def test_graph_stays_bounded_over_a_long_request(mode, extra, temperature):
     # nodes within TRIM_LAG positions of the committed one, a few trees' worth of width each
     assert peak["nodes"] <= 4 * TRIM_LAG, peak
     assert peak["runs"] <= 64, peak
+
+
+DRAFTERS = [("speculative", {"spec_type": "draft"}), ("pipeinfer", {"spec_type": "draft"}),
+            ("pipeinfer", {"spec_type": "draft", "branches": 2}), ("speculative", {"spec_type": "ngram"}),
+            ("pipeinfer", {"spec_type": "ngram"}), ("pipedec", {"tree_width": 3})]
+
+
+@pytest.mark.parametrize("mode,extra", DRAFTERS, ids=[f"{m}-{'-'.join(map(str, e.values()))}" for m, e in DRAFTERS])
+def test_a_seed_fixes_the_text_whatever_was_drafted(mode, extra):
+    """Drafter invariance: with a seed, every speculative mode and strategy
+    decides the tokens iterative sampling decides with that seed, whatever
+    the draft proposes and whenever the target's results arrive (draft
+    models that disagree with the target 30% and 60% of the time, the
+    target's results after 4 or 3 polls); the toy pipelines' rows are exact,
+    as the exact build's."""
+    params = SamplingParams(temperature=0.9, top_k=0, top_p=1.0, seed=123)
+    it = build_decoder("iterative", SpecSettings(), FakePipeline(ToyLM(V), latency=2), None, n_ubatch=8,
+                       n_seq_max=64, is_eog=lambda t: False, timeout_s=5)
+    want = it.generate(np.array(PROMPT, np.int32), 200, Sampler(params))
+    for flip, latency in ((0.3, 4), (0.6, 3)):
+        target = FakePipeline(ToyLM(V), latency=latency)
+        target.n_stages = 3
+        draft = FakePipeline(ToyLM(V, flip=flip), latency=1, name="draft")
+        spec = SpecSettings(mode=mode, p_split=0.05, **extra)
+        dec = build_decoder(mode, spec, target, draft, n_ubatch=8, n_seq_max=64, is_eog=lambda t: False,
+                            timeout_s=5)
+        got = dec.generate(np.array(PROMPT, np.int32), 200, Sampler(params))
+        assert got == want, (mode, extra, flip)
+        assert dec.stats["drafted"] > 0

@@ -167,14 +167,18 @@ def test_seeded_reproducible():
     assert a[0] == a[1] == a[2]
     s1, s2 = Sampler(prm), Sampler(prm)
     assert [s1.sample(x) for _ in range(100)] == [s2.sample(x) for _ in range(100)]
-    assert isinstance(s1.rng, np.random.Generator)
+    assert s1.key == 1234 and s1.index == 100
     assert isinstance(s1.sample(x), int)
 
 
 def test_sample_from_skips_zero_mass():
     s = Sampler(SamplingParams(temperature=1.0, seed=0))
     p = np.array([0.0, 0.5, 0.0, 0.5, 0.0])
-    seen = {s.sample_from(p) for _ in range(500)}
+    assert len({s.sample_from(p) for _ in range(20)}) == 1     # one position, one draw
+    seen = set()
+    for _ in range(500):
+        seen.add(s.sample_from(p))
+        s.accept(0)                                             # the next position
     assert seen == {1, 3}
     with pytest.raises(ValueError):
         s.sample_from(np.zeros(3))
@@ -221,3 +225,33 @@ def test_tiny_temperature_is_greedy(t):
     big = np.array([3e38, -3e38, 1.0], dtype=np.float32)
     probs = target_probs(big, SamplingParams(temperature=GREEDY_BELOW, top_k=0, top_p=1.0))
     assert np.isfinite(probs).all() and probs[0] == 1.0
+
+
+# ---- keyed noise -----------------------------------------------------------------
+
+def test_keyed_uniforms_are_uniform_and_a_function_of_key_position_and_token():
+    from ggpipe.keyed_noise import uniforms
+
+    ids = np.arange(50_000)
+    u = uniforms(7, 3, ids)
+    assert u.dtype == np.float64 and ((u > 0) & (u < 1)).all()
+    counts = np.bincount((u * 20).astype(int), minlength=20)
+    assert (np.abs(counts - 2500) < 5 * 50).all(), counts       # 20 equal bins
+    np.testing.assert_array_equal(u, uniforms(7, 3, ids))        # no state
+    np.testing.assert_array_equal(u[[5, 17]], uniforms(7, 3, np.array([5, 17])))   # random access
+    for other in (uniforms(8, 3, ids), uniforms(7, 4, ids)):     # another key, another position
+        assert abs(np.corrcoef(u, other)[0, 1]) < 0.02 and (u != other).mean() > 0.999
+    assert uniforms(2**63 - 1, 2**40, ids[:3]).shape == (3,)
+
+
+def test_gumbel_pick_is_an_exact_draw_over_positions():
+    from ggpipe.keyed_noise import gumbel_pick
+
+    p = np.array([0.5, 0.0, 0.2, 0.3])
+    n = 20_000
+    counts = np.bincount([gumbel_pick(p, 99, pos) for pos in range(n)], minlength=4)
+    assert counts[1] == 0
+    expected = n * p[[0, 2, 3]]
+    stat = float(((counts[[0, 2, 3]] - expected) ** 2 / expected).sum())
+    assert stat < 13.82     # chi-square, 2 degrees of freedom, p = 0.001
+    assert gumbel_pick(p, 99, 5) == gumbel_pick(p * 3, 99, 5)    # unnormalised: the same draw

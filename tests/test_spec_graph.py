@@ -405,32 +405,6 @@ def test_tree_anchored_at_decided_node_is_born_dead():
     assert 4 in [i.run_id for i in g.retirable()]
 
 
-def test_draft_distributions_are_freed_once_verified_or_dead():
-    """Stochastic mode kept every node's draft distribution (float64
-    (n_vocab,), 393 KB for a 49,152-token vocabulary) for the whole request:
-    about 1 GB at 2,048 tokens. Only undecided nodes keep theirs now."""
-    g = greedy_graph()
-    pool = PartitionPool(n_seq_max=17, width=4)
-    r = g.add_root(R, P, run_id=1)
-    q = np.full(V, 1.0 / V)
-    t = SpecTree(P)
-    a = t.add(A, -1, p=0.9, probs=q)
-    b = t.add(B, a, p=0.8, probs=q)
-    t.add(C, b, p=0.7, probs=q)
-    t.add(E, -1, p=0.1, probs=q)
-    ids, *_ = attach(g, pool, r, t, run_id=2)
-    na, nb, nc, ne = ids
-    assert all(g.nodes[i].q is not None for i in ids)
-    g.set_result(1, rows(A))
-    g.advance()                                   # a accepted, e dead
-    assert g.nodes[na].q is None and g.nodes[ne].q is None
-    assert g.nodes[nb].q is not None and g.nodes[nc].q is not None  # not decided yet
-    g.set_result(2, rows(X, Z, Z, Z))             # b rejected: b and c die
-    g.advance()
-    assert all(g.nodes[i].q is None for i in ids)
-
-
-
 def test_graph_is_trimmed_behind_the_committed_prefix():
     """A long request keeps a bounded graph. Nodes far
     behind the committed node that no run still holds are dropped

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ggpipe.sampling import Sampler, target_probs
+from ggpipe.sampling import Sampler
 from ggpipe.sampling_params import SamplingParams
 from ggpipe.speculation.tree import SpecTree
 from ggpipe.speculation.verify import verify_step, walk_tree
@@ -58,7 +58,6 @@ def test_positions_depth_paths_leaves():
     assert t.children(-1) == [0, 4] and t.children(1) == [2, 3] and t.children(2) == []
     assert t.max_pos() == 13
     assert t.draft_p == [0.6, 0.5, 0.4, 0.3, 0.2]
-    assert t.draft_probs == [None] * 5
 
 
 def test_empty_tree():
@@ -79,11 +78,10 @@ def test_add_rejects_missing_parent():
         t.add(2, 1)
 
 
-def test_add_keeps_draft_distribution():
-    q = np.full(V, 1.0 / V)
+def test_add_keeps_draft_probability():
     t = SpecTree(0)
-    i = t.add(np.int64(3), -1, p=np.float32(0.25), probs=q)
-    assert t.draft_probs[i] is q and t.draft_p[i] == 0.25
+    i = t.add(np.int64(3), -1, p=np.float32(0.25))
+    assert t.draft_p[i] == 0.25
     assert type(t.tokens[i]) is int and type(t.draft_p[i]) is float
 
 
@@ -149,31 +147,29 @@ def test_batch_is_tree_attention(t):
 
 def test_greedy_accepts_child_with_argmax():
     s = greedy()
-    assert verify_step(onehot(7), [3, 7, 9], [None] * 3, s) == (7, 1)
-    assert verify_step(onehot(3), [3, 7, 9], [None] * 3, s) == (3, 0)
+    assert verify_step(onehot(7), [3, 7, 9], s) == (7, 1)
+    assert verify_step(onehot(3), [3, 7, 9], s) == (3, 0)
 
 
 def test_greedy_no_matching_child():
-    assert verify_step(onehot(4), [3, 7], [None, None], greedy()) == (4, None)
-    assert verify_step(onehot(4), [], [], greedy()) == (4, None)
+    assert verify_step(onehot(4), [3, 7], greedy()) == (4, None)
+    assert verify_step(onehot(4), [], greedy()) == (4, None)
 
 
 def test_greedy_duplicates_pick_first_and_tie_first_index():
     s = greedy()
-    assert verify_step(onehot(5), [1, 5, 5], [None] * 3, s) == (5, 1)
+    assert verify_step(onehot(5), [1, 5, 5], s) == (5, 1)
     x = np.zeros(V, dtype=np.float32)
     x[[2, 9]] = 3.0                    # tie: first index, like llama.cpp's greedy
-    assert verify_step(x, [9, 2], [None, None], s) == (2, 1)
+    assert verify_step(x, [9, 2], s) == (2, 1)
 
 
-def test_greedy_ignores_q_and_draws_nothing():
+def test_greedy_advances_the_output_index_by_one():
     s = greedy()
-    state = s.rng.bit_generator.state
-    q = np.full(V, 1.0 / V)
-    for _ in range(10):
-        assert verify_step(onehot(6), [6, 1], [q, None], s) == (6, 0)
-    assert s.rng.bit_generator.state == state
-    assert isinstance(verify_step(onehot(6), [6], [None], s)[0], int)
+    for i in range(10):
+        assert verify_step(onehot(6), [6, 1], s) == (6, 0)
+        assert s.index == i + 1
+    assert isinstance(verify_step(onehot(6), [6], s)[0], int)
 
 
 def test_greedy_matches_plain_argmax_on_random_logits():
@@ -182,7 +178,7 @@ def test_greedy_matches_plain_argmax_on_random_logits():
     for _ in range(200):
         x = rng.normal(0, 2, V).astype(np.float32)
         kids = rng.integers(0, V, size=rng.integers(0, 4)).tolist()
-        t, k = verify_step(x, kids, [None] * len(kids), s)
+        t, k = verify_step(x, kids, s)
         assert t == int(np.argmax(x))
         assert k == (kids.index(t) if t in kids else None)
 
@@ -194,60 +190,57 @@ def stoch(seed=0, **kw) -> Sampler:
     return Sampler(SamplingParams(seed=seed, **kw))
 
 
-def test_stochastic_needs_q():
-    with pytest.raises(ValueError):
-        verify_step(onehot(1), [1], [None], stoch())
-
-
 def test_stochastic_no_children_samples_target():
     s = stoch(seed=3, temperature=0.5)
     x = np.random.default_rng(1).normal(0, 1, V).astype(np.float32)
     ref = stoch(seed=3, temperature=0.5)
     for _ in range(20):
-        t, k = verify_step(x, [], [], s)
+        t, k = verify_step(x, [], s)
         assert k is None and t == ref.sample(x)
 
 
-def test_stochastic_q_equal_p_always_accepts_first_child():
-    x = np.random.default_rng(2).normal(0, 2, V).astype(np.float32)
-    s = stoch(seed=1, top_k=6)
-    p = target_probs(x, s.params)
-    for _ in range(200):
-        kids = s.rng.choice(V, size=2, p=p).tolist()
-        assert verify_step(x, kids, [p, p], s) == (kids[0], 0)
+def test_stochastic_decides_what_plain_sampling_decides_whatever_was_drafted():
+    """Drafter invariance: the decided token is the sampler's own keyed draw
+    at the position, so any children (none, the right one, wrong ones, many)
+    leave the decided tokens those of plain sampling with the same seed."""
+    rng = np.random.default_rng(2)
+    rows = [rng.normal(0, 2, V).astype(np.float32) for _ in range(300)]
+    plain = stoch(seed=11, top_k=6)
+    expected = [plain.sample(x) for x in rows]
+    for offer in (lambda t: [], lambda t: [t], lambda t: [(t + 1) % V], lambda t: rng.integers(0, V, 3).tolist()):
+        s = stoch(seed=11, top_k=6)
+        got = []
+        for x, want in zip(rows, expected):
+            kids = offer(want)
+            t, k = verify_step(x, kids, s)
+            got.append(t)
+            assert k == (kids.index(t) if t in kids else None)
+        assert got == expected
 
 
 def test_stochastic_never_accepts_zero_probability_token():
     s = stoch(seed=5, top_k=3)
     x = np.arange(V, dtype=np.float32)          # top-3: tokens 13..15
-    q = np.zeros(V)
-    q[0] = 1.0                                  # draft insists on token 0
     for _ in range(200):
-        t, k = verify_step(x, [0, 0], [q, q], s)
+        t, k = verify_step(x, [0, 0], s)        # the draft insists on token 0
         assert k is None and t in (13, 14, 15)
 
 
-def test_stochastic_child_with_zero_q_is_skipped():
-    s = stoch(seed=6)
-    x = np.zeros(V, dtype=np.float32)
-    q = np.zeros(V)
-    q[1] = 1.0
-    for _ in range(50):
-        t, k = verify_step(x, [2], [q], s)       # 2 was "offered" with q(2) = 0
-        assert k is None
-
-
-def test_stochastic_reproducible_with_seed():
+def test_stochastic_reproducible_with_seed_and_keyed_by_position():
     rng = np.random.default_rng(9)
     x = rng.normal(0, 1, V).astype(np.float32)
-    q = rng.dirichlet(np.ones(V))
-    kids = rng.choice(V, size=(100, 3), p=q).tolist()
+    kids = rng.integers(0, V, size=(100, 3)).tolist()
     runs = []
     for _ in range(2):
         s = stoch(seed=42)
-        runs.append([verify_step(x, k, [q] * 3, s) for k in kids])
+        runs.append([verify_step(x, k, s) for k in kids])
     assert runs[0] == runs[1]
     assert all(isinstance(t, int) for t, _ in runs[0])
+    assert len({t for t, _ in runs[0]}) > 1        # the same row, other positions: other draws
+    later = Sampler(SamplingParams(seed=42, temperature=1.0, top_k=0, top_p=1.0), history=range(50))
+    for _ in range(50):
+        later.accept(0)                        # 50 tokens decided (the prompt before them does not count)
+    assert [later.sample(x) for _ in range(50)] == [t for t, _ in runs[0][50:]]   # the output index keys the draw
 
 
 # ---- walk_tree ------------------------------------------------------------------
@@ -259,8 +252,8 @@ class Toy:
         self.tokens, self.kids, self.logits = tokens, children, logits
 
     def walk(self, start, sampler):
-        return walk_tree(lambda n: self.kids.get(n, []), lambda n: self.tokens[n], lambda n: None,
-                         lambda n: self.logits.get(n), start, sampler)
+        return walk_tree(lambda n: self.kids.get(n, []), lambda n: self.tokens[n], lambda n: self.logits.get(n),
+                         start, sampler)
 
 
 def test_walk_tree_stops_when_logits_missing():
@@ -287,16 +280,12 @@ def test_walk_tree_leaf_with_logits_samples_bonus_token():
     assert toy.walk(0, greedy()) == ([3, 11], [1], True)
 
 
-def test_walk_tree_of_chosen_nodes_draws_once_per_position():
-    """Chosen nodes (a draft's greedy chain) under sampling: no draft
-    distribution is needed, and each position spends one draw, so the walk
-    decides the tokens plain sampling with the same seed decides."""
+def test_walk_tree_under_sampling_decides_what_plain_sampling_decides():
+    """Under sampling each position is decided by the sampler's keyed draw,
+    so the walk decides the tokens plain sampling with the same seed decides."""
     toy = Toy({0: 0, 1: 3, 2: 5}, {0: [1], 1: [2]}, {0: onehot(3, 1.0), 1: onehot(5, 1.0), 2: onehot(7, 1.0)})
     params = SamplingParams(temperature=0.9, top_k=0, top_p=1.0, seed=4)
-    with pytest.raises(ValueError, match="draft distribution"):
-        toy.walk(0, Sampler(params))
-    tokens, nodes, complete = walk_tree(lambda n: toy.kids.get(n, []), lambda n: toy.tokens[n], lambda n: None,
-                                        lambda n: toy.logits.get(n), 0, Sampler(params), chosen=True)
+    tokens, nodes, complete = toy.walk(0, Sampler(params))
     plain = Sampler(params)
     expected = []
     for n in [0, 1, 2]:

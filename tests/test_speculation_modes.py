@@ -277,6 +277,30 @@ def test_greedy_pipedec_equals_single_node_target(goliath, smollm2, reference, r
     assert accepted > 0
 
 
+SEEDED = [("pipeinfer-draft", ["--mode", "pipeinfer"], True), ("speculative-ngram", ["--mode", "speculative",
+                                                                                     "--spec-type", "ngram"], False),
+          ("pipeinfer-staged", ["--mode", "pipeinfer", "--spec-type", "staged"], True),
+          ("speculative-vote", ["--mode", "speculative", "--spec-type", "vote"], True)]
+
+
+@pytest.mark.parametrize("name,args,draft", SEEDED, ids=[n for n, _, _ in SEEDED])
+def test_sampled_speculation_gives_iterative_tokens_for_the_seed(goliath, smollm2, name, args, draft):
+    """Drafter invariance on real ranks: with a seed, each position is the
+    target's keyed draw (ggpipe.speculation.verify), so a sampled run of
+    any mode and strategy gives the tokens of single-node iterative
+    sampling with that seed, whatever was drafted and whenever (PipeInfer's
+    drafts follow timing), wherever the target's logits agree bit for bit.
+    tests/test_long_generation.py checks it in every build on the toy
+    pipelines."""
+    if not rows_exact(goliath):
+        pytest.skip("this build's batch rows differ from lone-token rows (llamafile's sgemm): a seeded draw can "
+                    "land on the other side of a shifted boundary; exact with --exact in the exact build")
+    sampling = ["--temp", "0.8", "--seed", "11", "--ignore-eos"]
+    want = generate_json(goliath, PROMPTS[1], 64, None, sampling)["tokens"]
+    got = generate_json(goliath, PROMPTS[1], 64, 2, [*(["-md", str(smollm2)] if draft else []), *args, *sampling])
+    assert got["tokens"] == want, name
+
+
 @pytest.mark.parametrize("ranks,split,extra", [(2, None, []), (3, "0.5,0.5/1.0", ["--tree-width", "4"])],
                          ids=["R2", "R3-tree"])
 def test_sampled_pipedec_gives_iterative_tokens_for_the_seed(goliath, smollm2, ranks, split, extra):

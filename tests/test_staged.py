@@ -27,7 +27,7 @@ from test_spec_statistics import chi2, critical  # noqa: E402
 def _grow(name, ctx, period, cutoff=0.0, n=6, params=SamplingParams(), seed=0):
     pipe = FakePipeline(ToyLM(V, period=period), latency=1, name="draft", cell_order=True)
     p = make_proposer(name, ProposerConfig(backend=pipe, n_vocab=V, n_ubatch=64))
-    p.start(params, np.random.default_rng(seed))
+    p.start(params, seed)
     p.begin(list(ctx), cutoff, n)
     tree = None
     while tree is None:
@@ -109,7 +109,7 @@ def _grow_timed(ctx, period, step_s, marginal_s, n=6, trees=1, guesses=None):
     ``trees`` trees in a row, each below the last one's chain."""
     pipe = FakePipeline(ToyLM(V, period=period), latency=1, name="draft", cell_order=True)
     p = make_proposer("staged", ProposerConfig(backend=pipe, n_vocab=V, n_ubatch=64, options=_guesses(guesses)))
-    p.start(SamplingParams(), np.random.default_rng(0))
+    p.start(SamplingParams(), 0)
     p.timed(1, step_s)
     p.timed(2, step_s + marginal_s)
     ctx = list(ctx)

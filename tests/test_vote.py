@@ -130,10 +130,10 @@ def test_vote_agreement_raises_confidence_and_ngram_extends_the_draft():
     ctx = REPEATING + [1, 2, 3]
     draft = FakePipeline(ToyLM(V, period=period), latency=1, name="draft")
     p = make_proposer("vote", ProposerConfig(backend=draft, n_vocab=V, n_ubatch=8, options=_members(("draft", "ngram"))))
-    p.start(SamplingParams(), np.random.default_rng(0))
+    p.start(SamplingParams(), 0)
     draft_only = make_proposer("draft", ProposerConfig(backend=FakePipeline(ToyLM(V, period=period), latency=1,
                                                                             name="d2"), n_vocab=V, n_ubatch=8))
-    draft_only.start(SamplingParams(), np.random.default_rng(0))
+    draft_only.start(SamplingParams(), 0)
     alone = _run(draft_only, ctx, 0.34, 6, 0.3)
     tree = _run(p, ctx, 0.34, 6, 0.3)
     assert tree.tokens == [4, 5, 6, 7, 8, 9]
@@ -148,7 +148,7 @@ def test_vote_overrules_the_draft_as_soon_as_it_is_outvoted():
     and the n-gram chain is what the target gets."""
     ctx = REPEATING + [1, 2, 3]
     p, draft = _vote(flip=1.0, latency=3)                   # a draft that is always wrong
-    p.start(SamplingParams(), np.random.default_rng(0))
+    p.start(SamplingParams(), 0)
     p.book.weights = [0.25, 1.0]
     tree = _run(p, ctx, 0.0, 4)
     assert tree.tokens == [4, 5, 6, 7]
@@ -160,7 +160,7 @@ def test_vote_overrules_the_draft_as_soon_as_it_is_outvoted():
 
 def test_vote_cut_hands_over_the_drafts_chain():
     p, draft = _vote(latency=1)
-    p.start(SamplingParams(), np.random.default_rng(0))
+    p.start(SamplingParams(), 0)
     ctx = list(PROMPT)
     p.begin(ctx, 0.0, 6)
     while not p.can_cut():

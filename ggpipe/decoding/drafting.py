@@ -147,9 +147,9 @@ class Drafting(Mode):
         new root."""
         core = self.core
         r = self.r = core.begin(prompt, n_predict, sampler, emit, clock, history, self._cutoff())
-        self.proposer.start(sampler.params,
-                            np.random.default_rng(None if sampler.params.seed is None else sampler.params.seed + 1),
-                            core.acceptance.at_look if self.adaptive else None)
+        # the draft draws with the sampler's noise: output index i is the token at position len(context) + i
+        self.proposer.start(sampler.params, sampler.key, core.acceptance.at_look if self.adaptive else None,
+                            first_pos=len(r.context) - sampler.index)
         core.submit_prompt(len(prompt), start_pos)
         self.proposer.prefill(r.context[:-1])
         logits = core.prompt_logits()

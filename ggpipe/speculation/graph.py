@@ -50,10 +50,7 @@ class Node:
         parent: the node whose logits decide it (-1: a root).
         run_id: the run that evaluates it.
         seq: a KV sequence id holding its cell.
-        q: the draft distribution it was drawn from (float64 (n_vocab,)), or
-            None (greedy drafting; dropped once verified).
         dp: the draft's probability of ``token``.
-        chosen: chosen by the draft (a PipeDec layer), not drawn from ``q``.
         state: PENDING, ACCEPTED or DEAD.
         logits: its logit row once its run returned (float32 (n_vocab,), or
             a compact :class:`~ggpipe.logits.TopRow`; dropped once consumed).
@@ -64,9 +61,7 @@ class Node:
     parent: int            # node id, -1 for a root node
     run_id: int
     seq: int               # a KV sequence id holding this node's cell
-    q: np.ndarray | None = None
     dp: float = 1.0        # draft probability of this token
-    chosen: bool = False   # chosen by the draft (a PipeDec layer), not drawn from q
     state: int = PENDING
     logits: np.ndarray | None = None
     children: list[int] = field(default_factory=list)
@@ -156,8 +151,7 @@ class SpecGraph:
         for i in range(len(tree)):
             parent = anchor if tree.parent[i] == -1 else ids[tree.parent[i]]
             nid = self._new_id()
-            self.nodes[nid] = Node(tree.tokens[i], tree.pos(i), parent, run_id, seq_of[i], q=tree.draft_probs[i],
-                                   dp=tree.draft_p[i])
+            self.nodes[nid] = Node(tree.tokens[i], tree.pos(i), parent, run_id, seq_of[i], dp=tree.draft_p[i])
             self.nodes[parent].children.append(nid)
             info.nodes.append(nid)
             ids.append(nid)
@@ -178,9 +172,7 @@ class SpecGraph:
         """Attach one layer of a PipeDec prediction tree as run ``run_id``:
         node i is ``tokens[i]`` below node ``parents[i]`` (nodes of several
         parents share the run), in KV sequence ``seqs[i]``, drawn with draft
-        probability ``dps[i]``; the draft *chose* these tokens (no draft
-        distribution is kept: stochastic verification treats them as point
-        masses, ggpipe.speculation.verify); the sequences belong to KV
+        probability ``dps[i]``; the sequences belong to KV
         partition ``partition``. Nodes below a dead parent, or below one
         whose children were already decided, are dead from birth. Returns
         the new node ids."""
@@ -195,7 +187,7 @@ class SpecGraph:
         for parent, tok, dp, s in zip(parents, tokens, dps, seqs):
             pn = self.nodes[parent]
             nid = self._new_id()
-            node = Node(int(tok), pn.pos + 1, parent, run_id, int(s), dp=float(dp), chosen=True)
+            node = Node(int(tok), pn.pos + 1, parent, run_id, int(s), dp=float(dp))
             if self._closed(parent):
                 node.state = DEAD
             self.nodes[nid] = node
@@ -246,17 +238,12 @@ class SpecGraph:
             if c.logits is None:
                 break
             kids = [k for k in c.children if self.nodes[k].state != DEAD]
-            by_choice = [self.nodes[j].chosen for j in kids]
-            if any(by_choice) and not all(by_choice):
-                raise ValueError(f"node {self.committed}: children both drawn from the draft and chosen by it")
-            t, k = verify_step(c.logits, [self.nodes[j].token for j in kids],
-                               [self.nodes[j].q for j in kids], self.sampler, chosen=any(by_choice))
+            t, k = verify_step(c.logits, [self.nodes[j].token for j in kids], self.sampler)
             c_logits, c.logits = c.logits, None  # consumed; frees memory
             chosen = kids[k] if k is not None else None
             if kids:
                 self.draft_stats.record(self._position, chosen is not None)
             for j in kids:
-                self.nodes[j].q = None  # verified: its draft distribution (float64 (n_vocab,)) is not needed again
                 self.verified.append((self.nodes[j].dp, j == chosen))
                 if j != chosen:
                     self._kill(j)
@@ -311,7 +298,6 @@ class SpecGraph:
                 continue
             n.state = DEAD
             n.logits = None
-            n.q = None
             stack.extend(n.children)
 
     def kill_all_pending(self) -> None:

@@ -99,7 +99,6 @@ class LayerDrafter:
 
     name = "pipedec"
     instant = False
-    iid_children = False
     step_s = None
 
     def __init__(self, backend: DecodeBackend, n_seq_max: int, width: int, max_children: int, n_ubatch: int,

@@ -25,22 +25,17 @@ class SpecTree:
         anchor_pos: position of the anchor token (int).
         tokens: draft token of each node.
         parent: parent node index, -1 below the anchor.
-        draft_probs: per node, the draft distribution its token was drawn
-            from (float64 (n_vocab,), the draft's sampling distribution at the
-            parent), or None when drafting was greedy.
         draft_p: per node, the draft probability of its own token.
     """
 
     anchor_pos: int
     tokens: list[int] = field(default_factory=list)
     parent: list[int] = field(default_factory=list)
-    draft_probs: list[np.ndarray | None] = field(default_factory=list)
     draft_p: list[float] = field(default_factory=list)
 
-    def add(self, token: int, parent: int, p: float = 1.0, probs: np.ndarray | None = None) -> int:
+    def add(self, token: int, parent: int, p: float = 1.0) -> int:
         """Append a node: draft ``token`` below node ``parent`` (-1: below the
-        anchor), with its draft probability ``p`` and the distribution ``probs``
-        it was drawn from (None: greedy); returns the new node's index.
+        anchor), with its draft probability ``p``; returns the new node's index.
 
         Raises:
             ValueError: ``parent`` is not an existing node or -1."""
@@ -49,13 +44,12 @@ class SpecTree:
         self.tokens.append(int(token))
         self.parent.append(int(parent))
         self.draft_p.append(float(p))
-        self.draft_probs.append(probs)
         return len(self.tokens) - 1
 
     def prefix(self, n: int) -> "SpecTree":
         """The first ``n`` nodes (whose parents all come before them, as
         :meth:`add` builds trees) as a tree of their own."""
-        return SpecTree(self.anchor_pos, self.tokens[:n], self.parent[:n], self.draft_probs[:n], self.draft_p[:n])
+        return SpecTree(self.anchor_pos, self.tokens[:n], self.parent[:n], self.draft_p[:n])
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -146,5 +140,5 @@ class SpecTree:
         out = SpecTree(anchor_pos=self.anchor_pos + len(decided))
         new_index = {cur: -1}
         for j in keep:  # index order: parents first
-            new_index[j] = out.add(self.tokens[j], new_index[self.parent[j]], self.draft_p[j], self.draft_probs[j])
+            new_index[j] = out.add(self.tokens[j], new_index[self.parent[j]], self.draft_p[j])
         return out, new_index

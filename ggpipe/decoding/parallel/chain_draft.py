@@ -33,7 +33,6 @@ No MPI here; the waits are the head's (``ggpipe.pipeline.waiting``).
 
 from __future__ import annotations
 
-import numpy as np
 
 from typing import Callable, Protocol, runtime_checkable
 
@@ -207,7 +206,7 @@ class ChainDrafter:
     def _start(self) -> None:
         """Start the proposer once, greedy (its chains are the draft's choice, whatever the request samples)."""
         if not self._started:
-            self.proposer.start(SamplingParams(), np.random.default_rng(0), None)
+            self.proposer.start(SamplingParams(), 0, None)
             self._started = True
 
     @property

@@ -152,16 +152,15 @@ class LoneDrafts:
         """The tokens a row decides: its sampled token, or for a chain the
         drafted tokens the target's decisions agree with and the target's
         token after them (the chain walked as a tree of one branch,
-        :func:`~ggpipe.speculation.verify.walk_tree`, its drafted tokens
-        chosen by the draft: point masses; greedy, the
-        target's argmax; sampled, one draw per position from the target's
-        distribution, as decoding without a draft draws: lossless, and a
-        seeded request decides the tokens it decides alone wherever the
-        rows agree bit for bit). The cells of the drafted tokens it refuses
-        are removed by :meth:`settle`."""
+        :func:`~ggpipe.speculation.verify.walk_tree`: greedy, the target's
+        argmax; sampled, the target's keyed draw at each position, as
+        decoding without a draft draws: lossless, and a seeded request
+        decides the tokens it decides alone wherever the rows agree bit for
+        bit). The cells of the drafted tokens it refuses are removed by
+        :meth:`settle`."""
         chain = row.chain     # node i: the row's token (0) or drafted token i; node i's logits decide node i + 1
         decided, _, _ = walk_tree(lambda i: [i + 1] if i < len(chain) else [], lambda i: chain[i - 1],
-                                  lambda i: None, logits.__getitem__, 0, row.job.sampler, chosen=True)
+                                  logits.__getitem__, 0, row.job.sampler)
         if row.chain:
             matched = len(decided) - 1
             self.gate.observe(matched, len(row.chain))

@@ -13,7 +13,7 @@ Core (:class:`Proposer`, what the loop always needs), one proposer per
 decoder (it may keep caches across requests):
 
 * llama.cpp's *begin* (``common_speculative_begin(spec, prompt)``):
-  ``start(params, rng, acceptance)`` at the start of each request (with
+  ``start(params, key, acceptance)`` at the start of each request (with
   ``acceptance``, a calibration draft probability -> P(accepted), the cutoff
   applies to the product of calibrated acceptance along a path), then
   ``prefill(context)`` once the prompt is known (may start work and return
@@ -72,7 +72,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, runtime_checkable
 
-import numpy as np
 
 from ggpipe.backend import DecodeBackend
 from ggpipe.kv_reuse import reusable_prefix
@@ -144,9 +143,6 @@ class Proposer(Protocol):
 
     Attributes:
         name: the ``--spec-type`` name.
-        iid_children: every child a tree offers is an independent draw from
-            the distribution it carries (``SpecTree.draft_probs``), so
-            stochastic (SpecInfer MSS) verification stays exact.
         instant: drafting costs nothing worth overlapping (it happens on the
             head inside ``begin``; ``poll`` never waits).
         active: a micro-batch is being drafted (``begin`` .. ``poll``'s tree).
@@ -161,17 +157,21 @@ class Proposer(Protocol):
     """
 
     name: str
-    iid_children: bool
     instant: bool
     active: bool
     stats: dict
     step_s: float | None
     cursor: list[int] | None
 
-    def start(self, params: SamplingParams, rng: np.random.Generator,
-              acceptance: Callable[[float], float] | None = None) -> None:
+    def start(self, params: SamplingParams, key: int,
+              acceptance: Callable[[float], float] | None = None, *, first_pos: int = 0) -> None:
         """A new request (llama.cpp's ``common_speculative_begin``): its sampling
-        parameters and drafting RNG; ``acceptance`` (draft probability ->
+        parameters and the key of its sampler's noise (``Sampler.key``: a
+        drafter that samples draws with the same keyed noise,
+        ggpipe.keyed_noise, so its proposals follow the target's picks; the
+        noise of the token at position ``p`` is keyed by its output index
+        ``p - first_pos``, ``first_pos`` the position of the request's first
+        generated token); ``acceptance`` (draft probability ->
         calibrated P(accepted)) makes the cutoff apply to the product of
         calibrated acceptance along a path, None to each token's draft
         probability. Any micro-batch is dropped."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Container
 from typing import Callable, ClassVar
 
-import numpy as np
 
 from ggpipe.sampling_params import SamplingParams
 from ggpipe.speculation.cutoff import confident_depth
@@ -50,8 +49,6 @@ class ProposerBase:
             ``auto`` for this strategy (where it measured better,
             docs/user-guide/speculative.md, Knobs); elsewhere the fixed cutoff
             (``SpecSettings.p_accept``). :data:`EVERY_MODE`: everywhere.
-        iid_children: every child a tree offers is an independent draw from
-            the distribution it carries (stochastic verification stays exact).
         bench_variants: ``ggpipe bench --modes`` name -> ``ggpipe generate``
             arguments of the rows this strategy adds to the benchmark (none
             by default: the modes' rows draft with the default strategy).
@@ -63,7 +60,6 @@ class ProposerBase:
     needs_draft_model: ClassVar[bool] = False
     Options: ClassVar[type] = NoOptions
     p_accept_auto_in: ClassVar[Container[str]] = ()
-    iid_children = True
     bench_variants: ClassVar[dict[str, list[str]]] = {}
     cursor: list[int] | None = None   # no KV of the context (a draft model's proposer keeps one)
 
@@ -177,10 +173,10 @@ class InstantProposer(ProposerBase):
         self._tree: SpecTree | None = None
         self.acceptance: Callable[[float], float] | None = None
 
-    def start(self, params: SamplingParams, rng: np.random.Generator,
-              acceptance: Callable[[float], float] | None = None) -> None:
+    def start(self, params: SamplingParams, key: int,
+              acceptance: Callable[[float], float] | None = None, *, first_pos: int = 0) -> None:
         """A new request: drop any micro-batch; keep ``acceptance`` for
-        :meth:`begin`'s cutoff (``params`` and ``rng`` are not used here)."""
+        :meth:`begin`'s cutoff (``params``, ``key`` and ``first_pos`` are not used here)."""
         self.active = False
         self._tree = None
         self.acceptance = acceptance

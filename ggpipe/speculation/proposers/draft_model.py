@@ -35,6 +35,7 @@ from typing import Callable
 
 import numpy as np
 
+from ggpipe.keyed_noise import gumbel_pick
 from ggpipe.logits import best
 from ggpipe.sampling import target_probs
 from ggpipe.sampling_params import SamplingParams
@@ -69,7 +70,8 @@ class DraftModelProposer(ProposerBase):
             raise ValueError("--spec-type draft needs a draft model: give one with -md (e.g. -md smollm2-135m)")
         self.pipe: DecodeBackend = cfg.backend
         self.params = SamplingParams()
-        self.rng = np.random.default_rng()
+        self.key = 0                     # the request's sampler key (keyed noise, ggpipe.keyed_noise)
+        self.first_pos = 0               # the position of the request's first generated token
         self.p_split = cfg.p_split
         self.timeout_s = cfg.timeout_s
         self.width = cfg.width
@@ -91,18 +93,16 @@ class DraftModelProposer(ProposerBase):
         self._path = 1.0
         self.step_s: float | None = None  # EWMA of a one-token draft decode's round trip (seconds)
 
-    # stochastic trees are chains of draws from q (greedy trees may carry top-k siblings)
-    iid_children = True
-
-    def start(self, params: SamplingParams, rng: np.random.Generator,
-              acceptance: Callable[[float], float] | None = None) -> None:
-        """A new request: its sampling parameters and drafting RNG. With
+    def start(self, params: SamplingParams, key: int,
+              acceptance: Callable[[float], float] | None = None, *, first_pos: int = 0) -> None:
+        """A new request: its sampling parameters and its sampler's key
+        (stochastic drafts are drawn with the target's keyed noise). With
         ``acceptance`` (draft probability -> estimated acceptance), drafting
         goes on while the product of estimated acceptance along the path
         since :meth:`begin` stays at or above the cutoff; without it, while
         each token's draft probability does (PipeInfer's fixed cutoff)."""
         self.params = params
-        self.rng = rng
+        self.key, self.first_pos = key, first_pos
         self.acceptance = acceptance
         self.active = False
         self.tree = None
@@ -330,8 +330,11 @@ class DraftModelProposer(ProposerBase):
         """Draft one level from one row of logits: add the node (and, greedy,
         its sibling leaves) below the chain's tip and return its token; None
         when the cutoff or ``max_nodes`` ends the tree. Stochastic: the token
-        is an exact draw from q; with a ``guess`` g it is g with probability
-        q(g), else a draw from q without g (renormalised), which is again q."""
+        is the draw from q with the noise the target's sampler uses at that
+        position (Gumbel-max, ggpipe.keyed_noise: an exact draw from q,
+        coupled to the target's pick, so it is accepted about as often as
+        multi-step speculative sampling would accept a draw); a ``guess``
+        does not change it."""
         tree = self.tree
         greedy = self.params.greedy
         if greedy:
@@ -363,15 +366,9 @@ class DraftModelProposer(ProposerBase):
                         break
                     tree.add(t, self._parent, qt)
         else:
-            if guess is None:
-                tok = int(self.rng.choice(q.shape[0], p=q))
-            elif self.rng.random() < q[guess]:
-                tok = int(guess)
-            else:
-                rest = q.copy()
-                rest[guess] = 0.0
-                tok = int(self.rng.choice(q.shape[0], p=rest / rest.sum()))
-            node = tree.add(tok, self._parent, float(q[tok]), probs=q)
+            pos = (tree.anchor_pos if self._parent == -1 else tree.pos(self._parent)) + 1
+            tok = gumbel_pick(q, self.key, pos - self.first_pos)
+            node = tree.add(tok, self._parent, float(q[tok]))
             if self.acceptance is not None:  # the path goes on through the drawn token
                 self._path = prev_path * self.acceptance(float(q[tok]))
         self._parent = node

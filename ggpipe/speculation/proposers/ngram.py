@@ -128,12 +128,11 @@ class NgramProposer(InstantProposer):
         self.params = SamplingParams()
         self.stats = {"ngram_lookups": 0, "ngram_hits": 0}
 
-    def start(self, params: SamplingParams, rng: np.random.Generator,
-              acceptance: Callable[[float], float] | None = None) -> None:
-        """A new request: as :meth:`InstantProposer.start`, and keep ``params``
-        (stochastic sampling gives each node a one-hot draft distribution) and
-        reset this request's lookup counters."""
-        super().start(params, rng, acceptance)
+    def start(self, params: SamplingParams, key: int,
+              acceptance: Callable[[float], float] | None = None, *, first_pos: int = 0) -> None:
+        """A new request: as :meth:`InstantProposer.start`, and reset this
+        request's lookup counters."""
+        super().start(params, key, acceptance, first_pos=first_pos)
         self.params = params
         self.stats.update(ngram_lookups=0, ngram_hits=0)   # this request's lookups
 
@@ -146,9 +145,5 @@ class NgramProposer(InstantProposer):
         conf = n / (n + 1)   # a longer matched suffix predicts better (calibrated by --p-accept auto)
         parent = -1
         for t in toks:
-            q = None
-            if not self.params.greedy:
-                q = np.zeros(self.n_vocab, dtype=np.float64)
-                q[t] = 1.0
-            parent = tree.add(t, parent, conf, probs=q)
+            parent = tree.add(t, parent, conf)
         return tree

@@ -55,7 +55,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
 
 from ggpipe.sampling_params import SamplingParams
 from ggpipe.speculation.cutoff import confident_depth
@@ -99,7 +98,6 @@ class VoteProposer(ProposerBase):
 
     name = "vote"
     summary = "Minions' weighted majority vote of the --spec-vote proposers"
-    iid_children = True
     bench_variants = {"vote": ["--mode", "pipeinfer", "--spec-type", "vote"]}
 
     @dataclass(frozen=True)
@@ -175,15 +173,16 @@ class VoteProposer(ProposerBase):
 
     # -- life of a request ----------------------------------------------------
 
-    def start(self, params: SamplingParams, rng: np.random.Generator,
-              acceptance: Callable[[float], float] | None = None) -> None:
-        """A new request: every member starts (each with an RNG stream of its own
-        spawned from ``rng``; ``acceptance`` only for the leads), the weights'
+    def start(self, params: SamplingParams, key: int,
+              acceptance: Callable[[float], float] | None = None, *, first_pos: int = 0) -> None:
+        """A new request: every member starts (each with the request's ``key``: a
+        member that samples draws with the target's keyed noise; ``acceptance``
+        only for the leads), the weights'
         pending votes are dropped (the weights are kept), this request's counters
         reset."""
         self.params = params
         self.acceptance = acceptance
-        self.crew.start(params, rng, acceptance)
+        self.crew.start(params, key, acceptance, first_pos=first_pos)
         self.book.start()
         self._counts = dict.fromkeys(self._counts, 0)   # this request's (the members reset their own)
         self.active = False
@@ -297,11 +296,7 @@ class VoteProposer(ProposerBase):
             miss = 1.0
             for i in support(seqs, path, level):
                 miss *= 1.0 - probs[i][level]
-            q = None
-            if not self.params.greedy:
-                q = np.zeros(self.n_vocab, dtype=np.float64)
-                q[tok] = 1.0
-            parent = tree.add(tok, parent, 1.0 - miss, probs=q)
+            parent = tree.add(tok, parent, 1.0 - miss)
         return tree
 
     # -- continuous speculation (the lead keeps drafting below its tip) --------

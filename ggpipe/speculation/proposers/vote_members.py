@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable
 
-import numpy as np
 
 from ggpipe.sampling_params import SamplingParams
 from ggpipe.speculation.majority import expand_members, member_of
@@ -83,16 +82,14 @@ class VoteMembers:
 
     # -- every member ---------------------------------------------------------
 
-    def start(self, params: SamplingParams, rng: np.random.Generator,
-              acceptance: Callable[[float], float] | None) -> None:
-        # a stream of its own per member: several draft models' results arrive in an order that timing decides,
-        # and draws from one shared stream would make what each drafts depend on that order
-        """Start every member for a new request, each with its own RNG stream
-        spawned from ``rng`` (what each drafts must not depend on the order in
-        which several draft models' results arrive); ``acceptance`` only for the
-        leads."""
-        for m, own in zip(self.members, rng.spawn(len(self.members))):
-            m.start(params, own, None if m.instant else acceptance)
+    def start(self, params: SamplingParams, key: int,
+              acceptance: Callable[[float], float] | None, *, first_pos: int = 0) -> None:
+        """Start every member for a new request, each with the request's
+        ``key`` (keyed noise has no stream to share: what each member draws
+        does not depend on the order in which several draft models' results
+        arrive); ``acceptance`` only for the leads."""
+        for m in self.members:
+            m.start(params, key, None if m.instant else acceptance, first_pos=first_pos)
 
     def prefill(self, context: list[int]) -> None:
         """Every member's :meth:`Proposer.prefill`."""
