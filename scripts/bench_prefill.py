@@ -31,8 +31,10 @@ generation ignored; ggpipe on one rank runs without ``mpiexec``):
   percentile while its prompt was processed (until its first token), and
   their ratio; the long request's time to first token. ggpipe ``serve
   --parallel 8`` against ``llama-server -np 8``.
-* ``first``: a fresh server; the first request after load (a 500-token
-  chat prompt, one token) and a second one of the same length: prompt
+* ``first``: a fresh server; the first request after load (one token)
+  and a second one of about the same length (the set's two chat prompts
+  closest in length, the longer first, since a longer prompt costs more
+  per token): prompt
   tokens per second of each (ggpipe's own ``prompt_s``; llama-server's
   ``timings``) and the first's over the second's.
 
@@ -72,7 +74,7 @@ WORKLOADS = {   # name: (default prompts, requests, tokens out, ggpipe ranks x t
     "long": ("long8.jsonl", 8, 64, (1, 2)),
     "long2": ("long8.jsonl", 8, 64, (2, 1)),
     "arrival": ("many16.jsonl", 7, 320, (1, 2)),
-    "first": ("long8.jsonl", 2, 1, (1, 2)),
+    "first": ("long8.jsonl", None, 1, (1, 2)),     # the two prompts of the set closest in length
 }
 ARRIVE_AFTER = 48   # chunks each running request streams before the long prompt arrives
 
@@ -250,6 +252,10 @@ def main() -> None:
     model = str(resolve(a.model))
     items = load_prompts(a.prompts or HERE / "prompts" / default_prompts)[:n_req]
     lengths = prompt_lengths(model, items)
+    if n_req is None:   # ``first``: the closest pair, the longer first
+        i, j = min(((i, j) for i in range(len(items)) for j in range(len(items)) if i != j
+                    and lengths[i] >= lengths[j]), key=lambda ij: lengths[ij[0]] - lengths[ij[1]])
+        items, lengths = [items[i], items[j]], [lengths[i], lengths[j]]
     npp = round(statistics.mean(lengths))
     cores = ranks * threads
     n_layer = read_model_info(Path(model)).n_layer
