@@ -151,6 +151,21 @@ class Engine:
                                doing=None if activity is None else activity.set)
         self.last: Completion | None = None
         self._kernels: dict | None = None
+        if declared.speculates and not recurrent:
+            self._say_rows(mode)
+
+    def _say_rows(self, mode: str) -> None:
+        """One line at start-up when this build's batch rows differ from
+        lone-token rows for the model (the row probe of :attr:`kernels`,
+        cached per model, build and setting): a speculative mode stays
+        lossless but may decide another token than iterative at a near-tie."""
+        k = self.kernels
+        if k.get("batch_rows_exact") is False:
+            sys.stderr.write(
+                f"ggpipe: note: in this build the model's batch rows differ from lone-token rows by up to "
+                f"{k['batch_rows_max_diff']:.3g} in the logits: --mode {mode} stays lossless (greedy: the target's "
+                f"argmax) but may give other tokens than iterative at a near-tie; bit-identical: the build without "
+                f"llamafile's sgemm, with --exact (docs/user-guide/exactness.md)\n")
 
     @property
     def kernels(self) -> dict:

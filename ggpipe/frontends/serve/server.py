@@ -159,7 +159,7 @@ class Server:
             info={"mode": engine.mode, "ranks": session.size, "hosts": session.hosts,
                   "chat_template": bool(engine.vocab.chat_template()),
                   "micro_batches": engine.loop.depth,
-                  "kernels": lambda: engine.kernels},   # the row probe: on the first /v1/models, not at start-up
+                  "kernels": lambda: engine.kernels},   # the row probe: at start-up in a speculative mode, else on the first /v1/models
             parallel=engine.parallel, slots=engine.loop.view, tokens_per_s=engine.loop.tokens_per_s,
             step_tokens=engine.loop.step_tokens)
         self.shutdown_grace_s = shutdown_grace_s
