@@ -110,11 +110,9 @@ def _grammar(fields: dict) -> str | None:
     if name == "grammar":
         return value
     try:
-        return json_grammar(value)
-    except ConfigError as e:   # "json_schema: ..." named after the field that carried the schema
-        text = str(e)
-        raise FieldError(name, f"{name}:{text.split(':', 1)[1]}" if text.startswith("json_schema:") else text) \
-            from None
+        return json_grammar(value, field=name)
+    except ConfigError as e:
+        raise FieldError(name, str(e)) from None
 
 
 #: The keys ``response_format`` may have, by its type (OpenAI's, and

@@ -216,7 +216,7 @@ def _bounds_problem(node: dict) -> str | None:
     for lo, hi in (("minLength", "maxLength"), ("minItems", "maxItems")):
         for k in (lo, hi):
             v = node.get(k)
-            if v is not None and isinstance(v, int) and v > REPEAT_MAX:
+            if isinstance(v, int) and v > REPEAT_MAX:
                 return f"{k} {v} is more than ggpipe compiles ({REPEAT_MAX})"
         a, b = node.get(lo), node.get(hi)
         if isinstance(a, int) and isinstance(b, int) and a > b:
@@ -251,7 +251,7 @@ def unsatisfiable(schema) -> str | None:
     return None
 
 
-def check_schema(schema: dict) -> None:
+def check_schema(schema: dict, field: str = "json_schema") -> None:
     """Refuse a JSON schema that is not one (the JSON Schema metaschema of
     its ``$schema``, draft 2020-12 when it names none: ``jsonschema``'s
     ``check_schema``), that the converter would loosen
@@ -259,7 +259,8 @@ def check_schema(schema: dict) -> None:
     (:func:`unsatisfiable`).
 
     Raises:
-        ConfigError: naming the problem and where it is.
+        ConfigError: naming ``field`` (the request field that carried the
+            schema), the problem and where it is.
     """
     import jsonschema  # noqa: PLC0415 (only requests with a schema need it)
 
@@ -268,25 +269,26 @@ def check_schema(schema: dict) -> None:
         cls.check_schema(schema)
     except jsonschema.SchemaError as e:
         where = ".".join(str(p) for p in e.path)
-        raise ConfigError(f"json_schema: not a valid JSON schema{f' (at {where})' if where else ''}: "
+        raise ConfigError(f"{field}: not a valid JSON schema{f' (at {where})' if where else ''}: "
                           f"{' '.join(e.message.split())[:160]}") from None
     bad = unenforced(schema)
     if bad is not None:
-        raise ConfigError(f"json_schema: {bad.rsplit('.', 1)[-1]!r} (at {bad}) is not enforced by the grammar "
+        raise ConfigError(f"{field}: {bad.rsplit('.', 1)[-1]!r} (at {bad}) is not enforced by the grammar "
                           "(llama-cpp-python's converter); leave it out")
     why = unsatisfiable(schema)
     if why is not None:
-        raise ConfigError(f"json_schema: {why}")
+        raise ConfigError(f"{field}: {why}")
 
 
-def json_grammar(schema: dict | None) -> str:
+def json_grammar(schema: dict | None, field: str = "json_schema") -> str:
     """GBNF for JSON output: any JSON object when ``schema`` is None or
     empty (``response_format: {"type": "json_object"}``, llama.cpp's
     ``-j '{}'``), else JSON valid under
     the JSON schema ``schema`` (llama-cpp-python's ``json_schema_to_gbnf``).
 
     Raises:
-        ConfigError: a schema :func:`check_schema` refuses (not a JSON
+        ConfigError: naming ``field`` (the request field that carried the
+            schema): a schema :func:`check_schema` refuses (not a JSON
             schema, a keyword the converter would ignore, unsatisfiable, too
             large to compile), or one the converter cannot turn into a grammar.
     """
@@ -294,11 +296,11 @@ def json_grammar(schema: dict | None) -> str:
 
     if not schema:    # None or {}: any JSON object (llama.cpp's -j '{}')
         return llama_grammar.JSON_GBNF
-    check_schema(schema)
+    check_schema(schema, field)
     try:
         gbnf = llama_grammar.json_schema_to_gbnf(json.dumps(schema))
     except Exception as e:  # noqa: BLE001 - the converter raises bare exceptions of several kinds
-        raise ConfigError(f"json_schema: cannot turn it into a grammar: {' '.join(str(e).split())[:200] or type(e).__name__}") from None
+        raise ConfigError(f"{field}: cannot turn it into a grammar: {' '.join(str(e).split())[:200] or type(e).__name__}") from None
     # the converter's string character lets control characters through (a raw newline in a string is not
     # JSON); llama.cpp's own converter's rule does not
     return "\n".join(STRICT_CHAR if line.startswith(LOOSE_CHAR) else line for line in gbnf.split("\n"))

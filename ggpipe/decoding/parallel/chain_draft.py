@@ -33,7 +33,6 @@ No MPI here; the waits are the head's (``ggpipe.pipeline.waiting``).
 
 from __future__ import annotations
 
-
 from typing import Callable, Protocol, runtime_checkable
 
 from ggpipe.kv_reuse import reusable_prefix

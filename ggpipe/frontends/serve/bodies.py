@@ -103,6 +103,18 @@ N_MAX = 8
 METADATA = ("user",)
 
 
+def _refuse_unless_neutral(key: str, value, neutral: tuple, where: str = "", param: str | None = None) -> None:
+    """Refuse ``key`` (400 naming it, after ``where``) unless ``value`` asks
+    for nothing: None or one of ``neutral``.
+
+    Raises:
+        APIError: 400, code ``unsupported_parameter``."""
+    if not _neutral(value, neutral):
+        shown = " or ".join(json.dumps(n) for n in neutral) or "null"
+        raise APIError(400, f"{where}{key}: ggpipe does not implement it; leave it out or send {shown} "
+                       f"(asks for nothing)", param=param or key, code="unsupported_parameter")
+
+
 def _neutral(value, neutral: tuple) -> bool:
     return value is None or any(type(value) is type(n) and value == n or
                                 (isinstance(n, int) and not isinstance(n, bool) and isinstance(value, (int, float))
@@ -129,10 +141,7 @@ class _Body(BaseModel):
             if k in cls.model_fields:
                 out[k] = v
             elif k in NOT_IMPLEMENTED:
-                if not _neutral(v, NOT_IMPLEMENTED[k]):
-                    shown = " or ".join(json.dumps(n) for n in NOT_IMPLEMENTED[k])
-                    raise APIError(400, f"{k}: ggpipe does not implement it; leave it out or send {shown} "
-                                   f"(asks for nothing)", param=k, code="unsupported_parameter")
+                _refuse_unless_neutral(k, v, NOT_IMPLEMENTED[k])
             elif k in METADATA:
                 if v is not None and not isinstance(v, str):
                     raise APIError(400, f"{k}: Input should be a valid string", param=k)
@@ -219,15 +228,10 @@ class ChatMessage(BaseModel):
             APIError: 400 naming the key."""
         if not isinstance(data, dict):
             return data
-        out = {}
         for k, v in data.items():
             if k in MESSAGE_NOT_IMPLEMENTED:
-                if not _neutral(v, MESSAGE_NOT_IMPLEMENTED[k]):
-                    raise APIError(400, f"messages: {k}: ggpipe does not implement it; leave it out or send null",
-                                   param="messages", code="unsupported_parameter")
-            else:
-                out[k] = v
-        return out
+                _refuse_unless_neutral(k, v, MESSAGE_NOT_IMPLEMENTED[k], where="messages: ", param="messages")
+        return {k: v for k, v in data.items() if k not in MESSAGE_NOT_IMPLEMENTED}
 
     role: Literal[ROLES]  # type: ignore[valid-type]
     content: StrictStr | list[TextPart]

@@ -72,7 +72,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, runtime_checkable
 
-
 from ggpipe.backend import DecodeBackend
 from ggpipe.kv_reuse import reusable_prefix
 from ggpipe.plugins import registered

@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Container
 from typing import Callable, ClassVar
 
-
 from ggpipe.sampling_params import SamplingParams
 from ggpipe.speculation.cutoff import confident_depth
 from ggpipe.speculation.proposers.options import NoOptions, StrategyOptions

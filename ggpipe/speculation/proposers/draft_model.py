@@ -286,7 +286,7 @@ class DraftModelProposer(ProposerBase):
         for j in range(len(guesses) + 1):
             logits = rows[j]
             guess = guesses[j] if j < len(guesses) else None
-            tok = self._draft_one(logits, guess)
+            tok = self._draft_one(logits)
             if tok is None or tok != guess:
                 break
             self.stats["guesses_accepted"] = self.stats.get("guesses_accepted", 0) + 1
@@ -326,15 +326,14 @@ class DraftModelProposer(ProposerBase):
         drafted from the row after the last one taken (None: the tree ended
         there). No-op here; the draft-of-draft learns its guesses' accuracy."""
 
-    def _draft_one(self, logits, guess: int | None) -> int | None:
+    def _draft_one(self, logits) -> int | None:
         """Draft one level from one row of logits: add the node (and, greedy,
         its sibling leaves) below the chain's tip and return its token; None
         when the cutoff or ``max_nodes`` ends the tree. Stochastic: the token
         is the draw from q with the noise the target's sampler uses at that
         position (Gumbel-max, ggpipe.keyed_noise: an exact draw from q,
         coupled to the target's pick, so it is accepted about as often as
-        multi-step speculative sampling would accept a draw); a ``guess``
-        does not change it."""
+        multi-step speculative sampling would accept a draw)."""
         tree = self.tree
         greedy = self.params.greedy
         if greedy:

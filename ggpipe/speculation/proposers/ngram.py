@@ -93,7 +93,7 @@ def check_sizes(n_min: int, n_max: int) -> None:
 
 class NgramProposer(InstantProposer):
     """Args:
-        cfg: ``n_vocab`` and this strategy's :class:`Options` are read.
+        cfg: this strategy's :class:`Options` are read.
 
     Raises:
         ValueError: invalid n-gram sizes (:func:`check_sizes`)."""
@@ -124,8 +124,6 @@ class NgramProposer(InstantProposer):
         check_sizes(opts.ngram_min, opts.ngram_max)
         self.n_min = opts.ngram_min
         self.n_max = opts.ngram_max
-        self.n_vocab = cfg.n_vocab
-        self.params = SamplingParams()
         self.stats = {"ngram_lookups": 0, "ngram_hits": 0}
 
     def start(self, params: SamplingParams, key: int,
@@ -133,7 +131,6 @@ class NgramProposer(InstantProposer):
         """A new request: as :meth:`InstantProposer.start`, and reset this
         request's lookup counters."""
         super().start(params, key, acceptance, first_pos=first_pos)
-        self.params = params
         self.stats.update(ngram_lookups=0, ngram_hits=0)   # this request's lookups
 
     def propose(self, context: list[int], max_nodes: int) -> SpecTree:

@@ -55,7 +55,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-
 from ggpipe.sampling_params import SamplingParams
 from ggpipe.speculation.cutoff import confident_depth
 from ggpipe.speculation.majority import WeightedMajority, check_members, expand_members, majority_path, support
@@ -144,9 +143,7 @@ class VoteProposer(ProposerBase):
         self.labels, self.members, self.leads = self.crew.labels, self.crew.members, self.crew.leads
         self.lead = self.crew.lead
         self.instant = self.crew.instant
-        self.n_vocab = cfg.n_vocab
         self.book = WeightedMajority(self.labels)
-        self.params = SamplingParams()
         self.acceptance: Callable[[float], float] | None = None
         self.active = False
         self._ctx: list[int] = []
@@ -180,7 +177,6 @@ class VoteProposer(ProposerBase):
         only for the leads), the weights'
         pending votes are dropped (the weights are kept), this request's counters
         reset."""
-        self.params = params
         self.acceptance = acceptance
         self.crew.start(params, key, acceptance, first_pos=first_pos)
         self.book.start()

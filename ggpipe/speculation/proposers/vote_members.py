@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable
 
-
 from ggpipe.sampling_params import SamplingParams
 from ggpipe.speculation.majority import expand_members, member_of
 from ggpipe.speculation.proposers.base import ProposerConfig, make_proposer
