@@ -5,7 +5,7 @@ interleaved run (each round runs every system once, the order rotated).
     python scripts/peer_llamacpp.py build      # once: llama-server, llama-batched-bench, ggml-rpc-server
     python scripts/bench_prefill.py short -m llama-1b-shape-q4_k_m --rounds 3 -o results/prefill-short
     python scripts/bench_prefill.py long -m smollm2-135m --prompts scripts/prompts/long8-holdout.jsonl --rounds 3
-    python scripts/bench_prefill.py long2 -m smollm2-135m --rounds 3
+    python scripts/bench_prefill.py long2 -m smollm2-135m --rounds 3 --variant 'split prompts=--split prompts'
     python scripts/bench_prefill.py arrival -m smollm2-135m --rounds 3
     python scripts/bench_prefill.py first -m llama-1b-shape-q4_k_m --rounds 3
 
@@ -43,7 +43,9 @@ tokens / seconds from the first request sent to the last finished: what
 ``llama-batched-bench`` calls S), ``last_first_token_s`` (when the last
 request's first token came; llama-batched-bench: its prompt time T_PP),
 TTFT p50/p90 and ITL p50/p90. ``--before DIR`` adds ggpipe from a checkout
-of an earlier commit (through ``PYTHONPATH``) to every workload. Results:
+of an earlier commit (through ``PYTHONPATH``) to every workload;
+``--variant 'LABEL=ARGS'`` adds ggpipe with more ``serve`` arguments (e.g.
+``--variant 'split prompts=--split prompts'``). Results:
 ``results.csv`` (one row per system and round) and ``summary.md``
 (medians over rounds, ratios to the first llama.cpp system) in ``-o``.
 """
@@ -245,6 +247,9 @@ def main() -> None:
     ap.add_argument("--extra", default="", help="more ggpipe serve arguments (one string)")
     ap.add_argument("--before", metavar="DIR", help="also run ggpipe from this checkout (git worktree add DIR "
                     "COMMIT; copy ggpipe/_native*.so into it)")
+    ap.add_argument("--variant", action="append", default=[], metavar="LABEL=ARGS",
+                    help="also run ggpipe with these serve arguments added, as system 'ggpipe LABEL' "
+                         "(repeatable), e.g. 'split prompts=--split prompts'")
     ap.add_argument("--no-llamacpp", action="store_true", help="ggpipe only")
     ap.add_argument("-o", "--output", type=Path)
     a = ap.parse_args()
@@ -266,7 +271,14 @@ def main() -> None:
     ctx_slot = 256 * (-(-(longest + n_out + 64) // 256))     # every system gets these KV cells per sequence
     n_slots = len(items) + (a.workload == "arrival")     # a slot for the long request too
     extra = a.extra.split() + ["-fa", a.flash_attn, "-c", str(ctx_slot * n_slots)]
-    systems = [("ggpipe", None)] + ([("ggpipe (before)", a.before)] if a.before else [])
+    variants = {}
+    for v in a.variant:
+        label, sep, args = v.partition("=")
+        if not sep or not label.strip():
+            raise SystemExit(f"--variant {v!r}: give LABEL=ARGS")
+        variants[f"ggpipe {label.strip()}"] = args.split()
+    systems = ([("ggpipe", None)] + [(name, "variant") for name in variants]
+               + ([("ggpipe (before)", a.before)] if a.before else []))
     if not a.no_llamacpp:
         if a.workload in ("short", "long", "long2"):
             systems.append(("llama-batched-bench" + (" --rpc" if a.workload == "long2" else ""), "bb"))
@@ -287,7 +299,8 @@ def main() -> None:
                 port = free_port()
                 srv = (llama_server(model, n_slots, n_out, cores, port, ctx_slot, a.flash_attn)
                        if kind == "server" else
-                       ggpipe_server(model, ranks, threads, n_slots, n_out, port, extra, kind))
+                       ggpipe_server(model, ranks, threads, n_slots, n_out, port, extra + variants.get(name, []),
+                                     None if kind == "variant" else kind))
                 fields = {"ignore_eos": True} if kind == "server" else {}
                 try:
                     if a.workload == "first":

@@ -20,6 +20,7 @@ SPLITS = [
     (2, "0.2,0.8"),
     (3, None),
     (3, "0.5,0.3,0.2"),
+    (3, "prompts"),   # the default split without the LM head: 10/10/10 where the default gives the head's stage fewer
     (4, None),
     (4, "0.1,0.2,0.3,0.4"),
 ]
@@ -39,6 +40,8 @@ def test_smollm2_pipeline_matches_single_node(smollm2, reference, ranks, split):
         layers = [tuple(r["layers"]) for r in got["ranks"]]
         assert layers[0][0] == 0 and layers[-1][1] == 30
         assert all(a[1] == b[0] for a, b in zip(layers, layers[1:]))
+        if split == "prompts":
+            assert layers == [(0, 10), (10, 20), (20, 30)]
 
 
 @pytest.mark.mpi

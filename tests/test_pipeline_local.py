@@ -4,6 +4,7 @@ bookkeeping and runs built on aborted cells (fake stage, no model)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from ggpipe.pipeline.driver import Pipeline
 from ggpipe.runs import Run
@@ -71,10 +72,12 @@ def test_a_speculative_run_on_aborted_cells_is_dropped_not_an_error():
         p.close()
 
 
-def test_result_due_times_small_runs_only():
+def test_result_due_times_small_runs_and_prompt_chunks_apart():
     """A remote pipeline's due time: the later of the run's start and the
-    previous arrival plus an EWMA of small runs' service times (a prompt
-    chunk would inflate it); None for nothing in flight or a local pipeline."""
+    previous arrival plus an EWMA of small runs' service times, or for a
+    prompt chunk its tokens times an EWMA of the chunks' seconds per token
+    (neither inflates the other); None for nothing in flight or a local
+    pipeline."""
     import time
 
     from ggpipe.pipeline.driver import SERVICE_MAX_TOKENS, Pipeline
@@ -85,7 +88,15 @@ def test_result_due_times_small_runs_only():
     prompt = Run.linear(np.arange(SERVICE_MAX_TOKENS + 1), 0)
     prompt.started_at = time.perf_counter() - 0.5
     pipe._arrived(prompt, cancelled=False)
-    assert pipe.service_s is None                       # a prompt chunk times nothing
+    assert pipe.service_s is None                       # a prompt chunk does not time the small runs
+    assert 0.4 / (SERVICE_MAX_TOKENS + 1) < pipe.token_s < 5.0 / (SERVICE_MAX_TOKENS + 1)   # its seconds per token
+    chunk = Run.linear(np.arange(4 * (SERVICE_MAX_TOKENS + 1)), 0)
+    pipe.inflight.append(chunk)
+    chunk.started_at = time.perf_counter()
+    t, service = pipe.result_due()
+    assert service == pytest.approx(4 * (SERVICE_MAX_TOKENS + 1) * pipe.token_s)   # four times the tokens
+    assert t == pytest.approx(max(chunk.started_at, pipe._last_arrival) + service)
+    pipe.inflight.clear()
     step = Run.linear([3], 10)
     pipe.inflight.append(step)
     t, service = pipe.result_due()

@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 
 from ggpipe.errors import GGPipeError, SplitError
+from ggpipe.cluster.loading import layer_ranges
 from ggpipe.cluster.split import SplitSpec, describe_plan, parse_split, plan_layers
 
 
@@ -324,6 +325,21 @@ def test_repair_ranges_moves_boundaries_off_refused_stages():
     assert repair_ranges([(0, 3), (3, 10), (10, 16)], valid(every4)) == [(0, 4), (4, 10), (10, 16)]
     impossible = [(2 * i, 2 * i + 2) for i in range(8)]  # 8 stages, 4 attention blocks
     assert repair_ranges(impossible, valid(every4)) == impossible
+
+
+def test_split_prompts_balances_the_blocks_without_the_head():
+    """``--split prompts``: the default split without the LM head (a prompt's
+    tokens go through every block, only its last through the head), with
+    draft weights after ``/`` as usual."""
+    assert parse_split("prompts") == SplitSpec(None, None, head=False)
+    assert parse_split(" prompts /1") == SplitSpec(None, (1.0,), head=False)
+    assert parse_split("1,1").head and parse_split(None).head
+    uniform = type("S", (), {"layer_bytes": [2_216_448] * 30, "head_bytes": 30_083_328, "path": "/nonexistent"})()
+    assert layer_ranges(uniform, 30, 2, None) == [(0, 22), (22, 30)]
+    assert layer_ranges(uniform, 30, 2, None, head=False) == [(0, 15), (15, 30)]
+    moe = type("S", (), {"layer_bytes": [10] + [40] * 7, "head_bytes": 100, "path": "/nonexistent"})()
+    assert layer_ranges(moe, 8, 2, None) == [(0, 6), (6, 8)]
+    assert layer_ranges(moe, 8, 2, None, head=False) == [(0, 4), (4, 8)]   # still byte-balanced blocks
 
 
 def test_the_lm_head_counts_on_the_last_stage():

@@ -98,6 +98,31 @@ def test_an_overdue_result_is_polled_with_back_off():
     assert 2 <= wait.stats["probes"] <= 400   # polled (a CI stall can swallow most of the 20 ms)
 
 
+def test_a_long_service_is_probed_at_a_share_of_it_not_at_the_short_steps_rate():
+    """A prompt chunk's result due in a second and a half: probed from 10 ms
+    before it is due (not a quarter of the service), before that once per
+    1% of the service, overdue with sleeps backing off to 0.2% of it: a
+    few dozen probes where a 2 ms probe and a 200 us poll would make
+    hundreds, and the stage computing beside the head keeps its core."""
+    pipe = FakePipe()
+    wait = EventWait([pipe], idle_s=1.0)
+    t0 = time.perf_counter()
+    service = 1.5
+    pipe.due = (t0 + 0.3, service)     # estimated at 300 ms; comes at 340 ms, overdue by 40 ms
+    seen = []
+
+    def ready():
+        seen.append(time.perf_counter())
+        return seen[-1] - t0 > 0.34
+
+    wait(ready, timeout_s=5.0)
+    assert time.perf_counter() - t0 < 0.34 + 0.5        # found within the poll interval (wide for CI stalls)
+    assert wait.stats["probes"] < 60                    # 300 ms / 15 ms + the back-off to 3 ms over 40 ms
+    # no probe before the due time's lead of 10 ms, other than the 15 ms early ones
+    early = [b - a for a, b in zip(seen, seen[1:]) if b - t0 < 0.29]
+    assert all(gap > 0.01 for gap in early[1:])
+
+
 @pytest.mark.parametrize("due", [None, "overdue"])
 def test_the_wait_is_bounded_and_says_so(due):
     pipe = FakePipe(due=None if due is None else (time.perf_counter() - 1.0, 0.01))

@@ -154,7 +154,7 @@ def split_command(model: str, split_text: str | None, stages: int | None, out_di
         raise GGPipeError("split takes one model's weights: give --split without '/' and draft weights")
     weights = spec.target
     if weights is None and stages is None:
-        raise GGPipeError("give --split WEIGHTS (e.g. 0.3,0.7) or --stages N")
+        raise GGPipeError("give --split WEIGHTS (e.g. 0.3,0.7) or --stages N (with --split prompts or none)")
     n_stages = len(weights) if weights is not None else int(stages)  # type: ignore[arg-type]
     if weights is not None and stages is not None and stages != n_stages:
         raise GGPipeError(f"--stages {stages} but --split has {n_stages} weights")
@@ -164,7 +164,7 @@ def split_command(model: str, split_text: str | None, stages: int | None, out_di
     from ggpipe.models.sizes import model_sizes
 
     ranges = layer_ranges(model_sizes(src) if weights is None and n_stages > 1 else None, info.n_layer, n_stages,
-                          weights)
+                          weights, head=spec.head)
     if n_stages > 1:
         check_sliceable(info)
     try:

@@ -34,8 +34,11 @@ def cluster_options(f):
                           "several, comma-separated, each on ranks of its own, for --spec-type vote (-md a,b)."),
         click.option("--split", default=None,
                      help="Layer split weights per rank, e.g. 0.3,0.7; with a draft model TARGET/DRAFT, "
-                          "e.g. 0.5,0.5/1.0 (default: even; the draft gets one rank when there are 2+); "
+                          "e.g. 0.5,0.5/1.0 (the draft gets one rank when there are 2+); "
                           "with several draft models one /DRAFT part each (1,1/1/1); "
+                          "default: the weight bytes each token reads balanced, the LM head counted on the last "
+                          "stage (generation); prompts: balanced without the head, for work that is mostly "
+                          "prompt tokens (long prompts, short answers); "
                           "auto:PROFILE.json: balanced from measured costs (ggpipe calibrate)."),
         click.option("-t", "--threads", default="1", show_default=True,
                      help="Threads per rank: one value, or one per rank (2,1,1)."),

@@ -74,7 +74,8 @@ def load_rank(config: ClusterConfig, rank: int, size: int) -> Loaded:
         (m_path, m_info), weights = drafts[k], (split.drafts[k] if split.drafts else None)
     index, n_stages = roles.stage_of(rank)
     sizes = model_sizes(m_path) if weights is None and n_stages > 1 else None   # only the default split reads them
-    start, stop = layer_ranges(sizes, m_info.n_layer, n_stages, weights, model)[index]
+    start, stop = layer_ranges(sizes, m_info.n_layer, n_stages, weights, model,
+                               head=split.head or model != "target")[index]
     where = f"rank {rank} ({socket.gethostname()})"
     types = (config.cache_type_k, config.cache_type_v) if model == "target" else config.draft_cache_types
     if not m_info.kv_layout.v_cache and types[0] != types[1]:  # llama_init_from_model returns NULL for it
@@ -154,11 +155,13 @@ def default_ranges(path, info, ranges: list[tuple[int, int]]) -> list[tuple[int,
     return ranges
 
 
-def layer_ranges(sizes, n_layer: int, n_stages: int, weights, model: str = "target") -> list[tuple[int, int]]:
+def layer_ranges(sizes, n_layer: int, n_stages: int, weights, model: str = "target",
+                 head: bool = True) -> list[tuple[int, int]]:
     """A model's stages' layer ranges as the job cuts them: ``--split``
     ``weights`` as given; without them and with ``sizes``
     (:class:`ggpipe.models.sizes.ModelSizes`), the default split, byte-balanced
-    with the LM head on the last stage and, for a model whose file is at
+    with the LM head on the last stage (not counted with ``head`` False:
+    ``--split prompts``) and, for a model whose file is at
     hand, moved off stages llama.cpp cannot run (:func:`default_ranges`).
     The job, ``ggpipe plan`` and ``ggpipe models split`` all call this.
 
@@ -167,7 +170,7 @@ def layer_ranges(sizes, n_layer: int, n_stages: int, weights, model: str = "targ
     if weights is not None or sizes is None:
         return plan_layers(n_layer, n_stages, weights, model=model)
     ranges = plan_layers(n_layer, n_stages, None, model=model, layer_bytes=sizes.layer_bytes,
-                         head_bytes=sizes.head_bytes)
+                         head_bytes=sizes.head_bytes if head else 0)
     if Path(sizes.path).is_file():
         ranges = default_ranges(sizes.path, read_model_info(sizes.path), ranges)
     return ranges

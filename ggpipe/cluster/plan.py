@@ -173,16 +173,17 @@ class Plan:
 
 
 
-def _ranges(sizes: ModelSizes, n_stages: int, weights, kind: str, known: dict) -> list[tuple[int, int]]:
+def _ranges(sizes: ModelSizes, n_stages: int, weights, kind: str, known: dict,
+            head: bool = True) -> list[tuple[int, int]]:
     """The layer ranges of a model's stages as the job computes them
     (:func:`ggpipe.cluster.loading.layer_ranges`), remembered in ``known``
     per model.
 
     Raises:
         ModelError: as the job would, when no default split avoids a refused stage."""
-    key = (sizes.path, n_stages, weights)
+    key = (sizes.path, n_stages, weights, head)
     if key not in known:
-        known[key] = layer_ranges(sizes, sizes.n_layer, n_stages, weights, kind)
+        known[key] = layer_ranges(sizes, sizes.n_layer, n_stages, weights, kind, head=head)
     return known[key]
 
 
@@ -216,7 +217,7 @@ def plan_job(config: ClusterConfig, n_ranks: int, hosts: list[str], mem_per_node
             k = roles.draft_of(r)
             sizes, weights = drafts[k], (split.drafts[k] if split.drafts else None)
         index, n_stages = roles.stage_of(r)
-        start, stop = _ranges(sizes, n_stages, weights, kind, known)[index]
+        start, stop = _ranges(sizes, n_stages, weights, kind, known, head=split.head or kind != "target")[index]
         first, last = index == 0, index == n_stages - 1
         w = sizes.slice_bytes(start, stop, first, last)
         types = (config.cache_type_k, config.cache_type_v) if kind == "target" else config.draft_cache_types

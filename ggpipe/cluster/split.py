@@ -10,6 +10,16 @@ e.g. ``"1,1/1/1"`` (ggpipe's extension of PipeInfer's syntax).
 Weights are relative: they are normalised by their sum, so ``"1,3"`` and
 ``"0.25,0.75"`` are the same split.
 
+Without weights, the default split balances the weight bytes each stage
+reads per token, the LM head counted on the last stage (decoding reads every
+weight once per micro-batch, and every generated token needs the head).
+``"prompts"`` in place of the target weights balances the blocks alone: a
+prompt's tokens go through every block but only its last one through the
+head, so where prompts are most of the tokens (long prompts, short answers)
+the head's stage would otherwise idle while the others compute (SmolLM2-135M,
+whose Q8_0 head weighs about 9 of its 30 blocks: 22/8 by default, 15/15
+with ``prompts``).
+
 Boundaries are computed from the cumulative weight fractions with round half up
 (see :func:`plan_layers`). PipeInfer's own ``ggml_mpi_split_range`` (ggml-mpi.c)
 instead truncates ``weight * n_layer`` per node, which can leave the last node with
@@ -32,6 +42,7 @@ from ggpipe.errors import SplitError
 __all__ = ["SplitSpec", "parse_split", "plan_layers", "describe_plan"]
 
 OPTION = "--split"
+PROMPTS = "prompts"   # --split prompts: the default split balanced without the LM head
 
 # Added before rounding so that a cumulative fraction that should be exactly x.5
 # but is computed as x.4999999999 still rounds up.
@@ -46,11 +57,14 @@ class SplitSpec:
     running the target model, in pipeline order, or None for an even split.
     ``draft``: the same for the (first) draft model's ranks, or None.
     ``more_drafts``: the same for each further draft model (``-md a,b``).
+    ``head``: the default target split counts the LM head on the last stage
+    (False for ``prompts``).
     """
 
     target: tuple[float, ...] | None = None
     draft: tuple[float, ...] | None = None
     more_drafts: tuple[tuple[float, ...], ...] = ()
+    head: bool = True
 
     @property
     def drafts(self) -> list[tuple[float, ...]]:
@@ -69,7 +83,8 @@ def _parse_weights(part: str, what: str, text: str) -> tuple[float, ...]:
         try:
             w = float(item)
         except ValueError:
-            raise SplitError(f'{OPTION} "{text}": {what} stage {i}: "{item}" is not a number') from None
+            hint = f' (weights, or "{PROMPTS}")' if what == "target" and "," not in part else ""
+            raise SplitError(f'{OPTION} "{text}": {what} stage {i}: "{item}" is not a number{hint}') from None
         if not math.isfinite(w) or w <= 0:
             raise SplitError(
                 f'{OPTION} "{text}": {what} stage {i}: weight "{item}" must be a positive finite number'
@@ -84,8 +99,9 @@ def parse_split(text: str | None) -> SplitSpec:
     ``"0.3,0.7"`` -> ``SplitSpec(target=(0.3, 0.7), draft=None)``;
     ``"0.5,0.5/1.0"`` -> ``SplitSpec(target=(0.5, 0.5), draft=(1.0,))``;
     ``"1,1/1/1"`` -> ``SplitSpec((1.0, 1.0), (1.0,), more_drafts=((1.0,),))``;
-    None, ``""`` or blanks -> ``SplitSpec(None, None)`` (even split, decided later).
-    Whitespace around items is ignored.
+    None, ``""`` or blanks -> ``SplitSpec(None, None)`` (the default split, decided later);
+    ``"prompts"`` (or ``"prompts/1.0"``) -> ``SplitSpec(None, ..., head=False)`` (the
+    default split without the LM head). Whitespace around items is ignored.
 
     Raises SplitError (one line, naming the bad part) for: an item that is not a
     number, an empty item (``"0.5,,0.5"``, a trailing comma, an empty side of
@@ -96,9 +112,10 @@ def parse_split(text: str | None) -> SplitSpec:
     if text is None or not text.strip():
         return SplitSpec(None, None)
     parts = text.split("/")
-    target = _parse_weights(parts[0], "target", text)
+    prompts = parts[0].strip() == PROMPTS
+    target = None if prompts else _parse_weights(parts[0], "target", text)
     drafts = [_parse_weights(p, "draft" if i == 0 else f"draft {i + 1}", text) for i, p in enumerate(parts[1:])]
-    return SplitSpec(target, drafts[0] if drafts else None, tuple(drafts[1:]))
+    return SplitSpec(target, drafts[0] if drafts else None, tuple(drafts[1:]), head=not prompts)
 
 
 def plan_layers(

@@ -39,7 +39,8 @@ from ggpipe.trace import tracer
 from ggpipe.transport import messages as m
 
 _TR = tracer()  # per-rank event trace (GGPIPE_TRACE_DIR), None when off
-SERVICE_MAX_TOKENS = 16  # runs up to this size time a pipeline's service (result_due); prompt chunks do not
+SERVICE_MAX_TOKENS = 16  # runs up to this size time a pipeline's service (result_due); larger ones (prompt
+# chunks) time its seconds per token instead
 
 
 def _check_during_waits(transport, head: HeadStage) -> None:
@@ -96,6 +97,7 @@ class Pipeline:
         # the head's wait (ggpipe.pipeline.waiting): called by the executor after each job
         self.on_event: Callable[[], None] | None = None
         self.service_s: float | None = None  # EWMA of a remote result's service time (seconds)
+        self.token_s: float | None = None    # EWMA of a prompt chunk's service time per token (seconds)
         self._last_arrival = 0.0
         self.stats = {"cancelled_before_start": 0, "cancelled_mid_compute": 0, "dropped_after_cancel": 0,
                       "rows_masked": 0}
@@ -276,16 +278,22 @@ class Pipeline:
         another rank is expected: ``(time.perf_counter() seconds, service time
         in seconds)``, the later of its start and the previous result's
         arrival plus the measured service time (an EWMA over the results
-        of runs of at most ``SERVICE_MAX_TOKENS`` tokens, since prompt
-        chunks would inflate it; cancelled runs excluded). The time is "now"
-        while nothing was measured yet. None: nothing in flight, or results come from the
-        head's own stage (they signal ``on_event``)."""
+        of runs of at most ``SERVICE_MAX_TOKENS`` tokens; for a larger run,
+        a prompt chunk, its tokens times the EWMA of the larger runs'
+        seconds per token; cancelled runs excluded). The time is "now"
+        while nothing of the run's kind was measured yet. None: nothing in
+        flight, or results come from the head's own stage (they signal
+        ``on_event``)."""
         if not self.ranks or not self.inflight:
             return None
-        if self.service_s is None:
-            return time.perf_counter(), 0.0
         run = self.inflight[0]
-        return max(run.started_at, self._last_arrival) + self.service_s, self.service_s
+        if run.n_tokens > SERVICE_MAX_TOKENS and self.token_s is not None:
+            service = self.token_s * run.n_tokens
+        elif run.n_tokens <= SERVICE_MAX_TOKENS and self.service_s is not None:
+            service = self.service_s
+        else:
+            return time.perf_counter(), 0.0
+        return max(run.started_at, self._last_arrival) + service, service
 
     def due_in(self) -> float | None:
         """:meth:`result_due` as seconds from now (<= 0: overdue), or None."""
@@ -294,9 +302,12 @@ class Pipeline:
 
     def _arrived(self, run: Run, cancelled: bool) -> None:
         now = time.perf_counter()
+        dt = now - max(run.started_at, self._last_arrival)
         if not cancelled and run.n_tokens <= SERVICE_MAX_TOKENS:
-            dt = now - max(run.started_at, self._last_arrival)
             self.service_s = dt if self.service_s is None else self.service_s + 0.3 * (dt - self.service_s)
+        elif not cancelled:
+            per = dt / run.n_tokens
+            self.token_s = per if self.token_s is None else self.token_s + 0.3 * (per - self.token_s)
         self._last_arrival = now
 
     def wait(self, timeout_s: float | None = None) -> RunResult:

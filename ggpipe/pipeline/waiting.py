@@ -15,9 +15,11 @@ anything to hand them. Two kinds of results end such a wait:
   ``MPI_Probe`` busy-polls in MPICH and Open MPI), so the wait probes, but
   often only from shortly before the time the oldest in-flight run's result
   is due (:meth:`ggpipe.pipeline.driver.Pipeline.result_due`: when it started,
-  or when the previous result arrived, plus the measured service time);
-  until then it sleeps on the event, probing once per 2 ms in case the
-  result comes earlier than estimated.
+  or when the previous result arrived, plus the measured service time, per
+  token for prompt chunks); until then it sleeps on the event, probing once
+  per 2 ms (or 1% of a longer service time) in case the result comes
+  earlier than estimated, and the probes back off to 0.2% of the service
+  time once it is due: a stage computing beside the head keeps its core.
 
 :func:`poll_wait` is the plain alternative (back-off polling, 20-200 us) for
 pipelines without those hooks, e.g. in-memory fakes.
@@ -68,14 +70,27 @@ class EventWait:
         pipes: the pipelines whose results the loop waits for; their
             ``on_event`` is set to this wait's wake-up.
         lead: probing starts this share of the expected service time before
-            a remote result is due (0.25: 5 ms early for a 20 ms draft step).
+            a remote result is due (0.25: 5 ms early for a 20 ms draft step),
+            at most ``lead_max_s`` before it (a 1 s prompt chunk's result is
+            probed for from 10 ms before it is due, not 250 ms).
         min_s, max_s: back-off range of the sleeps between probes once a
-            remote result is due (seconds).
+            remote result is due (seconds); for a long service, up to
+            ``poll_share`` of it instead of ``max_s``.
         idle_s: longest sleep with nothing due (only a local event or the
             time-out can end such a wait; re-checked this often anyway).
         early_max_s: longest sleep before a remote result is due: one probe
             per this many seconds bounds the delay when a result comes far
-            earlier than its estimate (2 ms: about 1% of a core).
+            earlier than its estimate (2 ms), or per ``early_share`` of a
+            longer service (a 1 s prompt chunk: 10 ms). Each probe costs the
+            head's Python tens of microseconds (over 100 on a slow core):
+            polling at the short-step rates through seconds-long prompt
+            chunks took a tenth of a core from the stage computing beside
+            it.
+        early_share, poll_share: the longest sleep between probes before
+            and after a result is due, as a share of its expected service
+            time, where that is more than ``early_max_s`` or ``max_s``
+            (0.01 and 0.002: a result found at most 1% of its service time
+            late when it comes far earlier than due, 0.2% otherwise).
 
     Attributes:
         stats: "waits" (calls that had to wait), "probes" (readiness checks
@@ -84,9 +99,13 @@ class EventWait:
     """
 
     def __init__(self, pipes: Sequence, lead: float = 0.25, min_s: float = 20e-6, max_s: float = 200e-6,
-                 idle_s: float = 0.05, early_max_s: float = 2e-3):
+                 idle_s: float = 0.05, early_max_s: float = 2e-3, lead_max_s: float = 0.01,
+                 early_share: float = 0.01, poll_share: float = 0.002):
         self.pipes = list(pipes)
         self.lead = lead
+        self.early_share = early_share
+        self.poll_share = poll_share
+        self.lead_max_s = lead_max_s
         self.min_s = min_s
         self.max_s = max_s
         self.idle_s = idle_s
@@ -127,14 +146,14 @@ class EventWait:
                 sleep, polling = min(self.idle_s, timeout_s), False
             else:
                 at, service = due
-                early = at - self.lead * service - now
+                early = at - min(self.lead * service, self.lead_max_s) - now
                 polling = early <= self.min_s
-                sleep = delay if polling else min(early, self.early_max_s)
+                sleep = delay if polling else min(early, max(self.early_max_s, self.early_share * service))
             if self._wake.wait(sleep):
                 st["local_wakeups"] += 1
                 delay = self.min_s
             elif polling:
-                delay = min(delay * 1.5, self.max_s)
+                delay = min(delay * 1.5, max(self.max_s, self.poll_share * service))
             self._wake.clear()
             st["probes"] += 1
             if ready():
