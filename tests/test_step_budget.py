@@ -120,6 +120,27 @@ def test_a_burst_of_prompts_goes_in_one_micro_batch_and_every_request_stays_exac
     assert sched.stats.prompt_tokens == 28 and sched.stats.decode_tokens == 8 * 5
 
 
+def test_a_burst_starts_shortest_prompt_first_in_ascending_slots():
+    """Requests that get slots at once go shortest prompt first to the lowest
+    free slots, so llama.cpp's split of the micro-batch (one ubatch per run
+    of consecutive slots with equal tokens each) makes one ubatch per
+    distinct length; each request's tokens stay those of it run alone."""
+    from ggpipe.runs import ubatches
+
+    lm, sched, runs = _recording_scheduler(6)
+    lengths = [5, 2, 9, 2, 7, 5]
+    jobs = [_job([1 + (i * 3 + k) % 40 for k in range(n)], 4) for i, n in enumerate(lengths)]
+    for j in jobs:
+        sched.submit(j)
+    sched.run()
+    assert [j.slot for j in jobs] == [2, 0, 5, 1, 4, 3]     # 2, 2, 5, 5, 7, 9 in slots 0..5
+    assert len(ubatches(runs[0], 64)) == 4                  # one per distinct length
+    in_arrival_slots = [s for s, n in enumerate(lengths) for _ in range(n)]
+    assert len(ubatches(in_arrival_slots, 64)) == 5         # what slots in arrival order would have made
+    for j in jobs:
+        assert j.request.out == lm.greedy(j.tokens, 4)
+
+
 @pytest.mark.parametrize("how", ["cancelled", "should_stop"])
 def test_a_request_whose_client_leaves_mid_prompt_frees_its_slot_and_disturbs_no_other(how):
     """A 40-token prompt in chunks of 8 tokens; after its second chunk its client leaves: the request ends

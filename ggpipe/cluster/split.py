@@ -17,7 +17,7 @@ weight once per micro-batch, and every generated token needs the head).
 prompt's tokens go through every block but only its last one through the
 head, so where prompts are most of the tokens (long prompts, short answers)
 the head's stage would otherwise idle while the others compute (SmolLM2-135M,
-whose Q8_0 head weighs about 9 of its 30 blocks: 22/8 by default, 15/15
+whose Q8_0 head weighs about 13 of its 30 blocks: 22/8 by default, 15/15
 with ``prompts``).
 
 Boundaries are computed from the cumulative weight fractions with round half up

@@ -202,7 +202,19 @@ class Scheduler:
         return bool(self.queue) or bool(self._rows) or self.n_busy > 0
 
     def _start_queued(self) -> None:
-        """Give free slots to queued requests (longest cached prefix first)."""
+        """Give free slots to queued requests (longest cached prefix first).
+        Requests that get slots at once start shortest prompt first, each
+        in the lowest free slot where no cached prefix decides: a burst's
+        prompts then lie in ascending length by slot id, and llama.cpp,
+        which computes a micro-batch on a cache of one stream per slot in
+        ubatches of consecutive slots and equal tokens per slot
+        (``llama_batch_allocr::split_equal``), makes one ubatch per distinct
+        length (16 prompts of 6-11 tokens: 6 instead of 13, each streaming
+        the weights once)."""
+        n_free = sum(s.free for s in self.slots)
+        if n_free > 1 and len(self.queue) > 1:
+            starting = [self.queue.popleft() for _ in range(min(n_free, len(self.queue)))]
+            self.queue.extendleft(reversed(sorted(starting, key=lambda j: len(j.tokens))))
         while self.queue:
             free = [s for s in self.slots if s.free]
             if not free:
