@@ -19,7 +19,6 @@ SPLITS = [
     (2, None),
     (2, "0.2,0.8"),
     (3, None),
-    (3, "0.5,0.3,0.2"),
     (3, "prompts"),   # the default split without the LM head: 10/10/10 where the default gives the head's stage fewer
     (4, None),
     (4, "0.1,0.2,0.3,0.4"),
