@@ -100,8 +100,7 @@ def main() -> None:
                 continue
             port = free_port()
             cmd = ["mpiexec", "-n", str(ranks), *ggpipe_command(), "serve", "-m", a.model, "--port", str(port),
-                   "--parallel", str(p), "-n", str(a.n), *[a.draft_model if x == "DRAFT" else
-                                                          x.replace("DRAFT", a.draft_model) for x in args]]
+                   "--parallel", str(p), "-n", str(a.n), *[x.replace("DRAFT", a.draft_model) for x in args]]
             srv = Server(cmd, port)
             try:
                 got = repeats(port, a.repeats, p, fields)

@@ -75,7 +75,7 @@ def load_rank(config: ClusterConfig, rank: int, size: int) -> Loaded:
     index, n_stages = roles.stage_of(rank)
     sizes = model_sizes(m_path) if weights is None and n_stages > 1 else None   # only the default split reads them
     start, stop = layer_ranges(sizes, m_info.n_layer, n_stages, weights, model,
-                               head=split.head or model != "target")[index]
+                               head=split.counts_head(model))[index]
     where = f"rank {rank} ({socket.gethostname()})"
     types = (config.cache_type_k, config.cache_type_v) if model == "target" else config.draft_cache_types
     if not m_info.kv_layout.v_cache and types[0] != types[1]:  # llama_init_from_model returns NULL for it

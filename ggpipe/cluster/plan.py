@@ -217,7 +217,7 @@ def plan_job(config: ClusterConfig, n_ranks: int, hosts: list[str], mem_per_node
             k = roles.draft_of(r)
             sizes, weights = drafts[k], (split.drafts[k] if split.drafts else None)
         index, n_stages = roles.stage_of(r)
-        start, stop = _ranges(sizes, n_stages, weights, kind, known, head=split.head or kind != "target")[index]
+        start, stop = _ranges(sizes, n_stages, weights, kind, known, head=split.counts_head(kind))[index]
         first, last = index == 0, index == n_stages - 1
         w = sizes.slice_bytes(start, stop, first, last)
         types = (config.cache_type_k, config.cache_type_v) if kind == "target" else config.draft_cache_types

@@ -66,6 +66,12 @@ class SplitSpec:
     more_drafts: tuple[tuple[float, ...], ...] = ()
     head: bool = True
 
+    def counts_head(self, model: str) -> bool:
+        """Whether ``model``'s ("target" or "draft") default split counts
+        the LM head on its last stage: always for a draft model (it drafts
+        token by token), for the target unless ``prompts``."""
+        return self.head or model != "target"
+
     @property
     def drafts(self) -> list[tuple[float, ...]]:
         """Every draft model's weights, in ``-md`` order ([] when none is named)."""

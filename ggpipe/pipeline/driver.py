@@ -43,6 +43,11 @@ SERVICE_MAX_TOKENS = 16  # runs up to this size time a pipeline's service (resul
 # chunks) time its seconds per token instead
 
 
+def _ewma(old: float | None, new: float, alpha: float = 0.3) -> float:
+    """An exponentially weighted mean updated with ``new`` (``new`` itself first)."""
+    return new if old is None else old + alpha * (new - old)
+
+
 def _check_during_waits(transport, head: HeadStage) -> None:
     """Make every bounded wait of ``transport`` (a transaction's receive, a
     result from the last stage) end at once with the head stage's error when
@@ -302,12 +307,12 @@ class Pipeline:
 
     def _arrived(self, run: Run, cancelled: bool) -> None:
         now = time.perf_counter()
-        dt = now - max(run.started_at, self._last_arrival)
-        if not cancelled and run.n_tokens <= SERVICE_MAX_TOKENS:
-            self.service_s = dt if self.service_s is None else self.service_s + 0.3 * (dt - self.service_s)
-        elif not cancelled:
-            per = dt / run.n_tokens
-            self.token_s = per if self.token_s is None else self.token_s + 0.3 * (per - self.token_s)
+        if not cancelled:
+            dt = now - max(run.started_at, self._last_arrival)
+            if run.n_tokens <= SERVICE_MAX_TOKENS:
+                self.service_s = _ewma(self.service_s, dt)
+            else:
+                self.token_s = _ewma(self.token_s, dt / run.n_tokens)
         self._last_arrival = now
 
     def wait(self, timeout_s: float | None = None) -> RunResult:
