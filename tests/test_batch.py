@@ -1,7 +1,10 @@
 """``ggpipe batch``: input validation with line numbers, output resumption
 (torn last line), and on real ranks a job killed with SIGKILL mid-way and
-rerun: every id exactly once, valid JSON, greedy tokens equal to single-node
-llama.cpp, a seeded sampled request equal to an uninterrupted run."""
+rerun: every id exactly once, valid JSON, greedy tokens single-node
+llama.cpp's (exactly where the build's batch rows equal lone-token rows,
+losslessly elsewhere: a prompt processed beside others may end on the other
+side of a near-tie), and, where the rows are exact, a seeded sampled request
+equal to an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import pytest
 from ggpipe.errors import ConfigError
 from ggpipe.frontends.batch import done_ids, load_items
 from ggpipe.sampling_params import SamplingParams
-from tests.conftest import ROOT, ggpipe_cmd, rank_processes, run_ggpipe, stderr_lines
+from tests.conftest import ROOT, assert_greedy, ggpipe_cmd, rank_processes, rows_exact, run_ggpipe, stderr_lines
 
 N = 12
 PROMPTS = [
@@ -144,7 +147,7 @@ def head_pid(mpiexec_pid: int) -> int | None:
 @pytest.mark.hydra
 @pytest.mark.mpi
 @pytest.mark.full
-def test_kill_and_resume_loses_nothing(tmp_path, smollm2, reference):
+def test_kill_and_resume_loses_nothing(tmp_path, smollm2):
     rows = [{"id": f"p{i}", "prompt": p} for i, p in enumerate(PROMPTS)]
     rows.append({"id": 99, "prompt": "Tell me a story", "temperature": 0.8, "seed": 5})
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
@@ -185,7 +188,7 @@ def test_kill_and_resume_loses_nothing(tmp_path, smollm2, reference):
     by_id = {r["id"]: r for r in recs}
     for i, prompt in enumerate(PROMPTS):
         r = by_id[f"p{i}"]
-        assert r["tokens"] == reference(smollm2, prompt, N), prompt
+        assert_greedy(r["tokens"], smollm2, prompt, N, msg=prompt)
         assert r["finish_reason"] in ("stop", "length") and r["text"]
         assert r["metrics"]["n_tokens"] == len(r["tokens"])
 
@@ -194,7 +197,13 @@ def test_kill_and_resume_loses_nothing(tmp_path, smollm2, reference):
     p = run_ggpipe(["batch", str(inp), "-o", str(fresh), "-m", str(smollm2), "-n", str(N), "--no-progress"], 2,
                    timeout=180)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert {r["id"]: r["tokens"] for r in read_records(fresh)} == {k: v["tokens"] for k, v in by_id.items()}
+    again = {r["id"]: r["tokens"] for r in read_records(fresh)}
+    assert sorted(map(str, again)) == sorted(map(str, by_id))
+    if rows_exact(smollm2):
+        assert again == {k: v["tokens"] for k, v in by_id.items()}
+    else:  # the micro-batches differ from the resumed run's: lossless, not bit-identical
+        for i, prompt in enumerate(PROMPTS):
+            assert_greedy(again[f"p{i}"], smollm2, prompt, N, msg=prompt)
 
     # and a third run finds nothing to do
     p = run_ggpipe(args, None, timeout=120)

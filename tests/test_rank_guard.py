@@ -92,6 +92,21 @@ def test_a_crash_is_named_too():
     assert "died (killed by SIGSEGV)" in p.stderr
 
 
+def test_a_crash_while_the_launcher_ends_the_job_is_not_reported():
+    """A rank that crashes because a peer was killed (MPI on a reset
+    connection) must not take the report from that peer: its guard waits
+    rank_guard.CRASH_GRACE_S, and a launcher that ends it meanwhile (here
+    SIGTERM, as hydra's clean-up) finds it quiet."""
+    p, rank_pid = _start("", "time.sleep(0.3); os.kill(os.getpid(), signal.SIGSEGV)")
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(rank_pid) and psutil.Process(rank_pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    p.send_signal(signal.SIGTERM)
+    err = _ended(p, rank_pid)
+    assert p.returncode == -signal.SIGSEGV and "died" not in err, err
+
+
 def test_exit_codes_pass_through_silently():
     for code in (0, 1, 7, 143):
         p = _run(f"sys.exit({code})")

@@ -24,6 +24,11 @@ of its child's death (``waitpid``) before the launcher learns of anything.
 * The rank dies with its guard (``PR_SET_PDEATHSIG``): a guard killed by the
   launcher's clean-up leaves nothing running.
 * Exit codes pass through unchanged.
+* A rank that crashes (SIGSEGV, SIGABRT, ...) is reported after
+  :data:`CRASH_GRACE_S`: a crash can be MPI's reaction to a peer that was
+  killed, and the launcher, which ends the job at the first report, would
+  then drop the killed peer's own line on its host. If the launcher ends
+  this guard meanwhile, it stays quiet.
 * ``GGPIPE_GUARD=0`` turns it off (then a rank is one process, as before).
 
 Each rank is then two processes with the same command line and environment:
@@ -246,7 +251,13 @@ def _guard(rank: int, child: int, page: mmap.mmap) -> None:
     if os.WIFEXITED(status):
         os._exit(os.WEXITSTATUS(status))
     sig = os.WTERMSIG(status)
-    if sig not in passed_on and not page[_REPORTED] and _claim():
+    report = sig not in passed_on and not page[_REPORTED]
+    if report and sig in CRASH_SIGNALS:
+        # a crash may follow a peer's death (MPI's progress engine on a reset connection): that peer's
+        # guard reports at once, and the launcher then ends this one (a forwarded signal, or SIGKILL);
+        # a crash after a signal was passed on happened while the job was being ended anyway
+        report = not passed_on and signal.sigtimedwait(FORWARDED, CRASH_GRACE_S) is None
+    if report and _claim():
         os.write(2, (death_line(rank, socket.gethostname(), child, sig, _read(page, _ROLE), _read(page, _DOING))
                      + "\n").encode("utf-8", "replace"))
     try:
@@ -276,6 +287,10 @@ def death_line(rank: int, host: str, pid: int, sig: int, role: str, doing: str) 
 
 #: Signals of a crash in native code (not a kill): the guard's line then names --no-repack.
 CRASH_SIGNALS = (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT)
+#: Seconds a guard whose rank crashed waits before it reports: a rank killed on another host can make
+#: MPI crash in its peers (hydra's proxies then lose the killed rank's own line when the first report
+#: ends the job); the killed rank's guard reports at once, and the launcher ends this guard meanwhile.
+CRASH_GRACE_S = 1.0
 
 
 RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")  # MPICH/hydra, Open MPI, PMIx launchers
