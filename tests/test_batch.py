@@ -211,6 +211,40 @@ def test_kill_and_resume_loses_nothing(tmp_path, smollm2):
     assert read_records(out) == recs
 
 
+LONG = ("The three laws of thermodynamics are the rules that every engine, refrigerator and living cell obeys; "
+        "they were found in the nineteenth century by engineers who wanted better steam engines. ") * 6
+
+
+@pytest.mark.mpi
+@pytest.mark.full
+def test_a_batch_of_long_prompts_splits_the_layers_for_them(tmp_path, smollm2):
+    """Prompts are 95% of the tokens: without --split, the ranks split the
+    layers as --split prompts does (15/15 instead of 22/8), the head says
+    so with every rank's layers, and the records are single-node llama.cpp's;
+    with short prompts and long answers, with --split, or with one target
+    stage, the default split stays and nothing is said."""
+    rows = [{"id": i, "prompt": f"{i}. {LONG}"} for i in range(3)]
+    inp, out = tmp_path / "long.jsonl", tmp_path / "out.jsonl"
+    write_jsonl(inp, rows)
+    p = run_ggpipe(["batch", str(inp), "-o", str(out), "-m", str(smollm2), "-n", "4", "--no-progress"], 2, timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    notes = [ln for ln in stderr_lines(p.stderr) if "split for them" in ln]
+    assert len(notes) == 1 and "(target layers 0-14; target layers 15-29)" in notes[0], p.stderr
+    got = {r["id"]: r["tokens"] for r in read_records(out)}
+    for r in rows:
+        assert_greedy(got[r["id"]], smollm2, r["prompt"], 4, msg=r["id"])
+
+    one_target_stage = ["-n", "4", "-md", str(smollm2), "--mode", "speculative"]   # the draft on rank 1
+    for args, name in ((["-n", "4", "--split", "1,1"], "long"), (one_target_stage, "long"), (["-n", "64"], "short")):
+        if name == "short":
+            write_jsonl(inp, [{"id": i, "prompt": f"Question {i}: what is MPI?"} for i in range(3)])
+        out.unlink()
+        p = run_ggpipe(["batch", str(inp), "-o", str(out), "-m", str(smollm2), "--no-progress", *args], 2,
+                       timeout=180)
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert "split for them" not in p.stderr and len(read_records(out)) == 3, (args, p.stderr)
+
+
 @pytest.mark.mpi
 @pytest.mark.full
 def test_bad_input_is_one_line_before_generating(tmp_path, smollm2):

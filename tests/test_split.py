@@ -3,7 +3,7 @@ import pytest
 
 from ggpipe.errors import GGPipeError, SplitError
 from ggpipe.cluster.loading import layer_ranges
-from ggpipe.cluster.split import SplitSpec, describe_plan, parse_split, plan_layers
+from ggpipe.cluster.split import PROMPT_SHARE, SplitSpec, describe_plan, parse_split, plan_layers, prompts_dominate
 
 
 # ---- parse_split ---------------------------------------------------------
@@ -352,3 +352,11 @@ def test_the_lm_head_counts_on_the_last_stage():
     assert plan_layers(30, 2, None, layer_bytes=[2_216_448] * 30, head_bytes=30_083_328) == [(0, 22), (22, 30)]
     assert plan_layers(30, 4, None, layer_bytes=[100] * 30, head_bytes=49) == plan_layers(30, 4, None)
     assert plan_layers(30, 2, (1, 1), layer_bytes=[100] * 30, head_bytes=10_000) == [(0, 15), (15, 30)]  # given: kept
+
+
+def test_a_workload_is_mostly_prompts_from_its_share_of_tokens_on():
+    assert prompts_dominate(8000, 512)            # 8 long prompts, 64 tokens each: 94%
+    assert not prompts_dominate(13 * 8, 128 * 8)  # short prompts, long answers
+    assert prompts_dominate(900, 100) and PROMPT_SHARE == 0.9
+    assert not prompts_dominate(899, 101)
+    assert not prompts_dominate(0, 0) and not prompts_dominate(0, 10) and prompts_dominate(10, 0)

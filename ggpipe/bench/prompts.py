@@ -14,7 +14,6 @@ string and optionally ``id`` and ``category``::
 
 from __future__ import annotations
 
-import ctypes
 import re
 from pathlib import Path
 
@@ -101,37 +100,16 @@ def render_prompts(model_path: str | Path, prompts: list[dict], chat: bool = Tru
     """
     if not chat:
         return [p["prompt"] for p in prompts]
-    with _vocab(model_path) as vocab:
+    from ggpipe.runtime.vocab import vocab_only  # noqa: PLC0415 (llama.cpp only when asked)
+
+    with vocab_only(model_path) as vocab:
         return [vocab.apply_chat_template([{"role": "user", "content": p["prompt"]}]) for p in prompts]
 
 
 def count_tokens(model_path: str | Path, texts: list[str]) -> list[int]:
     """Token counts of ``texts`` as ggpipe tokenizes a prompt (BOS per the model,
     special tokens parsed)."""
-    with _vocab(model_path) as vocab:
+    from ggpipe.runtime.vocab import vocab_only  # noqa: PLC0415 (llama.cpp only when asked)
+
+    with vocab_only(model_path) as vocab:
         return [int(vocab.tokenize(t).shape[0]) for t in texts]
-
-
-class _vocab:
-    """Context manager: a vocabulary-only llama.cpp model."""
-
-    def __init__(self, model_path):
-        self.path = str(model_path)
-
-    def __enter__(self):
-        from ggpipe.errors import ModelError
-        from ggpipe.runtime.llama import lib
-        from ggpipe.runtime.vocab import Vocab
-
-        L = lib()
-        mp = L.llama_model_default_params()
-        mp.vocab_only = True
-        self.model = L.llama_model_load_from_file(self.path.encode(), mp)
-        if not self.model:
-            raise ModelError(f"llama.cpp could not load the vocabulary of {self.path}")
-        self.L = L
-        return Vocab(self.model, L.llama_model_get_vocab(self.model))
-
-    def __exit__(self, *exc):
-        self.L.llama_model_free(ctypes.c_void_p(self.model) if isinstance(self.model, int) else self.model)
-        return False

@@ -26,14 +26,18 @@ and holds the running job's :class:`Session`.
 
 from __future__ import annotations
 
+import dataclasses
 import socket
+import sys
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ggpipe.cluster.config import ClusterConfig, parse_threads
 from ggpipe.cluster.loading import Loaded, close_loaded, describe_role, load_rank
 from ggpipe.cluster.plan import concurrent_stages
 from ggpipe.cluster.resources import POLL_OVERSUBSCRIBED_S, host_is_oversubscribed
 from ggpipe.cluster.roles import Roles
+from ggpipe.cluster.split import PROMPTS, parse_split, prompts_dominate
 from ggpipe.cluster.startup import meet, ready
 from ggpipe.errors import ConfigError, GGPipeError
 from ggpipe.metrics import MemorySampler, rank_info
@@ -176,11 +180,16 @@ class Session:
             self.draft_stage.close()
 
 
-def open_session(config: ClusterConfig, argv: list[str] | None = None, async_head: bool = False) -> Session:
+def open_session(config: ClusterConfig, argv: list[str] | None = None, async_head: bool = False,
+                 workload: Callable[[], tuple[int, int] | None] | None = None) -> Session:
     """Bring up this rank (see the module docstring). ``argv`` (default
     ``sys.argv[1:]``) must be the same on every rank: its digest, with the
     config's, is compared at start-up. ``async_head``: run the head's target
-    stage on an executor thread (speculation modes).
+    stage on an executor thread (speculation modes). ``workload``: called on
+    the head alone, before the ranks meet, where no ``--split`` is given:
+    the job's (prompt tokens, most generated tokens), or None where unknown;
+    where prompts dominate (:func:`~ggpipe.cluster.split.prompts_dominate`)
+    every rank splits for prompts (``--split prompts``), and the head says so.
 
     Raises:
         GGPipeError: on the head, the first error of any rank (naming it).
@@ -192,8 +201,12 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
     if world is None:
         rank, size, transport, hosts, cpus = 0, 1, None, [socket.gethostname()], [rank_info(0)["cpu_affinity"]]
     else:
-        rank, size, transport, hosts, pids, cpus = meet(world, config, argv)
+        offer = _split_offer(config, workload, world[2]) if world[1] == 0 and world[2] > 1 else None
+        rank, size, transport, hosts, pids, cpus, agreed = meet(world, config, argv, offer)
+        if agreed.get("split") is not None:
+            config = dataclasses.replace(config, split=agreed["split"])
         _poll_for_host(transport, config, rank, size, hosts, cpus)
+    split_note = (offer or {}).get("note") if world is not None else None
 
     activity = Activity("loading the model")
     liveness = None
@@ -204,12 +217,40 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
     memory = MemorySampler().start()
     loaded = _load_when_all_can(config, rank, size, transport, liveness, described)
     activity.set("idle")
+    if split_note:
+        sys.stderr.write(f"{split_note} ({'; '.join(described[r] for r in sorted(described))}); --split chooses "
+                         f"another\n")
     s = Session(config, rank, size, transport, loaded.stage, loaded.layers, loaded.path, hosts,
                 memory, loaded.roles, draft_stage=loaded.draft_stage, liveness=liveness, activity=activity,
                 cpus=cpus, load_s=loaded.load_s, warmup_s=loaded.warmup_s)
     if rank == 0:
         _add_pipelines(s, loaded, async_head)
     return s
+
+
+def _split_offer(config: ClusterConfig, workload: Callable[[], tuple[int, int] | None] | None,
+                 size: int) -> dict | None:
+    """On the head of a job of ``size`` ranks: ``{"split": "prompts",
+    "note": ...}`` where no ``--split`` is given, the target has several
+    stages and ``workload()`` is mostly prompts (the note,
+    completed with every rank's layers, is written once they are loaded),
+    else None."""
+    if config.split is not None or workload is None:
+        return None
+    try:
+        roles = Roles.plan(size, parse_split(None), bool(config.draft_models),
+                           n_draft_models=len(config.draft_models))
+    except GGPipeError:
+        return None  # loading reports it, on every rank
+    if roles.n_target < 2:
+        return None  # one target stage: nothing to split
+    counts = workload()
+    if counts is None or not prompts_dominate(*counts):
+        return None
+    n_prompt, n_generated = counts
+    return {"split": PROMPTS, "note": f"ggpipe: note: prompts are {n_prompt / (n_prompt + n_generated):.0%} of this "
+                                      f"job's tokens, so the layers are split for them as --split {PROMPTS} splits "
+                                      f"them"}
 
 
 def _poll_for_host(transport: Transport, config: ClusterConfig, rank: int, size: int, hosts: list[str],

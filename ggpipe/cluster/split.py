@@ -18,7 +18,9 @@ prompt's tokens go through every block but only its last one through the
 head, so where prompts are most of the tokens (long prompts, short answers)
 the head's stage would otherwise idle while the others compute (SmolLM2-135M,
 whose Q8_0 head weighs about 13 of its 30 blocks: 22/8 by default, 15/15
-with ``prompts``).
+with ``prompts``). ``batch`` chooses ``prompts`` itself when its input's
+prompts are at least :data:`PROMPT_SHARE` of the job's tokens and no
+``--split`` is given (:func:`prompts_dominate`).
 
 Boundaries are computed from the cumulative weight fractions with round half up
 (see :func:`plan_layers`). PipeInfer's own ``ggml_mpi_split_range`` (ggml-mpi.c)
@@ -43,6 +45,11 @@ __all__ = ["SplitSpec", "parse_split", "plan_layers", "describe_plan"]
 
 OPTION = "--split"
 PROMPTS = "prompts"   # --split prompts: the default split balanced without the LM head
+
+#: ``batch`` splits for prompts (``--split prompts``) where its input's prompt tokens are at least this share of
+#: prompt plus generated tokens (long prompts, short answers: 8 prompts of about 1,000 tokens and 64 generated
+#: are 94%; docs/benchmarks/prompts.md measures both splits there and on generation-heavy work).
+PROMPT_SHARE = 0.9
 
 # Added before rounding so that a cumulative fraction that should be exactly x.5
 # but is computed as x.4999999999 still rounds up.
@@ -76,6 +83,14 @@ class SplitSpec:
     def drafts(self) -> list[tuple[float, ...]]:
         """Every draft model's weights, in ``-md`` order ([] when none is named)."""
         return [] if self.draft is None else [self.draft, *self.more_drafts]
+
+
+def prompts_dominate(n_prompt: int, n_generated: int) -> bool:
+    """Whether a workload of ``n_prompt`` prompt tokens and at most
+    ``n_generated`` generated tokens is mostly prompts: the prompt tokens
+    are at least :data:`PROMPT_SHARE` of both (False for no tokens)."""
+    total = n_prompt + n_generated
+    return total > 0 and n_prompt >= PROMPT_SHARE * total
 
 
 def _parse_weights(part: str, what: str, text: str) -> tuple[float, ...]:

@@ -119,13 +119,15 @@ def _first_error(got: list[dict]) -> tuple[str, int] | None:
     return None
 
 
-def meet(world: tuple, config: ClusterConfig,
-         argv: list[str] | None) -> tuple[int, int, Transport, list[str], list[int], list]:
+def meet(world: tuple, config: ClusterConfig, argv: list[str] | None,
+         offer: dict | None = None) -> tuple[int, int, Transport, list[str], list[int], list, dict]:
     """Steps 1 and 2 (HELLO, GO) in the MPI ``world`` (comm, rank, size):
     returns this rank, the job's size, the transport, every rank's host and
-    pid, and every rank's CPU affinity (a list of CPU ids, or None where
-    unknown). ``argv`` (default ``sys.argv[1:]``) must be the same on every
-    rank: its digest, with the config's, is compared.
+    pid, every rank's CPU affinity (a list of CPU ids, or None where
+    unknown), and what the head decided for every rank before loading
+    (``offer``, given on the head: a JSON-able dict; {} when none). ``argv``
+    (default ``sys.argv[1:]``) must be the same on every rank: its digest,
+    with the config's, is compared.
 
     Raises:
         ConfigError: on the head, a rank's error or different arguments.
@@ -161,7 +163,7 @@ def meet(world: tuple, config: ClusterConfig,
             err = (f"rank {bad[0]} ({hosts[bad[0]]}) was started with different arguments than rank 0: "
                    f"start every rank with the same ggpipe command")
         _verdict(transport, size, err, {"hosts": hosts, "pids": [h["pid"] for h in got],
-                                        "cpus": [h.get("cpus") for h in got], "code": code})
+                                        "cpus": [h.get("cpus") for h in got], "code": code, "offer": offer or {}})
         if err:
             exc = ConfigError(err)
             exc.exit_code = code  # a usage error on another rank exits 2 here too
@@ -175,7 +177,8 @@ def meet(world: tuple, config: ClusterConfig,
     transport.hosts = hosts
     pids = [h["pid"] for h in got] if rank == 0 else got["pids"]
     cpus = [h.get("cpus") for h in got] if rank == 0 else (got.get("cpus") or [None] * size)
-    return rank, size, transport, hosts, pids, cpus
+    agreed = (offer or {}) if rank == 0 else got.get("offer", {})
+    return rank, size, transport, hosts, pids, cpus, agreed
 
 
 def ready(transport: Transport, rank: int, size: int, err: str | None, role: str | None, timeout_s: float,

@@ -51,7 +51,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ggpipe.errors import ConfigError
+from ggpipe.errors import ConfigError, GGPipeError
 from ggpipe.frontends import request_fields
 from ggpipe.frontends.batch_output import RecordWriter, check_output_path, id_key, record, repair, scan_output
 from ggpipe.service.engine import Engine
@@ -350,4 +350,28 @@ def run_batch(job: JobSpec, input_path, output_path, n_predict: int, sampling: S
         with head_signals(runner.on_signal):
             return runner.run()
 
-    return run_job(job, head)
+    return run_job(job, head, workload=lambda: workload(job.config.model, input_path, n_predict, sampling))
+
+
+#: Requests :func:`workload` reads at most (the first ones of the file): enough to tell long prompts from short.
+WORKLOAD_ITEMS = 1000
+
+
+def workload(model, input_path, n_predict: int, sampling: SamplingParams) -> tuple[int, int] | None:
+    """(prompt tokens, most generated tokens) of the first
+    :data:`WORKLOAD_ITEMS` requests of ``input_path``, tokenized with the
+    model's vocabulary (a chat request's message contents, without the
+    template), or None where the file or the model cannot be read (the run
+    then reports it as always, naming the line)."""
+    from ggpipe.models.registry import resolve  # noqa: PLC0415
+    from ggpipe.runtime.vocab import vocab_only  # noqa: PLC0415
+
+    try:
+        items = load_items(input_path, n_predict, sampling)[:WORKLOAD_ITEMS]
+        with vocab_only(resolve(model, fetch_missing=False)) as vocab:   # a download waits for loading
+            n_prompt = sum(int(vocab.tokenize(it.prompt if it.messages is None else
+                                              "".join(str(m.get("content", "")) for m in it.messages)).shape[0])
+                           for it in items)
+    except (GGPipeError, OSError, ValueError):
+        return None
+    return n_prompt, sum(it.n_predict for it in items)

@@ -133,3 +133,28 @@ def check_prompt_fits(n_prompt: int, n_predict: int, n_ctx: int) -> None:
             f"the prompt has {n_prompt} tokens and -n asks for {n_predict} more, "
             f"but the context holds {n_ctx}: raise --ctx-size or shorten the prompt"
         )
+
+
+class vocab_only:
+    """Context manager: the :class:`Vocab` of a vocabulary-only llama.cpp
+    load of ``model_path`` (metadata and tokenizer, no weights; freed on exit).
+
+    Raises:
+        ModelError: llama.cpp cannot load the file's vocabulary."""
+
+    def __init__(self, model_path):
+        self.path = str(model_path)
+
+    def __enter__(self) -> Vocab:
+        L = _llama.lib()
+        mp = L.llama_model_default_params()
+        mp.vocab_only = True
+        self.model = L.llama_model_load_from_file(self.path.encode(), mp)
+        if not self.model:
+            raise ModelError(f"llama.cpp could not load the vocabulary of {self.path}")
+        self.L = L
+        return Vocab(self.model, L.llama_model_get_vocab(self.model))
+
+    def __exit__(self, *exc):
+        self.L.llama_model_free(ctypes.c_void_p(self.model) if isinstance(self.model, int) else self.model)
+        return False

@@ -74,19 +74,23 @@ def head_signals(handler, signals=STOP_SIGNALS) -> Iterator[None]:
 
 
 def run_job(job: JobSpec, head: Callable[[Engine], int],
-            after_shutdown: Callable[[Session, list[dict]], None] | None = None) -> int:
+            after_shutdown: Callable[[Session, list[dict]], None] | None = None,
+            workload: Callable[[], tuple[int, int] | None] | None = None) -> int:
     """Entry point of every rank; returns the process exit code.
 
     ``head(engine)`` runs on rank 0 and returns the exit code; then the
     workers are shut down and ``after_shutdown(session, rank_stats)`` is
-    called with every rank's statistics (rank order).
+    called with every rank's statistics (rank order). ``workload``: the
+    job's (prompt tokens, most generated tokens), asked on the head before
+    loading (:func:`~ggpipe.cluster.session.open_session`), or None.
 
     Raises:
         GGPipeError: start-up or pipeline errors (the CLI prints one line).
     """
     # the head's stage on its own thread: the asynchronous modes, and the scheduler's
     # micro-batches (the head samples one group while its stage computes the next)
-    session = open_session(job.config, async_head=mode_class(job.mode).asynchronous or job.parallel > 1)
+    session = open_session(job.config, async_head=mode_class(job.mode).asynchronous or job.parallel > 1,
+                           workload=workload)
     try:
         if not session.is_head:
             session.serve(mid_run_cancels=cancels_runs(job))
