@@ -60,21 +60,18 @@ import time
 from collections import deque
 from typing import Callable
 
-import numpy as np
-
 from ggpipe.backend import TargetBackend
 from ggpipe.decoding.parallel.budget import ITL_BOUND, LateShare, late_prompts, plan_late, plan_step
 from ggpipe.decoding.parallel.chain_draft import SlotDrafter
 from ggpipe.decoding.parallel.lone_drafts import LoneDrafts
 from ggpipe.decoding.parallel.prefix_cache import awaits_donor, borrow_prefix, pick_slot
 from ggpipe.decoding.request import Request
-from ggpipe.decoding.loop import Job, slot_view
-from ggpipe.decoding.parallel.slots import SchedulerStats, Slot, _Row
+from ggpipe.decoding.loop import Job
+from ggpipe.decoding.parallel.slots import SchedulerStats, Slot, _Row, pack_micro_batch, slots_view
 from ggpipe.errors import ConfigError, GGPipeError
 from ggpipe.metrics import TokenRate
 from ggpipe.pipeline.waiting import Wait, poll_wait
-from ggpipe.runs import Run, RunResult, next_run_id
-
+from ggpipe.runs import RunResult
 
 
 class Scheduler:
@@ -202,15 +199,11 @@ class Scheduler:
         return bool(self.queue) or bool(self._rows) or self.n_busy > 0
 
     def _start_queued(self) -> None:
-        """Give free slots to queued requests (longest cached prefix first).
-        Requests that get slots at once start shortest prompt first, each
-        in the lowest free slot where no cached prefix decides: a burst's
-        prompts then lie in ascending length by slot id, and llama.cpp,
-        which computes a micro-batch on a cache of one stream per slot in
-        ubatches of consecutive slots and equal tokens per slot
-        (``llama_batch_allocr::split_equal``), makes one ubatch per distinct
-        length (16 prompts of 6-11 tokens: 6 instead of 13, each streaming
-        the weights once)."""
+        """Give free slots to queued requests (longest cached prefix first),
+        those that get slots at once shortest prompt first: a burst's prompts
+        then lie in ascending length by slot id, and llama.cpp's ubatches of
+        consecutive slots with equal tokens each (``split_equal``) are one per
+        distinct length (16 prompts of 6-11 tokens: 6 instead of 13)."""
         n_free = sum(s.free for s in self.slots)
         if n_free > 1 and len(self.queue) > 1:
             starting = [self.queue.popleft() for _ in range(min(n_free, len(self.queue)))]
@@ -310,30 +303,8 @@ class Scheduler:
         return True
 
     def _submit(self, rows: list[tuple[_Row, list[int]]], kind: str = "decode") -> None:
-        """Send one micro-batch: each row's tokens at the next positions of
-        its slot's stream (a logit row for every token of a row with a
-        chain, else for its last token when it asks)."""
-        tokens, pos, seqs, outputs, reply = [], [], [], [], []
-        mix = self.stats.add_micro_batch(rows)
-        for row, chunk in rows:
-            slot, n = row.slot, len(chunk)
-            row.n = n
-            tokens += chunk
-            pos += range(row.p0, row.p0 + n)
-            seqs += [slot.seq] * n
-            outputs += [int(bool(row.chain))] * (n - 1) + [int(row.logits)]
-            slot.kv += chunk
-            slot.in_flight += 1
-            slot.last_sent = self.stats.micro_batches
-            slot.waiting = slot.waiting or row.logits
-            if row.logits:
-                reply.append(slot.job.sampler.params.reply_k())
-            if not slot.generating:
-                slot.job.prompt_steps.add(*mix)
-        n = len(tokens)
-        run = Run(run_id=next_run_id(), tokens=np.asarray(tokens, np.int32), pos=np.asarray(pos, np.int32),
-                  n_seq_id=np.ones(n, np.int32), seq_ids=np.asarray(seqs, np.int32),
-                  outputs=np.asarray(outputs, np.int8))
+        """Send one micro-batch (:func:`~ggpipe.decoding.parallel.slots.pack_micro_batch`)."""
+        run, reply = pack_micro_batch(rows, self.stats)
         # the rows' samplers read the k best of each row (greedy: the argmax), or whole rows
         self.target.reply_k = 0 if not reply or 0 in reply else max(reply)
         self._rows[run.run_id] = [row for row, _ in rows]
@@ -403,8 +374,7 @@ class Scheduler:
                 self._end(slot)
 
     def _generated(self, n: int) -> None:
-        """Count ``n`` tokens generated now."""
-        self.stats.generated += n
+        self.stats.generated += n    # tokens generated now
         self.rate.add(n)
 
     def reset(self) -> None:
@@ -427,17 +397,12 @@ class Scheduler:
         return self.rate.per_s()
 
     def step_tokens(self) -> dict:
-        """Micro-batches sent and their tokens by kind (the counters of
-        :class:`~ggpipe.decoding.parallel.slots.SchedulerStats`)."""
-        st = self.stats
-        return {"micro_batches": st.micro_batches, "decode": st.decode_tokens, "draft": st.drafted,
-                "prompt": st.prompt_tokens}
+        """Micro-batches sent and their tokens by kind (:meth:`SchedulerStats.step_tokens`)."""
+        return self.stats.step_tokens()
 
     def view(self) -> list[dict]:
-        """One dict per slot (:func:`~ggpipe.decoding.loop.slot_view`)."""
-        return [slot_view(s.seq, self.n_ctx_slot, s.job, s.state,
-                          len(s.job.request.out) if s.job is not None and s.job.request is not None else 0,
-                          len(s.kv), s.job.draft_stats if s.job is not None else None) for s in list(self.slots)]
+        """One dict per slot (:func:`~ggpipe.decoding.parallel.slots.slots_view`)."""
+        return slots_view(self.slots, self.n_ctx_slot)
 
     # -- the loop ------------------------------------------------------------------
 

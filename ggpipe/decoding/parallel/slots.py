@@ -1,15 +1,19 @@
 """The scheduler's pure parts: its counters (:class:`SchedulerStats`), a
 slot (:class:`Slot`: a KV sequence and the request that holds it, in one of
-the states of :class:`~ggpipe.decoding.loop.SlotState`), and the groups of
-generating slots that take turns (:func:`decode_groups`); what one
-micro-batch carries is ggpipe.decoding.parallel.budget's. No pipeline, no
-MPI; ggpipe.decoding.parallel.scheduler drives them."""
+the states of :class:`~ggpipe.decoding.loop.SlotState`), the groups of
+generating slots that take turns (:func:`decode_groups`) and a micro-batch's
+run from its rows (:func:`pack_micro_batch`); what one micro-batch carries
+is ggpipe.decoding.parallel.budget's. No pipeline, no MPI;
+ggpipe.decoding.parallel.scheduler drives them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ggpipe.decoding.loop import Job, SlotState
+import numpy as np
+
+from ggpipe.decoding.loop import Job, SlotState, slot_view
+from ggpipe.runs import Run, next_run_id
 
 
 @dataclass
@@ -66,6 +70,11 @@ class SchedulerStats:
         self.decode_tokens += decode
         self.prompt_tokens += prompt
         return decode, draft, prompt
+
+    def step_tokens(self) -> dict:
+        """Micro-batches sent and their tokens by kind (decode, draft, prompt)."""
+        return {"micro_batches": self.micro_batches, "decode": self.decode_tokens, "draft": self.drafted,
+                "prompt": self.prompt_tokens}
 
 
 @dataclass(eq=False)
@@ -179,3 +188,43 @@ def decode_groups(slots: list[Slot], depth: int, max_size: int | None = None) ->
             break
         groups[i:i + 1] = [g[:len(g) // 2], g[len(g) // 2:]]
     return groups
+
+
+def pack_micro_batch(rows: list[tuple[_Row, list[int]]], stats: SchedulerStats) -> tuple[Run, list[int]]:
+    """The run of one micro-batch of ``rows`` (each a row and the tokens it
+    sends): each row's tokens at the next positions of its slot's stream
+    (sequence id = slot id), a logit row for every token of a row with a
+    chain, else for its last token when it asks. The slots advance as the
+    rows go (their streams' tokens, runs in flight, the micro-batch they
+    last sent in, waiting for logits; a prompt's micro-batches in its job's
+    ``prompt_steps``), and ``stats`` counts the micro-batch. Returns the run
+    and the reply size each logit row's sampler asks
+    (:meth:`~ggpipe.sampling_params.SamplingParams.reply_k`, 0: whole rows)."""
+    tokens, pos, seqs, outputs, reply = [], [], [], [], []
+    mix = stats.add_micro_batch(rows)
+    for row, chunk in rows:
+        slot, n = row.slot, len(chunk)
+        row.n = n
+        tokens += chunk
+        pos += range(row.p0, row.p0 + n)
+        seqs += [slot.seq] * n
+        outputs += [int(bool(row.chain))] * (n - 1) + [int(row.logits)]
+        slot.kv += chunk
+        slot.in_flight += 1
+        slot.last_sent = stats.micro_batches
+        slot.waiting = slot.waiting or row.logits
+        if row.logits:
+            reply.append(slot.job.sampler.params.reply_k())
+        if not slot.generating:
+            slot.job.prompt_steps.add(*mix)
+    n = len(tokens)
+    run = Run(run_id=next_run_id(), tokens=np.asarray(tokens, np.int32), pos=np.asarray(pos, np.int32),
+              n_seq_id=np.ones(n, np.int32), seq_ids=np.asarray(seqs, np.int32), outputs=np.asarray(outputs, np.int8))
+    return run, reply
+
+
+def slots_view(slots: list[Slot], n_ctx_slot: int) -> list[dict]:
+    """One dict per slot (:func:`~ggpipe.decoding.loop.slot_view`; ``/slots``)."""
+    return [slot_view(s.seq, n_ctx_slot, s.job, s.state,
+                      len(s.job.request.out) if s.job is not None and s.job.request is not None else 0,
+                      len(s.kv), s.job.draft_stats if s.job is not None else None) for s in list(slots)]
