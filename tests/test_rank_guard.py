@@ -103,8 +103,12 @@ def test_a_crash_while_the_launcher_ends_the_job_is_not_reported():
     """A rank that crashes because a peer was killed (MPI on a reset
     connection) must not take the report from that peer: its guard waits
     rank_guard.CRASH_GRACE_S, and a launcher that ends it meanwhile (here
-    SIGTERM, as hydra's clean-up) finds it quiet."""
-    p, rank_pid = _start("", "time.sleep(0.3); os.kill(os.getpid(), signal.SIGSEGV)")
+    SIGTERM, as hydra's clean-up) finds it quiet. (The grace is 30 s here,
+    so that a loaded machine cannot make the SIGTERM come after it.)"""
+    code = ("import os, signal, time\nfrom ggpipe.transport import rank_guard\nrank_guard.CRASH_GRACE_S = 30\n"
+            "rank_guard.start(3)\nprint(os.getpid(), flush=True)\ntime.sleep(0.3)\nos.kill(os.getpid(), signal.SIGSEGV)")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rank_pid = int(p.stdout.readline())
     deadline = time.monotonic() + 10
     while not _ended_or_zombie(rank_pid):
         assert time.monotonic() < deadline
