@@ -198,15 +198,17 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
     """
     world = mpi_world()
     described: dict[int, str] = {}  # rank -> its model and layers, once loaded
+    split_note = None   # the head's line on a split it chose for the workload
     if world is None:
         rank, size, transport, hosts, cpus = 0, 1, None, [socket.gethostname()], [rank_info(0)["cpu_affinity"]]
     else:
-        offer = _split_offer(config, workload, world[2]) if world[1] == 0 and world[2] > 1 else None
-        rank, size, transport, hosts, pids, cpus, agreed = meet(world, config, argv, offer)
+        if world[1] == 0:
+            split_note = _prompts_split_note(config, workload, world[2])
+        rank, size, transport, hosts, pids, cpus, agreed = meet(world, config, argv,
+                                                                {"split": PROMPTS} if split_note else None)
         if agreed.get("split") is not None:
             config = dataclasses.replace(config, split=agreed["split"])
         _poll_for_host(transport, config, rank, size, hosts, cpus)
-    split_note = (offer or {}).get("note") if world is not None else None
 
     activity = Activity("loading the model")
     liveness = None
@@ -228,14 +230,13 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
     return s
 
 
-def _split_offer(config: ClusterConfig, workload: Callable[[], tuple[int, int] | None] | None,
-                 size: int) -> dict | None:
-    """On the head of a job of ``size`` ranks: ``{"split": "prompts",
-    "note": ...}`` where no ``--split`` is given, the target has several
-    stages and ``workload()`` is mostly prompts (the note,
-    completed with every rank's layers, is written once they are loaded),
-    else None."""
-    if config.split is not None or workload is None:
+def _prompts_split_note(config: ClusterConfig, workload: Callable[[], tuple[int, int] | None] | None,
+                        size: int) -> str | None:
+    """On the head of a job of ``size`` ranks: where no ``--split`` is
+    given, the target has several stages and ``workload()`` is mostly
+    prompts, the start of the line that says the layers are split for them
+    (completed with every rank's layers once they are loaded); else None."""
+    if config.split is not None or workload is None or size < 2:
         return None
     try:
         roles = Roles.plan(size, parse_split(None), bool(config.draft_models),
@@ -248,9 +249,8 @@ def _split_offer(config: ClusterConfig, workload: Callable[[], tuple[int, int] |
     if counts is None or not prompts_dominate(*counts):
         return None
     n_prompt, n_generated = counts
-    return {"split": PROMPTS, "note": f"ggpipe: note: prompts are {n_prompt / (n_prompt + n_generated):.0%} of this "
-                                      f"job's tokens, so the layers are split for them as --split {PROMPTS} splits "
-                                      f"them"}
+    return (f"ggpipe: note: prompts are {n_prompt / (n_prompt + n_generated):.0%} of this job's tokens, so the layers "
+            f"are split for them as --split {PROMPTS} splits them")
 
 
 def _poll_for_host(transport: Transport, config: ClusterConfig, rank: int, size: int, hosts: list[str],

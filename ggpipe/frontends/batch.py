@@ -50,6 +50,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from ggpipe.errors import ConfigError, GGPipeError
 from ggpipe.frontends import request_fields
@@ -229,16 +230,19 @@ class BatchRunner:
         output_path: the JSONL results (appended to; existing ids skipped).
         n_predict, sampling: defaults of requests that do not set them.
         progress: show a tqdm progress bar on stderr.
+        items: the input's requests (:func:`load_items` of ``input_path``
+            by default; ``run_batch`` passes the ones it read before loading).
     """
 
     def __init__(self, engine: Engine, input_path, output_path, n_predict: int, sampling: SamplingParams,
-                 progress: bool = True):
+                 progress: bool = True, items: Callable[[], list[BatchItem]] | None = None):
         self.engine = engine
         self.input_path = Path(input_path)
         self.output_path = Path(output_path)
         self.n_predict = n_predict
         self.sampling = sampling
         self.progress = progress
+        self.items = items or (lambda: load_items(self.input_path, self.n_predict, self.sampling))
         self.signal: int | None = None
 
     def on_signal(self, signum, frame) -> None:  # noqa: ARG002 (signal handler signature)
@@ -251,7 +255,7 @@ class BatchRunner:
         """Validate everything before generating: input lines, chat template,
         prompt lengths, logit biases and grammars; returns the (item, tokens) still to do."""
         check_output_path(self.output_path, self.input_path)
-        items = load_items(self.input_path, self.n_predict, self.sampling)
+        items = self.items()
         has_template = bool(self.engine.vocab.chat_template())
         todo = []
         done = done_ids(self.output_path)
@@ -345,33 +349,40 @@ def run_batch(job: JobSpec, input_path, output_path, n_predict: int, sampling: S
     """
     ignore_signals()
 
+    read: dict[str, list[BatchItem]] = {}   # the head reads the input once: before loading, kept for prepare
+
+    def items() -> list[BatchItem]:
+        if "items" not in read:
+            read["items"] = load_items(input_path, n_predict, sampling)
+        return read["items"]
+
     def head(engine: Engine) -> int:
-        runner = BatchRunner(engine, input_path, output_path, n_predict, sampling, progress)
+        runner = BatchRunner(engine, input_path, output_path, n_predict, sampling, progress, items)
         with head_signals(runner.on_signal):
             return runner.run()
 
-    return run_job(job, head, workload=lambda: workload(job.config.model, input_path, n_predict, sampling))
+    return run_job(job, head, workload=lambda: workload(job.config.model, items))
 
 
 #: Requests :func:`workload` reads at most (the first ones of the file): enough to tell long prompts from short.
 WORKLOAD_ITEMS = 1000
 
 
-def workload(model, input_path, n_predict: int, sampling: SamplingParams) -> tuple[int, int] | None:
+def workload(model, items: Callable[[], list[BatchItem]]) -> tuple[int, int] | None:
     """(prompt tokens, most generated tokens) of the first
-    :data:`WORKLOAD_ITEMS` requests of ``input_path``, tokenized with the
-    model's vocabulary (a chat request's message contents, without the
-    template), or None where the file or the model cannot be read (the run
-    then reports it as always, naming the line)."""
+    :data:`WORKLOAD_ITEMS` requests of ``items()`` (the input's), tokenized
+    with the model's vocabulary as the head will tokenize them (a chat
+    request through the model's template), or None where the file or the
+    model cannot be read (the run then reports it as always, naming the line)."""
     from ggpipe.models.registry import resolve  # noqa: PLC0415
     from ggpipe.runtime.vocab import vocab_only  # noqa: PLC0415
+    from ggpipe.service.chat_prompt import chat_tokens  # noqa: PLC0415
 
     try:
-        items = load_items(input_path, n_predict, sampling)[:WORKLOAD_ITEMS]
+        first = items()[:WORKLOAD_ITEMS]
         with vocab_only(resolve(model, fetch_missing=False)) as vocab:   # a download waits for loading
-            n_prompt = sum(int(vocab.tokenize(it.prompt if it.messages is None else
-                                              "".join(str(m.get("content", "")) for m in it.messages)).shape[0])
-                           for it in items)
+            n_prompt = sum(int((vocab.tokenize(it.prompt) if it.messages is None else
+                                chat_tokens(vocab, it.messages)).shape[0]) for it in first)
     except (GGPipeError, OSError, ValueError):
         return None
-    return n_prompt, sum(it.n_predict for it in items)
+    return n_prompt, sum(it.n_predict for it in first)
