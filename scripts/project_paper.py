@@ -68,7 +68,7 @@ def project_pipedec(stages: list[int], n: int, overhead: tuple[float, float]) ->
     speculative modes) per link; a markdown table of tokens/s and ratios."""
     name, tgt, drf, acc = PIPEDEC_PAIR
     t, d = resolve_desc(tgt), resolve_desc(drf)
-    lines = [f"| link | mode | " + " | ".join(f"{s} stages" for s in stages) + " |",
+    lines = ["| link | mode | " + " | ".join(f"{s} stages" for s in stages) + " |",
              "|---|---|" + "---:|" * len(stages)]
     for link in LINKS:
         prof = profile_for(XEON_GOLD, link, overhead)
@@ -78,7 +78,7 @@ def project_pipedec(stages: list[int], n: int, overhead: tuple[float, float]) ->
             for s in stages:
                 ranks = s if mode == "iterative" else s + 1
                 cfg = SimConfig(prof, t, None if mode == "iterative" else d, mode=mode, ranks=ranks,
-                                spec=SpecSettings(mode=mode, draft_max=4, **knobs), acceptance=acc, n_prompt=64,
+                                spec=SpecSettings(draft_max=4, **knobs), acceptance=acc, n_prompt=64,
                                 n_predict=n, prompts=1)
                 row.append(simulate(cfg)["tokens_per_s"])
             res[label] = row

@@ -113,6 +113,7 @@ def soak_toy(mode: str, temp: float, n: int) -> dict:
     import numpy as np
 
     from ggpipe.decoding.factory import build_decoder
+    from ggpipe.decoding.plan import DecodingPlan
     from ggpipe.decoding.settings import SpecSettings
     from ggpipe.sampling import Sampler
     from ggpipe.sampling_params import SamplingParams
@@ -127,8 +128,9 @@ def soak_toy(mode: str, temp: float, n: int) -> dict:
     draft = FakePipeline(ToyLM(48, flip=0.3), latency=1, name="draft")
     for pipe in (target, draft):  # a context that holds the request (-c n + 64 on real ranks)
         pipe.kv_cells = KvCells(n + 256)
-    spec = SpecSettings(mode=mode, spec_type="draft", p_split=0.05, **extra)
-    dec = build_decoder(mode, spec, target, draft, n_ubatch=8, n_seq_max=64, is_eog=lambda t: False, timeout_s=5)
+    spec = SpecSettings(spec_type="draft", p_split=0.05, **extra)
+    dec = build_decoder(DecodingPlan.resolve(mode, spec), target, draft, n_ubatch=8, n_seq_max=64,
+                        is_eog=lambda t: False, timeout_s=5)
     seen = {"steps": 0, "warm": None, "peak_heap": 0, "peak_nodes": 0}
     step = dec.step
     tracemalloc.start()

@@ -183,7 +183,6 @@ def test_server_answers_in_flight_requests_with_503_when_a_rank_stops(smollm2):
     and a second one beside it get a 5xx error (not a hang), /health reports
     the failure, and the job ends non-zero with the rank named."""
     import json
-    import re
     import threading
     import urllib.error
     import urllib.request

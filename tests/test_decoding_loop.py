@@ -28,14 +28,14 @@ PROMPT = [3, 9, 4, 3, 9, 4, 3, 9, 11, 5, 3, 9]
 
 
 def _decoder(spec: SpecSettings, spec_type: str, latency: int = 3, draft_latency: int = 1, flip: float = 0.3,
-             n_seq_max: int = 64, period: int = 0):
+             n_seq_max: int = 64, period: int = 0, mode: str = "pipeinfer"):
     # chains: every token's cells must sit at index = position (docs/user-guide/exactness.md)
     target = FakePipeline(ToyLM(V, period=period), latency=latency, cell_order=spec.branches == 1)
     draft = FakePipeline(ToyLM(V, flip=flip, period=period), latency=draft_latency, name="draft")
     prop = make_proposer(spec_type, ProposerConfig(backend=draft, n_vocab=V, n_ubatch=8, p_split=spec.p_split,
                                                    width=spec.branches))
-    dec = mode_class(spec.mode).over(target, prop, spec, n_seq_max=n_seq_max, n_ubatch=8, is_eog=lambda t: False,
-                                     timeout_s=5)
+    dec = mode_class(mode).over(target, prop, spec, n_seq_max=n_seq_max, n_ubatch=8, is_eog=lambda t: False,
+                               timeout_s=5)
     return dec, target, draft
 
 
@@ -57,9 +57,8 @@ REPEATING = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]  # with 
 ])
 @pytest.mark.parametrize("spec_type", ["draft", "ngram", "vote", "staged"])
 def test_greedy_equals_reference(mode, width, latency, continuous, cancel, spec_type):
-    spec = SpecSettings(mode=mode, spec_type=spec_type, branches=width, continuous=continuous, cancel=cancel,
-                        p_split=0.05)
-    dec, target, _ = _decoder(spec, spec_type, latency=latency)
+    spec = SpecSettings(spec_type=spec_type, branches=width, continuous=continuous, cancel=cancel, p_split=0.05)
+    dec, target, _ = _decoder(spec, spec_type, latency=latency, mode=mode)
     out = dec.generate(np.array(PROMPT, np.int32), 40, Sampler(SamplingParams()))
     assert out == _reference(40)
     assert dec.stats["spec_type"] == spec_type
@@ -76,7 +75,7 @@ def test_iterative_equals_reference():
 
 def test_requests_share_the_draft_cache():
     """A second request on a longer context decodes only what the draft's KV lacks."""
-    spec = SpecSettings(mode="pipeinfer")
+    spec = SpecSettings()
     dec, target, draft = _decoder(spec, "draft")
     first = dec.generate(np.array(PROMPT, np.int32), 10, Sampler(SamplingParams()))
     decodes = dec.stats["draft_decodes"]
@@ -91,7 +90,7 @@ def test_requests_share_the_draft_cache():
 
 
 def test_eog_and_emit_stop():
-    spec = SpecSettings(mode="pipeinfer", spec_type="ngram")
+    spec = SpecSettings(spec_type="ngram")
     ref = _reference(30)
     eog = ref[12]
     dec, target, _ = _decoder(spec, "ngram")
@@ -110,8 +109,8 @@ def test_ngram_drafts_make_long_passes_on_repetitive_text():
     """On text the prompt already contains, n-gram drafting needs far fewer
     target passes than tokens (the toy model continues the prompt's cycle)."""
     prompt, period = REPEATING + [1, 2], len(REPEATING)
-    spec = SpecSettings(mode="speculative", spec_type="ngram", draft_max=8)
-    dec, target, _ = _decoder(spec, "ngram", period=period)
+    spec = SpecSettings(spec_type="ngram", draft_max=8)
+    dec, target, _ = _decoder(spec, "ngram", period=period, mode="speculative")
     out = dec.generate(np.array(prompt, np.int32), 40, Sampler(SamplingParams()))
     assert out == _reference(40, prompt, period)
     assert dec.stats["accepted_per_pass"] > 3
@@ -214,7 +213,7 @@ def test_draft_model_proposer_grows_a_greedy_chain_and_cuts():
 def test_sampled_output_is_reproducible_with_a_seed(spec_type):
     outs = []
     for _ in range(2):
-        dec, _, _ = _decoder(SpecSettings(mode="pipeinfer", spec_type=spec_type), spec_type)
+        dec, _, _ = _decoder(SpecSettings(spec_type=spec_type), spec_type, mode="pipeinfer")
         outs.append(dec.generate(np.array(PROMPT, np.int32), 30, Sampler(SamplingParams(temperature=0.9, seed=7))))
     assert outs[0] == outs[1]
 
@@ -226,7 +225,7 @@ def test_sampled_drafts_are_accepted(mode):
     on real ranks does not count them, since there how many follows timing.
     (Latency 6: at the default 3, pipeinfer drafts nothing here, greedy or
     sampled.)"""
-    dec, _, _ = _decoder(SpecSettings(mode=mode, spec_type="draft"), "draft", latency=6)
+    dec, _, _ = _decoder(SpecSettings(spec_type="draft"), "draft", latency=6, mode=mode)
     dec.generate(np.array(PROMPT, np.int32), 30, Sampler(SamplingParams(temperature=0.9, seed=7)))
     assert dec.stats["drafted"] > 0 and dec.stats["draft_accepted"] > 0, dec.stats
 
@@ -255,7 +254,7 @@ def test_instant_root_carries_its_draft():
     """pipeinfer with an instant proposer sends a new root together with the
     n-gram draft below it: no one-token root runs when a draft exists."""
     prompt, period = REPEATING + [1, 2], len(REPEATING)
-    dec, target, _ = _decoder(SpecSettings(mode="pipeinfer", spec_type="ngram"), "ngram", period=period)
+    dec, target, _ = _decoder(SpecSettings(spec_type="ngram"), "ngram", period=period, mode="pipeinfer")
     out = dec.generate(np.array(prompt, np.int32), 30, Sampler(SamplingParams()))
     assert out == _reference(30, prompt, period)
     assert dec.stats["root_runs"] <= 1
@@ -265,7 +264,7 @@ def test_all_settings_combinations_stay_exact():
     """A coarse sweep of knobs over both proposers (fast: no model)."""
     for spec_type, draft_n, p_accept, latency in itertools.product(["draft", "ngram", "vote", "staged"], [1, 3, 8], [0.0, 0.5],
                                                                    [1, 5]):
-        spec = SpecSettings(mode="pipeinfer", spec_type=spec_type, draft_max=draft_n, p_accept=p_accept)
+        spec = SpecSettings(spec_type=spec_type, draft_max=draft_n, p_accept=p_accept)
         dec, _, _ = _decoder(spec, spec_type, latency=latency, draft_latency=2)
         assert dec.generate(np.array(PROMPT, np.int32), 25, Sampler(SamplingParams())) == _reference(25)
 
@@ -275,7 +274,7 @@ def test_adaptive_depth_stays_exact_and_learns():
     from ggpipe.speculation.adaptive import AcceptanceModel, PassCost, draft_threshold
 
     for mode in ("pipeinfer", "speculative"):
-        dec, _, _ = _decoder(SpecSettings(mode=mode, p_accept=None), "draft", flip=0.2)
+        dec, _, _ = _decoder(SpecSettings(p_accept=None), "draft", flip=0.2, mode=mode)
         assert dec.adaptive
         out = dec.generate(np.array(PROMPT, np.int32), 60, Sampler(SamplingParams()))
         assert out == _reference(60)
@@ -401,7 +400,7 @@ def test_ngram_confidence_and_calibrated_truncation():
 @pytest.mark.parametrize("mode", ["speculative", "pipeinfer"])
 def test_adaptive_ngram_stays_exact(mode):
     prompt, period = REPEATING + [1, 2], len(REPEATING)
-    dec, _, _ = _decoder(SpecSettings(mode=mode, spec_type="ngram", p_accept=None), "ngram", period=period)
+    dec, _, _ = _decoder(SpecSettings(spec_type="ngram", p_accept=None), "ngram", period=period, mode=mode)
     out = dec.generate(np.array(prompt + PROMPT, np.int32), 50, Sampler(SamplingParams()))
     assert out == _reference(50, prompt + PROMPT, period)
 
@@ -418,8 +417,8 @@ def test_chains_place_every_cell_at_its_position():
             [True, False]):
         if mode == "speculative" and not (cancel and continuous):
             continue
-        spec = SpecSettings(mode=mode, spec_type=spec_type, cancel=cancel, continuous=continuous, p_split=0.05)
-        dec, _, _ = _decoder(spec, spec_type, latency=latency, draft_latency=draft_latency, flip=flip)
+        spec = SpecSettings(spec_type=spec_type, cancel=cancel, continuous=continuous, p_split=0.05)
+        dec, _, _ = _decoder(spec, spec_type, latency=latency, draft_latency=draft_latency, flip=flip, mode=mode)
         assert dec.generate(np.array(PROMPT, np.int32), 30, Sampler(SamplingParams())) == _reference(30)
         trims += dec.stats["kv_trims"]
     assert trims > 0

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from ggpipe.decoding.factory import build_decoder
+from ggpipe.decoding.plan import DecodingPlan
 from ggpipe.decoding.parallel.scheduler import Scheduler
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.decoding.loop import Job
@@ -62,8 +63,9 @@ def test_the_pass_costs_the_loop_measured_are_reported_beside_the_drafting():
 def test_one_request_at_a_time_counts_the_verified_positions(mode):
     lm = ToyLM(V, period=7)
     target = FakePipeline(lm, latency=2)
-    spec = SpecSettings(mode=mode, spec_type="ngram")
-    dec = build_decoder(mode, spec, target, None, n_ubatch=16, n_seq_max=64, is_eog=lambda t: False, timeout_s=5)
+    spec = SpecSettings(spec_type="ngram")
+    dec = build_decoder(DecodingPlan.resolve(mode, spec),
+                        target, None, n_ubatch=16, n_seq_max=64, is_eog=lambda t: False, timeout_s=5)
     out = dec.generate(np.array(PROMPT, np.int32), 60, Sampler(SamplingParams()))
     assert out == lm.greedy(PROMPT, 60)
     st = dec.stats

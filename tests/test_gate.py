@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from ggpipe.decoding.factory import build_decoder
+from ggpipe.decoding.plan import DecodingPlan
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.sampling import Sampler
 from ggpipe.sampling_params import SamplingParams
@@ -73,10 +74,11 @@ def _run(acceptance: float, gate: DraftGate | None) -> tuple[list[int], float, d
     tokens, virtual seconds and stats."""
     prof = Profile("toy", None, [flat_host(1.0, 2.0)], [LinkProfile(0, 1, 0.1 * MS, 0.0)])
     draft = ModelDesc("d", (LayerShape(100, 25),) * 2, LayerShape(100, 25), 8, 64)
-    spec = SpecSettings(mode="speculative", p_accept=None)
+    spec = SpecSettings(p_accept=None)
     cfg = SimConfig(prof, toy_model(6), draft, mode="speculative", ranks=2, acceptance=acceptance, spec=spec)
     clock, target, dpipe, busy, roles = build(cfg)
-    dec = build_decoder("speculative", spec, target, dpipe, n_ubatch=512, n_seq_max=32, is_eog=lambda t: False,
+    dec = build_decoder(DecodingPlan.resolve("speculative", spec),
+                        target, dpipe, n_ubatch=512, n_seq_max=32, is_eog=lambda t: False,
                         timeout_s=60, idle=idle_until_next(clock, [target, dpipe]))
     if gate is not None:
         dec.gate = gate

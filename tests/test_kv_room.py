@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from ggpipe.decoding.factory import build_decoder
+from ggpipe.decoding.plan import DecodingPlan
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.sampling import Sampler
 from ggpipe.sampling_params import SamplingParams
@@ -41,8 +42,9 @@ def test_trees_fit_a_full_context(mode, extra, latency, stages, flip, prompt):
     target.n_stages = stages
     draft = FakePipeline(ToyLM(V, flip=flip), latency=1, name="draft")
     target.kv_cells, draft.kv_cells = KvCells(n_cells), KvCells(n_cells)
-    spec = SpecSettings(mode=mode, spec_type="draft", p_split=0.05, **extra)
-    dec = build_decoder(mode, spec, target, draft, n_ubatch=8, n_seq_max=64, is_eog=lambda t: False, timeout_s=5)
+    spec = SpecSettings(spec_type="draft", p_split=0.05, **extra)
+    dec = build_decoder(DecodingPlan.resolve(mode, spec), target, draft, n_ubatch=8, n_seq_max=64,
+                        is_eog=lambda t: False, timeout_s=5)
     out = dec.generate(np.array(prompt, np.int32), N, Sampler(SamplingParams()))
     assert out == ToyLM(V).greedy(prompt, N)
     assert dec.stats["drafted"] > 0
@@ -58,8 +60,9 @@ def test_room_for_a_second_request_after_the_first(mode, extra, latency, stages)
     draft = FakePipeline(ToyLM(V, flip=0.5), latency=1, name="draft")
     n_cells = len(prompt) + 2 * N
     target.kv_cells, draft.kv_cells = KvCells(n_cells), KvCells(n_cells)
-    spec = SpecSettings(mode=mode, spec_type="draft", p_split=0.05, **extra)
-    dec = build_decoder(mode, spec, target, draft, n_ubatch=8, n_seq_max=64, is_eog=lambda t: False, timeout_s=5)
+    spec = SpecSettings(spec_type="draft", p_split=0.05, **extra)
+    dec = build_decoder(DecodingPlan.resolve(mode, spec), target, draft, n_ubatch=8, n_seq_max=64,
+                        is_eog=lambda t: False, timeout_s=5)
     first = dec.generate(np.array(prompt, np.int32), N, Sampler(SamplingParams()))
     hist = prompt + first[:-1]
     target.seq_rm(-1, len(hist), -1)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from ggpipe.decoding.factory import build_decoder
+from ggpipe.decoding.plan import DecodingPlan
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.sampling import Sampler
 from ggpipe.sampling_params import SamplingParams
@@ -43,8 +44,9 @@ def test_graph_stays_bounded_over_a_long_request(mode, extra, temperature):
     target = FakePipeline(ToyLM(V), latency=4)
     target.n_stages = 3
     draft = FakePipeline(ToyLM(V, flip=0.3), latency=1, name="draft")
-    spec = SpecSettings(mode=mode, spec_type="draft", p_split=0.05, **extra)
-    dec = build_decoder(mode, spec, target, draft, n_ubatch=8, n_seq_max=64, is_eog=lambda t: False, timeout_s=5)
+    spec = SpecSettings(spec_type="draft", p_split=0.05, **extra)
+    dec = build_decoder(DecodingPlan.resolve(mode, spec), target, draft, n_ubatch=8, n_seq_max=64,
+                        is_eog=lambda t: False, timeout_s=5)
     peak = _peaks(dec)
     params = SamplingParams(temperature=temperature, seed=7 if temperature else None)
     out = dec.generate(np.array(PROMPT, np.int32), N, Sampler(params))
@@ -71,15 +73,17 @@ def test_a_seed_fixes_the_text_whatever_was_drafted(mode, extra):
     target's results after 4 or 3 polls); the toy pipelines' rows are exact,
     as the exact build's."""
     params = SamplingParams(temperature=0.9, top_k=0, top_p=1.0, seed=123)
-    it = build_decoder("iterative", SpecSettings(), FakePipeline(ToyLM(V), latency=2), None, n_ubatch=8,
+    it = build_decoder(DecodingPlan.resolve("iterative", SpecSettings()),
+                       FakePipeline(ToyLM(V), latency=2), None, n_ubatch=8,
                        n_seq_max=64, is_eog=lambda t: False, timeout_s=5)
     want = it.generate(np.array(PROMPT, np.int32), 200, Sampler(params))
     for flip, latency in ((0.3, 4), (0.6, 3)):
         target = FakePipeline(ToyLM(V), latency=latency)
         target.n_stages = 3
         draft = FakePipeline(ToyLM(V, flip=flip), latency=1, name="draft")
-        spec = SpecSettings(mode=mode, p_split=0.05, **extra)
-        dec = build_decoder(mode, spec, target, draft, n_ubatch=8, n_seq_max=64, is_eog=lambda t: False,
+        spec = SpecSettings(p_split=0.05, **extra)
+        dec = build_decoder(DecodingPlan.resolve(mode, spec),
+                            target, draft, n_ubatch=8, n_seq_max=64, is_eog=lambda t: False,
                             timeout_s=5)
         got = dec.generate(np.array(PROMPT, np.int32), 200, Sampler(params))
         assert got == want, (mode, extra, flip)

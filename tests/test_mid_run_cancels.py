@@ -1,5 +1,5 @@
 """Which worker ranks probe for cancellations while a run computes
-(ggpipe.pipeline.worker.Worker.mid_run_cancels, ggpipe.service.job.cancels_runs):
+(ggpipe.pipeline.worker.Worker.mid_run_cancels, ggpipe.decoding.plan.DecodingPlan.cancels_runs):
 only jobs whose head may cancel a run; the others' helper thread stays asleep
 (the mode's declaration, ``Mode.may_cancel``). MPI-free."""
 
@@ -7,10 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from ggpipe.cluster.config import ClusterConfig
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.pipeline.worker import Worker
-from ggpipe.service.job import JobSpec, cancels_runs
+from ggpipe.decoding.plan import DecodingPlan
 
 
 def _worker(**kw) -> Worker:
@@ -37,5 +36,5 @@ def test_the_probe_runs_mid_run_only_where_cancels_can_come():
     ("pipedec", 1, False, False),
 ])
 def test_cancels_runs(mode, parallel, cancel, expected):
-    job = JobSpec(ClusterConfig(model="m.gguf"), mode=mode, spec=SpecSettings(cancel=cancel), parallel=parallel)
-    assert cancels_runs(job) is expected
+    plan = DecodingPlan.resolve(mode, SpecSettings(cancel=cancel), slots=parallel)
+    assert plan.cancels_runs is expected

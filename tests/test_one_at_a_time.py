@@ -24,7 +24,7 @@ PROMPT = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3]
 def _pipeinfer():
     lm = ToyLM(V, period=7)
     target = FakePipeline(lm, latency=3, cell_order=True)
-    spec = SpecSettings(mode="pipeinfer", spec_type="ngram")
+    spec = SpecSettings(spec_type="ngram")
     prop = make_proposer("ngram", ProposerConfig(backend=None, n_vocab=V, n_ubatch=8, p_split=spec.p_split,
                                                  width=spec.branches))
     dec = mode_class("pipeinfer").over(target, prop, spec, n_seq_max=64, n_ubatch=8, is_eog=lambda t: False,

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from ggpipe.decoding.factory import build_decoder
+from ggpipe.decoding.plan import DecodingPlan
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.errors import ConfigError
 from ggpipe.sampling import Sampler
@@ -43,8 +44,8 @@ def _decoder(width: int, children: int, stages: int, latency: int, draft_latency
     target = FakePipeline(ToyLM(V), latency=latency, cell_order=width == 1)
     target.n_stages = stages
     draft = FakePipeline(ToyLM(V, flip=flip), latency=draft_latency, name="draft")
-    spec = SpecSettings(mode="pipedec", tree_width=width, max_children=children)
-    dec = build_decoder("pipedec", spec, target, draft, n_ubatch=8, n_seq_max=n_seq_max,
+    spec = SpecSettings(tree_width=width, max_children=children)
+    dec = build_decoder(DecodingPlan.resolve("pipedec", spec), target, draft, n_ubatch=8, n_seq_max=n_seq_max,
                         is_eog=lambda t: False, timeout_s=5)
     return dec, target, draft
 
@@ -122,7 +123,7 @@ def test_sampling_gives_plain_sampling_tokens_for_the_seed(width, children, stag
 
 def test_refuses_a_missing_draft():
     with pytest.raises(ConfigError, match="needs a draft model"):
-        build_decoder("pipedec", SpecSettings(mode="pipedec"), FakePipeline(ToyLM(V)), None, n_ubatch=8,
+        build_decoder(DecodingPlan.resolve("pipedec", SpecSettings()), FakePipeline(ToyLM(V)), None, n_ubatch=8,
                       n_seq_max=16, is_eog=lambda t: False, timeout_s=5)
 
 
@@ -157,7 +158,7 @@ def test_random_timing_tree_shapes_and_sequence_budgets_stay_exact():
         target.n_stages = stages
         draft = _Jitter(ToyLM(V, flip=rng.choice([0.0, 0.1, 0.3, 0.6])), latency=rng.randint(1, 6), name="draft",
                         rng=rng)
-        dec = build_decoder("pipedec", SpecSettings(mode="pipedec", tree_width=w, max_children=c), target, draft,
+        dec = build_decoder(DecodingPlan.resolve("pipedec", SpecSettings(tree_width=w, max_children=c)), target, draft,
                             n_ubatch=8, n_seq_max=rng.choice([3, 4, 8, 45]), is_eog=lambda t: False, timeout_s=5)
         prompt = [rng.randrange(V) for _ in range(rng.randint(2, 15))]
         out = dec.generate(np.array(prompt, np.int32), 40, Sampler(SamplingParams()))

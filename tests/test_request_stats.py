@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from ggpipe.decoding.factory import build_decoder
+from ggpipe.decoding.plan import DecodingPlan
 from ggpipe.decoding.mode import mode_class
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.sampling import Sampler
@@ -38,7 +39,7 @@ def _two_requests(dec, target, draft):
                                             ("pipeinfer", "ngram"), ("pipeinfer", "staged"),
                                             ("pipeinfer", "vote")])
 def test_proposer_counters_are_per_request(mode, spec_type):
-    spec = SpecSettings(mode=mode, spec_type=spec_type, p_split=0.05)
+    spec = SpecSettings(spec_type=spec_type, p_split=0.05)
     target = FakePipeline(ToyLM(V), latency=3)
     draft = FakePipeline(ToyLM(V, flip=0.3), latency=1, name="draft")
     prop = make_proposer(spec_type, ProposerConfig(backend=draft, n_vocab=V, n_ubatch=8, p_split=spec.p_split,
@@ -68,7 +69,7 @@ def test_pipedec_counters_are_per_request():
     target = FakePipeline(ToyLM(V), latency=4)
     target.n_stages = 3
     draft = FakePipeline(ToyLM(V, flip=0.3), latency=1, name="draft")
-    dec = build_decoder("pipedec", SpecSettings(mode="pipedec", tree_width=3), target, draft, n_ubatch=8,
+    dec = build_decoder(DecodingPlan.resolve("pipedec", SpecSettings(tree_width=3)), target, draft, n_ubatch=8,
                         n_seq_max=64, is_eog=lambda t: False, timeout_s=5)
     (first, runs1), (second, runs2) = _two_requests(dec, target, draft)
     for stats, runs in ((first, runs1), (second, runs2)):

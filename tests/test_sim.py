@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from ggpipe.decoding.plan import DecodingPlan
 from ggpipe.cluster.balance import balance_layers, stage_times
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.errors import ConfigError, SplitError
@@ -146,7 +147,7 @@ def test_simulation_is_deterministic_and_speculation_is_exact():
     out = []
     for mode in ("speculative", "pipeinfer", "pipeinfer"):
         cfg = SimConfig(prof, toy_model(8), draft, mode=mode, ranks=3, acceptance=0.8, n_predict=64, prompts=2,
-                        spec=SpecSettings(mode=mode))
+                        spec=SpecSettings())
         out.append(simulate(cfg))
     assert out[1] == out[2]
     for r in out:
@@ -171,10 +172,11 @@ def test_waiting_for_the_draft_where_it_pays_stays_exact_and_is_not_slower(ranks
     prompt = np.arange(20, dtype=np.int32) % 64
     out = {}
     for wait in (True, False):
-        spec = SpecSettings(mode="pipeinfer", wait_draft=wait)
+        spec = SpecSettings(wait_draft=wait)
         cfg = SimConfig(prof, toy_model(8), draft, mode="pipeinfer", ranks=ranks, acceptance=0.8, spec=spec)
         clock, target, dpipe, busy, roles = build(cfg)
-        dec = build_decoder("pipeinfer", spec, target, dpipe, n_ubatch=512, n_seq_max=32, is_eog=lambda t: False,
+        dec = build_decoder(DecodingPlan.resolve("pipeinfer", spec),
+                            target, dpipe, n_ubatch=512, n_seq_max=32, is_eog=lambda t: False,
                             timeout_s=60, idle=idle_until_next(clock, [target, dpipe]))
         toks = dec.generate(prompt, 64, Sampler(SamplingParams(temperature=0.0)))
         assert toks == target.model.greedy([int(t) for t in prompt], 64)
@@ -197,9 +199,9 @@ def test_the_real_loop_runs_against_the_simulated_pipelines_token_exact():
     draft = ModelDesc("d", (LayerShape(100, 25),) * 2, LayerShape(100, 25), 8, 64)
     prompt = np.arange(20, dtype=np.int32) % 64
     for mode in ("iterative", "speculative", "pipeinfer", "pipedec"):
-        cfg = SimConfig(prof, toy_model(6), draft, mode=mode, ranks=3, acceptance=0.6, spec=SpecSettings(mode=mode))
+        cfg = SimConfig(prof, toy_model(6), draft, mode=mode, ranks=3, acceptance=0.6, spec=SpecSettings())
         clock, target, dpipe, busy, roles = build(cfg)
-        dec = build_decoder(mode, SpecSettings(mode=mode), target, dpipe, n_ubatch=512, n_seq_max=32,
+        dec = build_decoder(DecodingPlan.resolve(mode, SpecSettings()), target, dpipe, n_ubatch=512, n_seq_max=32,
                             is_eog=lambda t: False, timeout_s=60,
                             idle=idle_until_next(clock, [p for p in (target, dpipe) if p]))
         toks = dec.generate(prompt, 40, Sampler(SamplingParams(temperature=0.0)))
@@ -218,7 +220,7 @@ def test_pipedec_gains_grow_with_pipeline_depth():
     for stages in (2, 4, 8):
         base = simulate(SimConfig(prof, toy_model(16), mode="iterative", ranks=stages, n_predict=64, prompts=2))
         cfg = SimConfig(prof, toy_model(16), draft, mode="pipedec", ranks=stages + 1, acceptance=0.9, n_predict=64,
-                        prompts=2, spec=SpecSettings(mode="pipedec"))
+                        prompts=2, spec=SpecSettings())
         r = simulate(cfg)
         assert r == simulate(cfg)                    # deterministic
         assert r["accepted_per_pass"] == 1.0
@@ -242,12 +244,12 @@ def test_simulated_pipedec_trees_mask_dead_rows_exactly():
     prof = Profile("toy", None, [flat_host(1.0, 2.0)], [LinkProfile(0, 1, 0.05 * MS, 1e9)])
     draft = ModelDesc("d", (LayerShape(100, 25),) * 2, LayerShape(100, 25), 8, 64)
     prompt = np.arange(20, dtype=np.int32) % 64
-    spec = SpecSettings(mode="pipedec", tree_width=8, max_children=4)
+    spec = SpecSettings(tree_width=8, max_children=4)
 
     def run():
         cfg = SimConfig(prof, toy_model(8), draft, mode="pipedec", ranks=5, acceptance=0.6, spec=spec)
         clock, target, dpipe, busy, roles = build(cfg)
-        dec = build_decoder("pipedec", spec, target, dpipe, n_ubatch=512, n_seq_max=64,
+        dec = build_decoder(DecodingPlan.resolve("pipedec", spec), target, dpipe, n_ubatch=512, n_seq_max=64,
                             is_eog=lambda t: False, timeout_s=60, idle=idle_until_next(clock, [target, dpipe]))
         toks = dec.generate(prompt, 40, Sampler(SamplingParams(temperature=0.0)))
         assert toks == target.model.greedy([int(t) for t in prompt], 40)
@@ -451,10 +453,11 @@ def test_speculative_auto_depth_charges_the_measured_draft_step():
     prof = Profile("toy", None, [flat_host(1.0, 2.0)], [LinkProfile(0, 1, 0.1 * MS, 0.0)])
     draft = ModelDesc("d", (LayerShape(100, 25),) * 2, LayerShape(100, 25), 8, 64)
     for mode in ("speculative", "pipeinfer"):
-        spec = SpecSettings(mode=mode, p_accept=None)
+        spec = SpecSettings(p_accept=None)
         cfg = SimConfig(prof, toy_model(6), draft, mode=mode, ranks=2, acceptance=0.7, spec=spec)
         clock, target, dpipe, busy, roles = build(cfg)
-        dec = build_decoder(mode, spec, target, dpipe, n_ubatch=512, n_seq_max=32, is_eog=lambda t: False,
+        dec = build_decoder(DecodingPlan.resolve(mode, spec),
+                            target, dpipe, n_ubatch=512, n_seq_max=32, is_eog=lambda t: False,
                             timeout_s=60, idle=idle_until_next(clock, [target, dpipe]))
         dec.generate(np.arange(16, dtype=np.int32), 40, Sampler(SamplingParams(temperature=0.0)))
         assert dec.proposer.step_s == pytest.approx(0.6 * MS)

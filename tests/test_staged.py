@@ -83,7 +83,7 @@ def test_staged_draws_are_exact_draws_from_q():
 @pytest.mark.parametrize("mode", ["speculative", "pipeinfer"])
 def test_staged_in_the_loop_is_exact(mode):
     prompt, period = REPEATING + [1, 2], len(REPEATING)
-    dec, _, draft = _decoder(SpecSettings(mode=mode, spec_type="staged"), "staged", period=period)
+    dec, _, draft = _decoder(SpecSettings(spec_type="staged"), "staged", period=period, mode=mode)
     out = dec.generate(np.array(prompt, np.int32), 40, Sampler(SamplingParams()))
     assert out == _reference(40, prompt, period)
     assert dec.stats["spec_type"] == "staged" and dec.stats["guesses_accepted"] > 0

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from ggpipe.decoding.factory import build_decoder
+from ggpipe.decoding.plan import DecodingPlan
 from ggpipe.decoding.mode import MODES, BuildContext, Mode, mode_class, register_mode
 from ggpipe.decoding.request import Request
 from ggpipe.decoding.settings import SpecSettings
@@ -77,7 +78,8 @@ def echo_registered():
 
 def test_a_mode_in_one_file_runs_through_the_builder(echo_registered):
     target = FakePipeline(ToyLM(48))
-    dec = build_decoder("echo", SpecSettings(), target, None, n_ubatch=8, n_seq_max=2, is_eog=lambda t: False,
+    dec = build_decoder(DecodingPlan.resolve("echo", SpecSettings()),
+                        target, None, n_ubatch=8, n_seq_max=2, is_eog=lambda t: False,
                         timeout_s=5)
     prompt = [3, 9, 4, 3, 9, 11]
     out = dec.generate(np.array(prompt, np.int32), 12, Sampler(SamplingParams()))
@@ -90,9 +92,10 @@ def test_the_registry_names_the_modes_and_refuses_unknown_ones(echo_registered):
     assert {"iterative", "speculative", "pipeinfer", "pipedec", "echo"} <= set(MODES)
     with pytest.raises(ConfigError, match="unknown mode 'nope'"):
         mode_class("nope")
-    with pytest.raises(ConfigError, match="draft models"):
-        build_decoder("echo", SpecSettings(), FakePipeline(ToyLM(48)), None, n_ubatch=8, n_seq_max=2,
-                      is_eog=lambda t: False, timeout_s=5, more_drafts=[object()])
+    with pytest.raises(ConfigError, match="unknown mode 'nope'"):
+        DecodingPlan.resolve("nope")
+    with pytest.raises(ConfigError, match="draft models"):    # the mode's own check, once, as the plan is made
+        DecodingPlan.resolve("echo", SpecSettings(), n_draft_models=2)
 
 
 def test_the_cli_offers_a_registered_mode(echo_registered):

@@ -15,6 +15,7 @@ from click.testing import CliRunner
 
 from ggpipe.cli.main import cli
 from ggpipe.decoding.factory import build_decoder
+from ggpipe.decoding.plan import DecodingPlan
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.sampling import Sampler
 from ggpipe.sampling_params import SamplingParams
@@ -97,20 +98,22 @@ def test_the_cli_offers_and_parses_its_option(repeat):
     assert "--spec-repeat" in text and "Tokens --spec-type repeat drafts." in text
     assert "repeat (the anchor token, again and again)" in " ".join(text.split())
     job, _, _ = _parse("--mode", "speculative", "--spec-type", "repeat", "--spec-repeat", "5")
-    assert job.spec.spec_type == "repeat" and job.spec.strategy_options.of(RepeatProposer).times == 5
-    assert job.spec.p_accept is None                      # its declared default in speculative mode
+    assert job.plan.spec.spec_type == "repeat" and job.plan.spec.strategy_options.of(RepeatProposer).times == 5
+    assert job.plan.spec.p_accept is None                      # its declared default in speculative mode
     job, _, _ = _parse("--mode", "pipeinfer", "--spec-type", "repeat")
-    assert job.spec.strategy_options.of(RepeatProposer).times == 3 and job.spec.p_accept == SpecSettings.p_accept
-    assert not job.spec.uses_draft_model
+    spec = job.plan.spec
+    assert spec.strategy_options.of(RepeatProposer).times == 3 and spec.p_accept == SpecSettings.p_accept
+    assert not job.plan.spec.uses_draft_model
     r = CliRunner().invoke(cli, ["generate", "--spec-type", "repeat", "--spec-repeat", "0", "-p", "hi"])
     assert r.exit_code == 2 and "Invalid value for '--spec-repeat'" in r.output
 
 
 def test_the_factory_builds_it_and_greedy_output_is_exact(repeat):
-    spec = SpecSettings(mode="speculative", spec_type="repeat",
+    spec = SpecSettings(spec_type="repeat",
                         strategy_options=StrategyOptions(repeat=RepeatProposer.Options(times=2)))
     target = FakePipeline(ToyLM(V), latency=2, cell_order=True)
-    dec = build_decoder("speculative", spec, target, None, n_ubatch=8, n_seq_max=64, is_eog=lambda t: False,
+    dec = build_decoder(DecodingPlan.resolve("speculative", spec),
+                        target, None, n_ubatch=8, n_seq_max=64, is_eog=lambda t: False,
                         timeout_s=5)
     out = dec.generate(np.array(PROMPT, np.int32), 30, Sampler(SamplingParams()))
     assert out == ToyLM(V).greedy(list(PROMPT), 30)
@@ -128,11 +131,13 @@ def test_the_scheduler_slots_and_bench_read_its_declarations(repeat):
     from ggpipe.decoding.parallel.scheduler import Scheduler
     from ggpipe.decoding.loop import Job
 
-    assert slots(None, "pipeinfer", "repeat", 2) == 8 and slots(None, "pipeinfer", "draft", 2) == 1
+    assert slots(None, DecodingPlan.resolve("pipeinfer", SpecSettings(spec_type="repeat")), 2) == 8
+    assert slots(None, DecodingPlan.resolve("pipeinfer", SpecSettings(spec_type="draft")), 2) == 1
     assert mode_args()["repeat"] == ["--mode", "pipeinfer", "--spec-type", "repeat"] and variant_speculates("repeat")
     lm = ToyLM(V)
     target = FakePipeline(lm, latency=2, cell_order=True, streams=True)
-    draft = build_chain_drafter("pipeinfer", SpecSettings(spec_type="repeat"), target, None, n_ubatch=8, timeout_s=5)
+    draft = build_chain_drafter(DecodingPlan.resolve("pipeinfer", SpecSettings(spec_type="repeat")),
+                                target, None, n_ubatch=8, timeout_s=5)
     assert not draft.has_ranks
     sched = Scheduler(target, 2, n_ctx_slot=256, n_batch=16, is_eog=lambda t: False, draft=draft, draft_max=4)
     job = Job(list(PROMPT), 24, Sampler(SamplingParams()))

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ggpipe.decoding.plan import DecodingPlan
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.sampling import Sampler, target_probs
 from ggpipe.sampling_params import SamplingParams
@@ -188,7 +189,7 @@ def test_vote_learns_whom_to_follow_and_stays_exact(period):
     prompt = PROMPT if not period else REPEATING + [1, 2]
     tpp = {}
     for st in ("draft", "ngram", "vote"):
-        dec, _, _ = _decoder(SpecSettings(mode="speculative", spec_type=st), st, period=period, flip=0.3)
+        dec, _, _ = _decoder(SpecSettings(spec_type=st), st, period=period, flip=0.3, mode="speculative")
         out = dec.generate(np.array(prompt, np.int32), 60, Sampler(SamplingParams()))
         assert out == _reference(60, prompt, period)
         tpp[st] = dec.stats["accepted_per_pass"]
@@ -211,7 +212,7 @@ def test_stochastic_vote_preserves_the_target_distribution():
     p2 = sum(p1[t] * target_probs(lm.logits(ctx + [t]), params) for t in range(V))
     counts = np.zeros(V)
     n, drafted = 1500, 0
-    dec, target, _ = _decoder(SpecSettings(mode="speculative", spec_type="vote", p_accept=0.0), "vote", flip=0.3)
+    dec, target, _ = _decoder(SpecSettings(spec_type="vote", p_accept=0.0), "vote", flip=0.3, mode="speculative")
     target.model = lm
     for s in range(n):
         target.seq_rm(-1, 0, -1)   # as the engine does before a request that reuses no prefix
@@ -233,8 +234,10 @@ def _two_drafts(mode: str, latency: int, lat2: int, flip2: float, members=("draf
     target = FakePipeline(ToyLM(V), latency=latency, cell_order=True)
     good = FakePipeline(ToyLM(V, flip=0.1), latency=1, name="draft")
     poor = FakePipeline(ToyLM(V, flip=flip2, seed=5), latency=lat2, name="draft2")
-    dec = build_decoder(mode, SpecSettings(mode=mode, spec_type="vote", strategy_options=_members(members), **spec), target, good, more_drafts=[poor], n_ubatch=8, n_seq_max=64,
-                        is_eog=lambda t: False, timeout_s=5)
+    plan = DecodingPlan.resolve(mode, SpecSettings(spec_type="vote", strategy_options=_members(members), **spec),
+                                n_draft_models=2)
+    dec = build_decoder(plan, target, good, more_drafts=[poor], n_ubatch=8, n_seq_max=64, is_eog=lambda t: False,
+                        timeout_s=5)
     return dec, target, good, poor
 
 
@@ -301,10 +304,11 @@ def test_several_draft_models_are_refused_outside_a_vote():
     t, a, b = (FakePipeline(ToyLM(V), name=n) for n in ("target", "draft", "draft2"))
     for mode, st in (("pipeinfer", "draft"), ("pipedec", "draft"), ("speculative", "staged")):
         with pytest.raises(ConfigError, match="draft only in a vote"):
-            build_decoder(mode, SpecSettings(mode=mode, spec_type=st), t, a, more_drafts=[b], n_ubatch=8,
-                          n_seq_max=64, is_eog=lambda x: False, timeout_s=5)
+            build_decoder(DecodingPlan.resolve(mode, SpecSettings(spec_type=st), n_draft_models=2), t, a,
+                          more_drafts=[b], n_ubatch=8, n_seq_max=64, is_eog=lambda x: False, timeout_s=5)
     with pytest.raises(ConfigError, match="draft only in a vote"):
-        build_decoder("pipeinfer", SpecSettings(mode="pipeinfer", spec_type="vote", strategy_options=_members(("staged", "ngram"))),
+        build_decoder(DecodingPlan.resolve("pipeinfer", SpecSettings(
+            spec_type="vote", strategy_options=_members(("staged", "ngram"))), n_draft_models=2),
                       t, a, more_drafts=[b], n_ubatch=8, n_seq_max=64, is_eog=lambda x: False, timeout_s=5)
 
 

@@ -168,11 +168,10 @@ def _spec_settings(o: Mapping[str, Any]):
     Raises:
         ValueError: an unknown ``spec_type``."""
     from ggpipe.cli.strategies import strategy_options  # noqa: PLC0415
-    from ggpipe.decoding.mode import mode_class  # noqa: PLC0415
     from ggpipe.decoding.settings import SpecSettings  # noqa: PLC0415
     from ggpipe.speculation.proposers.base import canonical_name, proposer_class  # noqa: PLC0415
 
-    mode = o.get("mode", SpecSettings.mode)
+    mode = o.get("mode", "iterative")
     spec_type = canonical_name(o.get("spec_type", SpecSettings.spec_type))
     options = strategy_options(o)
     p_accept = o.get("p_accept", "default")
@@ -182,8 +181,7 @@ def _spec_settings(o: Mapping[str, Any]):
     kw.update({field: not o[flag] for flag, field in _NEGATED.items() if flag in o})
     if "n_draft" in o:
         kw["draft_max"] = o["n_draft"]
-    return SpecSettings(mode=mode if mode_class(mode).speculates else SpecSettings.mode, spec_type=spec_type,
-                        p_accept=p_accept, strategy_options=options, **kw)
+    return SpecSettings(spec_type=spec_type, p_accept=p_accept, strategy_options=options, **kw)
 
 
 def sampling_options(f):
@@ -324,7 +322,7 @@ def split_job_options(kw: dict):
     """
     from ggpipe.service.job import JobSpec
     from ggpipe.cluster.config import ClusterConfig
-    from ggpipe.decoding.mode import mode_class, seq_ids_needed
+    from ggpipe.decoding.plan import DecodingPlan
     from ggpipe.cli.strategies import strategy_keys
 
     o = {k: kw.pop(k) for k in _JOB_KEYS}
@@ -339,7 +337,9 @@ def split_job_options(kw: dict):
         flag = "--" + (e.param or "").replace("_", "-")
         raise ConfigError(f"{flag}: {e}" if e.param else str(e)) from None
     spec = _spec_settings(o)
-    n_seq_max = o["n_seq_max"] if o["n_seq_max"] is not None else seq_ids_needed(o["mode"], spec)
+    n_drafts = len(o["draft_model"].split(",")) if o["draft_model"] else 0
+    plan = DecodingPlan.resolve(o["mode"], spec, n_draft_models=n_drafts)
+    n_seq_max = o["n_seq_max"] if o["n_seq_max"] is not None else plan.seq_ids
     if o["split"] is not None and o["split"].startswith("auto"):
         from ggpipe.sim.placement import auto_split
         from ggpipe.transport.launcher_signal import launched_size
@@ -355,6 +355,5 @@ def split_job_options(kw: dict):
                         repack=not o["no_repack"])
     cfg.check_cache_types()
     cfg.check_build()
-    mode_class(o["mode"]).check(spec, len(cfg.draft_models))
-    return JobSpec(cfg, o["mode"], spec, o["ignore_eos"]), sampling, o["n_predict"]
+    return JobSpec(cfg, plan, o["ignore_eos"]), sampling, o["n_predict"]
 

@@ -84,7 +84,7 @@ def with_parallel(job: JobSpec, parallel: int | None, ctx: click.Context, micro_
     Raises:
         click.UsageError: ``--parallel`` > 1 with ``--n-seq-max`` (the slots
             are the sequences); ``--micro-batches`` with one slot."""
-    n = slots(parallel, job.mode, job.spec.spec_type, launched_size() or 1)
+    n = slots(parallel, job.plan, launched_size() or 1)
     if n == 1:
         if micro_batches is not None:
             raise click.UsageError("--micro-batches needs --parallel above 1 (one request at a time is one "
@@ -92,8 +92,8 @@ def with_parallel(job: JobSpec, parallel: int | None, ctx: click.Context, micro_
         return job
     if ctx.get_parameter_source("n_seq_max") == click.core.ParameterSource.COMMANDLINE:
         raise click.UsageError("--n-seq-max is set by --parallel (one KV sequence per slot): leave it out")
-    return dataclasses.replace(job, config=slot_config(job.config, n, given_ctx_size(ctx)), parallel=n,
-                               micro_batches=micro_batches)
+    return dataclasses.replace(job, config=slot_config(job.config, n, given_ctx_size(ctx)),
+                               plan=job.plan.with_slots(n, micro_batches))
 
 
 def given_ctx_size(ctx: click.Context) -> bool:
@@ -101,18 +101,18 @@ def given_ctx_size(ctx: click.Context) -> bool:
     return ctx.get_parameter_source("ctx_size") == click.core.ParameterSource.COMMANDLINE
 
 
-def slots(parallel: int | None, mode: str, spec_type: str, n_ranks: int) -> int:
-    """``--parallel`` (None: ``auto``) -> slots, for a job of ``n_ranks``:
-    many where drafting costs nothing (a mode that does not speculate, or a
+def slots(parallel: int | None, plan, n_ranks: int) -> int:
+    """``--parallel`` (None: ``auto``) -> slots, for a job of ``n_ranks``
+    decoding as ``plan`` (a ``ggpipe.decoding.plan.DecodingPlan``): many
+    where drafting costs nothing (a mode that does not speculate, or a
     strategy that drafts by lookup: ``chain_lookup``), else one, so that a
     request gets its mode's own speculation."""
     if parallel is not None:
         return parallel
-    from ggpipe.decoding.mode import mode_class  # noqa: PLC0415
     from ggpipe.speculation.proposers.base import proposer_class  # noqa: PLC0415
     from ggpipe.speculation.proposers.options import StrategyOptions  # noqa: PLC0415
 
-    costly = mode_class(mode).speculates and proposer_class(spec_type).chain_lookup(StrategyOptions()) is None
+    costly = plan.speculates and proposer_class(plan.spec.spec_type).chain_lookup(StrategyOptions()) is None
     return 1 if costly else max(8, 4 * n_ranks)
 
 

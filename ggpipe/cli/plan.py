@@ -99,11 +99,13 @@ def plan(ctx, ranks, model, draft_model, split, ctx_size, threads, cache_type_k,
     n_slots = 1
     if "parallel" in params:      # batch, serve: the slots' KV streams, as the job will lay them out
         from ggpipe.cli.parallel import slot_config, slots
+        from ggpipe.decoding.plan import DecodingPlan
         from ggpipe.decoding.settings import SpecSettings
         from ggpipe.speculation.proposers.base import canonical_name
 
         spec_type = canonical_name(params.get("spec_type") or SpecSettings.spec_type)
-        n_slots = slots(params["parallel"], params.get("mode", "iterative"), spec_type, ranks)
+        decoding = DecodingPlan.resolve(params.get("mode", "iterative"), SpecSettings(spec_type=spec_type))
+        n_slots = slots(params["parallel"], decoding, ranks)
         if n_slots > 1:
             cfg = slot_config(cfg, n_slots, given_c)
     result = P.plan_job(cfg, ranks, placed, mem)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import numpy as np
 
 from ggpipe.decoding.spec_core import ORPHAN, SpecCore
-from ggpipe.decoding.factory import build_proposer
 from ggpipe.decoding.mode import BuildContext, Mode
 from ggpipe.decoding.request import Emit, SpecRequest
 from ggpipe.decoding.settings import SpecSettings, check_draft_models
@@ -75,12 +74,12 @@ class Drafting(Mode):
     @classmethod
     def build(cls, ctx: BuildContext) -> "Drafting":
         """The mode over ``ctx.target`` with the proposer ``--spec-type``
-        names (ggpipe.decoding.factory.build_proposer).
+        names (:meth:`~ggpipe.decoding.mode.BuildContext.proposer`).
 
         Raises:
             ConfigError: a draft-model proposer without a draft model; a
                 proposer that cannot be built from these settings."""
-        return cls.over(ctx.target, build_proposer(ctx, cls.name), ctx.spec, n_seq_max=ctx.n_seq_max,
+        return cls.over(ctx.target, ctx.proposer(cls.name), ctx.spec, n_seq_max=ctx.n_seq_max,
                         n_ubatch=ctx.n_ubatch, is_eog=ctx.is_eog, timeout_s=ctx.timeout_s, idle=ctx.idle,
                         n_cells=ctx.n_cells)
 

@@ -1,25 +1,25 @@
 """Build the loop requests go through (:func:`build_loop`: the scheduler's
-slots, or one slot running the mode's decoder), the decoder of a mode over
-a target pipeline and, for the speculative modes, a proposer: the one place
-that wires them, shared by the engine (real pipelines) and the simulator
-(ggpipe.sim, simulated ones)."""
+slots, or one slot running the mode's decoder) and the decoder of a mode
+over a target pipeline, as a resolved decoding plan
+(``ggpipe.decoding.plan.DecodingPlan``) says: the one place that wires
+them, shared by the engine (real pipelines) and the simulator (ggpipe.sim,
+simulated ones)."""
 
 from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from ggpipe.decoding.mode import BuildContext, Mode, mode_class
+from ggpipe.decoding.mode import BuildContext, Mode
 from ggpipe.decoding.loop import RequestLoop
-from ggpipe.decoding.settings import SpecSettings
-from ggpipe.errors import ConfigError
+from ggpipe.decoding.plan import DecodingPlan
 from ggpipe.pipeline.waiting import Wait
-from ggpipe.speculation.proposers.base import Proposer, ProposerConfig, make_proposer, proposer_class
+from ggpipe.speculation.proposers.base import proposer_class
 
 
-def build_decoder(mode: str, spec: SpecSettings, target, draft, *, n_ubatch: int, n_seq_max: int,
+def build_decoder(plan: DecodingPlan, target, draft, *, n_ubatch: int, n_seq_max: int,
                   is_eog: Callable[[int], bool], timeout_s: float,
                   idle: Wait | None = None, more_drafts: Sequence = ()) -> Mode:
-    """The decoder of ``mode`` (a name in ``ggpipe.decoding.mode.MODES``).
+    """The decoder of ``plan``'s mode, with its speculation settings.
 
     Args:
         target: the target pipeline (a ``ggpipe.backend.TargetBackend``:
@@ -36,18 +36,15 @@ def build_decoder(mode: str, spec: SpecSettings, target, draft, *, n_ubatch: int
             simulated ones; None: back-off polling.
 
     Raises:
-        ConfigError: unknown mode; a draft-model proposer without a draft
-            model; several draft models outside a vote; a proposer that
-            cannot be built from these settings.
+        ConfigError: a draft-model proposer without a draft model; a
+            proposer that cannot be built from these settings.
     """
-    cls = mode_class(mode)
-    cls.check(spec, 1 + len(more_drafts))
-    return cls.build(BuildContext(target=target, draft=draft, more_drafts=tuple(more_drafts), spec=spec,
-                                  n_ubatch=n_ubatch, n_seq_max=n_seq_max, is_eog=is_eog, timeout_s=timeout_s,
-                                  idle=idle))
+    return plan.mode.build(BuildContext(target=target, draft=draft, more_drafts=tuple(more_drafts), spec=plan.spec,
+                                        n_ubatch=n_ubatch, n_seq_max=n_seq_max, is_eog=is_eog,
+                                        timeout_s=timeout_s, idle=idle))
 
 
-def build_chain_drafter(mode: str, spec: SpecSettings, target, draft, *, n_ubatch: int, timeout_s: float,
+def build_chain_drafter(plan: DecodingPlan, target, draft, *, n_ubatch: int, timeout_s: float,
                         idle: Wait | None = None, more_drafts: Sequence = ()):
     """The continuous-batching scheduler's drafting (``--parallel`` > 1 in a
     speculative mode): ``draft(context, k) -> tokens``, a chain below a
@@ -55,28 +52,28 @@ def build_chain_drafter(mode: str, spec: SpecSettings, target, draft, *, n_ubatc
     that drafts from the context alone (``chain_lookup``: ``--spec-type
     ngram``'s prompt lookup) drafts instantly; any other (the draft model, ...), a
     :class:`~ggpipe.decoding.parallel.chain_draft.ChainDrafter` over the proposer
-    :func:`build_proposer` makes, cut at ``--p-accept`` (with ``auto``, the
-    adaptive depth's starting threshold).
+    :meth:`BuildContext.proposer <ggpipe.decoding.mode.BuildContext.proposer>` makes,
+    cut at ``--p-accept`` (with ``auto``, the adaptive depth's starting threshold).
 
     Raises:
-        ConfigError: as :func:`build_proposer`."""
+        ConfigError: as :meth:`~ggpipe.decoding.mode.BuildContext.proposer`."""
     from ggpipe.decoding.parallel.chain_draft import ChainDrafter, LookupDrafter  # noqa: PLC0415
+    spec = plan.spec
     lookup = proposer_class(spec.spec_type).chain_lookup(spec.strategy_options)
     if lookup is not None:
         return LookupDrafter(lookup)
-    mode_class(mode).check(spec, 1 + len(more_drafts))
     ctx = BuildContext(target=target, draft=draft, more_drafts=tuple(more_drafts), spec=spec, n_ubatch=n_ubatch,
                        n_seq_max=1, is_eog=lambda t: False, timeout_s=timeout_s, idle=idle)
     cutoff = spec.p_accept if spec.p_accept is not None else spec.default_threshold
-    return ChainDrafter(build_proposer(ctx, mode), cutoff, idle=idle, timeout_s=timeout_s)
+    return ChainDrafter(ctx.proposer(plan.name), cutoff, idle=idle, timeout_s=timeout_s)
 
 
-def build_scheduler(mode: str, spec: SpecSettings, target, drafts: Sequence = (), *, slots: int, n_ctx_slot: int,
-                    n_batch: int, is_eog: Callable[[int], bool], depth: int | None, timeout_s: float,
-                    idle: Wait | None = None, target_hosts: Sequence[str] = (), partial_reuse: bool = True,
+def build_scheduler(plan: DecodingPlan, target, drafts: Sequence = (), *, n_ctx_slot: int, n_batch: int,
+                    is_eog: Callable[[int], bool], depth: int | None, timeout_s: float, idle: Wait | None = None,
+                    target_hosts: Sequence[str] = (), partial_reuse: bool = True,
                     doing: Callable[..., None] | None = None):
-    """The continuous-batching scheduler of ``--parallel`` ``slots`` in
-    ``mode`` (ggpipe.decoding.parallel.scheduler), as ``serve``, ``batch``
+    """The continuous-batching scheduler of ``plan.slots`` slots in
+    ``plan``'s mode (ggpipe.decoding.parallel.scheduler), as ``serve``, ``batch``
     and ``simulate`` run it: in a speculative mode with the chain drafter of
     :func:`build_chain_drafter` over ``drafts`` (the draft pipelines, the
     first drafting), and in a mode that declares ``lookahead_in_slots``
@@ -98,25 +95,24 @@ def build_scheduler(mode: str, spec: SpecSettings, target, drafts: Sequence = ()
         ConfigError: as :func:`build_chain_drafter`; a bad ``GGPIPE_LOOKAHEAD``."""
     from ggpipe.decoding.parallel.lone_drafts import lookahead_wanted  # noqa: PLC0415
     from ggpipe.decoding.parallel.scheduler import Scheduler  # noqa: PLC0415
-    declared = mode_class(mode)
     drafter = None
-    if declared.speculates:
-        drafter = build_chain_drafter(mode, spec, target, drafts[0] if drafts else None, more_drafts=drafts[1:],
+    if plan.speculates:
+        drafter = build_chain_drafter(plan, target, drafts[0] if drafts else None, more_drafts=drafts[1:],
                                       n_ubatch=n_batch, timeout_s=timeout_s, idle=idle)
-    lookahead = declared.lookahead_in_slots and lookahead_wanted(list(target_hosts),
-                                                                 drafter is not None and drafter.has_ranks)
-    return Scheduler(target, slots, n_ctx_slot, n_batch, is_eog, depth=depth, timeout_s=timeout_s, idle=idle,
-                     draft=drafter, draft_max=spec.draft_max, lookahead=lookahead, partial_reuse=partial_reuse,
+    lookahead = plan.mode.lookahead_in_slots and lookahead_wanted(list(target_hosts),
+                                                                  drafter is not None and drafter.has_ranks)
+    return Scheduler(target, plan.slots, n_ctx_slot, n_batch, is_eog, depth=depth, timeout_s=timeout_s, idle=idle,
+                     draft=drafter, draft_max=plan.spec.draft_max, lookahead=lookahead, partial_reuse=partial_reuse,
                      doing=doing)
 
 
-def build_loop(mode: str, spec: SpecSettings, target, drafts: Sequence = (), *, slots: int, n_ctx: int,
-               n_batch: int, n_seq_max: int, is_eog: Callable[[int], bool], depth: int | None, timeout_s: float,
-               idle: Wait | None = None, target_hosts: Sequence[str] = (), partial_reuse: bool = True,
+def build_loop(plan: DecodingPlan, target, drafts: Sequence = (), *, n_ctx: int, n_batch: int, n_seq_max: int,
+               is_eog: Callable[[int], bool], depth: int | None, timeout_s: float, idle: Wait | None = None,
+               target_hosts: Sequence[str] = (), partial_reuse: bool = True,
                reuse_kv: bool = True, recover: Callable[[], None] = lambda: None,
                doing: Callable[..., None] | None = None) -> RequestLoop:
     """The one loop every front end's requests go through
-    (:class:`~ggpipe.decoding.loop.RequestLoop`): with ``slots`` > 1 the
+    (:class:`~ggpipe.decoding.loop.RequestLoop`): with ``plan.slots`` > 1 the
     continuous-batching scheduler (:func:`build_scheduler`; ``n_ctx``: the
     cells of one slot); with one slot,
     :class:`~ggpipe.decoding.one_at_a_time.OneAtATime` over the mode's own
@@ -128,33 +124,13 @@ def build_loop(mode: str, spec: SpecSettings, target, drafts: Sequence = (), *, 
 
     Raises:
         ConfigError: as :func:`build_scheduler` and :func:`build_decoder`."""
-    if slots > 1:
-        return build_scheduler(mode, spec, target, drafts, slots=slots, n_ctx_slot=n_ctx, n_batch=n_batch,
+    if plan.in_slots:
+        return build_scheduler(plan, target, drafts, n_ctx_slot=n_ctx, n_batch=n_batch,
                                is_eog=is_eog, depth=depth, timeout_s=timeout_s, idle=idle,
                                target_hosts=target_hosts, partial_reuse=partial_reuse, doing=doing)
     from ggpipe.decoding.one_at_a_time import OneAtATime  # noqa: PLC0415
-    decoder = build_decoder(mode, spec, target, drafts[0] if drafts else None, more_drafts=drafts[1:],
+    decoder = build_decoder(plan, target, drafts[0] if drafts else None, more_drafts=drafts[1:],
                             n_ubatch=n_batch, n_seq_max=n_seq_max, is_eog=is_eog, timeout_s=timeout_s, idle=idle)
     return OneAtATime(decoder, n_ctx, target, reuse_kv=reuse_kv, partial_reuse=partial_reuse, recover=recover,
                       doing=doing, n_batch=n_batch)
 
-
-def build_proposer(ctx: BuildContext, mode: str) -> Proposer:
-    """The drafting strategy ``--spec-type`` names, over the draft pipelines
-    of ``ctx`` (the speculative and pipeinfer modes).
-
-    Raises:
-        ConfigError: a draft-model proposer without a draft model; a
-            proposer that cannot be built from these settings."""
-    spec = ctx.spec
-    if spec.uses_draft_model and ctx.draft is None:
-        what = "--spec-vote with a draft-model proposer" if spec.spec_type == "vote" else f"--mode {mode}"
-        raise ConfigError(f"{what} needs a draft model: give one with -md (e.g. -md smollm2-135m), "
-                          "or draft without one: --spec-type ngram")
-    try:
-        return make_proposer(spec.spec_type, ProposerConfig(
-            backend=ctx.draft, n_vocab=ctx.target.n_vocab, n_ubatch=ctx.n_ubatch, p_split=spec.p_split,
-            width=spec.branches, timeout_s=ctx.timeout_s, options=spec.strategy_options,
-            more_backends=tuple(ctx.more_drafts)))
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None

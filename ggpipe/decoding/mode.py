@@ -41,6 +41,7 @@ from ggpipe.errors import ConfigError
 from ggpipe.metrics import GenerationClock
 from ggpipe.pipeline.waiting import Wait
 from ggpipe.speculation.draft_stats import DraftStats
+from ggpipe.speculation.proposers.base import Proposer, ProposerConfig, build_proposer
 from ggpipe.plugins import registered
 from ggpipe.sampling import Sampler
 
@@ -79,6 +80,20 @@ class BuildContext:
     def __post_init__(self):
         if self.n_cells is None:
             object.__setattr__(self, "n_cells", self.target.n_cells)
+
+    def proposer(self, mode: str) -> Proposer:
+        """The drafting strategy ``--spec-type`` names, over the draft
+        pipelines (a mode that drafts; ``mode``: its ``--mode`` name, for
+        the errors).
+
+        Raises:
+            ConfigError: a draft-model proposer without a draft model; a
+                proposer that cannot be built from these settings."""
+        spec = self.spec
+        return build_proposer(spec.spec_type, ProposerConfig(
+            backend=self.draft, n_vocab=self.target.n_vocab, n_ubatch=self.n_ubatch, p_split=spec.p_split,
+            width=spec.branches, timeout_s=self.timeout_s, options=spec.strategy_options,
+            more_backends=tuple(self.more_drafts)), mode)
 
 
 class Mode:
@@ -244,16 +259,6 @@ def mode_class(name: str) -> type[Mode]:
         return registered(MODES, name)
     except KeyError:
         raise ConfigError(f"unknown mode {name!r}: choose one of {', '.join(MODES)}") from None
-
-
-def seq_ids_needed(mode: str, spec: SpecSettings) -> int:
-    """KV sequence ids the target contexts of ``mode`` need for ``spec``
-    (``--n-seq-max`` unset; ``ggpipe generate`` and ``ggpipe simulate``
-    alike): the mode's own declaration (:meth:`Mode.seq_ids`).
-
-    Raises:
-        ConfigError: unknown mode."""
-    return mode_class(mode).seq_ids(spec)
 
 
 def register_mode(name: str, cls: type[Mode] | str) -> None:

@@ -16,7 +16,6 @@ class SpecSettings:
     """Speculation knobs (CLI names in brackets).
 
     Attributes:
-        mode: "speculative", "pipeinfer" or "pipedec".
         spec_type: the drafting strategy, a name in
             ``ggpipe.speculation.proposers.base.REGISTRY`` [--spec-type]:
             "draft" (the draft model, -md), "ngram" (prompt lookup, no model)
@@ -52,7 +51,6 @@ class SpecSettings:
             drafted at once [--wait-draft/--no-wait-draft].
     """
 
-    mode: str = "pipeinfer"
     spec_type: str = "draft"
     draft_max: int = 6
     p_accept: float | None = 0.3

@@ -81,15 +81,14 @@ MODE = "speculative"  # the job's mode: any with a draft pipeline; the target's 
 def agreement_config(model: str, draft: str, threads: str, timeout_s: float, ctx_size: int = 2048):
     """The job that measures the pair: ``model`` split evenly over the
     ranks, ``draft`` placed as ``generate --mode speculative`` places it,
-    default KV settings. Returns (ClusterConfig, SpecSettings)."""
+    default KV settings. Returns (ClusterConfig, DecodingPlan)."""
     from ggpipe.cluster.config import ClusterConfig  # noqa: PLC0415
-    from ggpipe.decoding.mode import seq_ids_needed  # noqa: PLC0415
-    from ggpipe.decoding.settings import SpecSettings  # noqa: PLC0415
+    from ggpipe.decoding.plan import DecodingPlan  # noqa: PLC0415
 
-    spec = SpecSettings(mode=MODE)
+    plan = DecodingPlan.resolve(MODE)
     cfg = ClusterConfig(model=model, draft_model=draft, threads=threads, ctx_size=ctx_size,
-                        n_seq_max=seq_ids_needed(MODE, spec), timeout_s=timeout_s)
-    return cfg, spec
+                        n_seq_max=plan.seq_ids, timeout_s=timeout_s)
+    return cfg, plan
 
 
 def agreed_positions(tokens: list[int], n_prompt: int, draft_best: np.ndarray) -> tuple[int, int]:
@@ -138,7 +137,7 @@ def measure_agreement(model: str, draft: str, threads: str, prompts: tuple[str, 
     from ggpipe.sampling_params import SamplingParams  # noqa: PLC0415
     from ggpipe.service.job import JobSpec, run_job  # noqa: PLC0415
 
-    cfg, spec = agreement_config(model, draft, threads, timeout_s)
+    cfg, plan = agreement_config(model, draft, threads, timeout_s)
     got: dict = {}
 
     def head(engine) -> int:
@@ -154,5 +153,5 @@ def measure_agreement(model: str, draft: str, threads: str, prompts: tuple[str, 
         got["a"] = Agreement(agreed / positions if positions else 0.0, positions, agreed, len(prompts), n_predict)
         return 0
 
-    run_job(JobSpec(cfg, MODE, spec), head)
+    run_job(JobSpec(cfg, plan), head)
     return got.get("a")

@@ -21,9 +21,8 @@ from ggpipe.sampling import Sampler, TokenLogprob
 from ggpipe.sampling_params import SamplingParams
 from ggpipe.cluster.session import Session
 from ggpipe.decoding.factory import build_loop
-from ggpipe.decoding.mode import mode_class
 from ggpipe.decoding.loop import Job
-from ggpipe.decoding.settings import SpecSettings
+from ggpipe.decoding.plan import DecodingPlan
 from ggpipe.models.registry import resolve
 from ggpipe.models.slicing import check_speculation
 from ggpipe.pipeline.waiting import EventWait
@@ -98,61 +97,61 @@ def request_metrics(job: Job, n_prompt: int) -> dict:
 
 
 class Engine:
-    """Head rank: generate through ``session``'s pipeline(s) in ``mode``.
+    """Head rank: generate through ``session``'s pipeline(s) as ``plan`` says.
 
     Args:
         session: an open session on rank 0 (``session.is_head``).
-        mode: "iterative", "speculative" or "pipeinfer".
-        spec: speculation settings (the speculative modes).
+        plan: the decoding plan (``ggpipe.decoding.plan.DecodingPlan``:
+            the mode, its speculation settings, the slots and the
+            micro-batches in flight). With ``plan.slots`` above 1, requests
+            go through the continuous-batching scheduler, and the session's
+            contexts must keep one KV stream per slot
+            (``ClusterConfig.kv_unified`` False); ``plan.micro_batches``
+            None: as many as the target's stages can compute at once, per
+            host as many as its CPUs hold their threads
+            (:meth:`Session.micro_batches_in_flight`).
         ignore_eos: keep generating after end-of-generation tokens.
         reuse_kv: keep the KV cache's common prefix between requests.
-        parallel: slots (``--parallel``); above 1, requests go through the
-            continuous-batching scheduler, and the session's contexts must
-            keep one KV stream per slot (``ClusterConfig.kv_unified`` False).
-        micro_batches: the scheduler's micro-batches in flight
-            (``--micro-batches``); None: as many as the target's stages can
-            compute at once, per host as many as its CPUs hold their
-            threads (:meth:`Session.micro_batches_in_flight`).
+
+    Attributes:
+        mode: the mode's name; parallel: the slots.
 
     Raises:
         ConfigError: a speculative mode without a draft model, or over a
             recurrent or hybrid model (its state cannot be rolled back).
     """
 
-    def __init__(self, session: Session, mode: str = "iterative", spec: SpecSettings = SpecSettings(),
-                 ignore_eos: bool = False, reuse_kv: bool = True, parallel: int = 1,
-                 micro_batches: int | None = None):
+    def __init__(self, session: Session, plan: DecodingPlan | None = None, ignore_eos: bool = False,
+                 reuse_kv: bool = True):
+        plan = plan if plan is not None else DecodingPlan.resolve()
         self.session = session
-        self.mode = mode
+        self.plan, self.mode, self.parallel = plan, plan.name, plan.slots
         self.vocab = Vocab(session.stage.model, session.stage.vocab)
         self.is_eog = (lambda t: False) if ignore_eos else self.vocab.is_eog
         cfg = session.config
         drafts = session.draft_pipelines
         self.waiter = EventWait([session.pipeline, *drafts])
-        self.parallel = parallel
         # a recurrent or hybrid model's state is kept or dropped whole (llama_memory_seq_rm refuses a cut)
         recurrent = _llama.is_recurrent(session.stage.model)
-        declared = mode_class(mode)
-        if declared.speculates:
-            check_speculation(mode, _recurrent_models(session, recurrent))
-        note = declared.in_slots(spec) if parallel > 1 else None
-        if note:        # the mode is not what it is one request at a time: say so once, at start-up
-            sys.stderr.write(f"ggpipe: {note}\n")
+        if plan.speculates:
+            check_speculation(plan.name, _recurrent_models(session, recurrent))
+        if plan.start_note:        # the mode is not what it is one request at a time: say so once, at start-up
+            sys.stderr.write(f"ggpipe: {plan.start_note}\n")
         # the cells of one request: the context, or with one KV stream per slot the cells of one slot
-        self.n_ctx = session.stage.n_ctx_seq if parallel > 1 else cfg.ctx_size
+        self.n_ctx = session.stage.n_ctx_seq if plan.in_slots else cfg.ctx_size
         activity = session.activity
         # micro-batches in flight: as many as stages can compute at once, per host as many as its CPUs hold
         # their threads (3 ranks x 1 thread on 2 cores: 2; 4 x 4 threads on 16 cores: 4; 2 x 2 on 2 cores: 1)
-        self.loop = build_loop(mode, spec, session.pipeline, drafts, slots=parallel, n_ctx=self.n_ctx,
-                               n_batch=cfg.n_batch, n_seq_max=cfg.n_seq_max, is_eog=self.is_eog,
-                               depth=micro_batches or session.micro_batches_in_flight(), timeout_s=cfg.timeout_s,
+        self.loop = build_loop(plan, session.pipeline, drafts, n_ctx=self.n_ctx, n_batch=cfg.n_batch,
+                               n_seq_max=cfg.n_seq_max, is_eog=self.is_eog,
+                               depth=plan.micro_batches or session.micro_batches_in_flight(), timeout_s=cfg.timeout_s,
                                idle=self.waiter, target_hosts=session.target_hosts, partial_reuse=not recurrent,
                                reuse_kv=reuse_kv, recover=self.recover,
                                doing=None if activity is None else activity.set)
         self.last: Completion | None = None
         self._kernels: dict | None = None
-        if declared.speculates and not recurrent:
-            self._say_rows(mode)
+        if plan.speculates and not recurrent:
+            self._say_rows(plan.name)
 
     def _say_rows(self, mode: str) -> None:
         """One line at start-up when this build's batch rows differ from

@@ -14,41 +14,23 @@ from ggpipe.errors import GGPipeError
 from ggpipe.service.engine import Engine
 from ggpipe.cluster.config import ClusterConfig
 from ggpipe.cluster.session import Session, open_session
-from ggpipe.decoding.mode import mode_class
-from ggpipe.decoding.settings import SpecSettings
+from ggpipe.decoding.plan import DecodingPlan
 
 
 @dataclass(frozen=True)
 class JobSpec:
-    """What every rank needs to start: the cluster settings and the mode.
+    """What every rank needs to start: the cluster settings and how it decodes.
 
     Attributes:
         config: settings compared between ranks at start-up.
-        mode: "iterative", "speculative" or "pipeinfer".
-        spec: speculation settings (speculative modes).
+        plan: the decoding plan (mode, speculation settings, slots,
+            micro-batches), resolved once from the command line.
         ignore_eos: keep generating after end-of-generation tokens.
-        parallel: slots of the continuous-batching scheduler (``--parallel``;
-            batch and serve); 1: one request at a time.
-        micro_batches: the scheduler's micro-batches in flight
-            (``--micro-batches``); None: as many as the target's stages can
-            compute at once (per host, as many as its CPUs hold their threads).
     """
 
     config: ClusterConfig
-    mode: str = "iterative"
-    spec: SpecSettings = field(default_factory=SpecSettings)
+    plan: DecodingPlan = field(default_factory=DecodingPlan.resolve)
     ignore_eos: bool = False
-    parallel: int = 1
-    micro_batches: int | None = None
-
-
-def cancels_runs(job: JobSpec) -> bool:
-    """Whether the head may cancel a run of this job: one request at a time
-    in a mode that declares it may (``Mode.may_cancel``: the asynchronous
-    speculative modes with ``--no-cancel`` off). Iterative decoding and the
-    ``--parallel`` scheduler never cancel a run (a dropped row's cells are
-    removed after it instead)."""
-    return job.parallel == 1 and mode_class(job.mode).may_cancel(job.spec)
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -87,17 +69,13 @@ def run_job(job: JobSpec, head: Callable[[Engine], int],
     Raises:
         GGPipeError: start-up or pipeline errors (the CLI prints one line).
     """
-    # the head's stage on its own thread: the asynchronous modes, and the scheduler's
-    # micro-batches (the head samples one group while its stage computes the next)
-    session = open_session(job.config, async_head=mode_class(job.mode).asynchronous or job.parallel > 1,
-                           workload=workload)
+    session = open_session(job.config, async_head=job.plan.async_head, workload=workload)
     try:
         if not session.is_head:
-            session.serve(mid_run_cancels=cancels_runs(job))
+            session.serve(mid_run_cancels=job.plan.cancels_runs)
             return 0
         try:
-            code = head(Engine(session, job.mode, job.spec, ignore_eos=job.ignore_eos, parallel=job.parallel,
-                               micro_batches=job.micro_batches))
+            code = head(Engine(session, job.plan, ignore_eos=job.ignore_eos))
         except GGPipeError as exc:
             if not exc.abort_job:  # the pipeline is still in step: stop it cleanly
                 session.shutdown()

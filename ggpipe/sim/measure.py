@@ -194,6 +194,7 @@ def measure_overhead(mode: str, n_tokens: int = 256) -> float:
     in-memory pipeline whose results are ready at once, minus the time spent
     inside that pipeline (its toy model and KV bookkeeping)."""
     from ggpipe.decoding.factory import build_decoder
+    from ggpipe.decoding.plan import DecodingPlan
     from ggpipe.decoding.settings import SpecSettings
     from ggpipe.sampling import Sampler
     from ggpipe.sampling_params import SamplingParams
@@ -214,8 +215,8 @@ def measure_overhead(mode: str, n_tokens: int = 256) -> float:
         setattr(Timed, verb, timed)
 
     pipe = Timed(ToyLM(64, seed=3, flip=0.3), latency=1)
-    spec = SpecSettings(mode="pipeinfer", spec_type="ngram", p_accept=0.0)
-    dec = build_decoder(mode, spec, pipe, None, n_ubatch=512, n_seq_max=64, is_eog=lambda t: False, timeout_s=10.0)
+    plan = DecodingPlan.resolve(mode, SpecSettings(spec_type="ngram", p_accept=0.0))
+    dec = build_decoder(plan, pipe, None, n_ubatch=512, n_seq_max=64, is_eog=lambda t: False, timeout_s=10.0)
     prompt = np.arange(48, dtype=np.int32) % 64
     sampler = Sampler(SamplingParams(temperature=0.0))
     dec.generate(prompt, 16, sampler)  # warm-up

@@ -10,7 +10,8 @@ per-rank busy share.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +19,8 @@ import numpy as np
 from ggpipe.cluster.roles import Roles
 from ggpipe.cluster.split import SplitSpec, plan_layers
 from ggpipe.decoding.factory import build_decoder, build_scheduler
-from ggpipe.decoding.mode import mode_class, seq_ids_needed
 from ggpipe.decoding.loop import Job
+from ggpipe.decoding.plan import DecodingPlan
 from ggpipe.decoding.settings import SpecSettings
 from ggpipe.errors import ConfigError
 from ggpipe.metrics import GenerationClock
@@ -45,8 +46,7 @@ class SimConfig:
         mode: "iterative", "speculative", "pipeinfer" or "pipedec".
         ranks: ranks in the job (mpiexec -n).
         split: layer split as --split parses it.
-        spec: speculation knobs (as the CLI's); its ``mode`` is set from
-            ``mode``.
+        spec: speculation knobs (as the CLI's).
         link: an emulated link added to every hop (GGPIPE_LINK's model), or None.
         acceptance: how often the draft's greedy token is the target's (0..1).
         confidence_exponent: k in P(agreement | draft confidence q) = q ** k
@@ -78,6 +78,15 @@ class SimConfig:
     ubatch: int = 512
     seed: int = 0
     parallel: int = 1
+
+    @cached_property
+    def decoding(self) -> DecodingPlan:
+        """The decoding plan of ``mode``, ``spec`` and ``parallel``, resolved
+        once, as the CLI resolves a job's.
+
+        Raises:
+            ConfigError: an unknown mode, or settings it refuses."""
+        return DecodingPlan.resolve(self.mode, self.spec, slots=self.parallel)
 
 
 def _links(cfg: SimConfig):
@@ -124,7 +133,7 @@ def contention(cfg: SimConfig, busy_share: dict) -> dict:
         h = cfg.profile.host(r)
         same = [s for s in range(cfg.ranks) if s != r and hosts[s] == hosts[r]]
         e_b = sum(busy_share.get(s, 0.0) for s in same)
-        e_w = len(same) - e_b + (1.0 if mode_class(cfg.mode).asynchronous and hosts[0] == hosts[r] else 0.0)
+        e_w = len(same) - e_b + (1.0 if cfg.decoding.mode.asynchronous and hosts[0] == hosts[r] else 0.0)
         out[r] = 1.0 + (slowdown(h.busy_slowdown, e_b) - 1.0) + (slowdown(h.wait_slowdown, e_w) - 1.0)
     return out
 
@@ -134,7 +143,7 @@ def _roles(cfg: SimConfig) -> Roles:
 
     Raises:
         ConfigError, SplitError: as ``ggpipe generate`` would for this job."""
-    has_draft = cfg.draft is not None and mode_class(cfg.mode).speculates and cfg.spec.uses_draft_model
+    has_draft = cfg.draft is not None and cfg.decoding.speculates and cfg.spec.uses_draft_model
     roles = Roles.plan(cfg.ranks, cfg.split if has_draft or cfg.split.draft is None else SplitSpec(
         cfg.split.target, None), has_draft)
     if has_draft and roles.n_draft == 0:
@@ -154,7 +163,7 @@ def build(cfg: SimConfig, factors: dict | None = None, trace: dict | None = None
     busy: dict = {}
     link = _links(cfg)
     h0 = cfg.profile.host(0)
-    overhead = h0.spec_overhead_s if mode_class(cfg.mode).speculates else h0.overhead_s
+    overhead = h0.spec_overhead_s if cfg.decoding.speculates else h0.overhead_s
     tgt_ranges = plan_layers(cfg.target.n_layer, roles.n_target, cfg.split.target,
                              layer_bytes=[s.bytes for s in cfg.target.layers], head_bytes=cfg.target.head.bytes)
     f = factors or {}
@@ -162,8 +171,8 @@ def build(cfg: SimConfig, factors: dict | None = None, trace: dict | None = None
               for r, (a, b) in enumerate(tgt_ranges)]
     lm = ToyLM(TOY_VOCAB, seed=cfg.seed)
     target = SimPipeline(lm, clock, stages, link, cfg.target.n_embd, cfg.target.n_vocab,
-                         async_local=mode_class(cfg.mode).asynchronous or cfg.parallel > 1, overhead_s=overhead,
-                         busy=busy, name="target", streams=cfg.parallel > 1,
+                         async_local=cfg.decoding.async_head, overhead_s=overhead,
+                         busy=busy, name="target", streams=cfg.decoding.in_slots,
                          trace=trace)
     target.n_stages = roles.n_target   # pipedec keeps at most n_stages + 1 runs in flight
     draft = None
@@ -235,11 +244,10 @@ def _simulate_once(cfg: SimConfig, factors: dict, trace: dict | None = None) -> 
         ConfigError, SplitError: an impossible job (as ``ggpipe generate``)."""
     clock, target, draft, busy, roles = build(cfg, factors, trace)
     pipes = [p for p in (target, draft) if p is not None]
-    spec = replace(cfg.spec, mode=cfg.mode) if mode_class(cfg.mode).speculates else cfg.spec
-    if cfg.parallel > 1:
-        return _simulate_parallel(cfg, spec, clock, pipes, busy)
-    n_seq_max = seq_ids_needed(cfg.mode, spec)
-    dec = build_decoder(cfg.mode, spec, target, draft, n_ubatch=cfg.ubatch, n_seq_max=n_seq_max,
+    plan = cfg.decoding
+    if plan.in_slots:
+        return _simulate_parallel(cfg, plan, clock, pipes, busy)
+    dec = build_decoder(plan, target, draft, n_ubatch=cfg.ubatch, n_seq_max=plan.seq_ids,
                         is_eog=lambda t: False, timeout_s=3600.0, idle=idle_until_next(clock, pipes))
     rng = np.random.default_rng(cfg.seed)
     records = []
@@ -271,7 +279,7 @@ def _simulate_once(cfg: SimConfig, factors: dict, trace: dict | None = None) -> 
     return {"mode": cfg.mode, "ranks": cfg.ranks, "records": records, **_means(records, cfg.ranks)}
 
 
-def _simulate_parallel(cfg: SimConfig, spec: SpecSettings, clock: SimClock, pipes: list[SimPipeline],
+def _simulate_parallel(cfg: SimConfig, plan: DecodingPlan, clock: SimClock, pipes: list[SimPipeline],
                        busy: dict) -> dict:
     """``cfg.prompts`` greedy requests submitted at once to the scheduler
     with ``cfg.parallel`` slots, built as ``serve`` and ``batch`` build it
@@ -281,13 +289,12 @@ def _simulate_parallel(cfg: SimConfig, spec: SpecSettings, clock: SimClock, pipe
     request's tokens / virtual seconds from the first submission to the
     last token) and ``itl_p90_ms`` (the mean over requests of each one's
     90th percentile gap). ``pipes``: the target pipeline, then the draft's
-    if any; ``spec``: the speculation settings of ``cfg.mode``.
+    if any; ``plan``: ``cfg``'s decoding plan.
 
     Raises:
         ConfigError: as ``build_scheduler``."""
     target = pipes[0]
-    sched = build_scheduler(cfg.mode, spec, target, pipes[1:], slots=cfg.parallel,
-                            n_ctx_slot=1 << 30, n_batch=cfg.ubatch, is_eog=lambda t: False,
+    sched = build_scheduler(plan, target, pipes[1:], n_ctx_slot=1 << 30, n_batch=cfg.ubatch, is_eog=lambda t: False,
                             depth=None, timeout_s=3600.0, idle=idle_until_next(clock, pipes),
                             target_hosts=[cfg.profile.host(r).host for r in range(target.n_stages)])
     rng = np.random.default_rng(cfg.seed)

@@ -73,6 +73,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol, runtime_checkable
 
 from ggpipe.backend import DecodeBackend
+from ggpipe.errors import ConfigError
 from ggpipe.kv_reuse import reusable_prefix
 from ggpipe.plugins import registered
 from ggpipe.sampling_params import SamplingParams
@@ -365,3 +366,23 @@ def make_proposer(name: str, cfg: ProposerConfig) -> Proposer:
         ValueError: unknown name, or the proposer needs what ``cfg`` lacks
             (e.g. ``draft`` without a draft model)."""
     return proposer_class(name)(cfg)
+
+
+def build_proposer(name: str, cfg: ProposerConfig, mode: str) -> Proposer:
+    """:func:`make_proposer` for a job in ``--mode mode``, with the errors a
+    user reads: a strategy that drafts with the draft model but has none
+    names who asked for it (``draft_model_wanted_by``) and how to draft
+    without one.
+
+    Raises:
+        ConfigError: no draft model where the strategy needs one; a
+            proposer that cannot be built from ``cfg`` (its ValueError's
+            message)."""
+    try:
+        cls = proposer_class(name)
+        if cls.uses_draft_model(cfg.options) and cfg.backend is None:
+            raise ConfigError(f"{cls.draft_model_wanted_by(mode)} needs a draft model: give one with -md "
+                              "(e.g. -md smollm2-135m), or draft without one: --spec-type ngram")
+        return cls(cfg)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None

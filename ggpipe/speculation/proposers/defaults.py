@@ -70,6 +70,12 @@ class ProposerBase:
         return cls.needs_draft_model
 
     @classmethod
+    def draft_model_wanted_by(cls, mode: str) -> str:
+        """Who asks for the draft model, in the error a job without one
+        gets (``--mode NAME`` by default)."""
+        return f"--mode {mode}"
+
+    @classmethod
     def chain_lookup(cls, options: StrategyOptions):
         """``draft(context, k) -> tokens`` where this strategy drafts a
         chain from the request's own tokens alone, in microseconds (the

@@ -109,6 +109,10 @@ class VoteProposer(ProposerBase):
                  "(at most one that drafts with the draft model: draft or staged).")
 
     @classmethod
+    def draft_model_wanted_by(cls, mode: str) -> str:
+        return "--spec-vote with a draft-model proposer"
+
+    @classmethod
     def _members(cls, options: StrategyOptions) -> list[type]:
         """The classes of the registered members (others are refused when built)."""
         return [proposer_class(m) for m in options.of(cls).vote if m in REGISTRY and m != cls.name]
