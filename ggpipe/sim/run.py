@@ -18,7 +18,7 @@ import numpy as np
 
 from ggpipe.cluster.roles import Roles
 from ggpipe.cluster.split import SplitSpec, plan_layers
-from ggpipe.decoding.factory import build_decoder, build_scheduler
+from ggpipe.decoding.factory import build_loop
 from ggpipe.decoding.loop import Job
 from ggpipe.decoding.plan import DecodingPlan
 from ggpipe.decoding.settings import SpecSettings
@@ -233,38 +233,41 @@ def write_traces(cfg: SimConfig, trace: dict, out: Path) -> None:
 def _simulate_once(cfg: SimConfig, factors: dict, trace: dict | None = None) -> dict:
     """One simulation with compute costs scaled by ``factors`` (rank -> factor),
     the first request's events going to ``trace`` (rank -> events) if given.
-    Returns the per-request records
-    and their means (the keys of ``ggpipe bench``'s results.csv where they
-    exist): tokens_per_s, ttft_ms, itl_mean_ms, accepted_per_pass,
-    acceptance_rate, busy_share (rank -> fraction of the generation's
-    virtual wall time of the request, prompt included, spent computing),
-    target_passes.
+    The requests go through the loop ``serve`` and ``batch`` run
+    (``ggpipe.decoding.factory.build_loop`` over ``cfg.decoding``): one at a
+    time with one slot, submitted at once to the scheduler with more.
+    Returns the per-request records and their means (the keys of ``ggpipe
+    bench``'s results.csv where they exist): tokens_per_s, ttft_ms,
+    itl_mean_ms, accepted_per_pass, acceptance_rate, busy_share (rank ->
+    fraction of the generation's virtual wall time of the request, prompt
+    included, spent computing), target_passes.
 
     Raises:
         ConfigError, SplitError: an impossible job (as ``ggpipe generate``)."""
     clock, target, draft, busy, roles = build(cfg, factors, trace)
     pipes = [p for p in (target, draft) if p is not None]
     plan = cfg.decoding
-    if plan.in_slots:
-        return _simulate_parallel(cfg, plan, clock, pipes, busy)
-    dec = build_decoder(plan, target, draft, n_ubatch=cfg.ubatch, n_seq_max=plan.seq_ids,
-                        is_eog=lambda t: False, timeout_s=3600.0, idle=idle_until_next(clock, pipes))
+    loop = build_loop(plan, target, pipes[1:], n_ctx=1 << 30, n_batch=cfg.ubatch, n_seq_max=plan.seq_ids,
+                      is_eog=lambda t: False, depth=None, timeout_s=3600.0, idle=idle_until_next(clock, pipes),
+                      target_hosts=[cfg.profile.host(r).host for r in range(roles.n_target)], reuse_kv=False)
     rng = np.random.default_rng(cfg.seed)
+    jobs = [Job([int(t) for t in rng.integers(0, TOY_VOCAB, cfg.n_prompt)], cfg.n_predict,
+                Sampler(SamplingParams(temperature=0.0)), clock=GenerationClock(now=clock)) for _ in range(cfg.prompts)]
+    if plan.in_slots:
+        return _simulate_parallel(cfg, loop, jobs, clock, busy)
     records = []
-    for i in range(cfg.prompts):
+    for i, job in enumerate(jobs):
         for p in pipes:
             p.clear()
-        dec.reset()
-        prompt = rng.integers(0, TOY_VOCAB, cfg.n_prompt).astype(np.int32)
-        gclock = GenerationClock(now=clock)
+        loop.reset()
         busy.clear()
         passes0 = target.n_passes
-        dec.generate(prompt, cfg.n_predict, Sampler(SamplingParams(temperature=0.0)), clock=gclock)
+        _run(loop, [job])
         for p in pipes:
             p.trace = None  # ``trace`` holds the first request only
-        d = gclock.as_dict()
-        span = max(gclock.total_s or 0.0, 1e-12)
-        st = dec.stats
+        d = job.clock.as_dict()
+        span = max(job.clock.total_s or 0.0, 1e-12)
+        st = loop.request_stats(job)
         records.append({
             "prompt": i,
             "tokens_per_s": d.get("tokens_per_s"),
@@ -279,32 +282,31 @@ def _simulate_once(cfg: SimConfig, factors: dict, trace: dict | None = None) -> 
     return {"mode": cfg.mode, "ranks": cfg.ranks, "records": records, **_means(records, cfg.ranks)}
 
 
-def _simulate_parallel(cfg: SimConfig, plan: DecodingPlan, clock: SimClock, pipes: list[SimPipeline],
-                       busy: dict) -> dict:
-    """``cfg.prompts`` greedy requests submitted at once to the scheduler
-    with ``cfg.parallel`` slots, built as ``serve`` and ``batch`` build it
-    (``ggpipe.decoding.factory.build_scheduler``: in a speculative mode a
-    request that generates alone gets the mode's chains or look-ahead rows).
-    Adds to the per-request figures ``aggregate_tokens_per_s`` (every
-    request's tokens / virtual seconds from the first submission to the
-    last token) and ``itl_p90_ms`` (the mean over requests of each one's
-    90th percentile gap). ``pipes``: the target pipeline, then the draft's
-    if any; ``plan``: ``cfg``'s decoding plan.
+def _run(loop, jobs: list[Job]) -> None:
+    """Submit ``jobs`` to ``loop`` and step it until every one has ended.
 
     Raises:
-        ConfigError: as ``build_scheduler``."""
-    target = pipes[0]
-    sched = build_scheduler(plan, target, pipes[1:], n_ctx_slot=1 << 30, n_batch=cfg.ubatch, is_eog=lambda t: False,
-                            depth=None, timeout_s=3600.0, idle=idle_until_next(clock, pipes),
-                            target_hosts=[cfg.profile.host(r).host for r in range(target.n_stages)])
-    rng = np.random.default_rng(cfg.seed)
-    jobs = [Job([int(t) for t in rng.integers(0, TOY_VOCAB, cfg.n_prompt)], cfg.n_predict,
-                Sampler(SamplingParams(temperature=0.0)), clock=GenerationClock(now=clock)) for _ in range(cfg.prompts)]
+        the first job's own error (a simulated job has no client to tell)."""
+    for job in jobs:
+        loop.submit(job)
+    while loop.busy:
+        loop.step()
+    for job in jobs:
+        if job.error is not None:
+            raise job.error
+
+
+def _simulate_parallel(cfg: SimConfig, loop, jobs: list[Job], clock: SimClock, busy: dict) -> dict:
+    """``jobs`` (greedy requests) submitted at once to ``loop``, the
+    scheduler with ``cfg.parallel`` slots, as ``serve`` and ``batch`` run it
+    (in a speculative mode a request that generates alone gets the mode's
+    chains or look-ahead rows). Adds to the per-request figures
+    ``aggregate_tokens_per_s`` (every request's tokens / virtual seconds
+    from the first submission to the last token) and ``itl_p90_ms`` (the
+    mean over requests of each one's 90th percentile gap)."""
     busy.clear()
     t0 = clock.now
-    for j in jobs:
-        sched.submit(j)
-    sched.run()
+    _run(loop, jobs)
     wall = max(clock.now - t0, 1e-12)
     records = []
     for i, j in enumerate(jobs):
@@ -324,7 +326,6 @@ def _simulate_parallel(cfg: SimConfig, plan: DecodingPlan, clock: SimClock, pipe
     out["itl_p90_ms"] = float(np.mean(vals)) if vals else None
     out["aggregate_tokens_per_s"] = sum(len(j.request.out) for j in jobs) / wall
     return out
-
 
 def _means(records: list[dict], ranks: int) -> dict:
     out = {}
