@@ -247,6 +247,24 @@ def test_a_batch_of_long_prompts_splits_the_layers_for_them(tmp_path, smollm2):
 
 @pytest.mark.mpi
 @pytest.mark.full
+def test_generate_splits_the_layers_for_a_long_prompt(tmp_path, smollm2):
+    """generate counts its one request as batch counts a file: a long
+    prompt with a short answer gets the layers split for prompts (the note,
+    15/15) and single-node llama.cpp's tokens; a short prompt keeps the
+    default split, silently."""
+    prompt = tmp_path / "long.txt"
+    prompt.write_text(LONG, encoding="utf-8")
+    p = run_ggpipe(["generate", "-f", str(prompt), "-m", str(smollm2), "-n", "4", "--json"], 2, timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    notes = [ln for ln in stderr_lines(p.stderr) if "split for them" in ln]
+    assert len(notes) == 1 and "(target layers 0-14; target layers 15-29)" in notes[0], p.stderr
+    assert_greedy(json.loads(p.stdout)["tokens"], smollm2, LONG, 4)
+    p = run_ggpipe(["generate", "-p", "Question: what is MPI?", "-m", str(smollm2), "-n", "16"], 2, timeout=180)
+    assert p.returncode == 0 and "split for them" not in p.stderr, p.stderr[-3000:]
+
+
+@pytest.mark.mpi
+@pytest.mark.full
 def test_bad_input_is_one_line_before_generating(tmp_path, smollm2):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text('{"id": 1, "prompt": "fine"}\n{"id": 2, "prompt": "x", "n": 3000}\n', encoding="utf-8")

@@ -52,12 +52,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ggpipe.errors import ConfigError, GGPipeError
+from ggpipe.errors import ConfigError
 from ggpipe.frontends import request_fields
 from ggpipe.frontends.batch_output import RecordWriter, check_output_path, id_key, record, repair, scan_output
 from ggpipe.service.engine import Engine
 from ggpipe.frontends.request_limits import MESSAGES_MAX, ROLES, STOP_MAX, TEMPERATURE_MAX, template_role
 from ggpipe.service.job import JobSpec, head_signals, ignore_signals, run_job
+from ggpipe.service.workload import WorkloadRequest, workload
 from ggpipe.jsonl import iter_jsonl
 from ggpipe.sampling_params import SamplingParams
 
@@ -361,28 +362,14 @@ def run_batch(job: JobSpec, input_path, output_path, n_predict: int, sampling: S
         with head_signals(runner.on_signal):
             return runner.run()
 
-    return run_job(job, head, workload=lambda: workload(job.config.model, items))
+    return run_job(job, head, workload=lambda: workload(job.config.model, workload_of(items)))
 
 
-#: Requests :func:`workload` reads at most (the first ones of the file): enough to tell long prompts from short.
+#: Requests whose workload is counted at most (the first ones of the file): enough to tell long prompts from short.
 WORKLOAD_ITEMS = 1000
 
 
-def workload(model, items: Callable[[], list[BatchItem]]) -> tuple[int, int] | None:
-    """(prompt tokens, most generated tokens) of the first
-    :data:`WORKLOAD_ITEMS` requests of ``items()`` (the input's), tokenized
-    with the model's vocabulary as the head will tokenize them (a chat
-    request through the model's template), or None where the file or the
-    model cannot be read (the run then reports it as always, naming the line)."""
-    from ggpipe.models.registry import resolve  # noqa: PLC0415
-    from ggpipe.runtime.vocab import vocab_only  # noqa: PLC0415
-    from ggpipe.service.chat_prompt import chat_tokens  # noqa: PLC0415
-
-    try:
-        first = items()[:WORKLOAD_ITEMS]
-        with vocab_only(resolve(model, fetch_missing=False)) as vocab:   # a download waits for loading
-            n_prompt = sum(int((vocab.tokenize(it.prompt) if it.messages is None else
-                                chat_tokens(vocab, it.messages)).shape[0]) for it in first)
-    except (GGPipeError, OSError, ValueError):
-        return None
-    return n_prompt, sum(it.n_predict for it in first)
+def workload_of(items: Callable[[], list[BatchItem]]) -> Callable[[], list[WorkloadRequest]]:
+    """The first :data:`WORKLOAD_ITEMS` requests of ``items()`` (the
+    input's) as :func:`ggpipe.service.workload.workload` counts them."""
+    return lambda: [(it.prompt, it.messages, it.n_predict) for it in items()[:WORKLOAD_ITEMS]]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from ggpipe.service.engine import Engine
 from ggpipe.service.job import JobSpec, run_job
+from ggpipe.service.workload import workload
 from ggpipe.sampling_params import SamplingParams
 
 
@@ -27,6 +28,10 @@ class GenerateRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     chat: bool = False
 
+    def messages(self) -> list[dict] | None:
+        """The prompt as one user message (``chat``), or None (a plain prompt)."""
+        return [{"role": "user", "content": self.prompt}] if self.chat else None
+
 
 def generate_on_head(engine: Engine, req: GenerateRequest, stream=None) -> dict:
     """Run one generation on the head rank; returns the summary (tokens, text,
@@ -35,8 +40,7 @@ def generate_on_head(engine: Engine, req: GenerateRequest, stream=None) -> dict:
     Raises:
         ConfigError: prompt + n_predict does not fit the context.
     """
-    messages = [{"role": "user", "content": req.prompt}] if req.chat else None
-    tokens = engine.tokenize(req.prompt, messages)
+    tokens = engine.tokenize(req.prompt, req.messages())
 
     def write(text: str) -> None:
         stream.write(text)
@@ -51,7 +55,9 @@ def generate_on_head(engine: Engine, req: GenerateRequest, stream=None) -> dict:
 
 
 def run_generate(job: JobSpec, req: GenerateRequest, as_json: bool) -> int:
-    """Entry point of every rank; returns the process exit code."""
+    """Entry point of every rank; returns the process exit code. Without
+    ``--split``, a prompt that is most of the job's tokens gets the layers
+    split for prompts (``ggpipe.service.workload``; the head says so)."""
     result: dict = {}
 
     def head(engine: Engine) -> int:
@@ -65,4 +71,5 @@ def run_generate(job: JobSpec, req: GenerateRequest, as_json: bool) -> int:
             json.dump(result, sys.stdout, indent=1)
             sys.stdout.write("\n")
 
-    return run_job(job, head, report)
+    counted = lambda: [(req.prompt, req.messages(), req.n_predict)]  # noqa: E731
+    return run_job(job, head, report, workload=lambda: workload(job.config.model, counted))
