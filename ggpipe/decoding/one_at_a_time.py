@@ -88,7 +88,7 @@ class OneAtATime:
         self.kv: list[int] = []
         self._pending: deque[Job] = deque()     # oldest first
         self.current: Job | None = None
-        self._before = None      # the decoder's request before the current one started (until open() replaces it)
+        self._n_out = 0          # tokens the current request has emitted (0: its prompt is processed)
         self.rate = TokenRate()
         self._steps = PromptSteps()          # every request's prompt chunks
         self._generated = 0
@@ -138,7 +138,7 @@ class OneAtATime:
             return
         job = self._pending.popleft()
         if not job.cancelled:
-            self._before = self.decoder.r
+            self._n_out = 0
             self.current = job
             try:
                 self._run(job)
@@ -154,6 +154,7 @@ class OneAtATime:
         self._doing(f"answering a request ({len(job.tokens)} prompt tokens, {self.decoder.name})", job.clock)
 
         def emit(new: list[int]) -> bool:
+            self._n_out += len(new)
             self.rate.add(len(new))
             self._generated += len(new)
             return job.emit(new)
@@ -220,12 +221,11 @@ class OneAtATime:
 
     def view(self) -> list[dict]:
         """The one slot as the scheduler's ``view`` gives each
-        (:func:`~ggpipe.decoding.loop.slot_view`; the running
-        request's drafting so far: :meth:`~ggpipe.decoding.mode.Mode.drafting`)."""
+        (:func:`~ggpipe.decoding.loop.slot_view`): idle, its prompt
+        processed until it has emitted a token, then generating with its
+        drafting so far (:meth:`~ggpipe.decoding.mode.Mode.drafting`)."""
         job = self.current
-        r = self.decoder.r if job is not None else None
-        started = r is not None and r is not self._before     # open() has made the current request the decoder's
-        n_out = len(r.out) if started else 0
+        n_out = self._n_out if job is not None else 0
         state = SlotState.IDLE if job is None else SlotState.GENERATING if n_out else SlotState.PROMPT
         return [slot_view(0, self.n_ctx, job, state, n_out, len(self.kv),
-                          self.decoder.drafting() if started else None)]
+                          self.decoder.drafting() if n_out else None)]
