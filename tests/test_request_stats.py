@@ -76,3 +76,35 @@ def test_pipedec_counters_are_per_request():
         assert stats["draft_decodes"] == runs, (first, second)
         assert stats["tree_layers"] <= runs
         assert stats["new_trees"] <= stats["target_runs"]
+
+
+COMMON = {"drafted", "draft_accepted", "acceptance_rate", "verified_per_position", "accepted_per_position",
+          "acceptance_per_position", "pass_cost_ms", "target_passes", "accepted_per_pass", "prompt_steps",
+          "step_tokens"}
+
+
+@pytest.mark.parametrize("mode,spec_type", [("iterative", "draft"), ("speculative", "draft"), ("pipeinfer", "ngram"),
+                                            ("pipedec", "draft")])
+@pytest.mark.parametrize("slots", [1, 4])
+def test_every_loop_reports_the_same_statistics(mode, spec_type, slots):
+    """--parallel 1 (the mode's decoder in one slot) and the scheduler give
+    every request at least the same keys (ggpipe.decoding.loop.common_stats),
+    with the target's passes that carried its generation counted and its
+    tokens after the first per pass."""
+    from ggpipe.decoding.factory import build_loop
+    from ggpipe.decoding.loop import Job
+
+    target = FakePipeline(ToyLM(V, period=7), latency=2, cell_order=True, streams=slots > 1)
+    draft = FakePipeline(ToyLM(V, flip=0.2), latency=1, name="draft")
+    plan = DecodingPlan.resolve(mode, SpecSettings(spec_type=spec_type), slots=slots)
+    loop = build_loop(plan, target, [draft], n_ctx=256, n_batch=16, n_seq_max=64 if slots == 1 else slots,
+                      is_eog=lambda t: False, depth=None, timeout_s=5)
+    job = Job(list(PROMPTS[0]), 20, Sampler(SamplingParams()))
+    loop.submit(job)
+    while loop.busy:
+        loop.step()
+    stats = loop.request_stats(job)
+    assert COMMON <= set(stats), COMMON - set(stats)
+    assert stats["target_passes"] > 0 and stats["accepted_per_pass"] >= 1.0, stats
+    if mode == "iterative":
+        assert stats["drafted"] == 0 and stats["target_passes"] == 19 and stats["accepted_per_pass"] == 1.0

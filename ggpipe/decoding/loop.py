@@ -82,6 +82,9 @@ class Job:
         error: what ended this request alone (its sampling raised), or None.
         arrival: its order among the requests submitted to the loop (0, 1, ...).
         prompt_steps: how its prompt went through the micro-batches.
+        target_passes: micro-batches that carried a row of its generation
+            asking for logits (its next token, a chain below it, a
+            look-ahead row), once its prompt was processed.
     """
 
     tokens: list[int]
@@ -101,6 +104,7 @@ class Job:
     should_stop: Callable[[], bool] = _never
     arrival: int = 0
     prompt_steps: PromptSteps = field(default_factory=PromptSteps)
+    target_passes: int = 0
 
 
 @runtime_checkable
@@ -148,7 +152,8 @@ class RequestLoop(Protocol):
         """The KV caches were cleared with nothing in flight: no slot holds cells."""
 
     def request_stats(self, job: Job) -> dict:
-        """A finished request's statistics (``--json``'s ``decoder``)."""
+        """A finished request's statistics (``--json``'s ``decoder``): at
+        least :func:`common_stats`' keys, in every loop and mode."""
 
     def view(self) -> list[dict]:
         """One dict per slot (llama-server's ``/slots``)."""
@@ -163,6 +168,20 @@ class RequestLoop(Protocol):
 
     def drain(self) -> None:
         """Wait for every micro-batch in flight (before a shutdown)."""
+
+def common_stats(job: Job, drafting: DraftStats, target_passes: int) -> dict:
+    """The statistics every loop reports for a finished request, whatever
+    the mode: its drafting (:meth:`~ggpipe.speculation.draft_stats.DraftStats.as_dict`;
+    zeros where nothing was drafted), ``target_passes`` (the target's passes
+    that carried its generation after the prompt) and ``accepted_per_pass``
+    (its tokens after the first per such pass; None before a second token),
+    and how its prompt went through the micro-batches
+    (:meth:`PromptSteps.as_dict`)."""
+    n_out = len(job.request.out) if job.request is not None else 0
+    return {**drafting.as_dict(), "target_passes": target_passes,
+            "accepted_per_pass": (n_out - 1) / target_passes if target_passes and n_out > 1 else None,
+            **job.prompt_steps.as_dict()}
+
 
 class SlotState(str, Enum):
     """A slot's state (``/slots``' ``state``; llama-server's slot states).

@@ -36,8 +36,9 @@ from typing import Callable
 import numpy as np
 
 from ggpipe.decoding.mode import Mode
-from ggpipe.decoding.loop import Job, PromptSteps, SlotState, slot_view
+from ggpipe.decoding.loop import Job, PromptSteps, SlotState, common_stats, slot_view
 from ggpipe.errors import GGPipeError
+from ggpipe.speculation.draft_stats import DraftStats
 from ggpipe.kv_reuse import reusable_prefix
 from ggpipe.metrics import TokenRate
 from ggpipe.pipeline.prefill import prefill_chunks
@@ -201,9 +202,13 @@ class OneAtATime:
 
     def request_stats(self, job: Job) -> dict:
         """The finished request's statistics (``--json``'s ``decoder``):
-        the mode's (:attr:`~ggpipe.decoding.mode.Mode.stats`), and its
-        prompt's chunks (:meth:`~ggpipe.decoding.loop.PromptSteps.as_dict`)."""
-        return {**self.decoder.stats, **job.prompt_steps.as_dict()}
+        :func:`~ggpipe.decoding.loop.common_stats` (its drafting, the
+        target passes the mode counted, its prompt's chunks), then the
+        mode's own (:attr:`~ggpipe.decoding.mode.Mode.stats`)."""
+        own = self.decoder.stats
+        common = common_stats(job, self.decoder.drafting() if job.request is not None else DraftStats(),
+                              own.get("target_passes") or 0)
+        return {**common, **own}
 
     def tokens_per_s(self) -> float:
         """Tokens generated per second over the last 10 seconds."""

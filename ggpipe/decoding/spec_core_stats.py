@@ -24,6 +24,7 @@ def request_stats(core, drafter, adaptive: bool) -> dict:
         **g.draft_stats.as_dict(),
         # greedy: how close an accepted draft token came to a tie (docs/user-guide/exactness.md)
         min_accepted_margin=None if g.min_accepted_margin is None else round(g.min_accepted_margin, 6),
+        target_passes=r.counts.verified_runs,
         accepted_per_pass=(len(r.out) - 1) / passes if len(r.out) > 1 else None,
         draft_threshold=r.cutoff.threshold if adaptive else None,
         look_threshold=_finite_or(r.cutoff.look_threshold, "never") if adaptive else None,

@@ -311,13 +311,14 @@ def _simulate_parallel(cfg: SimConfig, loop, jobs: list[Job], clock: SimClock, b
     records = []
     for i, j in enumerate(jobs):
         d = j.clock.as_dict()
+        st = loop.request_stats(j)
         records.append({
             "prompt": i, "tokens_per_s": d.get("tokens_per_s"),
             "ttft_ms": None if d.get("ttft_s") is None else 1e3 * d["ttft_s"],
             "itl_mean_ms": None if d.get("itl_mean_s") is None else 1e3 * d["itl_mean_s"],
             "itl_p90_ms": None if d.get("itl_p90_s") is None else 1e3 * d["itl_p90_s"],
-            "accepted_per_pass": None if j.draft_stats.drafted else 1.0,
-            "acceptance_rate": j.draft_stats.acceptance_rate, "target_passes": None,
+            "accepted_per_pass": st["accepted_per_pass"], "acceptance_rate": st["acceptance_rate"],
+            "target_passes": st["target_passes"],
             "busy_share": {r: busy.get(r, 0.0) / wall for r in range(cfg.ranks)}, "wall_s": wall,
         })
     out = {"mode": cfg.mode, "ranks": cfg.ranks, "parallel": cfg.parallel, "records": records,

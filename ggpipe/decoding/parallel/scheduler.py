@@ -66,7 +66,7 @@ from ggpipe.decoding.parallel.chain_draft import SlotDrafter
 from ggpipe.decoding.parallel.lone_drafts import LoneDrafts
 from ggpipe.decoding.parallel.prefix_cache import awaits_donor, borrow_prefix, pick_slot
 from ggpipe.decoding.request import Request
-from ggpipe.decoding.loop import Job
+from ggpipe.decoding.loop import Job, common_stats
 from ggpipe.decoding.parallel.slots import SchedulerStats, Slot, _Row, pack_micro_batch, slots_view
 from ggpipe.errors import ConfigError, GGPipeError
 from ggpipe.metrics import TokenRate
@@ -384,11 +384,10 @@ class Scheduler:
             s.kv = []
 
     def request_stats(self, job: Job) -> dict:
-        """A finished request's statistics (``--json``'s ``decoder``): its
-        drafting (:meth:`~ggpipe.speculation.draft_stats.DraftStats.as_dict`)
-        and how its prompt went through the micro-batches
-        (:meth:`~ggpipe.decoding.loop.PromptSteps.as_dict`)."""
-        return {**job.draft_stats.as_dict(), **job.prompt_steps.as_dict()}
+        """A finished request's statistics (``--json``'s ``decoder``):
+        :func:`~ggpipe.decoding.loop.common_stats` of its drafting and of
+        the micro-batches that carried it."""
+        return common_stats(job, job.draft_stats, job.target_passes)
 
     # -- views (any thread) ----------------------------------------------------------
 

@@ -217,6 +217,8 @@ def pack_micro_batch(rows: list[tuple[_Row, list[int]]], stats: SchedulerStats) 
             reply.append(slot.job.sampler.params.reply_k())
         if not slot.generating:
             slot.job.prompt_steps.add(*mix)
+        elif row.logits:
+            slot.job.target_passes += 1
     n = len(tokens)
     run = Run(run_id=next_run_id(), tokens=np.asarray(tokens, np.int32), pos=np.asarray(pos, np.int32),
               n_seq_id=np.ones(n, np.int32), seq_ids=np.asarray(seqs, np.int32), outputs=np.asarray(outputs, np.int8))
