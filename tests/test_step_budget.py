@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from ggpipe.decoding.loop import Job
-from ggpipe.decoding.parallel.budget import LateShare, late_prompts, plan_late, plan_step
+from ggpipe.decoding.parallel.budget import BURST_S, LateShare, late_prompts, plan_late, plan_step
 from ggpipe.decoding.parallel.scheduler import Scheduler
 from ggpipe.decoding.parallel.slots import Slot
 from ggpipe.decoding.request import Request
@@ -39,16 +39,33 @@ def test_sixteen_short_prompts_enter_in_one_micro_batch():
 
 
 def test_a_prompt_longer_than_what_is_left_goes_on_in_the_next_micro_batch():
-    slots = [_slot(0, range(300), arrival=0), _slot(1, range(300), arrival=1), _slot(2, range(5), arrival=2)]
-    # oldest first: slot 0 whole, slot 1 cut to what is left (its logits come with its last chunk), slot 2 waits
+    slots = [_slot(0, range(300), arrival=0), _slot(1, range(300), arrival=1), _slot(2, range(500), arrival=2)]
+    # slot 0 whole, slot 1 cut to what is left (its logits come with its last chunk), slot 2 waits
     assert _plan(slots, budget=512) == [(0, 300, True), (1, 212, False)]
+    slots[1].todo = slots[1].todo[212:]
+    assert _plan(slots[1:], budget=512) == [(1, 88, True), (2, 424, False)]
+
+
+def test_a_burst_gives_the_shortest_remaining_prompt_the_budget_first_and_later_arrivals_wait():
+    """Inside a burst (arrived within BURST_S of the oldest waiting prompt)
+    the shortest remaining prompt goes first, so the median first token
+    comes soonest; a prompt that arrived later waits for the whole burst,
+    however short it is."""
+    slots = [_slot(0, range(900), arrival=0), _slot(1, range(100), arrival=1), _slot(2, range(400), arrival=2)]
+    assert _plan(slots, budget=512) == [(0, 12, False), (1, 100, True), (2, 400, True)]
+    later = _slot(3, range(5), arrival=3)
+    later.job.t_queued = slots[0].job.t_queued + 2 * BURST_S
+    slots[0].todo = slots[0].todo[12:]
+    assert _plan([slots[0], later], budget=512) == [(0, 512, False)]
+    assert _plan([slots[0], later], budget=1024) == [(0, 888, True), (3, 5, True)]
 
 
 def test_generating_rows_go_first_and_rows_are_in_slot_order():
     slots = [_slot(0, range(40), arrival=0), _slot(1, [7], generating=True, since=2),
              _slot(2, [8], generating=True, since=2), _slot(3, range(10), arrival=1)]
-    # the prompts arrived before the requests began generating (a burst): they take what the budget leaves
-    assert _plan(slots, budget=32) == [(0, 30, False), (1, 1, True), (2, 1, True)]
+    # the prompts arrived before the requests began generating (a burst): they take what the budget leaves,
+    # the shorter one first
+    assert _plan(slots, budget=32) == [(0, 20, False), (1, 1, True), (2, 1, True), (3, 10, True)]
     assert _plan(slots, budget=64) == [(0, 40, True), (1, 1, True), (2, 1, True), (3, 10, True)]
     slots[1].waiting = True          # in flight: its group waits for it
     assert _plan(slots, budget=64) == [(0, 40, True), (3, 10, True)]

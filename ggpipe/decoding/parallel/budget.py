@@ -7,7 +7,9 @@ each one cost.
 * **One budget** (``-b/--batch-size``, llama.cpp's ``n_batch``): the most
   tokens of one micro-batch. The generating slots' rows go first (their next
   token, and the drafted chain below it for a request alone), then chunks
-  of waiting prompts, oldest request first, from as many slots as fit; a
+  of waiting prompts, from as many slots as fit, the shortest remaining
+  prompt first among those that arrived together (:data:`BURST_S`), the
+  older arrivals before the later ones; a
   prompt longer than what is left goes on in the next micro-batch (chunked
   prefill: vLLM v1's scheduler, one ``max_num_batched_tokens`` per step;
   llama-server's one ``llama_batch`` of every slot's next token and as many
@@ -48,6 +50,13 @@ from typing import Callable
 
 from ggpipe.decoding.parallel.slots import Slot, decode_groups
 from ggpipe.pipeline.prefill import prefill_chunks
+
+#: Prompts that arrived within this many seconds after the oldest one waiting
+#: count as one burst: inside it the shortest remaining prompt goes first
+#: (shortest remaining processing time, which gives the earliest median first
+#: token for the same last one), and a burst goes before every prompt that
+#: arrived after it, so no prompt waits behind later ones (seconds).
+BURST_S = 1.0
 
 #: The time between a generating request's tokens while a prompt that
 #: arrived after it is processed, as a multiple of that time without it;
@@ -124,9 +133,16 @@ def late_prompts(slots: list[Slot]) -> set[int]:
 
 
 def _ready_prompts(slots: list[Slot], defer: Callable[[Slot], bool] | None) -> list[Slot]:
-    """Prompts with tokens to send, oldest request first (``defer``: held back this time)."""
-    return sorted((s for s in slots if s.job is not None and s.todo and not s.waiting and not s.generating
-                   and not (defer and defer(s))), key=lambda s: s.job.arrival)
+    """Prompts with tokens to send (``defer``: held back this time), in the
+    order they get the budget: by burst (:data:`BURST_S` windows of their
+    ``t_queued`` from the oldest one's), then shortest remaining prompt,
+    then arrival."""
+    ready = [s for s in slots if s.job is not None and s.todo and not s.waiting and not s.generating
+             and not (defer and defer(s))]
+    if not ready:
+        return ready
+    t0 = min(s.job.t_queued for s in ready)
+    return sorted(ready, key=lambda s: (int((s.job.t_queued - t0) // BURST_S), len(s.todo), s.job.arrival))
 
 
 def plan_step(slots: list[Slot], budget: int, depth: int, n_stages: int,
@@ -141,7 +157,8 @@ def plan_step(slots: list[Slot], budget: int, depth: int, n_stages: int,
     only when none of its slots waits for logits, the one sent least
     recently first; each slot sends its next token and any drafted chain
     below it (every row's logits). Then chunks of the prompts being
-    processed, oldest request first, in the tokens the budget leaves; with
+    processed, in :func:`_ready_prompts`' order (a burst's shortest
+    remaining prompt first), in the tokens the budget leaves; with
     several stages, at most the first of the pipelined chunks of everything
     waiting (:func:`~ggpipe.pipeline.prefill.prefill_chunks`). A prompt's
     last chunk asks for logits. Slots waiting for logits send nothing, nor
@@ -183,8 +200,8 @@ def plan_step(slots: list[Slot], budget: int, depth: int, n_stages: int,
 def plan_late(slots: list[Slot], tokens: int, late: set[int],
               defer: Callable[[Slot], bool] | None = None) -> list[tuple[Slot, int, bool]]:
     """A micro-batch of late prompts' chunks alone: at most ``tokens``
-    tokens, oldest request first, in slot id order (as :func:`plan_step`'s
-    tuples). Pure."""
+    tokens, in :func:`_ready_prompts`' order, sent in slot id order (as
+    :func:`plan_step`'s tuples). Pure."""
     plan, left = [], tokens
     for s in _ready_prompts(slots, defer):
         if left <= 0:
