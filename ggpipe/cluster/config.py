@@ -157,6 +157,12 @@ class ClusterConfig:
         return -(-per_slot // 256) * 256
 
     @property
+    def request_cells(self) -> int:
+        """KV cells one request may fill: one slot's (:attr:`slot_cells`)
+        where each sequence has a stream of its own, else the context."""
+        return self.ctx_size if self.kv_unified or self.n_seq_max == 1 else self.slot_cells
+
+    @property
     def draft_context(self) -> tuple[int, int, bool]:
         """The draft models' contexts: ``(n_ctx, n_seq_max, kv_unified)``.
         Under ``--parallel`` slots (one KV stream per sequence) a draft

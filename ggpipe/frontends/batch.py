@@ -362,7 +362,8 @@ def run_batch(job: JobSpec, input_path, output_path, n_predict: int, sampling: S
         with head_signals(runner.on_signal):
             return runner.run()
 
-    return run_job(job, head, workload=lambda: workload(job.config.model, workload_of(items)))
+    return run_job(job, head, workload=lambda: workload(job.config.model, workload_of(items),
+                                                        job.config.request_cells))
 
 
 #: Requests whose workload is counted at most (the first ones of the file): enough to tell long prompts from short.

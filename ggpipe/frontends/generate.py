@@ -72,4 +72,4 @@ def run_generate(job: JobSpec, req: GenerateRequest, as_json: bool) -> int:
             sys.stdout.write("\n")
 
     counted = lambda: [(req.prompt, req.messages(), req.n_predict)]  # noqa: E731
-    return run_job(job, head, report, workload=lambda: workload(job.config.model, counted))
+    return run_job(job, head, report, workload=lambda: workload(job.config.model, counted, job.config.request_cells))

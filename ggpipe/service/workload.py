@@ -12,13 +12,14 @@ from collections.abc import Callable, Iterable
 WorkloadRequest = tuple[str | None, list[dict] | None, int]
 
 
-def workload(model: str, requests: Callable[[], Iterable[WorkloadRequest]]) -> tuple[int, int] | None:
+def workload(model: str, requests: Callable[[], Iterable[WorkloadRequest]], n_cells: int) -> tuple[int, int] | None:
     """(prompt tokens, most generated tokens) of ``requests()``: each a
     plain prompt (special-token text parsed, as ``Engine.tokenize`` parses
     it) or chat messages rendered with the model's template, and its most
     tokens to generate. None where the requests, the model or a template
-    cannot be read or rendered (the job then reports it as always, once it
-    has loaded); a model
+    cannot be read or rendered, or a request does not fit the ``n_cells``
+    KV cells one request may fill (the job then refuses it as always, in
+    one line, with no choice made for it); a model
     not in the cache is not fetched here (its download waits for loading).
 
     ``model``: a registry name or a GGUF path (``ggpipe.models.registry.resolve``)."""
@@ -32,6 +33,8 @@ def workload(model: str, requests: Callable[[], Iterable[WorkloadRequest]]) -> t
         with vocab_only(resolve(model, fetch_missing=False)) as vocab:
             for prompt, messages, n_predict in reqs:
                 toks = chat_tokens(vocab, messages) if messages is not None else vocab.tokenize(prompt or "")
+                if toks.shape[0] + n_predict > n_cells:
+                    return None
                 n_prompt += int(toks.shape[0])
                 n_generated += n_predict
     except Exception:   # noqa: BLE001 - a guess only: whatever is wrong, the job reports it once loaded
