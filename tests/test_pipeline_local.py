@@ -115,3 +115,30 @@ def test_result_due_times_small_runs_and_prompt_chunks_apart():
     pipe.inflight[0] = nxt
     assert 0.0 < pipe.due_in() <= pipe.service_s
     assert Pipeline(object(), None, ranks=[], n_vocab=8).result_due() is None
+
+
+def test_a_call_runs_on_the_thread_that_computes_the_stage():
+    """HeadStage.call: with an executor, fn runs on the executor's thread
+    (where the stage warms up, so llama.cpp's threads belong to the thread
+    that computes), its result or error comes back; without one, here."""
+    import threading
+    from types import SimpleNamespace
+
+    from ggpipe.errors import GGPipeError
+    from ggpipe.pipeline.head_stage import HeadStage
+
+    stats = {"cancelled_before_start": 0, "cancelled_mid_compute": 0, "dropped_after_cancel": 0, "rows_masked": 0}
+    for async_local in (True, False):
+        head = HeadStage(SimpleNamespace(), None, [], "target", set(), dict(stats), lambda: None,
+                         async_local=async_local)
+        try:
+            name = head.call(lambda: threading.current_thread().name, 5)
+            assert name == ("target-stage0" if async_local else threading.current_thread().name)
+
+            def fail():
+                raise GGPipeError("llama.cpp failed")
+            with pytest.raises(GGPipeError, match="llama.cpp failed"):
+                head.call(fail, 5)
+            assert head.call(lambda: 7, 5) == 7 and head.error is None   # the executor goes on
+        finally:
+            head.close()

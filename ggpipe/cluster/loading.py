@@ -38,9 +38,13 @@ class Loaded:
     warmup_s: float = 0.0
 
 
-def load_rank(config: ClusterConfig, rank: int, size: int) -> Loaded:
+def load_rank(config: ClusterConfig, rank: int, size: int, warm_target: bool = True) -> Loaded:
     """This rank's stage (and the head's draft stage when no rank runs the
-    draft), each warmed up (:meth:`~ggpipe.runtime.stage.Stage.warmup`).
+    draft), each warmed up (:meth:`~ggpipe.runtime.stage.Stage.warmup`);
+    ``warm_target`` False: the target stage is left for the thread that will
+    compute it to warm up (llama.cpp's OpenMP threads belong to the thread
+    that first computes: a stage warmed up on one thread and computed on
+    another decodes about a fifth slower on two cores).
 
     Raises:
         GGPipeError: a bad setting, a model that cannot be resolved, read, cut or loaded.
@@ -113,7 +117,7 @@ def load_rank(config: ClusterConfig, rank: int, size: int) -> Loaded:
             raise
     try:
         t_warm = time.perf_counter()
-        for st in (stage, draft_stage):
+        for st in (stage if warm_target else None, draft_stage):
             if st is not None:
                 st.warmup()
         warm = time.perf_counter() - t_warm

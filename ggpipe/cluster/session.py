@@ -217,7 +217,9 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
         transport.interrupt = None
 
     memory = MemorySampler().start()
-    loaded = _load_when_all_can(config, rank, size, transport, liveness, described)
+    # the head's target stage computes on its own thread when async_head: it warms up there (below)
+    loaded = _load_when_all_can(config, rank, size, transport, liveness, described,
+                                warm_target=not (rank == 0 and async_head))
     activity.set("idle")
     if split_note:
         sys.stderr.write(f"{split_note} ({'; '.join(described[r] for r in sorted(described))}); --split chooses "
@@ -227,6 +229,14 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
                 cpus=cpus, load_s=loaded.load_s, warmup_s=loaded.warmup_s)
     if rank == 0:
         _add_pipelines(s, loaded, async_head)
+        if async_head:
+            try:
+                warm = s.pipeline.warm_up()
+            except BaseException:
+                s.close()
+                raise
+            s.warmup_s += warm
+            s.load_s += warm
     return s
 
 
@@ -266,12 +276,13 @@ def _poll_for_host(transport: Transport, config: ClusterConfig, rank: int, size:
 
 
 def _load_when_all_can(config: ClusterConfig, rank: int, size: int, transport: Transport | None, liveness,
-                       described: dict[int, str]) -> Loaded:
+                       described: dict[int, str], warm_target: bool = True) -> Loaded:
     """Steps 3 to 5: load this rank's stage and learn whether every rank
-    did; on an error anywhere, free what was loaded and raise it."""
+    did; on an error anywhere, free what was loaded and raise it
+    (``warm_target``: as :func:`~ggpipe.cluster.loading.load_rank`)."""
     err, loaded = None, None
     try:
-        loaded = load_rank(config, rank, size)
+        loaded = load_rank(config, rank, size, warm_target)
     except GGPipeError as exc:
         err = str(exc)
     role = None if loaded is None else describe_role(loaded.roles, rank, loaded.layers)

@@ -122,6 +122,18 @@ class Pipeline:
         """Time the head spent computing its own stage."""
         return self._head.busy_s if self._head is not None else 0.0
 
+    def warm_up(self, timeout_s: float = 600.0) -> float:
+        """Warm the head's own stage up on the thread that computes it
+        (:meth:`~ggpipe.runtime.stage.Stage.warmup`, through
+        :meth:`HeadStage.call`); returns its seconds (0 without a stage).
+
+        Raises:
+            GGPipeError: llama.cpp failed, or the executor did not answer
+                within ``timeout_s`` seconds."""
+        if self._head is None:
+            return 0.0
+        return self._head.call(self._head.stage.warmup, timeout_s)
+
     def head_idle(self) -> bool:
         """The head's own stage has nothing to compute (asynchronous head
         stage); always True otherwise, since submit() computes at once."""

@@ -103,6 +103,25 @@ class HeadStage:
         else:
             self._kv_local(header)
 
+    def call(self, fn: Callable[[], object], timeout_s: float) -> object:
+        """``fn()`` on the thread that computes this stage (the executor's,
+        after the jobs queued before it; this thread otherwise), and its
+        result.
+
+        Raises:
+            what ``fn`` raised; GGPipeError: no answer within ``timeout_s``
+                seconds (the stage's executor is stuck or gone)."""
+        if self._jobs is None:
+            return fn()
+        done, box = threading.Event(), []
+        self._jobs.put(("call", (fn, box, done)))
+        if not done.wait(timeout_s):
+            raise GGPipeError(f"the head's own {self.name} stage did not answer within {timeout_s:g} s")
+        result, err = box[0]
+        if err is not None:
+            raise err
+        return result
+
     def cancel(self, run_id: int) -> None:
         """Abort ``run_id`` if it is being computed now."""
         if self._current == run_id:
@@ -154,6 +173,8 @@ class HeadStage:
                 kind, arg = job
                 if kind == "decode":
                     self._decode_local(arg)
+                elif kind == "call":
+                    _call(*arg)
                 else:
                     self._kv_local(arg)
                 self._busy = not self._jobs.empty()
@@ -227,3 +248,13 @@ class HeadStage:
         self.stage.kv(header.op, header.seq, header.seq_dst, header.p0, header.p1, header.delta)
         if self.ranks:
             self.transport.send(self.ranks[0], m.T_KV, m.encode_kv(header))
+
+
+def _call(fn: Callable[[], object], box: list, done: threading.Event) -> None:
+    """``fn()``'s result or error into ``box`` as (result, error), then ``done`` set."""
+    try:
+        box.append((fn(), None))
+    except BaseException as exc:  # handed to the caller, which raises it
+        box.append((None, exc))
+    finally:
+        done.set()
