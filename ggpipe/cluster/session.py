@@ -232,8 +232,11 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
         if async_head:
             try:
                 warm = s.pipeline.warm_up()
-            except BaseException:
-                s.close()
+            except GGPipeError:
+                try:    # every rank has loaded and waits for the head: stop them, then report the error
+                    s.shutdown()
+                finally:
+                    s.close()
                 raise
             s.warmup_s += warm
             s.load_s += warm
