@@ -321,7 +321,7 @@ def split_job_options(kw: dict):
             without flash attention.
     """
     from ggpipe.service.job import JobSpec
-    from ggpipe.cluster.config import ClusterConfig
+    from ggpipe.cluster.config import ClusterConfig, draft_model_list
     from ggpipe.decoding.plan import DecodingPlan
     from ggpipe.cli.strategies import strategy_keys
 
@@ -337,8 +337,7 @@ def split_job_options(kw: dict):
         flag = "--" + (e.param or "").replace("_", "-")
         raise ConfigError(f"{flag}: {e}" if e.param else str(e)) from None
     spec = _spec_settings(o)
-    n_drafts = len(o["draft_model"].split(",")) if o["draft_model"] else 0
-    plan = DecodingPlan.resolve(o["mode"], spec, n_draft_models=n_drafts)
+    plan = DecodingPlan.resolve(o["mode"], spec, n_draft_models=len(draft_model_list(o["draft_model"])))
     n_seq_max = o["n_seq_max"] if o["n_seq_max"] is not None else plan.seq_ids
     if o["split"] is not None and o["split"].startswith("auto"):
         from ggpipe.sim.placement import auto_split

@@ -10,6 +10,13 @@ from dataclasses import asdict, dataclass
 from ggpipe.errors import ConfigError
 
 
+def draft_model_list(draft_model: str | None) -> list[str]:
+    """``-md a,b`` -> the draft models in order ([] for none)."""
+    if draft_model is None:
+        return []
+    return [m.strip() for m in draft_model.split(",")]
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     """Settings every rank must share (their digest is compared at start-up).
@@ -178,9 +185,7 @@ class ClusterConfig:
     @property
     def draft_models(self) -> list[str]:
         """The draft models in ``-md`` order ([] for none)."""
-        if self.draft_model is None:
-            return []
-        return [m.strip() for m in self.draft_model.split(",")]
+        return draft_model_list(self.draft_model)
 
     def digest(self) -> str:
         """16 hex digits of the SHA-256 of every field (sorted JSON): ranks

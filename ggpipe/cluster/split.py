@@ -18,9 +18,9 @@ prompt's tokens go through every block but only its last one through the
 head, so where prompts are most of the tokens (long prompts, short answers)
 the head's stage would otherwise idle while the others compute (SmolLM2-135M,
 whose Q8_0 head weighs about 13 of its 30 blocks: 22/8 by default, 15/15
-with ``prompts``). ``batch`` chooses ``prompts`` itself when its input's
-prompts are at least :data:`PROMPT_SHARE` of the job's tokens and no
-``--split`` is given (:func:`prompts_dominate`).
+with ``prompts``). ``batch`` and ``generate`` choose ``prompts`` themselves
+when their prompts are at least :data:`PROMPT_SHARE` of the job's tokens
+and no ``--split`` is given (:func:`prompts_dominate`).
 
 Boundaries are computed from the cumulative weight fractions with round half up
 (see :func:`plan_layers`). PipeInfer's own ``ggml_mpi_split_range`` (ggml-mpi.c)
@@ -46,9 +46,9 @@ __all__ = ["SplitSpec", "parse_split", "plan_layers", "describe_plan"]
 OPTION = "--split"
 PROMPTS = "prompts"   # --split prompts: the default split balanced without the LM head
 
-#: ``batch`` splits for prompts (``--split prompts``) where its input's prompt tokens are at least this share of
-#: prompt plus generated tokens (long prompts, short answers: 8 prompts of about 1,000 tokens and 64 generated
-#: are 94%; docs/benchmarks/prompts.md measures both splits there and on generation-heavy work).
+#: ``batch`` and ``generate`` split for prompts (``--split prompts``) where their prompt tokens are at least this
+#: share of prompt plus generated tokens (long prompts, short answers: 8 prompts of about 1,000 tokens and 64
+#: generated are 94%; docs/benchmarks/prompts.md measures both splits there and on generation-heavy work).
 PROMPT_SHARE = 0.9
 
 # Added before rounding so that a cumulative fraction that should be exactly x.5

@@ -169,6 +169,7 @@ class RequestLoop(Protocol):
     def drain(self) -> None:
         """Wait for every micro-batch in flight (before a shutdown)."""
 
+
 def common_stats(job: Job, drafting: DraftStats, target_passes: int) -> dict:
     """The statistics every loop reports for a finished request, whatever
     the mode: its drafting (:meth:`~ggpipe.speculation.draft_stats.DraftStats.as_dict`;

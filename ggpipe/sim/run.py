@@ -328,6 +328,7 @@ def _simulate_parallel(cfg: SimConfig, loop, jobs: list[Job], clock: SimClock, b
     out["aggregate_tokens_per_s"] = sum(len(j.request.out) for j in jobs) / wall
     return out
 
+
 def _means(records: list[dict], ranks: int) -> dict:
     out = {}
     for k in ("tokens_per_s", "ttft_ms", "itl_mean_ms", "accepted_per_pass", "acceptance_rate", "target_passes"):
