@@ -72,16 +72,31 @@ def chat(system, input_path, **kw):
               help="Progress bar (ETA, tokens/s) on stderr.")
 @parallel_option
 @micro_batches_option
+@click.option("--ranks", default=None, type=click.IntRange(1), metavar="N",
+              help="Run without mpiexec: start the N ranks under mpiexec and start the job again where a rank is "
+                   "lost (a pause, not an error; docs/clusters/failures.md).")
+@click.option("--hostfile", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="With --ranks: the hosts, one rank per host in turn; hosts past the first N are spares.")
 @click.pass_context
-def batch(ctx, prompts, output, progress, parallel, micro_batches, **kw):
+def batch(ctx, prompts, output, progress, parallel, micro_batches, ranks, hostfile, **kw):
     """Run a JSONL file of requests: {"id", "prompt" | "messages", optional n, temperature, seed, ...} per line.
 
     Each result is written (and fsync'd) as it finishes; rerunning the same
-    command resumes where a killed job stopped."""
+    command resumes where a killed job stopped, and with --ranks (no mpiexec)
+    the command does so itself when a rank is lost."""
     from ggpipe.frontends.batch import run_batch
     from ggpipe.frontends.batch_output import check_output_path
+    from ggpipe.transport.launcher_signal import launched_rank
 
     output = check_output_path(output, prompts)   # resolved: newdir/../in.jsonl is the input
+    if hostfile is not None and ranks is None:
+        raise click.UsageError("--hostfile goes with --ranks (under mpiexec, give the hostfile to mpiexec)")
+    if ranks is not None:
+        if launched_rank() is not None:
+            raise click.UsageError("--ranks starts mpiexec itself: run 'ggpipe batch --ranks N ...' without mpiexec")
+        from ggpipe.frontends.supervisor import supervise
+
+        sys.exit(supervise(sys.argv[1:], ranks, hostfile, output))
     job, sampling, n_predict = split_job_options(kw)
     job = with_parallel(job, parallel, ctx, micro_batches)
     sys.exit(run_batch(job, prompts, output, n_predict, sampling, progress))

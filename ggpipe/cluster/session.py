@@ -91,6 +91,7 @@ class Session:
     cpus: list = field(default_factory=list)  # each rank's CPU affinity (CPU ids, or None)
     load_s: float = 0.0                     # seconds this rank's load took, of which warming up its stages:
     warmup_s: float = 0.0
+    described: dict[int, str] = field(default_factory=dict)  # head: rank -> its model and layers
 
     def micro_batches_in_flight(self) -> int:
         """The scheduler's default micro-batches in flight (``--micro-batches
@@ -226,7 +227,7 @@ def open_session(config: ClusterConfig, argv: list[str] | None = None, async_hea
                          f"another\n")
     s = Session(config, rank, size, transport, loaded.stage, loaded.layers, loaded.path, hosts,
                 memory, loaded.roles, draft_stage=loaded.draft_stage, liveness=liveness, activity=activity,
-                cpus=cpus, load_s=loaded.load_s, warmup_s=loaded.warmup_s)
+                cpus=cpus, load_s=loaded.load_s, warmup_s=loaded.warmup_s, described=described)
     if rank == 0:
         _add_pipelines(s, loaded, async_head)
         if async_head:

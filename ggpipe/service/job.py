@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from ggpipe.errors import GGPipeError
 from ggpipe.service.engine import Engine
 from ggpipe.cluster.config import ClusterConfig
+from ggpipe.cluster.recovery import write_ready
 from ggpipe.cluster.session import Session, open_session
 from ggpipe.decoding.plan import DecodingPlan
 
@@ -74,6 +75,8 @@ def run_job(job: JobSpec, head: Callable[[Engine], int],
         if not session.is_head:
             session.serve(mid_run_cancels=job.plan.cancels_runs)
             return 0
+        write_ready([f"rank {r} ({session.hosts[r]}): {session.described.get(r, 'the whole model')}"
+                     for r in range(session.size)])   # a supervisor waits for it (ggpipe/frontends/supervisor.py)
         try:
             code = head(Engine(session, job.plan, ignore_eos=job.ignore_eos))
         except GGPipeError as exc:

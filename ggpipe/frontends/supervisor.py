@@ -1,0 +1,221 @@
+"""The supervisor of a job that survives a lost rank: ``ggpipe batch --ranks
+N ...`` run without ``mpiexec``.
+
+The command then starts the MPI launcher itself (``mpiexec -n N [-f
+hostfile]`` and this ggpipe's ``batch ...``, the same command without
+``--ranks``/``--hostfile``) and stays outside the MPI job, on the head's
+host. The requests' state lives outside the job too: the input file and the
+output file, where every finished request's record is written and fsync'd
+at once. When the job ends because a rank was lost (the one line its guard
+or the head's heartbeats print, :func:`ggpipe.cluster.recovery.parse_loss`),
+the supervisor says so in one line and starts the job again; the new job
+plans its layer split over the ranks it has (the same rules as the first),
+skips the requests already written and runs the others, those that were in
+flight included, from their prompts. Where a host keeps losing ranks
+without progress it is left out (:class:`ggpipe.cluster.recovery.RecoveryPolicy`).
+
+A job that ends for any other reason (done, a bad input, Ctrl-C) ends the
+command with the job's exit code, as without a supervisor. Why not ULFM
+(``MPIX_Comm_shrink``): neither MPI wheel on PyPI survives a peer's death
+in practice (MPICH 5.0's ch4 aborts at start-up with fault tolerance on;
+Open MPI 5.0's ``--with-ft ulfm`` hangs on the first failure), and a launcher
+ends the whole job at a rank's death by default anyway.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ggpipe.child_process import child_env, ggpipe_command
+from ggpipe.cluster.plan import detect_flavor
+from ggpipe.cluster.recovery import READY_ENV, Loss, RecoveryPolicy, parse_loss, read_ready
+from ggpipe.errors import ConfigError
+from ggpipe.transport.launcher_path import find_launcher
+
+#: The options of the supervisor itself, left out of the job's command line (each takes a value).
+SUPERVISOR_OPTIONS = ("--ranks", "--hostfile")
+
+
+def job_argv(argv: list[str]) -> list[str]:
+    """``argv`` (a command's arguments) without :data:`SUPERVISOR_OPTIONS`
+    and their values (``--ranks 3`` or ``--ranks=3``)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in SUPERVISOR_OPTIONS:
+            skip = True
+        elif not any(a.startswith(o + "=") for o in SUPERVISOR_OPTIONS):
+            out.append(a)
+    return out
+
+
+def launch_command(flavor: str, n_ranks: int, hostfile: str | None) -> list[str]:
+    """The launcher's part of a supervised job's command line: ``mpiexec -n
+    N``, with a hostfile one rank per host in turn (Open MPI ``--hostfile F
+    --map-by node``, Hydra ``-f F -ppn 1``). The launcher's default clean-up
+    is kept: it ends the job at once when a rank dies, after the rank's guard
+    has named it."""
+    cmd = ["mpiexec", "-n", str(n_ranks)]
+    if hostfile is not None:
+        cmd += ["--hostfile", hostfile, "--map-by", "node"] if flavor == "openmpi" else ["-f", hostfile, "-ppn", "1"]
+    if flavor == "openmpi":
+        cmd += ["-x", READY_ENV]   # Open MPI passes only the variables it is told to
+    return cmd
+
+
+def write_hostfile(path: Path, hosts: list[tuple[str, int]], flavor: str) -> None:
+    """``hosts`` as the launcher reads them (``host slots=N`` for Open MPI,
+    ``host:N`` otherwise)."""
+    lines = [f"{h} slots={n}" if flavor == "openmpi" else f"{h}:{n}" for h, n in hosts]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+class Supervisor:
+    """Runs a job under the MPI launcher until it ends other than by a lost rank.
+
+    Args:
+        argv: the job's command (``["batch", "in.jsonl", "-o", "out.jsonl", ...]``).
+        policy: where each job runs (ranks, hosts, hosts left out).
+        progress: () -> a number that grows while the job does its work
+            (the output file's size, bytes).
+        poll_s: how often the job's state is looked at (seconds).
+    """
+
+    def __init__(self, argv: list[str], policy: RecoveryPolicy, progress: Callable[[], int], poll_s: float = 0.1):
+        self.argv, self.policy, self.progress, self.poll_s = argv, policy, progress, poll_s
+        self.signal: int | None = None
+        self.proc: subprocess.Popen | None = None
+        self.recoveries = 0
+
+    def _on_signal(self, signum, frame) -> None:  # noqa: ARG002 (signal handler signature)
+        """SIGINT/SIGTERM: pass it on to the launcher once, and start no other job."""
+        first = self.signal is None
+        self.signal = signum
+        if first and self.proc is not None and self.proc.poll() is None:
+            try:
+                self.proc.send_signal(signum)
+            except ProcessLookupError:
+                pass
+
+    def run(self) -> int:
+        """Run jobs until one ends other than by a lost rank; returns the
+        last job's exit code, or 1 when nowhere is left to run."""
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, self._on_signal)
+        flavor = detect_flavor()
+        with tempfile.TemporaryDirectory(prefix="ggpipe-supervisor-") as tmp:
+            lost_at = None
+            while True:
+                code, loss, ready, progressed = self._job(flavor, Path(tmp), lost_at)
+                if code == 0 or self.signal is not None:
+                    return code
+                if loss is None and (lost_at is None or ready):
+                    return code   # not a lost rank: the job's own line said why
+                lost_at = time.monotonic()
+                left_out = list(self.policy.excluded)
+                reason = self.policy.lost(loss, progressed)
+                what = (f"{'the head, ' if loss.rank == 0 else ''}rank {loss.rank} ({loss.host}) was lost"
+                        if loss is not None else
+                        f"the job could not start again on {self.policy.last_host}")
+                if reason is not None:
+                    sys.stderr.write(f"ggpipe: error: {what}; {reason}: the job stops (results written so far are "
+                                     f"kept; run the same command again to resume)\n")
+                    return code or 1
+                gone = [h for h in self.policy.excluded if h not in left_out]
+                hosts = sorted(set(self.policy.placed()), key=self.policy.placed().index)
+                sys.stderr.write(f"ggpipe: {what}; "
+                                 + (f"leaving host {gone[0]} out (it lost a rank in {self.policy.exclude_after} "
+                                    f"jobs in a row without progress); " if gone else "")
+                                 + f"starting the job again on {self.policy.n_ranks} rank"
+                                 f"{'s' if self.policy.n_ranks != 1 else ''} ({', '.join(hosts)}); "
+                                 f"the requests in flight run again from their prompts\n")
+                sys.stderr.flush()
+                self.recoveries += 1
+
+    def _job(self, flavor: str, tmp: Path, lost_at: float | None) -> tuple[int, Loss | None, bool, bool]:
+        """One job: (exit code, the rank it lost or None, whether it became
+        ready, whether it made progress)."""
+        launch = self.policy.launch()
+        hostfile = None
+        if launch.hosts is not None:
+            hostfile = tmp / "hosts"
+            write_hostfile(hostfile, launch.hosts, flavor)
+        ready_path = tmp / "ready.json"
+        ready_path.unlink(missing_ok=True)
+        env = child_env(dict(os.environ, **{READY_ENV: str(ready_path)}))
+        cmd = launch_command(flavor, launch.n_ranks, str(hostfile) if hostfile else None) \
+            + [*ggpipe_command(), *self.argv]
+        cmd[0] = find_launcher(cmd[0])   # PATH, else beside this Python
+        start, before = time.monotonic(), self.progress()
+        try:
+            # a process group of its own: Ctrl-C reaches the supervisor, which passes it on once
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
+                                         process_group=0)
+        except OSError as e:
+            raise ConfigError(f"cannot start {cmd[0]}: {e.strerror or e}") from None
+        losses: list[Loss] = []
+        reader = threading.Thread(target=_pass_on, args=(self.proc.stderr, losses), daemon=True)
+        reader.start()
+        ready = False
+        while self.proc.poll() is None:
+            if not ready and read_ready(ready_path) is not None:
+                ready = True
+                if lost_at is not None:
+                    now = time.monotonic()
+                    stages = "; ".join(read_ready(ready_path) or [])
+                    sys.stderr.write(f"ggpipe: back {now - lost_at:.1f} s after the loss (start-up and load "
+                                     f"{now - start:.1f} s): {stages}\n")
+                    sys.stderr.flush()
+            time.sleep(self.poll_s)
+        reader.join(timeout=5.0)
+        return self.proc.returncode, (losses[0] if losses else None), ready, self.progress() > before
+
+
+def _pass_on(stream, losses: list[Loss]) -> None:
+    """Copy the job's stderr to ours as it comes (progress bars included),
+    and note every lost rank its lines name."""
+    out = sys.stderr.buffer
+    pending = b""
+    while True:
+        chunk = stream.read1(65536) if hasattr(stream, "read1") else stream.read(65536)
+        if not chunk:
+            break
+        out.write(chunk)
+        out.flush()
+        pending += chunk
+        *lines, pending = pending.replace(b"\r", b"\n").split(b"\n")
+        for line in lines:
+            loss = parse_loss(line.decode("utf-8", "replace"))
+            if loss is not None:
+                losses.append(loss)
+        pending = pending[-4096:]
+
+
+def supervise(argv: list[str], n_ranks: int, hostfile: str | None, output: Path) -> int:
+    """``ggpipe batch --ranks N [--hostfile F] ...``: run the batch job under
+    a :class:`Supervisor`; returns the exit code.
+
+    Raises:
+        ConfigError: a hostfile that cannot be read, a launcher that cannot
+            be started.
+    """
+    from ggpipe.cluster.plan import parse_hostfile
+
+    hosts = parse_hostfile(hostfile) if hostfile is not None else None
+
+    def size() -> int:
+        try:
+            return output.stat().st_size
+        except OSError:
+            return 0
+
+    return Supervisor(job_argv(argv), RecoveryPolicy(n_ranks, hosts), size).run()

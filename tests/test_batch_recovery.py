@@ -1,0 +1,81 @@
+"""A lost rank costs a supervised batch job a pause, not an error: ``ggpipe
+batch --ranks 3`` (no mpiexec; ggpipe/frontends/supervisor.py) with a
+rank killed (SIGKILL, the head's too) or stopped (SIGSTOP) while requests
+are in flight ends with every record written once, each one's text what an
+uninterrupted job writes, and nothing left running."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests.conftest import ROOT, end_job, run_ggpipe, wait_for_ranks
+
+pytestmark = [pytest.mark.mpi, pytest.mark.full]
+
+PROMPTS = ["What is MPI?", "Write a haiku about pipelines.", "Explain what a KV cache is.",
+           "List three uses of speculative decoding.", "Why do CPUs have caches?", "What is a Beowulf cluster?",
+           "Name the planets.", "How does TCP retransmit?"]
+N = 40
+
+
+def _job_args(inp, out, model) -> list[str]:
+    return ["batch", str(inp), "-o", str(out), "-m", str(model), "-n", str(N), "--parallel", "4", "-t", "1",
+            "--no-progress", "--liveness-timeout", "2"]
+
+
+def _records(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, smollm2):
+    d = tmp_path_factory.mktemp("uninterrupted")
+    inp, out = d / "in.jsonl", d / "out.jsonl"
+    rows = [{"id": i, "prompt": p} for i, p in enumerate(PROMPTS)]
+    rows.append({"id": "sampled", "prompt": "Tell me a story", "temperature": 0.8, "seed": 5})
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    p = run_ggpipe(_job_args(inp, out, smollm2), ranks=3)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return inp, {r["id"]: r["text"] for r in _records(out)}
+
+
+@pytest.mark.parametrize("rank,sig", [(1, signal.SIGKILL), (2, signal.SIGSTOP), (0, signal.SIGKILL)],
+                         ids=["rank1-killed", "rank2-stopped", "head-killed"])
+def test_a_lost_rank_costs_a_pause_not_an_error(tmp_path, smollm2, uninterrupted, rank, sig):
+    inp, expected = uninterrupted
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "ggpipe", *_job_args(inp, out, smollm2), "--ranks", "3"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+    seen: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 120
+        while p.poll() is None and time.monotonic() < deadline:
+            if out.exists() and out.read_text(encoding="utf-8").count("\n") >= 2:
+                break
+            time.sleep(0.01)
+        assert p.poll() is None, p.communicate()[1][-2000:]
+        procs = wait_for_ranks(p.pid, 3)
+        seen = psutil.Process(p.pid).children(recursive=True)
+        procs[rank].send_signal(sig)   # requests are in flight: some written, the others running or queued
+        _, err = p.communicate(timeout=180)
+    finally:
+        end_job(p, seen)
+    assert p.returncode == 0, err[-3000:]
+    records = _records(out)
+    assert sorted(str(r["id"]) for r in records) == sorted(str(k) for k in expected), err[-2000:]
+    assert {r["id"]: r["text"] for r in records} == expected
+    who = "the head, rank 0" if rank == 0 else f"rank {rank}"
+    assert f"ggpipe: {who} ({os.uname().nodename}) was lost; starting the job again on 3 ranks" in err, err[-2000:]
+    assert "ggpipe: back " in err and "target layers" in err, err[-2000:]
+    time.sleep(0.5)
+    left = [c.pid for c in seen if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    assert not left, (left, err[-2000:])

@@ -1,0 +1,133 @@
+"""Recovery from a lost rank, MPI-free: the lost rank read back from the
+lines that name it, where the next job runs, the supervised job's command
+line and its ready file (ggpipe/cluster/recovery.py, ggpipe/frontends/supervisor.py)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+
+import pytest
+
+from ggpipe.cluster.recovery import READY_ENV, RecoveryPolicy, parse_loss, read_ready, write_ready
+from ggpipe.frontends.supervisor import job_argv, launch_command, write_hostfile
+from ggpipe.transport.liveness import HeartbeatMonitor, Liveness
+from ggpipe.transport.rank_guard import death_line
+
+
+def test_the_guards_line_names_the_lost_rank():
+    line = death_line(2, "node3", 4242, signal.SIGKILL, "target layers 27-39", "decoding run 57 (4 tokens)")
+    loss = parse_loss(line)
+    assert (loss.rank, loss.host, loss.pid, loss.how) == (2, "node3", 4242, "died")
+    head = parse_loss(death_line(0, "node1", 17, signal.SIGKILL, "", ""))
+    assert (head.rank, head.host) == (0, "node1")
+
+
+def _heartbeat_line(rank: int, peer: int) -> str:
+    """The line of ``rank``'s heartbeats reporting ``peer`` (a process on
+    another host), as Liveness.message writes it."""
+    lv = Liveness.__new__(Liveness)
+    lv.rank, lv.timeout_s = rank, 6.0
+    lv.monitor = HeartbeatMonitor([peer], 6.0, 0.0)
+    lv.peer_info = lambda r: ("elsewhere", 99)
+    lv.describe = lambda r: f"{'the head, rank 0' if r == 0 else f'rank {r}'} (node{r}, pid 5{r}, target layers 1-2)"
+    lv.activity = lambda: "generating"
+    return "ggpipe: error: " + lv.message(peer, 6.3)
+
+
+@pytest.mark.parametrize("rank,peer", [(0, 2), (1, 0)])
+def test_the_heartbeats_line_names_the_lost_rank(rank, peer):
+    loss = parse_loss(_heartbeat_line(rank, peer))
+    assert (loss.rank, loss.host, loss.pid, loss.how) == (peer, f"node{peer}", int(f"5{peer}"), "stopped answering")
+
+
+@pytest.mark.parametrize("line", [
+    "ggpipe: error: rank 0 (vm) waited 60 s for the logits of run 12 from rank 1 (node2): it stopped answering",
+    "ggpipe: error: prompt too long",
+    "batch:  50%|#####     | 8/16 [00:02<00:02,  3.90req/s]",
+    "rank 1 (vm, pid 12) died",   # not ggpipe's line
+])
+def test_other_lines_name_no_lost_rank(line):
+    assert parse_loss(line) is None
+
+
+def test_a_lost_rank_runs_again_on_the_same_hosts():
+    p = RecoveryPolicy(3, None)
+    loss = parse_loss(death_line(1, socket.gethostname(), 5, signal.SIGKILL, "", ""))
+    for _ in range(10):   # progress between losses: never left out
+        assert p.lost(loss, progressed=True) is None
+    assert p.launch().n_ranks == 3 and p.launch().hosts is None and p.excluded == []
+
+
+def test_a_host_that_keeps_losing_ranks_without_progress_is_left_out_and_a_spare_takes_its_place():
+    p = RecoveryPolicy(3, [("a", 1), ("b", 1), ("c", 1), ("d", 1)])
+    assert p.placed() == ["a", "b", "c"]
+    loss = parse_loss(death_line(1, "b", 5, signal.SIGKILL, "", ""))
+    assert p.lost(loss, progressed=False) is None
+    assert p.lost(None, progressed=False) is None   # the next job did not start: the same host blamed
+    assert p.excluded == []
+    assert p.lost(loss, progressed=False) is None
+    assert p.excluded == ["b"] and p.placed() == ["a", "c", "d"] and p.n_ranks == 3
+
+
+def test_without_a_spare_the_job_goes_on_with_one_stage_fewer():
+    p = RecoveryPolicy(3, [("a", 1), ("b", 1), ("c", 1)])
+    loss = parse_loss(death_line(2, "c", 5, signal.SIGKILL, "", ""))
+    assert [p.lost(loss, progressed=False) for _ in range(3)] == [None, None, None]
+    assert p.placed() == ["a", "b"] and p.n_ranks == 2
+
+
+def test_progress_forgives_earlier_losses():
+    p = RecoveryPolicy(2, [("a", 1), ("b", 1)])
+    loss = parse_loss(death_line(1, "b", 5, signal.SIGKILL, "", ""))
+    p.lost(loss, progressed=False)
+    p.lost(loss, progressed=False)
+    p.lost(loss, progressed=True)
+    assert p.lost(loss, progressed=False) is None and p.excluded == []
+
+
+@pytest.mark.parametrize("hosts,lost,words", [
+    (None, socket.gethostname(), "no other host"),
+    ([("a", 2), ("b", 1)], "a", "head's host"),
+    ([("a", 4)], "a", "no other host"),
+])
+def test_nowhere_left_to_run_is_one_reason(hosts, lost, words):
+    p = RecoveryPolicy(2, hosts)
+    loss = parse_loss(death_line(1, lost, 5, signal.SIGKILL, "", ""))
+    reasons = [p.lost(loss, progressed=False) for _ in range(3)]
+    assert reasons[:2] == [None, None] and words in reasons[2] and "3 jobs in a row" in reasons[2]
+
+
+def test_nothing_to_recover_from_is_refused():
+    with pytest.raises(ValueError):
+        RecoveryPolicy(2, None).lost(None, progressed=False)
+
+
+def test_the_job_runs_the_same_command_without_the_supervisors_options():
+    argv = ["batch", "in.jsonl", "--ranks", "3", "-o", "out.jsonl", "--hostfile=h", "-n", "8", "--parallel", "4"]
+    assert job_argv(argv) == ["batch", "in.jsonl", "-o", "out.jsonl", "-n", "8", "--parallel", "4"]
+    assert job_argv(["batch", "--ranks=2", "x"]) == ["batch", "x"]
+
+
+def test_launch_commands(tmp_path):
+    assert launch_command("mpich", 3, None) == ["mpiexec", "-n", "3"]
+    assert launch_command("mpich", 2, "h") == ["mpiexec", "-n", "2", "-f", "h", "-ppn", "1"]
+    assert launch_command("openmpi", 2, "h") == ["mpiexec", "-n", "2", "--hostfile", "h", "--map-by", "node",
+                                                 "-x", READY_ENV]
+    write_hostfile(tmp_path / "m", [("a", 1), ("b", 2)], "mpich")
+    write_hostfile(tmp_path / "o", [("a", 1), ("b", 2)], "openmpi")
+    assert (tmp_path / "m").read_text() == "a:1\nb:2\n"
+    assert (tmp_path / "o").read_text() == "a slots=1\nb slots=2\n"
+
+
+def test_the_ready_file(tmp_path, monkeypatch):
+    path = tmp_path / "ready.json"
+    monkeypatch.delenv(READY_ENV, raising=False)
+    write_ready(["rank 0 (vm): target layers 0-14"])
+    assert read_ready(path) is None and not path.exists()
+    monkeypatch.setenv(READY_ENV, str(path))
+    write_ready(["rank 0 (vm): target layers 0-14"])
+    assert read_ready(path) == ["rank 0 (vm): target layers 0-14"]
+    path.write_text(json.dumps({"other": 1}))
+    assert read_ready(path) is None
