@@ -1,8 +1,10 @@
 """A lost rank costs a supervised batch job a pause, not an error: ``ggpipe
 batch --ranks 3`` (no mpiexec; ggpipe/frontends/supervisor.py) with a
 rank killed (SIGKILL, the head's too) or stopped (SIGSTOP) while requests
-are in flight ends with every record written once, each one's text what an
-uninterrupted job writes, and nothing left running."""
+are in flight ends with every record written once, each greedy one's tokens
+single-node llama.cpp's (bit for bit where the build's batch rows are exact,
+else up to near-ties, as every batched run: tests/conftest.py
+assert_greedy), and nothing left running."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import time
 import psutil
 import pytest
 
-from tests.conftest import ROOT, end_job, run_ggpipe, wait_for_ranks
+from tests.conftest import ROOT, assert_greedy, end_job, wait_for_ranks
 
 pytestmark = [pytest.mark.mpi, pytest.mark.full]
 
@@ -35,22 +37,19 @@ def _records(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, smollm2):
-    d = tmp_path_factory.mktemp("uninterrupted")
-    inp, out = d / "in.jsonl", d / "out.jsonl"
+@pytest.fixture
+def requests(tmp_path):
+    inp = tmp_path / "in.jsonl"
     rows = [{"id": i, "prompt": p} for i, p in enumerate(PROMPTS)]
     rows.append({"id": "sampled", "prompt": "Tell me a story", "temperature": 0.8, "seed": 5})
     inp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    p = run_ggpipe(_job_args(inp, out, smollm2), ranks=3)
-    assert p.returncode == 0, p.stderr[-2000:]
-    return inp, {r["id"]: r["text"] for r in _records(out)}
+    return inp
 
 
 @pytest.mark.parametrize("rank,sig", [(1, signal.SIGKILL), (2, signal.SIGSTOP), (0, signal.SIGKILL)],
                          ids=["rank1-killed", "rank2-stopped", "head-killed"])
-def test_a_lost_rank_costs_a_pause_not_an_error(tmp_path, smollm2, uninterrupted, rank, sig):
-    inp, expected = uninterrupted
+def test_a_lost_rank_costs_a_pause_not_an_error(tmp_path, smollm2, requests, rank, sig):
+    inp = requests
     out = tmp_path / "out.jsonl"
     cmd = [sys.executable, "-m", "ggpipe", *_job_args(inp, out, smollm2), "--ranks", "3"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
@@ -70,9 +69,11 @@ def test_a_lost_rank_costs_a_pause_not_an_error(tmp_path, smollm2, uninterrupted
     finally:
         end_job(p, seen)
     assert p.returncode == 0, err[-3000:]
-    records = _records(out)
-    assert sorted(str(r["id"]) for r in records) == sorted(str(k) for k in expected), err[-2000:]
-    assert {r["id"]: r["text"] for r in records} == expected
+    records = {r["id"]: r for r in _records(out)}
+    assert len(records) == len(PROMPTS) + 1 == len(_records(out)), err[-2000:]   # every request, once
+    for i, prompt in enumerate(PROMPTS):
+        assert_greedy(records[i]["tokens"], smollm2, prompt, N, msg=prompt)
+    assert records["sampled"]["finish_reason"] in ("stop", "length")
     who = "the head, rank 0" if rank == 0 else f"rank {rank}"
     assert f"ggpipe: {who} ({os.uname().nodename}) was lost; starting the job again on 3 ranks" in err, err[-2000:]
     assert "ggpipe: back " in err and "target layers" in err, err[-2000:]

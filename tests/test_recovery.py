@@ -131,3 +131,101 @@ def test_the_ready_file(tmp_path, monkeypatch):
     assert read_ready(path) == ["rank 0 (vm): target layers 0-14"]
     path.write_text(json.dumps({"other": 1}))
     assert read_ready(path) is None
+
+
+# -- the serve front end's streams (ggpipe/frontends/serve/front.py) ----------------------------------------------
+
+def _chunk(text=None, reason=None, role=False, rid="a", kind="chat") -> str:
+    if kind == "chat":
+        delta = {} if text is None else ({"role": "assistant", "content": text} if role else {"content": text})
+        choice = {"index": 0, "delta": delta, "finish_reason": reason}
+    else:
+        choice = {"index": 0, "text": text or "", "finish_reason": reason}
+    return "data: " + json.dumps({"id": rid, "created": 1 if rid == "a" else 2, "choices": [choice]})
+
+
+def _texts(out: list[str]) -> list:
+    got = []
+    for ev in out:
+        for line in ev.split("\n"):
+            if line.startswith("data: ") and line != "data: [DONE]":
+                obj = json.loads(line[6:])
+                if "error" in obj:
+                    got.append(("error", obj["error"]["code"]))
+                else:
+                    c = obj["choices"][0]
+                    got.append((obj["id"], obj["created"], (c.get("delta") or {}).get("content", c.get("text")),
+                                c["finish_reason"]))
+    return got
+
+
+@pytest.mark.parametrize("kind", ["chat", "text"])
+def test_a_resent_stream_goes_on_where_it_stopped(kind):
+    from ggpipe.frontends.serve.front import _FAILED, _Resend
+
+    r = _Resend()
+    first = [_chunk("", role=True, kind=kind), _chunk("Hel", kind=kind), _chunk("lo", kind=kind)]
+    out = [r.event(x) for x in first]
+    assert r.event('data: {"error": {"code": "pipeline_failed", "message": "x"}}') is _FAILED
+    r.again()
+    second = [_chunk("", role=True, rid="b", kind=kind), _chunk("He", rid="b", kind=kind),
+              _chunk("llo wor", rid="b", kind=kind), _chunk("ld", rid="b", kind=kind),
+              _chunk(None, "stop", rid="b", kind=kind), "", "data: [DONE]"]
+    out += [r.event(x) for x in second]
+    sent = [e for e in out if e]
+    texts = _texts(sent)
+    assert [t[2] for t in texts] == ["", "Hel", "lo", " wor", "ld", None if kind == "chat" else ""]
+    assert {(t[0], t[1]) for t in texts} == {("a", 1)}   # the first job's id and time throughout
+    assert texts[-1][3] == "stop" and sent[-1] == "data: [DONE]\n\n" and r.done
+
+
+def test_a_resent_stream_that_says_something_else_ends_with_an_error():
+    from ggpipe.frontends.serve.front import _Resend
+
+    r = _Resend()
+    for x in [_chunk("", role=True), _chunk("Hello"), _chunk(" world")]:
+        r.event(x)
+    r.again()
+    assert r.event(_chunk("", role=True, rid="b")) == ""
+    assert r.event(_chunk("Hello", rid="b")) == ""
+    out = r.event(_chunk(" there", rid="b"))
+    assert _texts([out]) == [("error", "resume_mismatch")] and out.endswith("data: [DONE]\n\n") and r.done
+
+
+def test_a_resent_stream_that_ends_too_soon_ends_with_an_error():
+    from ggpipe.frontends.serve.front import _Resend
+
+    r = _Resend()
+    for x in [_chunk("", role=True), _chunk("Hello world")]:
+        r.event(x)
+    r.again()
+    r.event(_chunk("Hello", rid="b"))
+    assert _texts([r.event(_chunk(None, "stop", rid="b"))]) == [("error", "resume_mismatch")]
+
+
+def test_the_backend_waits_for_a_newer_job_and_counts_the_time_without_service():
+    import asyncio
+
+    from ggpipe.frontends.serve.front import Backend, Unavailable
+
+    b = Backend()
+    b.up(1000)
+    assert asyncio.run(b.serving()) == (1000, 1) and not b.recovering
+    b.down()
+    assert b.recovering
+
+    async def later():
+        await asyncio.sleep(0.1)
+        b.up(1001)
+
+    async def wait():
+        t = asyncio.create_task(later())
+        got = await b.serving(1)
+        await t
+        return got
+
+    assert asyncio.run(wait()) == (1001, 2)
+    assert b.recoveries._value.get() == 1 and b.down_seconds._value.get() >= 0.1
+    b.fail("no host is left")
+    with pytest.raises(Unavailable, match="no host is left"):
+        asyncio.run(b.serving())

@@ -17,6 +17,31 @@ from ggpipe.frontends.serve.http_guard import Access
 from ggpipe.frontends.serve.http_limits import READ_TIMEOUT_S, RESERVED_FDS
 
 
+def supervised_options(f):
+    """``--ranks`` and ``--hostfile``: run the command's MPI job under a
+    supervisor that survives a lost rank (ggpipe/frontends/supervisor.py)."""
+    f = click.option("--hostfile", default=None, type=click.Path(exists=True, dir_okay=False),
+                     help="With --ranks: the hosts, one rank per host in turn; hosts past the first N are "
+                          "spares.")(f)
+    return click.option("--ranks", default=None, type=click.IntRange(1), metavar="N",
+                        help="Run without mpiexec: start the N ranks under mpiexec, and where a rank is lost start "
+                             "them again and go on (a pause, not an error; docs/clusters/failures.md).")(f)
+
+
+def _supervised(command: str, ranks: int | None, hostfile: str | None) -> bool:
+    """Whether the command runs as a supervisor (``--ranks``).
+
+    Raises:
+        click.UsageError: ``--hostfile`` without ``--ranks``, or ``--ranks`` under an MPI launcher."""
+    from ggpipe.transport.launcher_signal import launched_rank
+
+    if hostfile is not None and ranks is None:
+        raise click.UsageError("--hostfile goes with --ranks (under mpiexec, give the hostfile to mpiexec)")
+    if ranks is not None and launched_rank() is not None:
+        raise click.UsageError(f"--ranks starts mpiexec itself: run 'ggpipe {command} --ranks N ...' without mpiexec")
+    return ranks is not None
+
+
 @click.command(cls=JobCommand)
 @job_options
 @click.option("-p", "--prompt", default=None, help="Prompt text.")
@@ -72,11 +97,7 @@ def chat(system, input_path, **kw):
               help="Progress bar (ETA, tokens/s) on stderr.")
 @parallel_option
 @micro_batches_option
-@click.option("--ranks", default=None, type=click.IntRange(1), metavar="N",
-              help="Run without mpiexec: start the N ranks under mpiexec and start the job again where a rank is "
-                   "lost (a pause, not an error; docs/clusters/failures.md).")
-@click.option("--hostfile", default=None, type=click.Path(exists=True, dir_okay=False),
-              help="With --ranks: the hosts, one rank per host in turn; hosts past the first N are spares.")
+@supervised_options
 @click.pass_context
 def batch(ctx, prompts, output, progress, parallel, micro_batches, ranks, hostfile, **kw):
     """Run a JSONL file of requests: {"id", "prompt" | "messages", optional n, temperature, seed, ...} per line.
@@ -86,17 +107,12 @@ def batch(ctx, prompts, output, progress, parallel, micro_batches, ranks, hostfi
     the command does so itself when a rank is lost."""
     from ggpipe.frontends.batch import run_batch
     from ggpipe.frontends.batch_output import check_output_path
-    from ggpipe.transport.launcher_signal import launched_rank
 
     output = check_output_path(output, prompts)   # resolved: newdir/../in.jsonl is the input
-    if hostfile is not None and ranks is None:
-        raise click.UsageError("--hostfile goes with --ranks (under mpiexec, give the hostfile to mpiexec)")
-    if ranks is not None:
-        if launched_rank() is not None:
-            raise click.UsageError("--ranks starts mpiexec itself: run 'ggpipe batch --ranks N ...' without mpiexec")
-        from ggpipe.frontends.supervisor import supervise
+    if _supervised("batch", ranks, hostfile):
+        from ggpipe.frontends.supervisor import results_watch, supervise
 
-        sys.exit(supervise(sys.argv[1:], ranks, hostfile, output))
+        sys.exit(supervise(sys.argv[1:], ranks, hostfile, results_watch(output)))
     job, sampling, n_predict = split_job_options(kw)
     job = with_parallel(job, parallel, ctx, micro_batches)
     sys.exit(run_batch(job, prompts, output, n_predict, sampling, progress))
@@ -134,9 +150,11 @@ def batch(ctx, prompts, output, progress, parallel, micro_batches, ranks, hostfi
                    "tokens; by default it stays text, as the OpenAI API treats it (a client cannot forge roles).")
 @parallel_option
 @micro_batches_option
+@supervised_options
 @click.pass_context
 def serve(ctx, host, port, api_key, api_key_file, allowed_hosts, allowed_origins, max_body_bytes, max_connections,
-          read_timeout, model_alias, max_queue, shutdown_grace, allow_special_in_messages, parallel, micro_batches, **kw):
+          read_timeout, model_alias, max_queue, shutdown_grace, allow_special_in_messages, parallel, micro_batches,
+          ranks, hostfile, **kw):
     """OpenAI-compatible HTTP server on the head rank (/v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics, /slots). --parallel requests run at once; -n and --temp etc. are the request defaults."""
     from ggpipe.frontends.serve.http_limits import ConnectionLimits, default_max_connections
@@ -145,12 +163,16 @@ def serve(ctx, host, port, api_key, api_key_file, allowed_hosts, allowed_origins
     job, sampling, n_predict = split_job_options(kw)
     job = with_parallel(job, parallel, ctx, micro_batches)
     key = read_api_key(api_key, api_key_file)
+    limits = ConnectionLimits(max_connections or default_max_connections(), read_timeout)
+    if _supervised("serve", ranks, hostfile):
+        from ggpipe.frontends.serve.front import run_front
+
+        sys.exit(run_front(sys.argv[1:], ranks, hostfile, host, port, limits, max_body_bytes))
 
     def names(text: str) -> tuple[str, ...]:
         return tuple(x.strip() for x in text.split(",") if x.strip())
 
     access = Access(names(allowed_hosts), names(allowed_origins), max_body_bytes)
     sys.exit(run_serve(job, host, port, key, n_predict, sampling, model_alias, max_queue, shutdown_grace, access,
-                       special_in_messages=allow_special_in_messages,
-                       limits=ConnectionLimits(max_connections or default_max_connections(), read_timeout)))
+                       special_in_messages=allow_special_in_messages, limits=limits))
 

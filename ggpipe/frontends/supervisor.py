@@ -44,16 +44,18 @@ from ggpipe.transport.launcher_path import find_launcher
 SUPERVISOR_OPTIONS = ("--ranks", "--hostfile")
 
 
-def job_argv(argv: list[str]) -> list[str]:
-    """``argv`` (a command's arguments) without :data:`SUPERVISOR_OPTIONS`
-    and their values (``--ranks 3`` or ``--ranks=3``)."""
+def job_argv(argv: list[str], also: tuple[str, ...] = ()) -> list[str]:
+    """``argv`` (a command's arguments) without :data:`SUPERVISOR_OPTIONS`,
+    the options ``also`` names, and their values (``--ranks 3`` or
+    ``--ranks=3``)."""
+    drop = SUPERVISOR_OPTIONS + also
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
-        elif a in SUPERVISOR_OPTIONS:
+        elif a in drop:
             skip = True
-        elif not any(a.startswith(o + "=") for o in SUPERVISOR_OPTIONS):
+        elif not any(a.startswith(o + "=") for o in drop):
             out.append(a)
     return out
 
@@ -79,22 +81,46 @@ def write_hostfile(path: Path, hosts: list[tuple[str, int]], flavor: str) -> Non
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
+class JobWatch:
+    """What a supervised command does around its jobs; the defaults suit
+    ``batch`` (its results file is the state that outlives a job)."""
+
+    #: The job's stdout comes through :meth:`stdout_line` (else it is the command's own).
+    pipe_stdout = False
+
+    def stdout_line(self, line: str) -> None:
+        """A line of the job's stdout (with ``pipe_stdout``)."""
+        sys.stdout.write(line)
+        sys.stdout.flush()
+
+    def lost(self, loss: Loss) -> None:
+        """The job lost a rank (called on the thread that reads the job's
+        stderr, the moment its line arrives)."""
+
+    def progress(self) -> int:
+        """A number that grows while the jobs do their work."""
+        return 0
+
+    def ended(self, reason: str) -> None:
+        """The command ends: no job will run again (``reason``, one line)."""
+
+
 class Supervisor:
     """Runs a job under the MPI launcher until it ends other than by a lost rank.
 
     Args:
         argv: the job's command (``["batch", "in.jsonl", "-o", "out.jsonl", ...]``).
         policy: where each job runs (ranks, hosts, hosts left out).
-        progress: () -> a number that grows while the job does its work
-            (the output file's size, bytes).
+        watch: what the command does around its jobs (:class:`JobWatch`).
         poll_s: how often the job's state is looked at (seconds).
     """
 
-    def __init__(self, argv: list[str], policy: RecoveryPolicy, progress: Callable[[], int], poll_s: float = 0.1):
-        self.argv, self.policy, self.progress, self.poll_s = argv, policy, progress, poll_s
+    def __init__(self, argv: list[str], policy: RecoveryPolicy, watch: JobWatch | None = None, poll_s: float = 0.1):
+        self.argv, self.policy, self.watch, self.poll_s = argv, policy, watch or JobWatch(), poll_s
         self.signal: int | None = None
         self.proc: subprocess.Popen | None = None
         self.recoveries = 0
+        self.down_s = 0.0   # seconds from each loss until the next job was ready, summed
 
     def _on_signal(self, signum, frame) -> None:  # noqa: ARG002 (signal handler signature)
         """SIGINT/SIGTERM: pass it on to the launcher once, and start no other job."""
@@ -117,8 +143,10 @@ class Supervisor:
             while True:
                 code, loss, ready, progressed = self._job(flavor, Path(tmp), lost_at)
                 if code == 0 or self.signal is not None:
+                    self.watch.ended("the server stopped" if code == 0 else "interrupted")
                     return code
                 if loss is None and (lost_at is None or ready):
+                    self.watch.ended(f"the job ended with exit code {code}")
                     return code   # not a lost rank: the job's own line said why
                 lost_at = time.monotonic()
                 left_out = list(self.policy.excluded)
@@ -127,8 +155,8 @@ class Supervisor:
                         if loss is not None else
                         f"the job could not start again on {self.policy.last_host}")
                 if reason is not None:
-                    sys.stderr.write(f"ggpipe: error: {what}; {reason}: the job stops (results written so far are "
-                                     f"kept; run the same command again to resume)\n")
+                    sys.stderr.write(f"ggpipe: error: {what}; {reason}: the job stops\n")
+                    self.watch.ended(f"{what}; {reason}")
                     return code or 1
                 gone = [h for h in self.policy.excluded if h not in left_out]
                 hosts = sorted(set(self.policy.placed()), key=self.policy.placed().index)
@@ -155,34 +183,41 @@ class Supervisor:
         cmd = launch_command(flavor, launch.n_ranks, str(hostfile) if hostfile else None) \
             + [*ggpipe_command(), *self.argv]
         cmd[0] = find_launcher(cmd[0])   # PATH, else beside this Python
-        start, before = time.monotonic(), self.progress()
+        start, before = time.monotonic(), self.watch.progress()
         try:
             # a process group of its own: Ctrl-C reaches the supervisor, which passes it on once
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
+                                         stdout=subprocess.PIPE if self.watch.pipe_stdout else None,
                                          process_group=0)
         except OSError as e:
             raise ConfigError(f"cannot start {cmd[0]}: {e.strerror or e}") from None
         losses: list[Loss] = []
-        reader = threading.Thread(target=_pass_on, args=(self.proc.stderr, losses), daemon=True)
-        reader.start()
+        readers = [threading.Thread(target=_pass_on, args=(self.proc.stderr, losses, self.watch.lost), daemon=True)]
+        if self.watch.pipe_stdout:
+            readers.append(threading.Thread(target=_lines, args=(self.proc.stdout, self.watch.stdout_line),
+                                            daemon=True))
+        for t in readers:
+            t.start()
         ready = False
         while self.proc.poll() is None:
             if not ready and read_ready(ready_path) is not None:
                 ready = True
                 if lost_at is not None:
                     now = time.monotonic()
+                    self.down_s += now - lost_at
                     stages = "; ".join(read_ready(ready_path) or [])
                     sys.stderr.write(f"ggpipe: back {now - lost_at:.1f} s after the loss (start-up and load "
                                      f"{now - start:.1f} s): {stages}\n")
                     sys.stderr.flush()
             time.sleep(self.poll_s)
-        reader.join(timeout=5.0)
-        return self.proc.returncode, (losses[0] if losses else None), ready, self.progress() > before
+        for t in readers:
+            t.join(timeout=5.0)
+        return self.proc.returncode, (losses[0] if losses else None), ready, self.watch.progress() > before
 
 
-def _pass_on(stream, losses: list[Loss]) -> None:
+def _pass_on(stream, losses: list[Loss], lost: Callable[[Loss], None]) -> None:
     """Copy the job's stderr to ours as it comes (progress bars included),
-    and note every lost rank its lines name."""
+    and note every lost rank its lines name (``lost`` hears of the first)."""
     out = sys.stderr.buffer
     pending = b""
     while True:
@@ -197,12 +232,34 @@ def _pass_on(stream, losses: list[Loss]) -> None:
             loss = parse_loss(line.decode("utf-8", "replace"))
             if loss is not None:
                 losses.append(loss)
+                if len(losses) == 1:
+                    lost(loss)
         pending = pending[-4096:]
 
 
-def supervise(argv: list[str], n_ranks: int, hostfile: str | None, output: Path) -> int:
-    """``ggpipe batch --ranks N [--hostfile F] ...``: run the batch job under
-    a :class:`Supervisor`; returns the exit code.
+def _lines(stream, handle: Callable[[str], None]) -> None:
+    """Each line of the job's stdout to ``handle``."""
+    for raw in iter(stream.readline, b""):
+        handle(raw.decode("utf-8", "replace"))
+
+
+def results_watch(output: Path) -> JobWatch:
+    """The watch of a supervised ``batch``: its progress is the size of its
+    results file (bytes)."""
+
+    class Results(JobWatch):
+        def progress(self) -> int:
+            try:
+                return output.stat().st_size
+            except OSError:
+                return 0
+
+    return Results()
+
+
+def supervise(argv: list[str], n_ranks: int, hostfile: str | None, watch: JobWatch) -> int:
+    """Run the command ``argv`` (``batch ... --ranks N``) without the
+    supervisor's options under a :class:`Supervisor`; returns the exit code.
 
     Raises:
         ConfigError: a hostfile that cannot be read, a launcher that cannot
@@ -211,11 +268,4 @@ def supervise(argv: list[str], n_ranks: int, hostfile: str | None, output: Path)
     from ggpipe.cluster.plan import parse_hostfile
 
     hosts = parse_hostfile(hostfile) if hostfile is not None else None
-
-    def size() -> int:
-        try:
-            return output.stat().st_size
-        except OSError:
-            return 0
-
-    return Supervisor(job_argv(argv), RecoveryPolicy(n_ranks, hosts), size).run()
+    return Supervisor(job_argv(argv), RecoveryPolicy(n_ranks, hosts), watch).run()

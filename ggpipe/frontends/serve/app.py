@@ -40,7 +40,7 @@ from starlette.middleware.cors import CORSMiddleware
 from ggpipe.frontends import request_fields
 from ggpipe.frontends.serve.http_guard import host_allowed, is_json_content_type, origin_allowed
 from ggpipe.frontends.serve.bodies import (CLIENT_GONE, APIError, ChatBody, CompletionBody, _Body, internal_error,
-                                           parse_body, too_large)
+                                           parse_body, pipeline_failed, too_large)
 from ggpipe.frontends.serve.replies import FINISH, completion, usage
 from ggpipe.frontends.serve.state import Job, ServerState, state_of
 from ggpipe.errors import ConfigError
@@ -307,6 +307,8 @@ async def _enqueue(state: ServerState, body: _Body, tokens: np.ndarray, max_toke
         sampling.check_vocabulary(state.n_vocab)
     except ConfigError as e:
         raise APIError(400, str(e), param="logit_bias") from None
+    if state.failed:
+        raise pipeline_failed(None)
     if state.stopping.is_set():
         raise APIError(503, "the server is shutting down", "server_error")
     if state.jobs.qsize() + body.n > state.max_queue:

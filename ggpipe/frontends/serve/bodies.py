@@ -75,11 +75,13 @@ def internal_error(rid: str, exc: BaseException) -> APIError:
                     code="internal_error")
 
 
-def pipeline_failed(rid: str, status: int = 503) -> APIError:
-    """What request ``rid``'s client gets when the pipeline failed: a short
-    reason and the id; the details (ranks, hosts, pids, layers) go to the
-    server's log only (the caller writes them once, naming the ids)."""
-    return APIError(status, f"the pipeline failed: the server is stopping (request {rid}; the server's log has "
+def pipeline_failed(rid: str | None, status: int = 503) -> APIError:
+    """What request ``rid``'s client gets when the pipeline failed (None: a
+    request that came after): a short reason and the id; the details (ranks,
+    hosts, pids, layers) go to the server's log only (the caller writes them
+    once, naming the ids)."""
+    which = f"request {rid}; " if rid is not None else ""
+    return APIError(status, f"the pipeline failed: the server is stopping ({which}the server's log has "
                     "the details)", "server_error", code="pipeline_failed")
 
 

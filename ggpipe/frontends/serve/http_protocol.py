@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import socket
 
 import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from ggpipe.errors import ConfigError
 from ggpipe.frontends.serve.http_limits import BUSY_503, RESOURCE_ERRNOS, ConnectionLimits
 
 
@@ -131,3 +133,26 @@ def guarded_config(app, limits: ConnectionLimits, **kw) -> uvicorn.Config:
     (``kw``: uvicorn.Config's other settings). Serve it with
     ``GuardedServer(config, limits)``."""
     return uvicorn.Config(app, http=functools.partial(GuardedH11Protocol, limits=limits), **kw)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host``:``port`` (0: any free port).
+
+    Raises:
+        ConfigError: the address cannot be resolved or bound (in use, no permission).
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ConfigError(f"--host {host}: cannot resolve it ({e.strerror})") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock

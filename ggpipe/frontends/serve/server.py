@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import sys
 import threading
 import time
@@ -60,35 +59,12 @@ from ggpipe.service.engine import Engine
 from ggpipe.service.job import JobSpec, head_signals, ignore_signals, run_job
 from ggpipe.frontends.serve.http_guard import Access
 from ggpipe.frontends.serve.http_limits import ConnectionLimits, default_max_connections
-from ggpipe.frontends.serve.http_protocol import GuardedServer, guarded_config
+from ggpipe.frontends.serve.http_protocol import GuardedServer, bind_socket, guarded_config
 from ggpipe.frontends.serve.app import create_app
 from ggpipe.frontends.serve.bodies import APIError, pipeline_failed
 from ggpipe.frontends.serve.state import ServerState
 from ggpipe.frontends.serve.slots import SlotLoop
 from ggpipe.sampling_params import SamplingParams
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host``:``port`` (0: any free port).
-
-    Raises:
-        ConfigError: the address cannot be resolved or bound (in use, no permission).
-    """
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as e:
-        raise ConfigError(f"--host {host}: cannot resolve it ({e.strerror})") from None
-    family, _, _, _, addr = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
-        sock.listen(128)
-    except OSError as e:
-        sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    sock.set_inheritable(True)
-    return sock
 
 
 def read_api_key(api_key: str | None, api_key_file: Path | None, env: dict | None = None) -> str | None:
