@@ -6,13 +6,16 @@ Layout (upper folders use lower ones, never the reverse):
     cli/         the click commands (entry point: ggpipe/__main__.py) and
                  their options
     frontends/   generate, chat, batch; serve/, the OpenAI-compatible server
+                 and its front end for --ranks; supervisor.py, the command
+                 that starts mpiexec itself and again after a lost rank
     service/     the head's Engine (requests into one loop: the
                  continuous-batching scheduler with --parallel, or one slot
                  run by the mode) and a job's start and end on every rank
     bench/       ggpipe bench: sweeps, baselines, reports, timelines
     sim/         calibrate, simulate, balanced placement: the real decoding
                  loops against measured costs on a virtual clock
-    cluster/     session start-up, rank roles, layer split planning, memory
+    cluster/     session start-up, rank roles, layer split planning, memory,
+                 where a job runs again after a lost rank (recovery.py)
     decoding/    the modes (iterative, speculative, pipeinfer, pipedec), each
                  one module that declares itself (mode.py); loop.py, what
                  every request loop speaks; one_at_a_time.py, --parallel 1's

@@ -8,7 +8,8 @@ at exit. Under MPI every rank checks and the head prints the line
 Each variable is checked by the code that reads it (its parser raises
 :class:`~ggpipe.errors.ConfigError`); this module only calls them in turn.
 ``GGPIPE_API_KEY`` is checked by ``serve``, the only command that reads it;
-``GGPIPE_VERBOSE`` and ``GGPIPE_JOB_KEY`` take any value.
+``GGPIPE_VERBOSE``, ``GGPIPE_JOB_KEY`` and ``GGPIPE_READY_FILE`` (set by
+``--ranks``' supervisor) take any value.
 """
 
 from __future__ import annotations

@@ -80,3 +80,32 @@ def test_a_lost_rank_costs_a_pause_not_an_error(tmp_path, smollm2, requests, ran
     time.sleep(0.5)
     left = [c.pid for c in seen if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     assert not left, (left, err[-2000:])
+
+
+def test_the_job_ends_with_its_supervisor(tmp_path, smollm2, requests):
+    """kill -9 of the supervisor: its job gets SIGTERM (the launcher's
+    parent-death signal) and stops as after Ctrl-C; the records written stay,
+    and the same command finishes the rest."""
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "ggpipe", *_job_args(requests, out, smollm2), "--ranks", "2"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+    seen: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 120
+        while p.poll() is None and time.monotonic() < deadline and not (out.exists() and out.read_text().count("\n")):
+            time.sleep(0.01)
+        wait_for_ranks(p.pid, 2)
+        seen = psutil.Process(p.pid).children(recursive=True)
+        p.kill()
+        p.communicate(timeout=30)
+        gone_by = time.monotonic() + 30
+        while time.monotonic() < gone_by and any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in seen):
+            time.sleep(0.1)
+        left = [c.pid for c in seen if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+        assert not left, left
+    finally:
+        end_job(p, seen)
+    again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert len(_records(out)) == len(PROMPTS) + 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import signal
 import socket
+import time
 
 import pytest
 
@@ -229,3 +230,156 @@ def test_the_backend_waits_for_a_newer_job_and_counts_the_time_without_service()
     b.fail("no host is left")
     with pytest.raises(Unavailable, match="no host is left"):
         asyncio.run(b.serving())
+
+
+# -- the front end's app against a stand-in for the job's server ------------------------------------------------
+
+class _StandIn:
+    """A job's server on a loopback port (uvicorn on a thread) that answers
+    completions as ``replies`` says, one reply per request, in turn: "fail"
+    (503 pipeline_failed), a list of texts streamed then a pipeline failure,
+    or "ok:TEXT" (the whole text, streamed or not)."""
+
+    def __init__(self, replies: list):
+        import uvicorn
+        from starlette.applications import Starlette
+        from starlette.responses import JSONResponse, StreamingResponse
+        from starlette.routing import Route
+
+        self.replies, self.calls = list(replies), 0
+
+        def sse(obj) -> str:
+            return "data: " + json.dumps(obj) + "\n\n"
+
+        def chunk(text, reason=None) -> dict:
+            return {"id": f"cmpl-{self.calls}", "created": self.calls, "choices": [
+                {"index": 0, "text": text, "finish_reason": reason}]}
+
+        failed = {"error": {"message": "the pipeline failed", "type": "server_error", "code": "pipeline_failed"}}
+
+        async def completions(request):
+            body = await request.json()
+            self.calls += 1
+            reply = self.replies.pop(0)
+            if reply == "fail":
+                return JSONResponse(failed, status_code=503)
+            if not body.get("stream"):
+                return JSONResponse({"id": "x", "choices": [{"index": 0, "text": reply[3:], "finish_reason": "stop"}]})
+
+            async def events():
+                if isinstance(reply, list):
+                    for t in reply:
+                        yield sse(chunk(t))
+                    yield sse(failed) + "data: [DONE]\n\n"
+                    return
+                for i in range(0, len(reply) - 3, 2):
+                    yield sse(chunk(reply[3 + i:5 + i]))
+                yield sse(chunk("", "stop")) + "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(Starlette(routes=[Route("/v1/completions", completions,
+                                                                            methods=["POST"])]),
+                                                    log_level="warning", lifespan="off"))
+        import threading
+
+        threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True).start()
+        while not self.server.started:
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+
+
+def _front(replies: list):
+    """(TestClient of the front end's app, its Backend, the stand-in); the
+    stand-in "restarts" (a new epoch) every 50 ms."""
+    import threading
+
+    from starlette.testclient import TestClient
+
+    from ggpipe.frontends.serve.front import Backend, FrontEnd, create_front_app
+
+    stand_in = _StandIn(replies)
+    backend = Backend()
+    backend.up(stand_in.port)
+    stop = threading.Event()
+
+    def restarts():
+        while not stop.wait(0.05):
+            backend.up(stand_in.port)
+
+    threading.Thread(target=restarts, daemon=True).start()
+    app = create_front_app(backend, FrontEnd(backend, "http://x/v1"), 1 << 20, 64)
+    return TestClient(app), backend, stand_in, stop
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_whose_job_failed_is_answered_by_the_next_job(stream):
+    client, backend, stand_in, stop = _front(["fail", "ok:Hello world"])
+    try:
+        r = client.post("/v1/completions", json={"prompt": "x", "stream": stream})
+        assert r.status_code == 200
+        if stream:
+            texts = [json.loads(x[6:])["choices"][0]["text"] for x in r.text.split("\n\n")
+                     if x.startswith("data: {")]
+            assert "".join(texts) == "Hello world"
+        else:
+            assert r.json()["choices"][0]["text"] == "Hello world"
+        assert stand_in.calls == 2 and backend.resent._value.get() == 1
+    finally:
+        stop.set()
+        stand_in.close()
+
+
+def test_a_stream_cut_by_a_lost_rank_goes_on_in_the_next_job_without_repeating_itself():
+    client, backend, stand_in, stop = _front([["Hel", "lo"], "ok:Hello world"])
+    try:
+        r = client.post("/v1/completions", json={"prompt": "x", "stream": True})
+        events = [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
+        assert "".join(e["choices"][0]["text"] for e in events) == "Hello world"
+        assert {e["id"] for e in events} == {"cmpl-1"} and r.text.endswith("data: [DONE]\n\n")
+        assert events[-1]["choices"][0]["finish_reason"] == "stop"
+    finally:
+        stop.set()
+        stand_in.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_running_each_time_a_rank_is_lost_gets_503_after_three_tries(stream):
+    from ggpipe.frontends.serve.front import RESENDS
+
+    client, backend, stand_in, stop = _front(["fail"] * (RESENDS + 1) if not stream else
+                                             [["a"]] * (RESENDS + 1))
+    try:
+        r = client.post("/v1/completions", json={"prompt": "x", "stream": stream})
+        if stream:
+            assert r.status_code == 200 and "lost a rank 3 times" in r.text and r.text.endswith("data: [DONE]\n\n")
+            assert r.text.count('"text": "a"') == 1   # the text sent once, not once per try
+        else:
+            assert r.status_code == 503 and "lost a rank 3 times" in r.json()["error"]["message"]
+        assert stand_in.calls == RESENDS + 1
+    finally:
+        stop.set()
+        stand_in.close()
+
+
+def test_health_says_recovering_and_metrics_count():
+    from starlette.testclient import TestClient
+
+    from ggpipe.frontends.serve.front import Backend, FrontEnd, create_front_app
+
+    backend = Backend()
+    client = TestClient(create_front_app(backend, FrontEnd(backend, "http://x/v1"), 1 << 20, 64))
+    assert client.get("/health").json() == {"status": "loading"}
+    backend.up(1)
+    backend.down()
+    r = client.get("/health")
+    assert r.status_code == 503 and r.json() == {"status": "recovering"}
+    backend.fail("host vm lost a rank in 3 jobs in a row")
+    assert client.get("/health").json()["status"] == "failed"
+    r = client.post("/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 503 and "host vm lost a rank" in r.json()["error"]["message"]

@@ -18,8 +18,11 @@ from ggpipe.frontends.serve.http_limits import READ_TIMEOUT_S, RESERVED_FDS
 
 
 def supervised_options(f):
-    """``--ranks`` and ``--hostfile``: run the command's MPI job under a
+    """``--ranks``, ``--hostfile`` and ``--mpiexec``: run the command's MPI job under a
     supervisor that survives a lost rank (ggpipe/frontends/supervisor.py)."""
+    f = click.option("--mpiexec", default=None,
+                     help="With --ranks: the MPI launcher to start (a name on PATH or beside this Python, or a "
+                          "path; default: mpiexec).")(f)
     f = click.option("--hostfile", default=None, type=click.Path(exists=True, dir_okay=False),
                      help="With --ranks: the hosts, one rank per host in turn; hosts past the first N are "
                           "spares.")(f)
@@ -28,15 +31,18 @@ def supervised_options(f):
                              "them again and go on (a pause, not an error; docs/clusters/failures.md).")(f)
 
 
-def _supervised(command: str, ranks: int | None, hostfile: str | None) -> bool:
+def _supervised(command: str, ranks: int | None, hostfile: str | None, mpiexec: str | None) -> bool:
     """Whether the command runs as a supervisor (``--ranks``).
 
     Raises:
-        click.UsageError: ``--hostfile`` without ``--ranks``, or ``--ranks`` under an MPI launcher."""
+        click.UsageError: ``--hostfile`` or ``--mpiexec`` without ``--ranks``, or ``--ranks`` under an MPI
+            launcher."""
     from ggpipe.transport.launcher_signal import launched_rank
 
     if hostfile is not None and ranks is None:
         raise click.UsageError("--hostfile goes with --ranks (under mpiexec, give the hostfile to mpiexec)")
+    if mpiexec is not None and ranks is None:
+        raise click.UsageError("--mpiexec goes with --ranks (the launcher that --ranks starts)")
     if ranks is not None and launched_rank() is not None:
         raise click.UsageError(f"--ranks starts mpiexec itself: run 'ggpipe {command} --ranks N ...' without mpiexec")
     return ranks is not None
@@ -99,7 +105,7 @@ def chat(system, input_path, **kw):
 @micro_batches_option
 @supervised_options
 @click.pass_context
-def batch(ctx, prompts, output, progress, parallel, micro_batches, ranks, hostfile, **kw):
+def batch(ctx, prompts, output, progress, parallel, micro_batches, ranks, hostfile, mpiexec, **kw):
     """Run a JSONL file of requests: {"id", "prompt" | "messages", optional n, temperature, seed, ...} per line.
 
     Each result is written (and fsync'd) as it finishes; rerunning the same
@@ -109,10 +115,10 @@ def batch(ctx, prompts, output, progress, parallel, micro_batches, ranks, hostfi
     from ggpipe.frontends.batch_output import check_output_path
 
     output = check_output_path(output, prompts)   # resolved: newdir/../in.jsonl is the input
-    if _supervised("batch", ranks, hostfile):
+    if _supervised("batch", ranks, hostfile, mpiexec):
         from ggpipe.frontends.supervisor import results_watch, supervise
 
-        sys.exit(supervise(sys.argv[1:], ranks, hostfile, results_watch(output)))
+        sys.exit(supervise(sys.argv[1:], ranks, hostfile, results_watch(output), mpiexec or "mpiexec"))
     job, sampling, n_predict = split_job_options(kw)
     job = with_parallel(job, parallel, ctx, micro_batches)
     sys.exit(run_batch(job, prompts, output, n_predict, sampling, progress))
@@ -154,7 +160,7 @@ def batch(ctx, prompts, output, progress, parallel, micro_batches, ranks, hostfi
 @click.pass_context
 def serve(ctx, host, port, api_key, api_key_file, allowed_hosts, allowed_origins, max_body_bytes, max_connections,
           read_timeout, model_alias, max_queue, shutdown_grace, allow_special_in_messages, parallel, micro_batches,
-          ranks, hostfile, **kw):
+          ranks, hostfile, mpiexec, **kw):
     """OpenAI-compatible HTTP server on the head rank (/v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics, /slots). --parallel requests run at once; -n and --temp etc. are the request defaults."""
     from ggpipe.frontends.serve.http_limits import ConnectionLimits, default_max_connections
@@ -164,10 +170,10 @@ def serve(ctx, host, port, api_key, api_key_file, allowed_hosts, allowed_origins
     job = with_parallel(job, parallel, ctx, micro_batches)
     key = read_api_key(api_key, api_key_file)
     limits = ConnectionLimits(max_connections or default_max_connections(), read_timeout)
-    if _supervised("serve", ranks, hostfile):
+    if _supervised("serve", ranks, hostfile, mpiexec):
         from ggpipe.frontends.serve.front import run_front
 
-        sys.exit(run_front(sys.argv[1:], ranks, hostfile, host, port, limits, max_body_bytes))
+        sys.exit(run_front(sys.argv[1:], ranks, hostfile, host, port, limits, max_body_bytes, mpiexec or "mpiexec"))
 
     def names(text: str) -> tuple[str, ...]:
         return tuple(x.strip() for x in text.split(",") if x.strip())

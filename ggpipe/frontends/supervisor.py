@@ -41,7 +41,7 @@ from ggpipe.errors import ConfigError
 from ggpipe.transport.launcher_path import find_launcher
 
 #: The options of the supervisor itself, left out of the job's command line (each takes a value).
-SUPERVISOR_OPTIONS = ("--ranks", "--hostfile")
+SUPERVISOR_OPTIONS = ("--ranks", "--hostfile", "--mpiexec")
 
 
 def job_argv(argv: list[str], also: tuple[str, ...] = ()) -> list[str]:
@@ -113,22 +113,33 @@ class Supervisor:
         policy: where each job runs (ranks, hosts, hosts left out).
         watch: what the command does around its jobs (:class:`JobWatch`).
         poll_s: how often the job's state is looked at (seconds).
+        mpiexec: the MPI launcher (a name on ``PATH`` or beside this
+            Python, or a path).
+
+    Raises:
+        ConfigError: no such launcher.
     """
 
-    def __init__(self, argv: list[str], policy: RecoveryPolicy, watch: JobWatch | None = None, poll_s: float = 0.1):
+    def __init__(self, argv: list[str], policy: RecoveryPolicy, watch: JobWatch | None = None, poll_s: float = 0.1,
+                 mpiexec: str = "mpiexec"):
         self.argv, self.policy, self.watch, self.poll_s = argv, policy, watch or JobWatch(), poll_s
+        self.mpiexec = find_launcher(mpiexec)   # PATH, else beside this Python
         self.signal: int | None = None
         self.proc: subprocess.Popen | None = None
         self.recoveries = 0
         self.down_s = 0.0   # seconds from each loss until the next job was ready, summed
 
     def _on_signal(self, signum, frame) -> None:  # noqa: ARG002 (signal handler signature)
-        """SIGINT/SIGTERM: pass it on to the launcher once, and start no other job."""
-        first = self.signal is None
+        """SIGINT/SIGTERM: pass it on to the launcher (which passes it on to
+        the ranks: a first one stops the job as under ``mpiexec``, a second
+        one at once), and start no other job."""
         self.signal = signum
-        if first and self.proc is not None and self.proc.poll() is None:
+        self._pass_signal()
+
+    def _pass_signal(self) -> None:
+        if self.signal is not None and self.proc is not None and self.proc.poll() is None:
             try:
-                self.proc.send_signal(signum)
+                self.proc.send_signal(self.signal)
             except ProcessLookupError:
                 pass
 
@@ -137,7 +148,7 @@ class Supervisor:
         last job's exit code, or 1 when nowhere is left to run."""
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, self._on_signal)
-        flavor = detect_flavor()
+        flavor = detect_flavor(self.mpiexec)
         with tempfile.TemporaryDirectory(prefix="ggpipe-supervisor-") as tmp:
             lost_at = None
             while True:
@@ -182,7 +193,10 @@ class Supervisor:
         env = child_env(dict(os.environ, **{READY_ENV: str(ready_path)}))
         cmd = launch_command(flavor, launch.n_ranks, str(hostfile) if hostfile else None) \
             + [*ggpipe_command(), *self.argv]
-        cmd[0] = find_launcher(cmd[0])   # PATH, else beside this Python
+        cmd[0] = self.mpiexec
+        # the launcher gets SIGTERM when this process ends (PR_SET_PDEATHSIG, kept across its exec): a job
+        # never outlives its supervisor
+        cmd = [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
         start, before = time.monotonic(), self.watch.progress()
         try:
             # a process group of its own: Ctrl-C reaches the supervisor, which passes it on once
@@ -190,7 +204,8 @@ class Supervisor:
                                          stdout=subprocess.PIPE if self.watch.pipe_stdout else None,
                                          process_group=0)
         except OSError as e:
-            raise ConfigError(f"cannot start {cmd[0]}: {e.strerror or e}") from None
+            raise ConfigError(f"cannot start {self.mpiexec}: {e.strerror or e}") from None
+        self._pass_signal()   # one that came while the job started
         losses: list[Loss] = []
         readers = [threading.Thread(target=_pass_on, args=(self.proc.stderr, losses, self.watch.lost), daemon=True)]
         if self.watch.pipe_stdout:
@@ -213,6 +228,10 @@ class Supervisor:
         for t in readers:
             t.join(timeout=5.0)
         return self.proc.returncode, (losses[0] if losses else None), ready, self.watch.progress() > before
+
+
+_DIE_WITH_PARENT = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM); "
+                    "os.getppid() == int(sys.argv[1]) or sys.exit(1); os.execv(sys.argv[2], sys.argv[2:])")
 
 
 def _pass_on(stream, losses: list[Loss], lost: Callable[[Loss], None]) -> None:
@@ -257,7 +276,7 @@ def results_watch(output: Path) -> JobWatch:
     return Results()
 
 
-def supervise(argv: list[str], n_ranks: int, hostfile: str | None, watch: JobWatch) -> int:
+def supervise(argv: list[str], n_ranks: int, hostfile: str | None, watch: JobWatch, mpiexec: str = "mpiexec") -> int:
     """Run the command ``argv`` (``batch ... --ranks N``) without the
     supervisor's options under a :class:`Supervisor`; returns the exit code.
 
@@ -268,4 +287,4 @@ def supervise(argv: list[str], n_ranks: int, hostfile: str | None, watch: JobWat
     from ggpipe.cluster.plan import parse_hostfile
 
     hosts = parse_hostfile(hostfile) if hostfile is not None else None
-    return Supervisor(job_argv(argv), RecoveryPolicy(n_ranks, hosts), watch).run()
+    return Supervisor(job_argv(argv), RecoveryPolicy(n_ranks, hosts), watch, mpiexec=mpiexec).run()

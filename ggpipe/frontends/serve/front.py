@@ -376,7 +376,7 @@ class _Resend:
 
 
 def run_front(argv: list[str], n_ranks: int, hostfile: str | None, host: str, port: int, limits,
-              max_body_bytes: int) -> int:
+              max_body_bytes: int, mpiexec: str = "mpiexec") -> int:
     """``ggpipe serve --ranks N ...``: listen on ``host``:``port``, run the
     job (the same command without ``--ranks``/``--hostfile``, on a loopback
     port of its own) under a :class:`~ggpipe.frontends.supervisor.Supervisor`
@@ -384,7 +384,7 @@ def run_front(argv: list[str], n_ranks: int, hostfile: str | None, host: str, po
 
     Raises:
         ConfigError: the address cannot be bound, a hostfile that cannot be
-            read, a launcher that cannot be started.
+            read, no such launcher, one that cannot be started.
     """
     from ggpipe.cluster.plan import parse_hostfile
     from ggpipe.cluster.recovery import RecoveryPolicy
@@ -392,17 +392,18 @@ def run_front(argv: list[str], n_ranks: int, hostfile: str | None, host: str, po
     from ggpipe.frontends.supervisor import Supervisor, job_argv
 
     hosts = parse_hostfile(hostfile) if hostfile is not None else None
+    supervisor = Supervisor(job_argv(argv, ("--host", "--port")) + ["--host", "127.0.0.1", "--port", "0"],
+                            RecoveryPolicy(n_ranks, hosts), mpiexec=mpiexec)
     sock = bind_socket(host, port)
     url = f"http://{f'[{host}]' if ':' in host else host}:{sock.getsockname()[1]}/v1"
     backend = Backend()
-    watch = FrontEnd(backend, url)
+    watch = supervisor.watch = FrontEnd(backend, url)
     app = create_front_app(backend, watch, max_body_bytes, limits.max_connections)
     http = GuardedServer(guarded_config(app, limits, log_level="warning", lifespan="off", access_log=False), limits)
     thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, name="ggpipe-front", daemon=True)
     thread.start()
-    args = job_argv(argv, ("--host", "--port")) + ["--host", "127.0.0.1", "--port", "0"]
     try:
-        return Supervisor(args, RecoveryPolicy(n_ranks, hosts), watch).run()
+        return supervisor.run()
     finally:
         http.should_exit = True
         thread.join(15.0)
