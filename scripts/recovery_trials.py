@@ -124,27 +124,28 @@ def batch_trial(tmp: Path, rank: int, reference: dict, rng: random.Random) -> di
 
 
 def _stream(url: str, prompt: str, max_tokens: int, out: dict, key) -> None:
-    text, gaps, t, failed = "", [], time.monotonic(), False
+    text, gaps, t, failed, why = "", [], time.monotonic(), False, None
     try:
         with httpx.stream("POST", url + "/v1/chat/completions", timeout=600,
                           json={"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
                                 "stream": True}) as r:
             failed = r.status_code != 200
+            why = f"HTTP {r.status_code}" if failed else None
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 obj = json.loads(line[6:])
                 if "error" in obj:
-                    failed = True
+                    failed, why = True, obj["error"].get("code")
                     continue
                 if obj["choices"]:
                     text += obj["choices"][0]["delta"].get("content") or ""
                 now = time.monotonic()
                 gaps.append(now - t)
                 t = now
-    except httpx.HTTPError:
-        failed = True
-    out[key] = {"text": text, "failed": failed, "pause_s": max(gaps, default=0.0)}
+    except httpx.HTTPError as e:
+        failed, why = True, type(e).__name__
+    out[key] = {"text": text, "failed": failed, "why": why, "pause_s": max(gaps, default=0.0)}
 
 
 def _clients(url: str, n: int, max_tokens: int) -> dict:
@@ -199,6 +200,7 @@ def serve_trial(rank: int, reference: dict, rng: random.Random) -> dict:
     back = BACK.search(err)
     return {"command": "serve", "rank": rank, "exit": p.returncode, "requests": len(got),
             "failed": sum(g["failed"] for g in got.values()),
+            "why_failed": [g["why"] for g in got.values() if g["failed"]],
             "identical": sum(got[k]["text"] == reference[k]["text"] for k in got),
             "max_pause_s": max(g["pause_s"] for g in got.values()),
             "back_s": float(back.group(1)) if back else None, "load_s": float(back.group(2)) if back else None,
@@ -263,13 +265,15 @@ def cmd_chaos(a) -> dict:
     p, url = _serve(3)
     front = psutil.Process(p.pid)
     stop = threading.Event()
-    done = {"ok": 0, "failed": 0}
+    done: dict = {"ok": 0, "failed": 0, "why_failed": []}
 
     def client(i: int) -> None:
         while not stop.is_set():
             got: dict = {}
             _stream(url, PROMPTS[rng.randrange(len(PROMPTS))], 48, got, 0)
             done["failed" if got[0]["failed"] else "ok"] += 1
+            if got[0]["failed"]:
+                done["why_failed"].append(got[0]["why"])
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
     for t in threads:
@@ -315,8 +319,8 @@ def cmd_overhead(a) -> dict:
                 _clients(url, 8, 16)   # warm
                 t = time.monotonic()
                 got = _clients(url, 8, 128)
-                n = int(httpx.get(url + "/metrics", timeout=30).text.split("ggpipe_generated_tokens_total ")[1]
-                        .split()[0].split(".")[0])
+                text = httpx.get(url + "/metrics", timeout=30).text
+                n = int(float(re.search(r"^ggpipe_generated_tokens_total (\S+)$", text, re.M).group(1)))
                 rates[name].append((n - 8 * 16, time.monotonic() - t, sum(g["failed"] for g in got.values())))
             finally:
                 p.send_signal(signal.SIGTERM)

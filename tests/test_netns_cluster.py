@@ -165,3 +165,43 @@ def test_a_rank_killed_on_another_host_is_named(cluster, goliath):
         for c in procs.values():
             with contextlib.suppress(psutil.Error):
                 c.kill()
+
+
+@pytest.mark.parametrize("ranks,lost", [(2, 2), (3, 3)], ids=["a-spare-takes-its-place", "one-stage-fewer"])
+def test_a_host_lost_for_good_is_left_out(cluster, smollm2, tmp_path, ranks, lost):
+    """``batch --ranks`` over the cluster's hostfile; host ``lost`` goes
+    away for good (its link down) and its rank is killed: the job is started
+    again, cannot reach that host twice, leaves it out (the third host, a
+    spare with 2 ranks, takes its place; with 3 ranks the job goes on with
+    2), and every record is written once."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "prompt": f"Count to {i + 3}."}) + "\n" for i in range(8)))
+    hosts = cluster["hosts"]
+    cmd = [sys.executable, "-m", "ggpipe", "batch", str(inp), "-o", str(out), "-m", str(smollm2), "-n", "48",
+           "--parallel", "4", "-t", "1", "--no-progress", "--liveness-timeout", "2", "--ranks", str(ranks),
+           "--hostfile", str(cluster["launch"][2]), "--mpiexec", str(cluster["launch"][0])]
+    if cluster["flavor"] != "mpich":
+        pytest.skip("the cluster's Open MPI hostfile and launcher flags differ; the supervisor's are tested on Hydra")
+    ns = hosts[lost - 1]["namespace"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         env=dict(os.environ, PYTHONUNBUFFERED="1", GGPIPE_INIT_TIMEOUT="10"), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while p.poll() is None and time.monotonic() < deadline and not (out.exists() and out.read_text().count("\n")):
+            time.sleep(0.05)
+        procs = wait_for_ranks(p.pid, ranks)
+        subprocess.run(["ip", "-n", ns, "link", "set", "eth0", "down"], check=True)
+        procs[lost - 1].send_signal(signal.SIGKILL)
+        _, err = p.communicate(timeout=300)
+    finally:
+        subprocess.run(["ip", "-n", ns, "link", "set", "eth0", "up"], check=False)
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(30)
+    assert p.returncode == 0, err[-3000:]
+    address = hosts[lost - 1]["ip"]
+    assert f"leaving host {address} out" in err, err[-3000:]
+    left = [h["ip"] for h in hosts if h["ip"] != address][:2]
+    assert f"starting the job again on 2 ranks ({', '.join(left)})" in err, err[-3000:]
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    assert sorted(r["id"] for r in records) == list(range(8))

@@ -88,14 +88,14 @@ def test_progress_forgives_earlier_losses():
     assert p.lost(loss, progressed=False) is None and p.excluded == []
 
 
-@pytest.mark.parametrize("hosts,lost,words", [
-    (None, socket.gethostname(), "no other host"),
-    ([("a", 2), ("b", 1)], "a", "head's host"),
-    ([("a", 4)], "a", "no other host"),
+@pytest.mark.parametrize("hosts,rank,words", [
+    (None, 1, "no other host"),
+    ([("a", 2), ("b", 1)], 0, "head's host"),
+    ([("a", 4)], 1, "no other host"),
 ])
-def test_nowhere_left_to_run_is_one_reason(hosts, lost, words):
+def test_nowhere_left_to_run_is_one_reason(hosts, rank, words):
     p = RecoveryPolicy(2, hosts)
-    loss = parse_loss(death_line(1, lost, 5, signal.SIGKILL, "", ""))
+    loss = parse_loss(death_line(rank, socket.gethostname(), 5, signal.SIGKILL, "", ""))
     reasons = [p.lost(loss, progressed=False) for _ in range(3)]
     assert reasons[:2] == [None, None] and words in reasons[2] and "3 jobs in a row" in reasons[2]
 
@@ -383,3 +383,13 @@ def test_health_says_recovering_and_metrics_count():
     assert client.get("/health").json()["status"] == "failed"
     r = client.post("/v1/completions", json={"prompt": "x"})
     assert r.status_code == 503 and "host vm lost a rank" in r.json()["error"]["message"]
+
+
+def test_the_lost_host_is_the_hostfile_entry_the_rank_was_placed_on():
+    """A hostfile of addresses: the rank's line names its host name, the
+    policy leaves out the address it was placed on."""
+    p = RecoveryPolicy(3, [("10.0.0.1", 1), ("10.0.0.2", 1), ("10.0.0.3", 1), ("10.0.0.4", 1)])
+    loss = parse_loss(death_line(1, "node2", 5, signal.SIGKILL, "", ""))
+    for _ in range(3):
+        p.lost(loss, progressed=False)
+    assert p.excluded == ["10.0.0.2"] and p.placed() == ["10.0.0.1", "10.0.0.3", "10.0.0.4"]

@@ -104,7 +104,7 @@ class RecoveryPolicy:
         Raises:
             ValueError: no loss and none before it (nothing to recover from).
         """
-        host = loss.host if loss is not None else self.last_host
+        host = self._host_of(loss) if loss is not None else self.last_host
         if host is None:
             raise ValueError("no lost rank to recover from")
         self.last_host = host
@@ -114,6 +114,16 @@ class RecoveryPolicy:
         if self.strikes[host] < self.exclude_after:
             return None
         return self._exclude(host)
+
+    def _host_of(self, loss: Loss) -> str:
+        """The hostfile's entry of the lost rank (the rank's own host name,
+        as its line gives it, may be another name of it: a hostfile of
+        addresses, a full domain name): ranks are placed one per host in
+        turn, so rank r ran on the r-th entry placed."""
+        if self.hosts is None:
+            return loss.host
+        placed = self.placed()
+        return placed[loss.rank] if 0 <= loss.rank < len(placed) else loss.host
 
     def _exclude(self, host: str) -> str | None:
         why = f"host {host} lost a rank in {self.strikes[host]} jobs in a row that made no progress"

@@ -128,6 +128,7 @@ class Supervisor:
         self.proc: subprocess.Popen | None = None
         self.recoveries = 0
         self.down_s = 0.0   # seconds from each loss until the next job was ready, summed
+        self.first_start_s: float | None = None   # the first job's start-up and load (seconds)
 
     def _on_signal(self, signum, frame) -> None:  # noqa: ARG002 (signal handler signature)
         """SIGINT/SIGTERM: pass it on to the launcher (which passes it on to
@@ -142,6 +143,21 @@ class Supervisor:
                 self.proc.send_signal(self.signal)
             except ProcessLookupError:
                 pass
+
+    #: A job started again after a loss that is not ready after this many times the first job's start-up
+    #: (and at least MIN_RESTART_S seconds) is ended and counts as a failed start on the lost rank's host.
+    RESTART_FACTOR = 4
+    MIN_RESTART_S = 60.0
+
+    def restart_timeout_s(self) -> float:
+        """Seconds a job started again after a loss may take to be ready."""
+        return max(self.MIN_RESTART_S, self.RESTART_FACTOR * (self.first_start_s or self.MIN_RESTART_S))
+
+    def _signal_job(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)   # the launcher's process group (its own: process_group=0)
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def run(self) -> int:
         """Run jobs until one ends other than by a lost rank; returns the
@@ -213,10 +229,21 @@ class Supervisor:
                                             daemon=True))
         for t in readers:
             t.start()
-        ready = False
+        ready, ended_at = False, None
         while self.proc.poll() is None:
+            now = time.monotonic()
+            if lost_at is not None and not ready and ended_at is None and now - start > self.restart_timeout_s():
+                sys.stderr.write(f"ggpipe: the job started again after the loss is not ready after "
+                                 f"{now - start:.0f} s (the first loaded in {self.first_start_s:.1f} s); "
+                                 f"ending it\n")
+                ended_at = now
+                self._signal_job(signal.SIGTERM)
+            elif ended_at is not None and now - ended_at > 10:
+                self._signal_job(signal.SIGKILL)
             if not ready and read_ready(ready_path) is not None:
                 ready = True
+                if self.first_start_s is None:
+                    self.first_start_s = time.monotonic() - start
                 if lost_at is not None:
                     now = time.monotonic()
                     self.down_s += now - lost_at
