@@ -37,6 +37,19 @@ def _records(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
 
 
+def _start_until_written(args: list[str], out, n: int) -> subprocess.Popen:
+    """Start ``ggpipe ARGS`` (its own session); return once ``out`` holds ``n``
+    records (or the job ended, or 120 s passed)."""
+    p = subprocess.Popen([sys.executable, "-m", "ggpipe", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+    deadline = time.monotonic() + 120
+    while p.poll() is None and time.monotonic() < deadline:
+        if out.exists() and out.read_text(encoding="utf-8").count("\n") >= n:
+            break
+        time.sleep(0.01)
+    return p
+
+
 @pytest.fixture
 def requests(tmp_path):
     inp = tmp_path / "in.jsonl"
@@ -51,16 +64,9 @@ def requests(tmp_path):
 def test_a_lost_rank_costs_a_pause_not_an_error(tmp_path, smollm2, requests, rank, sig):
     inp = requests
     out = tmp_path / "out.jsonl"
-    cmd = [sys.executable, "-m", "ggpipe", *_job_args(inp, out, smollm2), "--ranks", "3"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                         env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+    p = _start_until_written(_job_args(inp, out, smollm2) + ["--ranks", "3"], out, 2)
     seen: list[psutil.Process] = []
     try:
-        deadline = time.monotonic() + 120
-        while p.poll() is None and time.monotonic() < deadline:
-            if out.exists() and out.read_text(encoding="utf-8").count("\n") >= 2:
-                break
-            time.sleep(0.01)
         assert p.poll() is None, p.communicate()[1][-2000:]
         procs = wait_for_ranks(p.pid, 3)
         seen = psutil.Process(p.pid).children(recursive=True)
@@ -88,13 +94,9 @@ def test_the_job_ends_with_its_supervisor(tmp_path, smollm2, requests):
     and the same command finishes the rest."""
     out = tmp_path / "out.jsonl"
     cmd = [sys.executable, "-m", "ggpipe", *_job_args(requests, out, smollm2), "--ranks", "2"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                         env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+    p = _start_until_written(cmd[3:], out, 1)
     seen: list[psutil.Process] = []
     try:
-        deadline = time.monotonic() + 120
-        while p.poll() is None and time.monotonic() < deadline and not (out.exists() and out.read_text().count("\n")):
-            time.sleep(0.01)
         wait_for_ranks(p.pid, 2)
         seen = psutil.Process(p.pid).children(recursive=True)
         p.kill()
