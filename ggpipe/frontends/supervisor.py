@@ -129,6 +129,7 @@ class Supervisor:
         self.recoveries = 0
         self.down_s = 0.0   # seconds from each loss until the next job was ready, summed
         self.first_start_s: float | None = None   # the first job's start-up and load (seconds)
+        self.flavor = "unknown"
 
     def _on_signal(self, signum, frame) -> None:  # noqa: ARG002 (signal handler signature)
         """SIGINT/SIGTERM: pass it on to the launcher (which passes it on to
@@ -138,11 +139,19 @@ class Supervisor:
         self._pass_signal()
 
     def _pass_signal(self) -> None:
-        if self.signal is not None and self.proc is not None and self.proc.poll() is None:
-            try:
-                self.proc.send_signal(self.signal)
-            except ProcessLookupError:
-                pass
+        if self.signal is None or self.proc is None or self.proc.poll() is not None:
+            return
+        target = self.proc
+        if self.flavor == "openmpi":
+            # Open MPI's launcher ends the ranks on SIGINT/SIGTERM instead of passing it on: the head's
+            # process gets it, and ends the job as it does under mpiexec (a server's grace included)
+            from ggpipe.transport.rank_guard import rank_processes
+
+            target = rank_processes(self.proc.pid).get(0) or self.proc
+        try:
+            target.send_signal(self.signal)
+        except Exception:  # noqa: BLE001 - gone meanwhile (ProcessLookupError, psutil.NoSuchProcess): nothing to stop
+            pass
 
     #: A job started again after a loss that is not ready after this many times the first job's start-up
     #: (and at least MIN_RESTART_S seconds) is ended and counts as a failed start on the lost rank's host.
@@ -164,7 +173,7 @@ class Supervisor:
         last job's exit code, or 1 when nowhere is left to run."""
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, self._on_signal)
-        flavor = detect_flavor(self.mpiexec)
+        flavor = self.flavor = detect_flavor(self.mpiexec)
         with tempfile.TemporaryDirectory(prefix="ggpipe-supervisor-") as tmp:
             lost_at = None
             while True:
