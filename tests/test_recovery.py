@@ -58,7 +58,7 @@ def test_a_lost_rank_runs_again_on_the_same_hosts():
     loss = parse_loss(death_line(1, socket.gethostname(), 5, signal.SIGKILL, "", ""))
     for _ in range(10):   # progress between losses: never left out
         assert p.lost(loss, progressed=True) is None
-    assert p.launch().n_ranks == 3 and p.launch().hosts is None and p.excluded == []
+    assert p.n_ranks == 3 and p.hosts is None and p.excluded == []
 
 
 def test_a_host_that_keeps_losing_ranks_without_progress_is_left_out_and_a_spare_takes_its_place():
@@ -393,3 +393,34 @@ def test_the_lost_host_is_the_hostfile_entry_the_rank_was_placed_on():
     for _ in range(3):
         p.lost(loss, progressed=False)
     assert p.excluded == ["10.0.0.2"] and p.placed() == ["10.0.0.1", "10.0.0.3", "10.0.0.4"]
+
+
+def test_a_job_started_again_that_never_gets_ready_is_ended_and_counts_against_its_host(tmp_path, capfd):
+    """A stand-in launcher: its first job loses rank 1 before it is ready,
+    every later one hangs at start-up. The supervisor ends each hung start
+    after its time-out, blames the lost rank's host, and after 3 jobs in a
+    row without progress stops in one line: that host is the only one."""
+    from ggpipe.frontends.supervisor import Supervisor
+
+    calls = tmp_path / "calls"
+    fake = tmp_path / "mpiexec"
+    line = death_line(1, "vm", 5, signal.SIGKILL, "", "")
+    fake.write_text(f"""#!/bin/sh
+[ "$1" = --version ] && {{ echo "HYDRA build details"; exit 0; }}
+echo x >> {calls}
+if [ "$(wc -l < {calls})" = 1 ]; then echo "{line}" >&2; exit 9; fi
+exec sleep 60
+""")
+    fake.chmod(0o755)
+
+    class Quick(Supervisor):
+        MIN_RESTART_S = 0.5
+
+    sup = Quick(["batch"], RecoveryPolicy(3, None), mpiexec=str(fake), poll_s=0.05)
+    t0 = time.monotonic()
+    code = sup.run()
+    err = capfd.readouterr().err
+    assert code == 128 + signal.SIGTERM and time.monotonic() - t0 < 30   # the last, hung start was ended
+    assert calls.read_text().count("x") == 3
+    assert err.count("is not ready after") == 2 and "(the first loaded in" not in err
+    assert "the job could not start again on vm" in err and "there is no other host to run on: the job stops" in err

@@ -54,20 +54,10 @@ def parse_loss(line: str) -> Loss | None:
     return Loss(int(m.group(1)), m.group(2), int(m.group(3)), m.group(4), line.strip())
 
 
-@dataclass(frozen=True)
-class Launch:
-    """Where the next job runs: ``n_ranks`` ranks on ``hosts`` ((host,
-    slots) as a hostfile lists them, in order; None: this host only, no
-    hostfile)."""
-
-    n_ranks: int
-    hosts: list[tuple[str, int]] | None
-
-
 @dataclass
 class RecoveryPolicy:
-    """Where each job of a supervised command runs, given how the last one
-    ended.
+    """Where each job of a supervised command runs (``n_ranks`` ranks on
+    ``hosts``), given how the last one ended.
 
     Args:
         n_ranks: the ranks asked for (``--ranks``).
@@ -85,10 +75,6 @@ class RecoveryPolicy:
     strikes: dict[str, int] = field(default_factory=dict)
     excluded: list[str] = field(default_factory=list)
     last_host: str | None = None
-
-    def launch(self) -> Launch:
-        """The next job's ranks and hosts."""
-        return Launch(self.n_ranks, self.hosts)
 
     def placed(self) -> list[str]:
         """The host of each rank of the next job."""

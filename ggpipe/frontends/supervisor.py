@@ -126,8 +126,6 @@ class Supervisor:
         self.mpiexec = find_launcher(mpiexec)   # PATH, else beside this Python
         self.signal: int | None = None
         self.proc: subprocess.Popen | None = None
-        self.recoveries = 0
-        self.down_s = 0.0   # seconds from each loss until the next job was ready, summed
         self.first_start_s: float | None = None   # the first job's start-up and load (seconds)
         self.flavor = "unknown"
 
@@ -173,11 +171,11 @@ class Supervisor:
         last job's exit code, or 1 when nowhere is left to run."""
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, self._on_signal)
-        flavor = self.flavor = detect_flavor(self.mpiexec)
+        self.flavor = detect_flavor(self.mpiexec)
         with tempfile.TemporaryDirectory(prefix="ggpipe-supervisor-") as tmp:
             lost_at = None
             while True:
-                code, loss, ready, progressed = self._job(flavor, Path(tmp), lost_at)
+                code, loss, ready, progressed = self._job(Path(tmp), lost_at)
                 if code == 0 or self.signal is not None:
                     self.watch.ended("the server stopped" if code == 0 else "interrupted")
                     return code
@@ -203,20 +201,18 @@ class Supervisor:
                                  f"{'s' if self.policy.n_ranks != 1 else ''} ({', '.join(hosts)}); "
                                  f"the requests in flight run again from their prompts\n")
                 sys.stderr.flush()
-                self.recoveries += 1
 
-    def _job(self, flavor: str, tmp: Path, lost_at: float | None) -> tuple[int, Loss | None, bool, bool]:
+    def _job(self, tmp: Path, lost_at: float | None) -> tuple[int, Loss | None, bool, bool]:
         """One job: (exit code, the rank it lost or None, whether it became
         ready, whether it made progress)."""
-        launch = self.policy.launch()
         hostfile = None
-        if launch.hosts is not None:
+        if self.policy.hosts is not None:
             hostfile = tmp / "hosts"
-            write_hostfile(hostfile, launch.hosts, flavor)
+            write_hostfile(hostfile, self.policy.hosts, self.flavor)
         ready_path = tmp / "ready.json"
         ready_path.unlink(missing_ok=True)
         env = child_env(dict(os.environ, **{READY_ENV: str(ready_path)}))
-        cmd = launch_command(flavor, launch.n_ranks, str(hostfile) if hostfile else None) \
+        cmd = launch_command(self.flavor, self.policy.n_ranks, str(hostfile) if hostfile else None) \
             + [*ggpipe_command(), *self.argv]
         cmd[0] = self.mpiexec
         # the launcher gets SIGTERM when this process ends (PR_SET_PDEATHSIG, kept across its exec): a job
@@ -224,7 +220,7 @@ class Supervisor:
         cmd = [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
         start, before = time.monotonic(), self.watch.progress()
         try:
-            # a process group of its own: Ctrl-C reaches the supervisor, which passes it on once
+            # a process group of its own: Ctrl-C reaches the supervisor, which passes it on
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
                                          stdout=subprocess.PIPE if self.watch.pipe_stdout else None,
                                          process_group=0)
@@ -242,28 +238,27 @@ class Supervisor:
         while self.proc.poll() is None:
             now = time.monotonic()
             if lost_at is not None and not ready and ended_at is None and now - start > self.restart_timeout_s():
+                first = "" if self.first_start_s is None else f" (the first loaded in {self.first_start_s:.1f} s)"
                 sys.stderr.write(f"ggpipe: the job started again after the loss is not ready after "
-                                 f"{now - start:.0f} s (the first loaded in {self.first_start_s:.1f} s); "
-                                 f"ending it\n")
+                                 f"{now - start:.0f} s{first}; ending it\n")
                 ended_at = now
                 self._signal_job(signal.SIGTERM)
             elif ended_at is not None and now - ended_at > 10:
                 self._signal_job(signal.SIGKILL)
-            if not ready and read_ready(ready_path) is not None:
+            stages = None if ready else read_ready(ready_path)
+            if stages is not None:
                 ready = True
                 if self.first_start_s is None:
-                    self.first_start_s = time.monotonic() - start
+                    self.first_start_s = now - start
                 if lost_at is not None:
-                    now = time.monotonic()
-                    self.down_s += now - lost_at
-                    stages = "; ".join(read_ready(ready_path) or [])
                     sys.stderr.write(f"ggpipe: back {now - lost_at:.1f} s after the loss (start-up and load "
-                                     f"{now - start:.1f} s): {stages}\n")
+                                     f"{now - start:.1f} s): {'; '.join(stages)}\n")
                     sys.stderr.flush()
             time.sleep(self.poll_s)
         for t in readers:
             t.join(timeout=5.0)
-        return self.proc.returncode, (losses[0] if losses else None), ready, self.watch.progress() > before
+        rc = self.proc.returncode   # a launcher ended by a signal: 128 + the signal, as a shell reports it
+        return rc if rc >= 0 else 128 - rc, (losses[0] if losses else None), ready, self.watch.progress() > before
 
 
 _DIE_WITH_PARENT = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM); "
@@ -276,7 +271,7 @@ def _pass_on(stream, losses: list[Loss], lost: Callable[[Loss], None]) -> None:
     out = sys.stderr.buffer
     pending = b""
     while True:
-        chunk = stream.read1(65536) if hasattr(stream, "read1") else stream.read(65536)
+        chunk = stream.read1(65536)
         if not chunk:
             break
         out.write(chunk)

@@ -183,6 +183,15 @@ def create_front_app(backend: Backend, watch: FrontEnd, max_body_bytes: int, max
                                              limits=httpx.Limits(max_connections=max_connections))
         return clients["c"]
 
+    async def send(port: int, method: str, target: str, headers, body: bytes) -> httpx.Response:
+        """The request sent to the job serving on ``port``; its answer's
+        body is read as it comes (``aiter_lines``, ``aread``).
+
+        Raises:
+            httpx.HTTPError: the job cannot be reached."""
+        return await client().send(client().build_request(method, f"http://127.0.0.1:{port}{target}",
+                                                          headers=headers, content=body), stream=True)
+
     async def handle(request: Request) -> Response:
         path = request.url.path
         if path == "/health" and backend.port is None:
@@ -222,9 +231,8 @@ def create_front_app(backend: Backend, watch: FrontEnd, max_body_bytes: int, max
                 return _unavailable(str(e))
             if attempt:
                 backend.resent.inc()
-            req = client().build_request(method, f"http://127.0.0.1:{port}{target}", headers=headers, content=body)
             try:
-                r = await client().send(req, stream=True)
+                r = await send(port, method, target, headers, body)
             except httpx.HTTPError:
                 continue
             if r.headers.get("content-type", "").startswith("text/event-stream") and r.status_code == 200:
@@ -275,8 +283,7 @@ def create_front_app(backend: Backend, watch: FrontEnd, max_body_bytes: int, max
                     backend.resent.inc()
                     resend.again()
                     try:
-                        r = await client().send(client().build_request(
-                            method, f"http://127.0.0.1:{port}{target}", headers=headers, content=body), stream=True)
+                        r = await send(port, method, target, headers, body)
                         break
                     except httpx.HTTPError:
                         continue
