@@ -6,6 +6,7 @@ without a kill. Prints tables (docs/clusters/failures.md) and writes every
 trial to ``--out`` (JSON).
 
     python scripts/recovery_trials.py trials -n 10         # batch and serve, each non-head rank, SIGKILL
+    python scripts/recovery_trials.py trials -n 10 --command serve --mode pipeinfer   # -md smollm2-135m
     python scripts/recovery_trials.py chaos --kills 20 --minutes 10
     python scripts/recovery_trials.py overhead --rounds 3  # serve --ranks against mpiexec ... serve, no kill
 
@@ -46,6 +47,8 @@ from ggpipe.child_process import child_env, ggpipe_command  # noqa: E402
 from ggpipe.transport.rank_guard import rank_processes  # noqa: E402
 
 PROMPTS = [json.loads(x)["prompt"] for x in (ROOT / "scripts" / "prompts" / "many16.jsonl").read_text().splitlines()]
+#: The mode's options (``--mode``), given to every command run.
+MODE_ARGS: list[str] = []
 BACK = re.compile(r"ggpipe: back ([\d.]+) s after the loss \(start-up and load ([\d.]+) s\)")
 
 
@@ -93,7 +96,7 @@ def _signal_rank(p: subprocess.Popen, rank: int, sig: int) -> list[psutil.Proces
 
 def _batch_args(inp: Path, out: Path) -> list[str]:
     return ["batch", str(inp), "-o", str(out), "-m", "smollm2-135m", "-n", "64", "--parallel", "8", "-t", "1",
-            "--no-progress", "--liveness-timeout", "2"]
+            "--no-progress", "--liveness-timeout", "2", *MODE_ARGS]
 
 
 def _tokens(path: Path) -> dict:
@@ -162,7 +165,7 @@ def _clients(url: str, n: int, max_tokens: int) -> dict:
 def _serve(ranks: int | None, parallel: int = 4) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     p = _start(_job(["serve", "-m", "smollm2-135m", "--parallel", str(parallel), "-t", "1", "--port", str(port),
-                     "--liveness-timeout", "2"], ranks))
+                     "--liveness-timeout", "2", *MODE_ARGS], ranks))
     url = f"http://127.0.0.1:{port}"
     end = time.monotonic() + 180
     while time.monotonic() < end:
@@ -228,22 +231,29 @@ def cmd_trials(a) -> dict:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         (tmp / "in.jsonl").write_text("".join(json.dumps({"id": i, "prompt": q}) + "\n" for i, q in enumerate(PROMPTS)))
-        ref_out = tmp / "ref.jsonl"
-        subprocess.run(_job(_batch_args(tmp / "in.jsonl", ref_out), None), check=True, cwd=ROOT, env=child_env(),
-                       capture_output=True)
-        batch_ref = _tokens(ref_out)
-        again = tmp / "again.jsonl"
-        subprocess.run(_job(_batch_args(tmp / "in.jsonl", again), None), check=True, cwd=ROOT, env=child_env(),
-                       capture_output=True)
-        batch_control = sum(_tokens(again)[k] == v for k, v in batch_ref.items())
-        serve_ref, serve_control = serve_reference()
+        batch_ref, batch_control, serve_ref, serve_control = {}, 0, {}, 0
+        if "batch" in a.command:
+            ref_out = tmp / "ref.jsonl"
+            subprocess.run(_job(_batch_args(tmp / "in.jsonl", ref_out), None), check=True, cwd=ROOT,
+                           env=child_env(), capture_output=True)
+            batch_ref = _tokens(ref_out)
+            again = tmp / "again.jsonl"
+            subprocess.run(_job(_batch_args(tmp / "in.jsonl", again), None), check=True, cwd=ROOT,
+                           env=child_env(), capture_output=True)
+            batch_control = sum(_tokens(again)[k] == v for k, v in batch_ref.items())
+        if "serve" in a.command:
+            serve_ref, serve_control = serve_reference()
         for i in range(a.trials):
             for rank in a.rank:
-                for r in (batch_trial(tmp, rank, batch_ref, rng), serve_trial(rank, serve_ref, rng)):
+                for cmd in a.command:
+                    r = batch_trial(tmp, rank, batch_ref, rng) if cmd == "batch" else \
+                        serve_trial(rank, serve_ref, rng)
                     results.append(r)
                     print(json.dumps(r), flush=True)
     table = {}
     for cmd, n_req, control in (("batch", len(batch_ref), batch_control), ("serve", 8, serve_control)):
+        if cmd not in a.command:
+            continue
         for rank in a.rank:
             rs = [r for r in results if r["command"] == cmd and r["rank"] == rank]
             ok = [r for r in rs if r["exit"] == 0 and r["failed"] == 0 and r["left_running"] == 0]
@@ -339,17 +349,23 @@ def main() -> int:
     t = sub.add_parser("trials")
     t.add_argument("-n", "--trials", type=int, default=10)
     t.add_argument("--rank", type=int, action="append", help="rank to kill (default 1 and 2)")
+    t.add_argument("--command", action="append", choices=["batch", "serve"], help="default both")
     c = sub.add_parser("chaos")
     c.add_argument("--kills", type=int, default=20)
     c.add_argument("--minutes", type=float, default=10)
     o = sub.add_parser("overhead")
     o.add_argument("--rounds", type=int, default=3)
     for s in (t, c, o):
+        s.add_argument("--mode", choices=["iterative", "pipeinfer"], default="iterative",
+                       help="pipeinfer: --mode pipeinfer -md smollm2-135m")
         s.add_argument("--seed", type=int, default=1)
         s.add_argument("--out", type=Path, default=None, help="write the results here (JSON)")
     a = ap.parse_args()
     if a.what == "trials":
         a.rank = a.rank or [1, 2]
+        a.command = a.command or ["batch", "serve"]
+    if a.mode == "pipeinfer":
+        MODE_ARGS.extend(["--mode", "pipeinfer", "-md", "smollm2-135m"])
     result = {"trials": cmd_trials, "chaos": cmd_chaos, "overhead": cmd_overhead}[a.what](a)
     shown = result.get("table", result)
     print(json.dumps(shown, indent=1))

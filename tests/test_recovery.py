@@ -116,6 +116,8 @@ def test_launch_commands(tmp_path):
     assert launch_command("mpich", 2, "h") == ["mpiexec", "-n", "2", "-f", "h", "-ppn", "1"]
     assert launch_command("openmpi", 2, "h") == ["mpiexec", "-n", "2", "--hostfile", "h", "--map-by", "node",
                                                  "-x", READY_ENV]
+    assert launch_command("openmpi", 2, None, ("K",)) == ["mpiexec", "-n", "2", "-x", READY_ENV, "-x", "K"]
+    assert launch_command("mpich", 2, None, ("K",)) == ["mpiexec", "-n", "2"]   # Hydra passes the environment
     write_hostfile(tmp_path / "m", [("a", 1), ("b", 2)], "mpich")
     write_hostfile(tmp_path / "o", [("a", 1), ("b", 2)], "openmpi")
     assert (tmp_path / "m").read_text() == "a:1\nb:2\n"
@@ -161,47 +163,62 @@ def _texts(out: list[str]) -> list:
 
 
 @pytest.mark.parametrize("kind", ["chat", "text"])
-def test_a_resent_stream_goes_on_where_it_stopped(kind):
+def test_a_resent_stream_goes_on_after_the_tokens_sent(kind):
     from ggpipe.frontends.serve.front import _FAILED, _Resend
 
+    def tokens(chunk: str, ids: list[int]) -> str:
+        obj = json.loads(chunk[6:])
+        obj["ggpipe_tokens"] = ids
+        return "data: " + json.dumps(obj)
+
     r = _Resend()
-    first = [_chunk("", role=True, kind=kind), _chunk("Hel", kind=kind), _chunk("lo", kind=kind)]
+    first = [_chunk("", role=True, kind=kind), tokens(_chunk("Hel", kind=kind), [1, 2]),
+             tokens(_chunk("lo", kind=kind), [3])]
     out = [r.event(x) for x in first]
     assert r.event('data: {"error": {"code": "pipeline_failed", "message": "x"}}') is _FAILED
-    r.again()
-    second = [_chunk("", role=True, rid="b", kind=kind), _chunk("He", rid="b", kind=kind),
-              _chunk("llo wor", rid="b", kind=kind), _chunk("ld", rid="b", kind=kind),
-              _chunk(None, "stop", rid="b", kind=kind), "", "data: [DONE]"]
+    assert json.loads(r.body(b'{"prompt": "x", "stream": true}')) == {
+        "prompt": "x", "stream": True, "ggpipe_resume": {"tokens": [1, 2, 3], "sent": 5}}
+    opening = [_chunk("", role=True, rid="b", kind=kind)] if kind == "chat" else []   # a text stream has none
+    second = [*opening, tokens(_chunk(" wor", rid="b", kind=kind), [4]),
+              _chunk("ld", rid="b", kind=kind), _chunk(None, "stop", rid="b", kind=kind), "", "data: [DONE]"]
     out += [r.event(x) for x in second]
     sent = [e for e in out if e]
     texts = _texts(sent)
     assert [t[2] for t in texts] == ["", "Hel", "lo", " wor", "ld", None if kind == "chat" else ""]
     assert {(t[0], t[1]) for t in texts} == {("a", 1)}   # the first job's id and time throughout
     assert texts[-1][3] == "stop" and sent[-1] == "data: [DONE]\n\n" and r.done
+    assert "ggpipe_tokens" not in "".join(sent) and r.tokens == [1, 2, 3, 4]
 
 
-def test_a_resent_stream_that_says_something_else_ends_with_an_error():
-    from ggpipe.frontends.serve.front import _Resend
+class _Vocab:
+    """A vocabulary of one character per token id (``chr(id)``); 0 ends the generation."""
 
-    r = _Resend()
-    for x in [_chunk("", role=True), _chunk("Hello"), _chunk(" world")]:
-        r.event(x)
-    r.again()
-    assert r.event(_chunk("", role=True, rid="b")) == ""
-    assert r.event(_chunk("Hello", rid="b")) == ""
-    out = r.event(_chunk(" there", rid="b"))
-    assert _texts([out]) == [("error", "resume_mismatch")] and out.endswith("data: [DONE]\n\n") and r.done
+    def is_eog(self, t: int) -> bool:
+        return t == 0
+
+    def detokenizer(self):
+        class D:
+            def push(self, t):
+                return chr(t)
+
+            def flush(self):
+                return ""
+        return D()
 
 
-def test_a_resent_stream_that_ends_too_soon_ends_with_an_error():
-    from ggpipe.frontends.serve.front import _Resend
+def test_a_text_stream_goes_on_after_what_another_job_sent():
+    from ggpipe.service.text import TextStream
 
-    r = _Resend()
-    for x in [_chunk("", role=True), _chunk("Hello world")]:
-        r.event(x)
-    r.again()
-    r.event(_chunk("Hello", rid="b"))
-    assert _texts([r.event(_chunk(None, "stop", rid="b"))]) == [("error", "resume_mismatch")]
+    got, ids = [], []
+    s = TextStream(_Vocab(), got.append, stop=["xyz"], on_tokens=ids.append)
+    s.resume([ord(c) for c in "Hello"], 3)       # "Hel" was sent, "lo" held back
+    assert got == [] and s.text == "Hello"
+    assert not s.emit([ord("!")])
+    # from where the other job stopped (two characters held back for "xyz"); only the new tokens
+    assert got == ["l"] and ids == [[ord("!")]]
+    assert s.finish(s.tokens, 99) == "stop" and "".join(got) == "lo!"
+    with pytest.raises(ValueError, match="5 characters were sent, but the 2 tokens given hold 2"):
+        TextStream(_Vocab()).resume([ord("a"), ord("b")], 5)
 
 
 def test_the_backend_waits_for_a_newer_job_and_counts_the_time_without_service():
@@ -238,7 +255,10 @@ class _StandIn:
     """A job's server on a loopback port (uvicorn on a thread) that answers
     completions as ``replies`` says, one reply per request, in turn: "fail"
     (503 pipeline_failed), a list of texts streamed then a pipeline failure,
-    or "ok:TEXT" (the whole text, streamed or not)."""
+    or "ok:TEXT" (the whole text, streamed or not). Streamed chunks carry
+    their token ids (one per character: its code point); a request with
+    ``ggpipe_resume`` gets the reply's text after the characters sent
+    (``resumes`` keeps what it was given, ``keys`` the front end's key)."""
 
     def __init__(self, replies: list):
         import uvicorn
@@ -246,20 +266,24 @@ class _StandIn:
         from starlette.responses import JSONResponse, StreamingResponse
         from starlette.routing import Route
 
-        self.replies, self.calls = list(replies), 0
+        self.replies, self.calls, self.resumes, self.keys = list(replies), 0, [], []
 
         def sse(obj) -> str:
             return "data: " + json.dumps(obj) + "\n\n"
 
         def chunk(text, reason=None) -> dict:
-            return {"id": f"cmpl-{self.calls}", "created": self.calls, "choices": [
-                {"index": 0, "text": text, "finish_reason": reason}]}
+            return {"id": f"cmpl-{self.calls}", "created": self.calls, "ggpipe_tokens": [ord(c) for c in text],
+                    "choices": [{"index": 0, "text": text, "finish_reason": reason}]}
 
         failed = {"error": {"message": "the pipeline failed", "type": "server_error", "code": "pipeline_failed"}}
 
         async def completions(request):
             body = await request.json()
             self.calls += 1
+            self.keys.append(request.headers.get("x-ggpipe-front"))
+            resume = body.get("ggpipe_resume")
+            self.resumes.append(resume)
+            skip = resume["sent"] if resume else 0
             reply = self.replies.pop(0)
             if reply == "fail":
                 return JSONResponse(failed, status_code=503)
@@ -268,12 +292,14 @@ class _StandIn:
 
             async def events():
                 if isinstance(reply, list):
-                    for t in reply:
-                        yield sse(chunk(t))
+                    rest = "".join(reply)[skip:]
+                    if rest:
+                        yield sse(chunk(rest))
                     yield sse(failed) + "data: [DONE]\n\n"
                     return
-                for i in range(0, len(reply) - 3, 2):
-                    yield sse(chunk(reply[3 + i:5 + i]))
+                text = reply[3 + skip:]
+                for i in range(0, len(text), 2):
+                    yield sse(chunk(text[i:i + 2]))
                 yield sse(chunk("", "stop")) + "data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")
@@ -313,7 +339,7 @@ def _front(replies: list):
             backend.up(stand_in.port)
 
     threading.Thread(target=restarts, daemon=True).start()
-    app = create_front_app(backend, FrontEnd(backend, "http://x/v1"), 1 << 20, 64)
+    app = create_front_app(backend, FrontEnd(backend, "http://x/v1"), 1 << 20, 64, "k3y")
     return TestClient(app), backend, stand_in, stop
 
 
@@ -342,7 +368,9 @@ def test_a_stream_cut_by_a_lost_rank_goes_on_in_the_next_job_without_repeating_i
         events = [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
         assert "".join(e["choices"][0]["text"] for e in events) == "Hello world"
         assert {e["id"] for e in events} == {"cmpl-1"} and r.text.endswith("data: [DONE]\n\n")
-        assert events[-1]["choices"][0]["finish_reason"] == "stop"
+        assert events[-1]["choices"][0]["finish_reason"] == "stop" and "ggpipe_tokens" not in r.text
+        assert stand_in.resumes == [None, {"tokens": [ord(c) for c in "Hello"], "sent": 5}]
+        assert stand_in.keys == ["k3y", "k3y"]
     finally:
         stop.set()
         stand_in.close()
@@ -373,7 +401,7 @@ def test_health_says_recovering_and_metrics_count():
     from ggpipe.frontends.serve.front import Backend, FrontEnd, create_front_app
 
     backend = Backend()
-    client = TestClient(create_front_app(backend, FrontEnd(backend, "http://x/v1"), 1 << 20, 64))
+    client = TestClient(create_front_app(backend, FrontEnd(backend, "http://x/v1"), 1 << 20, 64, "k3y"))
     assert client.get("/health").json() == {"status": "loading"}
     backend.up(1)
     backend.down()

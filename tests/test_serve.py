@@ -235,6 +235,9 @@ BAD = [
     ("/v1/completions", '{"prompt": ["a", "b"]}', "one prompt"),
     ("/v1/completions", '{"prompt": [70000000]}', "vocabulary"),
     ("/v1/completions", '{"prompt": "' + "word " * 2100 + '"}', "context"),
+    # the front end's field (serve --ranks) is an unknown one to every other client
+    ("/v1/completions", '{"prompt": "x", "stream": true, "ggpipe_resume": {"tokens": [1], "sent": 0}}',
+     "unknown field 'ggpipe_resume'"),
     ("/v1/chat/completions", '{"messages": []}', "messages"),
     ("/v1/chat/completions", '{"messages": "hi"}', "messages"),
     ("/v1/chat/completions", '{"messages": [{"role": "bot", "content": "x"}]}', "role"),

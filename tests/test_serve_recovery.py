@@ -3,7 +3,9 @@ of ggpipe/frontends/serve/front.py) a pause, not an error: streaming and
 non-streaming clients in flight when rank 1 is killed all get whole answers
 (a stream goes on where it stopped), ``/health`` says ``recovering``
 meanwhile, ``/metrics`` counts the recovery, and SIGTERM still ends the
-server cleanly."""
+server cleanly. A job's server goes on with a reply another job began
+(ggpipe/frontends/serve/resume.py): prefilled prompt and tokens, the rest of
+the text, and the request's bad inputs refused."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.conftest import ROOT, assert_greedy, end_job, rows_exact, wait_for_ranks
+from tests.conftest import ROOT, assert_greedy, end_job, ggpipe_cmd, rows_exact, wait_for_ranks
 
 pytestmark = [pytest.mark.mpi, pytest.mark.full]
 
@@ -112,3 +114,64 @@ def test_a_lost_rank_is_a_pause_for_every_client(smollm2):
     time.sleep(0.5)
     left = [c.pid for c in seen if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     assert not left and "Traceback" not in "".join(err), (left, "".join(err)[-3000:])
+
+
+def _events(url: str, body: dict, key: str | None) -> tuple[int, list[dict]]:
+    """A streamed completion's status and data events (``[DONE]`` left out)."""
+    headers = {"x-ggpipe-front": key} if key else {}
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers, timeout=300) as r:
+        if r.status_code != 200:
+            return r.status_code, [json.loads(r.read())]
+        return 200, [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+
+
+def test_a_job_goes_on_with_a_reply_another_job_began(smollm2):
+    key, n, prompt = "front-key", 32, STREAMED[0]
+    p = subprocess.Popen(ggpipe_cmd(["serve", "-m", str(smollm2), "--parallel", "2", "-t", "1", "--port", "0"], 2),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True,
+                         env=dict(os.environ, PYTHONUNBUFFERED="1", GGPIPE_FRONT_KEY=key))
+    err: list[str] = []
+    threading.Thread(target=lambda: err.extend(p.stderr), daemon=True).start()
+    seen: list[psutil.Process] = []
+    try:
+        line, deadline = "", time.monotonic() + 180
+        while "listening on" not in line:
+            line = p.stdout.readline()
+            assert (line or p.poll() is None) and time.monotonic() < deadline, "".join(err)[-3000:]
+        seen = psutil.Process(p.pid).children(recursive=True)
+        url = "http://127.0.0.1:" + re.search(r":(\d+)/v1", line).group(1)
+        body = {"prompt": prompt, "max_tokens": n, "stream": True}
+        status, whole = _events(url, body, key)
+        chunks = [e for e in whole if e["choices"] and e["choices"][0]["text"]]
+        text = "".join(e["choices"][0]["text"] for e in chunks)
+        tokens = [t for e in whole for t in e.get("ggpipe_tokens", [])]
+        assert status == 200 and len(chunks) > 4 and len(tokens) == n, whole
+        assert _events(url, body, None)[1][0].keys() == {"id", "object", "created", "model", "choices"}
+        # a job lost after the 4th chunk: the tokens and text sent so far
+        begun = [t for e in chunks[:4] for t in e["ggpipe_tokens"]]
+        sent = len("".join(e["choices"][0]["text"] for e in chunks[:4]))
+        status, rest = _events(url, {**body, "ggpipe_resume": {"tokens": begun, "sent": sent}}, key)
+        more = [t for e in rest for t in e.get("ggpipe_tokens", [])]
+        assert status == 200 and rest[-1]["choices"][0]["finish_reason"] == "length", rest
+        assert_greedy(begun + more, smollm2, prompt, n, msg="resumed")
+        if rows_exact(smollm2):
+            assert text[:sent] + "".join(e["choices"][0]["text"] for e in rest) == text and begun + more == tokens
+        # a reply that had ended: the text not yet sent, at once
+        status, last = _events(url, {**body, "ggpipe_resume": {"tokens": tokens, "sent": sent}}, key)
+        assert "".join(e["choices"][0]["text"] for e in last) == text[sent:]
+        assert last[-1]["choices"][0]["finish_reason"] == "length"
+        # what the front end could get wrong is refused, with the reason
+        for bad, code, words in [
+                ({**body, "ggpipe_resume": {"tokens": tokens + [1], "sent": 0}}, 200, "more than its max_tokens 32"),
+                ({**body, "ggpipe_resume": {"tokens": begun, "sent": 10 ** 6}}, 200, "characters were sent"),
+                ({**body, "ggpipe_resume": {"tokens": [10 ** 7], "sent": 0}}, 400, "outside the vocabulary"),
+                ({**body, "stream": False, "ggpipe_resume": {"tokens": begun, "sent": 0}}, 400, "a streamed reply only")]:
+            status, got = _events(url, bad, key)
+            assert status == code and words in got[-1]["error"]["message"], got
+        status, got = _events(url, {**body, "ggpipe_resume": {"tokens": begun, "sent": 0}}, "wrong-key")
+        assert status == 400 and "unknown field 'ggpipe_resume'" in got[0]["error"]["message"]
+        p.send_signal(signal.SIGTERM)
+        p.wait(90)
+    finally:
+        end_job(p, seen)
+    assert "Traceback" not in "".join(err), "".join(err)[-3000:]

@@ -125,7 +125,7 @@ class FakeEngine(Engine):
         self.session = SimpleNamespace(model_path="m.gguf", stage=SimpleNamespace(n_vocab=100), size=1,
                                        hosts=["h"], liveness=None, pipeline=pipe, draft_pipelines=[],
                                        activity=None)
-        self.n_ctx, self.mode, self.parallel, self.last = 64, "iterative", 1, None
+        self.n_ctx, self.mode, self.parallel, self.last, self._ended = 64, "iterative", 1, None, []
         self.loop = OneAtATime(_FakeDecoder(self), 1 << 20, recover=self.recover)   # every request fits
         self._kernels = {"batch_rows_exact": True}
         detok = SimpleNamespace(push=lambda t: self.piece, flush=lambda: "")
@@ -260,7 +260,7 @@ class FakeSlotEngine:
         return len(self.pending)
 
     def submit(self, tokens, n_predict, sampling, on_text=None, stop=(), should_stop=None, on_done=None,
-               on_error=None):
+               on_error=None, on_tokens=None, resume=None):
         if self.submit_fails is not None:
             raise self.submit_fails
         sj = SimpleNamespace(request=object(), cancelled=False, t_queued=0.0, queue_s=0.0)

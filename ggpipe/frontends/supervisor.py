@@ -60,17 +60,19 @@ def job_argv(argv: list[str], also: tuple[str, ...] = ()) -> list[str]:
     return out
 
 
-def launch_command(flavor: str, n_ranks: int, hostfile: str | None) -> list[str]:
+def launch_command(flavor: str, n_ranks: int, hostfile: str | None, env: tuple[str, ...] = ()) -> list[str]:
     """The launcher's part of a supervised job's command line: ``mpiexec -n
     N``, with a hostfile one rank per host in turn (Open MPI ``--hostfile F
-    --map-by node``, Hydra ``-f F -ppn 1``). The launcher's default clean-up
-    is kept: it ends the job at once when a rank dies, after the rank's guard
+    --map-by node``, Hydra ``-f F -ppn 1``), passing the variables ``env``
+    (names) besides the ready file's. The launcher's default clean-up is
+    kept: it ends the job at once when a rank dies, after the rank's guard
     has named it."""
     cmd = ["mpiexec", "-n", str(n_ranks)]
     if hostfile is not None:
         cmd += ["--hostfile", hostfile, "--map-by", "node"] if flavor == "openmpi" else ["-f", hostfile, "-ppn", "1"]
     if flavor == "openmpi":
-        cmd += ["-x", READY_ENV]   # Open MPI passes only the variables it is told to
+        for name in (READY_ENV, *env):
+            cmd += ["-x", name]   # Open MPI passes only the variables it is told to
     return cmd
 
 
@@ -115,14 +117,16 @@ class Supervisor:
         poll_s: how often the job's state is looked at (seconds).
         mpiexec: the MPI launcher (a name on ``PATH`` or beside this
             Python, or a path).
+        env: variables every job's ranks get (name -> value).
 
     Raises:
         ConfigError: no such launcher.
     """
 
     def __init__(self, argv: list[str], policy: RecoveryPolicy, watch: JobWatch | None = None, poll_s: float = 0.1,
-                 mpiexec: str = "mpiexec"):
+                 mpiexec: str = "mpiexec", env: dict[str, str] | None = None):
         self.argv, self.policy, self.watch, self.poll_s = argv, policy, watch or JobWatch(), poll_s
+        self.env = dict(env or {})    # variables every job gets
         self.mpiexec = find_launcher(mpiexec)   # PATH, else beside this Python
         self.signal: int | None = None
         self.proc: subprocess.Popen | None = None
@@ -199,7 +203,7 @@ class Supervisor:
                                     f"jobs in a row without progress); " if gone else "")
                                  + f"starting the job again on {self.policy.n_ranks} rank"
                                  f"{'s' if self.policy.n_ranks != 1 else ''} ({', '.join(hosts)}); "
-                                 f"the requests in flight run again from their prompts\n")
+                                 f"the requests in flight go on in the new job\n")
                 sys.stderr.flush()
 
     def _job(self, tmp: Path, lost_at: float | None) -> tuple[int, Loss | None, bool, bool]:
@@ -211,8 +215,8 @@ class Supervisor:
             write_hostfile(hostfile, self.policy.hosts, self.flavor)
         ready_path = tmp / "ready.json"
         ready_path.unlink(missing_ok=True)
-        env = child_env(dict(os.environ, **{READY_ENV: str(ready_path)}))
-        cmd = launch_command(self.flavor, self.policy.n_ranks, str(hostfile) if hostfile else None) \
+        env = child_env(dict(os.environ, **self.env, **{READY_ENV: str(ready_path)}))
+        cmd = launch_command(self.flavor, self.policy.n_ranks, str(hostfile) if hostfile else None, tuple(self.env)) \
             + [*ggpipe_command(), *self.argv]
         cmd[0] = self.mpiexec
         # the launcher gets SIGTERM when this process ends (PR_SET_PDEATHSIG, kept across its exec): a job

@@ -16,6 +16,7 @@ from typing import Callable
 
 import numpy as np
 
+from ggpipe.errors import ConfigError
 from ggpipe.runtime.vocab import Vocab
 from ggpipe.sampling import Sampler, TokenLogprob
 from ggpipe.sampling_params import SamplingParams
@@ -29,7 +30,7 @@ from ggpipe.pipeline.waiting import EventWait
 from ggpipe.runtime import llama as _llama
 from ggpipe.service.chat_prompt import chat_tokens
 from ggpipe.service.kernels_report import kernels_report
-from ggpipe.service.text import TextStream
+from ggpipe.service.text import Resume, TextStream
 
 
 @dataclass
@@ -37,13 +38,15 @@ class Completion:
     """One finished request.
 
     Attributes:
-        tokens: generated token ids (an end-of-generation token included).
+        tokens: generated token ids (an end-of-generation token included;
+            of a resumed reply, the other job's too).
         text: their text, end-of-generation tokens left out, cut before a
             stop string.
         finish_reason: "stop" (end of generation or a stop string), "length"
             (``n_predict`` reached) or "interrupted" (``should_stop``).
         n_prompt: prompt tokens (the whole prompt, reused cells included).
-        n_reused: prompt tokens whose KV cells were reused (not decoded).
+        n_reused: prompt tokens whose KV cells were reused (not decoded; of
+            a resumed reply, the other job's tokens are not counted).
         metrics: GenerationClock.as_dict() (TTFT, ITL, tokens/s; seconds).
         decoder: the mode's statistics (acceptance rate, target passes, ...).
         logprobs: with log-probabilities asked for (``SamplingParams.logprobs``
@@ -149,6 +152,7 @@ class Engine:
                                reuse_kv=reuse_kv, recover=self.recover,
                                doing=None if activity is None else activity.set)
         self.last: Completion | None = None
+        self._ended: list[Job] = []    # resumed requests with nothing left to generate
         self._kernels: dict | None = None
         if plan.speculates and not recurrent:
             self._say_rows(plan.name)
@@ -251,26 +255,50 @@ class Engine:
                on_text: Callable[[str], None] | None = None, stop: list[str] | tuple = (),
                should_stop: Callable[[], bool] | None = None,
                on_done: Callable[[Completion | None], None] = lambda c: None,
-               on_error: Callable[[Exception], None] | None = None) -> Job:
+               on_error: Callable[[Exception], None] | None = None,
+               on_tokens: Callable[[list[int]], None] | None = None, resume: Resume | None = None) -> Job:
         """Queue a request; it runs as :meth:`step` is called: in the
         continuous-batching scheduler (``--parallel`` > 1) beside others, or
         alone in the one slot, through the mode's decoder, one request per
         :meth:`step`. ``on_text``, ``stop`` and ``should_stop`` as
-        :meth:`generate`; ``on_done`` gets the :class:`Completion` when the
-        request ends (also :attr:`last`), or None for a job cancelled while
-        queued (``job.cancelled``); ``on_error`` gets the exception that
-        ended the request alone (``job.error``: its sampling failed; one
-        request at a time also its own settings, or an unexpected error
-        after which the pipeline was checked and the KV caches cleared,
-        :meth:`recover`), instead of :meth:`step` raising it (without
-        ``on_error``).
+        :meth:`generate`; ``on_tokens`` gets, just before each ``on_text``,
+        the token ids accepted since the last (ggpipe.service.text);
+        ``on_done`` gets the :class:`Completion` when the request ends (also
+        :attr:`last`), or None for a job cancelled while queued
+        (``job.cancelled``); ``on_error`` gets the exception that ended the
+        request alone (``job.error``: its sampling failed; one request at a
+        time also its own settings, or an unexpected error after which the
+        pipeline was checked and the KV caches cleared, :meth:`recover`),
+        instead of :meth:`step` raising it (without ``on_error``).
+
+        ``resume``: the reply was begun by another job (one that lost a
+        rank): its tokens are prefilled after the prompt (the slots' prefix
+        reuse makes a shared prefix cheap), the sampler is advanced through
+        them (penalties, grammar, the keyed noise's output index), and the
+        request goes on from there with ``n_predict`` counting them; the
+        text they hold beyond ``resume.sent`` characters is passed on first.
 
         Raises:
             ConfigError: the prompt is empty or does not fit (one slot);
-                invalid sampling settings."""
+                invalid sampling settings; a ``resume`` that does not fit
+                its tokens (more tokens than ``n_predict``, more characters
+                sent than they hold)."""
         toks = [int(t) for t in tokens]
-        self.check_fits(len(toks), n_predict)     # before the sampler builds its grammar
-        stream = TextStream(self.vocab, on_text, stop, should_stop)
+        before = [] if resume is None else [int(t) for t in resume.tokens]
+        if len(before) > n_predict:
+            raise ConfigError(f"the reply to resume has {len(before)} tokens, more than its max_tokens {n_predict}")
+        left = n_predict - len(before)
+        self.check_fits(len(toks) + len(before), left)     # before the sampler builds its grammar
+        stream = TextStream(self.vocab, on_text, stop, should_stop, on_tokens)
+        sampler = self.sampler(sampling, toks)
+        if before:
+            try:
+                stream.resume(before, resume.sent)
+            except ValueError as e:
+                raise ConfigError(f"cannot resume the reply: {e}") from None
+            for t in before:
+                sampler.accept(t)
+        ended = bool(before) and (left == 0 or self.is_eog(before[-1]) or stream.stopped is not None)
 
         def done(job: Job) -> None:
             if job.error is not None:
@@ -278,24 +306,27 @@ class Engine:
                     raise job.error
                 on_error(job.error)
                 return
-            if job.request is None:
+            if job.request is None and not ended:
                 on_done(None)
                 return
-            out = job.request.out
+            out = before + ([int(t) for t in job.request.out] if job.request is not None else [])
             if job.cancelled:
                 stream.stopped = stream.stopped or "interrupted"
             reason = stream.finish(out, n_predict)
-            self.last = Completion(tokens=[int(t) for t in out], text=stream.text, finish_reason=reason,
-                                   n_prompt=len(toks), n_reused=job.n_reused,
-                                   metrics=request_metrics(job, len(toks)),
+            self.last = Completion(tokens=out, text=stream.text, finish_reason=reason,
+                                   n_prompt=len(toks), n_reused=min(job.n_reused, len(toks)),
+                                   metrics=request_metrics(job, len(job.tokens)),
                                    decoder={"slot": job.slot, "queue_s": round(job.queue_s, 4),
-                                            "parallel": self.parallel, **self.loop.request_stats(job)},
+                                            "parallel": self.parallel,
+                                            **(self.loop.request_stats(job) if job.request is not None else {})},
                                    logprobs=job.sampler.logprobs[:len(out)] if sampling.logprobs >= 0 else None)
             on_done(self.last)
 
-        job = Job(toks, n_predict, self.sampler(sampling, toks), emit=stream.emit, on_done=done,
-                  should_stop=stream.check_stop)
-        self.loop.submit(job)
+        job = Job(toks + before, left, sampler, emit=stream.emit, on_done=done, should_stop=stream.check_stop)
+        if ended:      # the other job had ended it: nothing to generate, answered at the next step
+            self._ended.append(job)
+        else:
+            self.loop.submit(job)
         return job
 
     @property
@@ -319,14 +350,20 @@ class Engine:
     @property
     def busy(self) -> bool:
         """Requests queued or running."""
-        return self.loop.busy
+        return self.loop.busy or bool(self._ended)
 
     def step(self, wake: Callable[[], bool] = lambda: False) -> None:
         """One turn of the loop: of the scheduler
         (:meth:`~ggpipe.decoding.parallel.scheduler.Scheduler.step`; ``wake``:
         stop waiting when it is true, new requests from another thread), or
         the next queued request run to its end through the mode's decoder
-        (a cancelled one is only reported)."""
+        (a cancelled one is only reported); first, the resumed requests
+        that had nothing left to generate are answered."""
+        if self._ended:
+            ended, self._ended = self._ended, []
+            for job in ended:
+                job.on_done(job)
+            return
         self.loop.step(wake)
 
     def recover(self) -> None:

@@ -42,9 +42,11 @@ from ggpipe.frontends.serve.http_guard import host_allowed, is_json_content_type
 from ggpipe.frontends.serve.bodies import (CLIENT_GONE, APIError, ChatBody, CompletionBody, _Body, internal_error,
                                            parse_body, pipeline_failed, too_large)
 from ggpipe.frontends.serve.replies import FINISH, completion, usage
+from ggpipe.frontends.serve.resume import RESUME, TOKENS, from_front
 from ggpipe.frontends.serve.state import Job, ServerState, state_of
 from ggpipe.errors import ConfigError
 from ggpipe.sampling_params import SamplingParams
+from ggpipe.service.text import Resume
 
 SCHEDULING = "one request at a time through the pipeline; further requests wait in a FIFO queue"
 
@@ -206,10 +208,11 @@ async def chat_completions(request: Request):
             context cannot hold), 503 (shutting down, queue full)."""
     state = state_of(request)
     body = await parse_body(request, ChatBody)
+    front = _from_front(request, state, body)
     messages = [m.as_template_message() for m in body.messages]
     n = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     tokens = await _tokenize(state, None, messages)
-    jobs = await _enqueue(state, body, tokens, n)
+    jobs = await _enqueue(state, body, tokens, n, front)
     if body.stream:
         return _stream(state, jobs[0], request, "chat", body.include_usage())
     return await _complete(state, jobs, request, "chat")
@@ -226,6 +229,7 @@ async def completions(request: Request):
             503 (shutting down, queue full)."""
     state = state_of(request)
     body = await parse_body(request, CompletionBody)
+    front = _from_front(request, state, body)
     if body.echo:
         raise APIError(400, "echo is not supported", param="echo")
     p = body.prompt
@@ -242,7 +246,7 @@ async def completions(request: Request):
         tokens = np.asarray(p, dtype=np.int32)
     else:
         tokens = await _tokenize(state, p if isinstance(p, str) else p[0], None)
-    jobs = await _enqueue(state, body, tokens, body.max_tokens)
+    jobs = await _enqueue(state, body, tokens, body.max_tokens, front)
     if body.stream:
         return _stream(state, jobs[0], request, "text", body.include_usage())
     return await _complete(state, jobs, request, "text")
@@ -255,6 +259,29 @@ def _authorized(request: Request, key: str) -> bool:
     got = request.headers.get("authorization", "")
     scheme, _, token = got.partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
+def _from_front(request: Request, state: ServerState, body: _Body) -> bool:
+    """Whether the request came from the front end of ``serve --ranks``
+    (ggpipe.frontends.serve.resume); ``ggpipe_resume`` is checked here.
+
+    Raises:
+        APIError: 400: ``ggpipe_resume`` from anyone else (an unknown
+            field, as to every client), without ``stream``, or naming a
+            token outside the vocabulary."""
+    front = from_front(request.headers, state.front_key)
+    r = body.ggpipe_resume
+    if r is not None:
+        if not front:
+            raise APIError(400, f"unknown field {RESUME!r}: ggpipe does not implement it", param=RESUME,
+                           code="unsupported_parameter")
+        if not body.stream:
+            raise APIError(400, f"{RESUME}: a streamed reply only", param=RESUME)
+        bad = next((t for t in r.tokens if t >= state.n_vocab), None)
+        if bad is not None:
+            raise APIError(400, f"{RESUME}: token {bad} is outside the vocabulary (0..{state.n_vocab - 1})",
+                           param=RESUME)
+    return front
 
 
 async def _tokenize(state: ServerState, prompt: str | None, messages: list | None) -> np.ndarray:
@@ -273,9 +300,12 @@ def request_sampling(defaults: SamplingParams, body: _Body, logprobs: int) -> Sa
     return dataclasses.replace(defaults, logprobs=logprobs, **over)
 
 
-async def _enqueue(state: ServerState, body: _Body, tokens: np.ndarray, max_tokens: int | None) -> list[Job]:
+async def _enqueue(state: ServerState, body: _Body, tokens: np.ndarray, max_tokens: int | None,
+                   front: bool = False) -> list[Job]:
     """Check a request against the context and the queue and put its
-    ``n`` jobs (one per choice; choice i samples with seed + i) on the queue.
+    ``n`` jobs (one per choice; choice i samples with seed + i) on the queue;
+    ``front``: it came from the front end of ``serve --ranks`` (its stream
+    carries token ids; ``ggpipe_resume`` goes on with a reply).
 
     Raises:
         APIError: 400 (does not fit, a refused field), 503 (stopping, queue full)."""
@@ -319,7 +349,9 @@ async def _enqueue(state: ServerState, body: _Body, tokens: np.ndarray, max_toke
     for i in range(body.n):
         s = sampling if i == 0 or sampling.seed is None else dataclasses.replace(
             sampling, seed=(sampling.seed + i) % 2**63)
-        jobs.append(Job(tokens, max_tokens, s, body.stops(), loop, asyncio.Queue()))
+        jobs.append(Job(tokens, max_tokens, s, body.stops(), loop, asyncio.Queue(), with_tokens=front and body.stream,
+                        resume=None if body.ggpipe_resume is None else
+                        Resume(tuple(body.ggpipe_resume.tokens), body.ggpipe_resume.sent)))
     for job in jobs:
         state.jobs.put(job)
     return jobs
@@ -386,25 +418,32 @@ def _stream(state: ServerState, job: Job, request: Request, kind: str, include_u
     created = int(time.time())
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
-    def chunk(text: str | None, reason: str | None, first: bool = False) -> dict:
+    def chunk(text: str | None, reason: str | None, first: bool = False, ids: list[int] | None = None) -> dict:
         if kind == "chat":
             delta = {} if text is None else ({"role": "assistant", "content": text} if first else {"content": text})
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
-        return {"id": rid, "object": obj, "created": created, "model": state.model_id, "choices": [choice]}
+        out = {"id": rid, "object": obj, "created": created, "model": state.model_id, "choices": [choice]}
+        if ids is not None:
+            out[TOKENS] = ids
+        return out
 
     async def events():
         watcher = _watching(request, job)   # also while it waits in the queue, before any text is sent
         try:
             if kind == "chat":
                 yield _sse(chunk("", None, first=True))
+            ids = None
             while True:
                 ev, value = await job.events.get()
                 if ev == "gone":
                     return
-                if ev == "text":
-                    yield _sse(chunk(value, None))
+                if ev == "tokens":      # the front end's: they come with the next text
+                    ids = (ids or []) + value
+                elif ev == "text":
+                    yield _sse(chunk(value, None, ids=ids))
+                    ids = None
                 elif ev == "error":
                     yield _sse(value.body())
                     break

@@ -123,6 +123,16 @@ def _neutral(value, neutral: tuple) -> bool:
                                  and not isinstance(value, bool) and value == n) for n in neutral)
 
 
+class ResumeField(BaseModel):
+    """``ggpipe_resume``: a streamed reply begun by a job that lost a rank
+    (ggpipe.frontends.serve.resume): its token ids and the characters of
+    their text already sent."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    tokens: list[Annotated[StrictInt, Field(ge=0)]]
+    sent: Annotated[StrictInt, Field(ge=0)]
+
+
 class _Body(BaseModel):
     # strict: "0.5" is not a temperature; a field ggpipe does not implement is refused by name (_check_fields)
     model_config = ConfigDict(strict=True, extra="forbid")
@@ -173,6 +183,8 @@ class _Body(BaseModel):
     response_format: Any = None
     json_schema: Any = None
     grammar: Any = None
+    # the front end's only (ggpipe.frontends.serve.resume): an unknown field to any other client
+    ggpipe_resume: ResumeField | None = None
 
     def logprobs_k(self) -> int:
         """Top log-probabilities per token asked for; -1: none."""

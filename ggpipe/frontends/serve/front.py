@@ -6,16 +6,19 @@ The command listens on ``--host``/``--port`` itself and starts the job
 loopback port of its own; every request is passed on to it and its answer
 passed back as it comes. When the job loses a rank, the requests in flight
 wait (``/health`` says ``recovering``) until the supervisor has started the
-job again, and are then sent to the new job from their prompts, as Petals
-replays a client's inputs to a new server:
+job again, and are then sent to the new job, as Petals replays a
+client's inputs to a new server:
 
-* a non-streaming request is simply answered later;
-* a streaming request's client sees a pause: of the new job's events, the
-  text already sent is left out (checked to be the same text: a greedy or
-  seeded request gives the same tokens, where the build's rows are exact,
-  docs/user-guide/exactness.md) and the stream goes on; were it to differ,
-  the stream ends with an error event (``resume_mismatch``) instead of
-  saying something else.
+* a non-streaming request is sent again from its prompt, and simply
+  answered later;
+* a streaming request goes on where it stopped: the front end keeps the
+  token ids of the text sent so far (the job's chunks carry them for it,
+  ggpipe.frontends.serve.resume), and the new job prefills the prompt and
+  those tokens and generates the rest; the client sees a pause in its
+  stream. The tokens after the pause are those of an uninterrupted run
+  where the build's batch rows equal its lone-token rows (the exact build;
+  the kernels report says how far they may differ,
+  docs/user-guide/exactness.md).
 
 A request is sent again at most :data:`RESENDS` times (a request that brings
 the job down each time must not keep the server down). What the job's server
@@ -31,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import secrets
 import sys
 import threading
 import time
@@ -43,6 +47,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ggpipe.cluster.recovery import Loss
+from ggpipe.frontends.serve.resume import HEADER, TOKENS, resumed_body
 from ggpipe.frontends.supervisor import JobWatch
 
 #: Times one request is sent to a new job after the job running it lost a rank.
@@ -171,10 +176,12 @@ class FrontEnd(JobWatch):
         self.backend.fail(reason)
 
 
-def create_front_app(backend: Backend, watch: FrontEnd, max_body_bytes: int, max_connections: int) -> Starlette:
+def create_front_app(backend: Backend, watch: FrontEnd, max_body_bytes: int, max_connections: int,
+                     key: str) -> Starlette:
     """The front end's ASGI app: every path passed on to the job's server;
     ``/health`` answers ``recovering`` meanwhile; ``/metrics`` adds the
-    recovery counters."""
+    recovery counters. ``key``: the one the jobs were started with
+    (ggpipe.frontends.serve.resume), sent with every completion request."""
     clients: dict[str, httpx.AsyncClient] = {}
 
     def client() -> httpx.AsyncClient:
@@ -190,7 +197,8 @@ def create_front_app(backend: Backend, watch: FrontEnd, max_body_bytes: int, max
         Raises:
             httpx.HTTPError: the job cannot be reached."""
         return await client().send(client().build_request(method, f"http://127.0.0.1:{port}{target}",
-                                                          headers=headers, content=body), stream=True)
+                                                          headers=[*headers, (HEADER, key)], content=body),
+                                   stream=True)
 
     async def handle(request: Request) -> Response:
         path = request.url.path
@@ -253,7 +261,7 @@ def create_front_app(backend: Backend, watch: FrontEnd, max_body_bytes: int, max
 
     async def _events(first: httpx.Response, method, target, headers, body: bytes, epoch: int):
         """The job's server-sent events, passed on; after a lost rank, the
-        new job's, less the text already sent."""
+        new job's, which go on after the text already sent."""
         resend = _Resend()
         r = first
         try:
@@ -274,16 +282,15 @@ def create_front_app(backend: Backend, watch: FrontEnd, max_body_bytes: int, max
                     await r.aclose()
                 if attempt == RESENDS:
                     break
-                while True:   # the job lost a rank: the next one, from the prompt
+                while True:   # the job lost a rank: the next one goes on after the tokens sent
                     try:
                         port, epoch = await backend.serving(epoch)
                     except Unavailable as e:
                         yield _sse(_error(503, f"the pipeline is gone: {e}", "pipeline_failed")) + "data: [DONE]\n\n"
                         return
                     backend.resent.inc()
-                    resend.again()
                     try:
-                        r = await send(port, method, target, headers, body)
+                        r = await send(port, method, target, headers, resend.body(body))
                         break
                     except httpx.HTTPError:
                         continue
@@ -309,19 +316,20 @@ _FAILED = object()
 
 class _Resend:
     """The events of one streamed reply across the jobs that run it: passes
-    the first job's on, and of a later job's leaves out the text already
-    sent (the chunks' ``id`` and ``created`` stay the first job's)."""
+    them on (the chunks' ``id`` and ``created`` stay the first job's, a later
+    job's opening chunk is left out) and keeps the token ids and the text
+    sent, from which the next job goes on."""
 
     def __init__(self):
         self.sent = ""          # the reply's text sent so far
-        self.seen: str | None = None   # after a resend: the text of the new job's events so far
+        self.tokens: list[int] = []    # the token ids whose text holds it
         self.first: dict | None = None
         self.role_sent = False
         self.done = False
 
-    def again(self) -> None:
-        """A new job runs the request from its prompt."""
-        self.seen = ""
+    def body(self, request: bytes) -> bytes:
+        """The request's body for the next job: to go on after the tokens sent."""
+        return resumed_body(request, self.tokens, len(self.sent))
 
     def event(self, line: str):
         """What to send for one line of the job's stream: text, "" (nothing),
@@ -342,6 +350,9 @@ class _Resend:
             if isinstance(obj["error"], dict) and obj["error"].get("code") == "pipeline_failed":
                 return _FAILED
             return _sse(obj)
+        ids = obj.pop(TOKENS, None)
+        if isinstance(ids, list):
+            self.tokens += ids
         if self.first is None:
             self.first = {"id": obj.get("id"), "created": obj.get("created")}
         obj.update({k: v for k, v in self.first.items() if k in obj})
@@ -354,32 +365,8 @@ class _Resend:
             if self.role_sent:
                 return ""       # the first job sent the opening chunk
             self.role_sent = True
-        text = (delta.get("content") if delta is not None else c.get("text")) or ""
-        if self.seen is None:   # the first job
-            self.sent += text
-            return _sse(obj)
-        self.seen += text
-        n, finished = len(self.sent), c.get("finish_reason") is not None
-        if len(self.seen) < n or (len(self.seen) == n and not finished):
-            if finished or not self.sent.startswith(self.seen):
-                return self._mismatch()
-            return ""           # text the client already has
-        if not self.seen.startswith(self.sent):
-            return self._mismatch()
-        rest = self.seen[n:]
-        if delta is not None:
-            if delta.get("content") is not None:
-                delta["content"] = rest
-        elif "text" in c:
-            c["text"] = rest
-        self.sent += rest
+        self.sent += (delta.get("content") if delta is not None else c.get("text")) or ""
         return _sse(obj)
-
-    def _mismatch(self) -> str:
-        self.done = True
-        return _sse(_error(503, "the reply could not be resumed after a lost rank: the new job's text differs from "
-                                "what was sent (this build's batch rows are not bit-exact: "
-                                "docs/user-guide/exactness.md)", "resume_mismatch")) + "data: [DONE]\n\n"
 
 
 def run_front(argv: list[str], n_ranks: int, hostfile: str | None, host: str, port: int, limits,
@@ -396,16 +383,18 @@ def run_front(argv: list[str], n_ranks: int, hostfile: str | None, host: str, po
     from ggpipe.cluster.plan import parse_hostfile
     from ggpipe.cluster.recovery import RecoveryPolicy
     from ggpipe.frontends.serve.http_protocol import GuardedServer, bind_socket, guarded_config
+    from ggpipe.frontends.serve.resume import KEY_ENV
     from ggpipe.frontends.supervisor import Supervisor, job_argv
 
     hosts = parse_hostfile(hostfile) if hostfile is not None else None
+    key = secrets.token_hex(16)
     supervisor = Supervisor(job_argv(argv, ("--host", "--port")) + ["--host", "127.0.0.1", "--port", "0"],
-                            RecoveryPolicy(n_ranks, hosts), mpiexec=mpiexec)
+                            RecoveryPolicy(n_ranks, hosts), mpiexec=mpiexec, env={KEY_ENV: key})
     sock = bind_socket(host, port)
     url = f"http://{f'[{host}]' if ':' in host else host}:{sock.getsockname()[1]}/v1"
     backend = Backend()
     watch = supervisor.watch = FrontEnd(backend, url)
-    app = create_front_app(backend, watch, max_body_bytes, limits.max_connections)
+    app = create_front_app(backend, watch, max_body_bytes, limits.max_connections, key)
     http = GuardedServer(guarded_config(app, limits, log_level="warning", lifespan="off", access_log=False), limits)
     thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, name="ggpipe-front", daemon=True)
     thread.start()

@@ -60,7 +60,11 @@ class SlotLoop:
                 job.push("error", APIError(503, "the server is shutting down", "server_error"))
             return
         waited = (sched_job.t_queued - job.t_queued) + sched_job.queue_s
-        answer(self.state, job, done, waited, self.grace_s)
+        try:
+            answer(self.state, job, done, waited, self.grace_s)
+        except Exception as e:  # noqa: BLE001 - a bug in answering it: its client still gets a 500, the log the details
+            job.cancelled.set()
+            job.push("error", internal_error(job.rid, e))
 
     def _request_failed(self, job: Job, exc: BaseException) -> None:
         """The engine refused or ended this request alone: its own settings
@@ -104,7 +108,9 @@ class SlotLoop:
                                            on_text=self._guarded(job, lambda t: job.push("text", t)), stop=job.stop,
                                            should_stop=self._guarded(job, lambda: self._stop(job), True),
                                            on_done=self._guarded(job, lambda done: self._done(job, done, holder[0])),
-                                           on_error=lambda e: self._request_failed(job, e))
+                                           on_error=lambda e: self._request_failed(job, e),
+                                           on_tokens=(self._guarded(job, lambda ids: job.push("tokens", ids))
+                                                      if job.with_tokens else None), resume=job.resume)
         except Exception as e:  # noqa: BLE001 - nothing was sent for it: only this request fails (400 or 500)
             self._request_failed(job, e)
             return

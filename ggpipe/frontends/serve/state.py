@@ -14,14 +14,18 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 from fastapi import Request
 
 from ggpipe.frontends.serve.http_guard import Access
 from ggpipe.frontends.serve.metrics import ServeMetrics
+from ggpipe.frontends.serve.resume import job_key
 from ggpipe.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from ggpipe.service.text import Resume
 
 
 @dataclass
@@ -30,7 +34,10 @@ class Job:
     through :meth:`push`: ("text", str), ("done", Completion) or ("error",
     APIError); ``cancelled`` is set when the client went away. ``rid``: the
     request's id (its completion's id, and the one the server's log names
-    when it fails)."""
+    when it fails). ``resume``: the reply begun by another job to go on
+    with (ggpipe.service.engine.Resume), or None; ``with_tokens``: a
+    ("tokens", ids) event comes before each ("text", str), for the front
+    end of ``serve --ranks`` (ggpipe.frontends.serve.resume)."""
 
     tokens: np.ndarray
     n_predict: int
@@ -42,6 +49,8 @@ class Job:
     t_queued: float = field(default_factory=time.monotonic)
     finished: bool = False
     rid: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    resume: Resume | None = None
+    with_tokens: bool = False
 
     def push(self, kind: str, value) -> None:
         """Hand the event ``(kind, value)`` to the HTTP thread's queue (safe from
@@ -70,6 +79,8 @@ class ServerState:
         info: extra ``/v1/models`` metadata (mode, ranks, ...).
         parallel: slots (``--parallel``); n_ctx is then one slot's cells.
         slots: -> the ``/slots`` view (one dict per slot), or None.
+        front_key: the key of the front end that started this job
+            (``serve --ranks``, ggpipe.frontends.serve.resume), or None.
         tokens_per_s: -> tokens generated per second lately, all requests together.
         step_tokens: -> what the micro-batches carried so far
             (``RequestLoop.step_tokens``), or None.
@@ -97,6 +108,7 @@ class ServerState:
     slots: Callable[[], list[dict]] | None = None
     tokens_per_s: Callable[[], float] | None = None
     step_tokens: Callable[[], dict] | None = None
+    front_key: str | None = field(default_factory=job_key)
 
     def __post_init__(self):
         self.metrics = ServeMetrics(lambda: self.jobs.qsize(), lambda: self.running, self.parallel, self.tokens_per_s,
