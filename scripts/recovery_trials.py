@@ -16,8 +16,9 @@ between 1 and 8 s in; serve: ``--parallel 4``, 8 streaming clients x 80
 tokens, the rank killed between 0.5 and 3 s in. Counted: requests failed
 (no record, or a non-200 answer or an error event), answers identical to an
 uninterrupted run of the same command, the pause (from the loss to the new
-job serving, and the new job's start-up and load within it), and processes
-left running.
+job serving, and the new job's start-up and load within it; serve: the
+longest gap between two pieces of a stream's text), and processes left
+running.
 """
 
 from __future__ import annotations
@@ -127,7 +128,12 @@ def batch_trial(tmp: Path, rank: int, reference: dict, rng: random.Random) -> di
 
 
 def _stream(url: str, prompt: str, max_tokens: int, out: dict, key) -> None:
-    text, gaps, t, failed, why = "", [], time.monotonic(), False, None
+    """One streaming chat client: its text, whether it failed (and why),
+    the longest gap between two pieces of text (``pause_s``: a pause in the
+    middle of the stream) and the wait for the first (``first_s``: a slot,
+    the prompt; seconds)."""
+    text, gaps, start, failed, why = "", [], time.monotonic(), False, None
+    t = first = None
     try:
         with httpx.stream("POST", url + "/v1/chat/completions", timeout=600,
                           json={"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
@@ -141,14 +147,19 @@ def _stream(url: str, prompt: str, max_tokens: int, out: dict, key) -> None:
                 if "error" in obj:
                     failed, why = True, obj["error"].get("code")
                     continue
-                if obj["choices"]:
-                    text += obj["choices"][0]["delta"].get("content") or ""
+                piece = obj["choices"][0]["delta"].get("content") if obj["choices"] else None
+                if not piece:
+                    continue
+                text += piece
                 now = time.monotonic()
-                gaps.append(now - t)
+                if t is None:
+                    first = now - start
+                else:
+                    gaps.append(now - t)
                 t = now
     except httpx.HTTPError as e:
         failed, why = True, type(e).__name__
-    out[key] = {"text": text, "failed": failed, "why": why, "pause_s": max(gaps, default=0.0)}
+    out[key] = {"text": text, "failed": failed, "why": why, "pause_s": max(gaps, default=0.0), "first_s": first}
 
 
 def _clients(url: str, n: int, max_tokens: int) -> dict:
@@ -206,6 +217,7 @@ def serve_trial(rank: int, reference: dict, rng: random.Random) -> dict:
             "why_failed": [g["why"] for g in got.values() if g["failed"]],
             "identical": sum(got[k]["text"] == reference[k]["text"] for k in got),
             "max_pause_s": max(g["pause_s"] for g in got.values()),
+            "max_first_s": max(g["first_s"] or 0.0 for g in got.values()),
             "back_s": float(back.group(1)) if back else None, "load_s": float(back.group(2)) if back else None,
             "left_running": _left(procs), "killed": True}
 
@@ -265,6 +277,11 @@ def cmd_trials(a) -> dict:
                 "back_s (median, max)": (statistics.median(r["back_s"] for r in rs if r["back_s"] is not None),
                                          max(r["back_s"] for r in rs if r["back_s"] is not None)),
                 "back minus start-up and load, s (max)": max(over) if over else None}
+            if cmd == "serve":
+                table[f"{cmd} rank {rank}"]["longest pause inside a stream, s (median, max)"] = (
+                    statistics.median(r["max_pause_s"] for r in rs), max(r["max_pause_s"] for r in rs))
+                table[f"{cmd} rank {rank}"]["longest pause inside a stream, uninterrupted, s"] = max(
+                    g["pause_s"] for g in serve_ref.values())
     return {"trials": results, "table": table}
 
 

@@ -249,6 +249,55 @@ def test_the_backend_waits_for_a_newer_job_and_counts_the_time_without_service()
         asyncio.run(b.serving())
 
 
+def test_requests_sent_again_from_their_prompts_wait_behind_the_streams_cut_in_the_middle(monkeypatch):
+    import asyncio
+
+    from ggpipe.frontends.serve import front
+    from ggpipe.frontends.serve.front import Backend
+
+    b = Backend()
+    b.up(1000)
+    b.down()
+    order: list[str] = []
+
+    async def cut():
+        with b.first_in_line():
+            await b.serving(1, poll_s=0.01)
+            await asyncio.sleep(0.2)     # sent to the new job
+            order.append("cut")
+
+    async def behind():
+        await b.serving(1, poll_s=0.01, behind=True)
+        order.append("behind")
+
+    async def run():
+        tasks = [asyncio.create_task(behind()), asyncio.create_task(cut())]
+        await asyncio.sleep(0.05)
+        b.up(1001)
+        await asyncio.gather(*tasks)
+
+    asyncio.run(run())
+    assert order == ["cut", "behind"]
+    # a stream that never gets there holds the others up for BEHIND_MAX_S at most
+    monkeypatch.setattr(front, "BEHIND_MAX_S", 0.1)
+    b.down()
+    b.up(1002)
+
+    async def stuck():
+        with b.first_in_line():
+            await asyncio.sleep(10)
+
+    async def run2():
+        t = asyncio.create_task(stuck())
+        await asyncio.sleep(0.01)
+        start = asyncio.get_running_loop().time()
+        await b.serving(2, poll_s=0.01, behind=True)
+        t.cancel()
+        return asyncio.get_running_loop().time() - start
+
+    assert 0.1 <= asyncio.run(run2()) < 2
+
+
 # -- the front end's app against a stand-in for the job's server ------------------------------------------------
 
 class _StandIn:

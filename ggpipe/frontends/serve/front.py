@@ -32,6 +32,7 @@ without service.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import secrets
@@ -52,6 +53,8 @@ from ggpipe.frontends.supervisor import JobWatch
 
 #: Times one request is sent to a new job after the job running it lost a rank.
 RESENDS = 2
+#: Seconds a request sent again from its prompt waits at most behind the streams cut in the middle.
+BEHIND_MAX_S = 5.0
 #: The paths whose requests are sent again (the rest are answered once, or 503 while recovering).
 COMPLETIONS = ("/v1/chat/completions", "/v1/completions")
 #: Headers that belong to one connection, not to the request.
@@ -73,6 +76,7 @@ class Backend:
         self.epoch = 0
         self.failed: str | None = None
         self.lost_at: float | None = None
+        self.first = 0     # streams cut in the middle, on their way to the new job
         disable_created_metrics()
         r = self.registry = CollectorRegistry()
         self.recoveries = Counter("ggpipe_recoveries", "Jobs started again after a lost rank", registry=r)
@@ -107,21 +111,41 @@ class Backend:
         """A job lost a rank and the next one does not serve yet."""
         return self.port is None and self.failed is None and self.lost_at is not None
 
-    async def serving(self, after_epoch: int = 0, poll_s: float = 0.05) -> tuple[int, int]:
+    async def serving(self, after_epoch: int = 0, poll_s: float = 0.05, behind: bool = False) -> tuple[int, int]:
         """Wait for a job that serves, newer than ``after_epoch``: its (port,
         epoch). The wait ends when a job serves or none ever will (bounded
         by the supervisor: a job either starts, or the command ends).
+        ``behind``: a request sent again from its prompt also waits until
+        the streams cut in the middle (:meth:`first_in_line`) have reached
+        the new job (at most :data:`BEHIND_MAX_S` seconds), so that they
+        take its slots first, as vLLM puts preempted requests back at the
+        head of its waiting queue.
 
         Raises:
             Unavailable: no job will serve again.
         """
+        since = None
         while True:
             with self._lock:
                 if self.failed is not None:
                     raise Unavailable(self.failed)
                 if self.port is not None and self.epoch > after_epoch:
-                    return self.port, self.epoch
+                    since = since if since is not None else time.monotonic()
+                    if not behind or not self.first or time.monotonic() - since >= BEHIND_MAX_S:
+                        return self.port, self.epoch
             await asyncio.sleep(poll_s)
+
+    @contextlib.contextmanager
+    def first_in_line(self):
+        """While a stream cut in the middle waits for the new job and is
+        sent to it: requests sent again from their prompts wait behind it."""
+        with self._lock:
+            self.first += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.first -= 1
 
 
 class Unavailable(Exception):
@@ -234,7 +258,7 @@ def create_front_app(backend: Backend, watch: FrontEnd, max_body_bytes: int, max
         epoch = 0
         for attempt in range(RESENDS + 1):
             try:
-                port, epoch = await backend.serving(epoch)
+                port, epoch = await backend.serving(epoch, behind=attempt > 0)
             except Unavailable as e:
                 return _unavailable(str(e))
             if attempt:
@@ -283,17 +307,20 @@ def create_front_app(backend: Backend, watch: FrontEnd, max_body_bytes: int, max
                 if attempt == RESENDS:
                     break
                 while True:   # the job lost a rank: the next one goes on after the tokens sent
-                    try:
-                        port, epoch = await backend.serving(epoch)
-                    except Unavailable as e:
-                        yield _sse(_error(503, f"the pipeline is gone: {e}", "pipeline_failed")) + "data: [DONE]\n\n"
-                        return
-                    backend.resent.inc()
-                    try:
-                        r = await send(port, method, target, headers, resend.body(body))
-                        break
-                    except httpx.HTTPError:
-                        continue
+                    cut = resend.tokens != []     # in the middle: first in line; else behind those
+                    with backend.first_in_line() if cut else contextlib.nullcontext():
+                        try:
+                            port, epoch = await backend.serving(epoch, behind=not cut)
+                        except Unavailable as e:
+                            yield _sse(_error(503, f"the pipeline is gone: {e}", "pipeline_failed")) \
+                                + "data: [DONE]\n\n"
+                            return
+                        backend.resent.inc()
+                        try:
+                            r = await send(port, method, target, headers, resend.body(body))
+                            break
+                        except httpx.HTTPError:
+                            continue
             yield _sse(_error(503, f"the pipeline lost a rank {RESENDS + 1} times while running this request",
                               "pipeline_failed")) + "data: [DONE]\n\n"
         finally:
