@@ -156,6 +156,17 @@ def test_a_job_goes_on_with_a_reply_another_job_began(smollm2):
         assert_greedy(begun + more, smollm2, prompt, n, msg="resumed")
         if rows_exact(smollm2):
             assert text[:sent] + "".join(e["choices"][0]["text"] for e in rest) == text and begun + more == tokens
+        # seeded sampling: the keyed noise goes on at the output index where the other job stopped
+        sampled = {**body, "temperature": 0.9, "seed": 7}
+        status, whole_s = _events(url, sampled, key)
+        chunks_s = [e for e in whole_s if e["choices"] and e["choices"][0]["text"]]
+        text_s = "".join(e["choices"][0]["text"] for e in chunks_s)
+        begun_s = [t for e in chunks_s[:4] for t in e["ggpipe_tokens"]]
+        sent_s = len("".join(e["choices"][0]["text"] for e in chunks_s[:4]))
+        status, rest_s = _events(url, {**sampled, "ggpipe_resume": {"tokens": begun_s, "sent": sent_s}}, key)
+        assert status == 200 and rest_s[-1]["choices"][0]["finish_reason"] in ("stop", "length"), rest_s
+        if rows_exact(smollm2):
+            assert text_s[:sent_s] + "".join(e["choices"][0]["text"] for e in rest_s) == text_s
         # a reply that had ended: the text not yet sent, at once
         status, last = _events(url, {**body, "ggpipe_resume": {"tokens": tokens, "sent": sent}}, key)
         assert "".join(e["choices"][0]["text"] for e in last) == text[sent:]
