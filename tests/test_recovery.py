@@ -501,3 +501,32 @@ exec sleep 60
     assert calls.read_text().count("x") == 3
     assert err.count("is not ready after") == 2 and "(the first loaded in" not in err
     assert "the job could not start again on vm" in err and "there is no other host to run on: the job stops" in err
+
+
+def test_a_launcher_that_does_not_end_after_the_loss_is_ended_and_the_job_starts_again(tmp_path, capfd):
+    """A stand-in launcher whose first job names a lost rank and then hangs
+    (Open MPI's waits for its daemon on a host it can no longer reach): the
+    supervisor ends it after LINGER_S and starts the job again, which ends
+    normally."""
+    from ggpipe.frontends.supervisor import Supervisor
+
+    calls = tmp_path / "calls"
+    fake = tmp_path / "mpiexec"
+    line = death_line(1, "vm", 5, signal.SIGKILL, "", "")
+    fake.write_text(f"""#!/bin/sh
+[ "$1" = --version ] && {{ echo "HYDRA build details"; exit 0; }}
+echo x >> {calls}
+if [ "$(wc -l < {calls})" = 1 ]; then echo "{line}" >&2; exec sleep 60; fi
+exit 0
+""")
+    fake.chmod(0o755)
+
+    class Quick(Supervisor):
+        LINGER_S = 0.5
+
+    t0 = time.monotonic()
+    assert Quick(["batch"], RecoveryPolicy(3, None), mpiexec=str(fake), poll_s=0.05).run() == 0
+    err = capfd.readouterr().err
+    assert time.monotonic() - t0 < 30 and calls.read_text().count("x") == 2
+    assert "the launcher has not ended 0 s after the loss; ending it" in err
+    assert "starting the job again on 3 ranks" in err

@@ -160,6 +160,9 @@ class Supervisor:
     RESTART_FACTOR = 4
     MIN_RESTART_S = 60.0
 
+    #: Seconds the launcher may take to end the job after a lost rank was named, before it is ended.
+    LINGER_S = 15.0
+
     def restart_timeout_s(self) -> float:
         """Seconds a job started again after a loss may take to be ready."""
         return max(self.MIN_RESTART_S, self.RESTART_FACTOR * (self.first_start_s or self.MIN_RESTART_S))
@@ -238,10 +241,17 @@ class Supervisor:
                                             daemon=True))
         for t in readers:
             t.start()
-        ready, ended_at = False, None
+        ready, ended_at, loss_seen = False, None, None
         while self.proc.poll() is None:
             now = time.monotonic()
-            if lost_at is not None and not ready and ended_at is None and now - start > self.restart_timeout_s():
+            loss_seen = loss_seen if loss_seen is not None or not losses else now
+            if loss_seen is not None and ended_at is None and now - loss_seen > self.LINGER_S:
+                # a launcher that waits for a host it can no longer reach (Open MPI's, for its daemon there)
+                sys.stderr.write(f"ggpipe: the launcher has not ended {self.LINGER_S:.0f} s after the loss; "
+                                 f"ending it\n")
+                ended_at = now
+                self._signal_job(signal.SIGTERM)
+            elif lost_at is not None and not ready and ended_at is None and now - start > self.restart_timeout_s():
                 first = "" if self.first_start_s is None else f" (the first loaded in {self.first_start_s:.1f} s)"
                 sys.stderr.write(f"ggpipe: the job started again after the loss is not ready after "
                                  f"{now - start:.0f} s{first}; ending it\n")
