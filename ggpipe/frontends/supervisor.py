@@ -131,6 +131,7 @@ class Supervisor:
         self.signal: int | None = None
         self.proc: subprocess.Popen | None = None
         self.first_start_s: float | None = None   # the first job's start-up and load (seconds)
+        self.loss_named_at: float | None = None   # when the running job's lost rank was named (monotonic)
         self.flavor = "unknown"
 
     def _on_signal(self, signum, frame) -> None:  # noqa: ARG002 (signal handler signature)
@@ -189,7 +190,8 @@ class Supervisor:
                 if loss is None and (lost_at is None or ready):
                     self.watch.ended(f"the job ended with exit code {code}")
                     return code   # not a lost rank: the job's own line said why
-                lost_at = time.monotonic()
+                if lost_at is None or ready:   # a new loss (not a start again that failed): from when it was named
+                    lost_at = self.loss_named_at if self.loss_named_at is not None else time.monotonic()
                 left_out = list(self.policy.excluded)
                 reason = self.policy.lost(loss, progressed)
                 what = (f"{'the head, ' if loss.rank == 0 else ''}rank {loss.rank} ({loss.host}) was lost"
@@ -242,9 +244,11 @@ class Supervisor:
         for t in readers:
             t.start()
         ready, ended_at, loss_seen = False, None, None
+        self.loss_named_at = None
         while self.proc.poll() is None:
             now = time.monotonic()
-            loss_seen = loss_seen if loss_seen is not None or not losses else now
+            if loss_seen is None and losses:
+                loss_seen = self.loss_named_at = now
             if loss_seen is not None and ended_at is None and now - loss_seen > self.LINGER_S:
                 # a launcher that waits for a host it can no longer reach (Open MPI's, for its daemon there)
                 sys.stderr.write(f"ggpipe: the launcher has not ended {self.LINGER_S:.0f} s after the loss; "
