@@ -472,6 +472,23 @@ def test_the_lost_host_is_the_hostfile_entry_the_rank_was_placed_on():
     assert p.excluded == ["10.0.0.2"] and p.placed() == ["10.0.0.1", "10.0.0.3", "10.0.0.4"]
 
 
+def _stand_in_launcher(tmp_path, then: str, later: str):
+    """A stand-in ``mpiexec`` (hydra, by its ``--version``): its first job
+    names rank 1 (host vm) lost by the guard's line, then runs the shell
+    command ``then``; every later job runs ``later``. Returns (its path, the
+    file with one line per job)."""
+    calls, fake = tmp_path / "calls", tmp_path / "mpiexec"
+    line = death_line(1, "vm", 5, signal.SIGKILL, "", "")
+    fake.write_text(f"""#!/bin/sh
+[ "$1" = --version ] && {{ echo "HYDRA build details"; exit 0; }}
+echo x >> {calls}
+if [ "$(wc -l < {calls})" = 1 ]; then echo "{line}" >&2; {then}; fi
+{later}
+""")
+    fake.chmod(0o755)
+    return fake, calls
+
+
 def test_a_job_started_again_that_never_gets_ready_is_ended_and_counts_against_its_host(tmp_path, capfd):
     """A stand-in launcher: its first job loses rank 1 before it is ready,
     every later one hangs at start-up. The supervisor ends each hung start
@@ -479,16 +496,7 @@ def test_a_job_started_again_that_never_gets_ready_is_ended_and_counts_against_i
     row without progress stops in one line: that host is the only one."""
     from ggpipe.frontends.supervisor import Supervisor
 
-    calls = tmp_path / "calls"
-    fake = tmp_path / "mpiexec"
-    line = death_line(1, "vm", 5, signal.SIGKILL, "", "")
-    fake.write_text(f"""#!/bin/sh
-[ "$1" = --version ] && {{ echo "HYDRA build details"; exit 0; }}
-echo x >> {calls}
-if [ "$(wc -l < {calls})" = 1 ]; then echo "{line}" >&2; exit 9; fi
-exec sleep 60
-""")
-    fake.chmod(0o755)
+    fake, calls = _stand_in_launcher(tmp_path, "exit 9", "exec sleep 60")
 
     class Quick(Supervisor):
         MIN_RESTART_S = 0.5
@@ -510,16 +518,7 @@ def test_a_launcher_that_does_not_end_after_the_loss_is_ended_and_the_job_starts
     normally."""
     from ggpipe.frontends.supervisor import Supervisor
 
-    calls = tmp_path / "calls"
-    fake = tmp_path / "mpiexec"
-    line = death_line(1, "vm", 5, signal.SIGKILL, "", "")
-    fake.write_text(f"""#!/bin/sh
-[ "$1" = --version ] && {{ echo "HYDRA build details"; exit 0; }}
-echo x >> {calls}
-if [ "$(wc -l < {calls})" = 1 ]; then echo "{line}" >&2; exec sleep 60; fi
-exit 0
-""")
-    fake.chmod(0o755)
+    fake, calls = _stand_in_launcher(tmp_path, "exec sleep 60", "exit 0")
 
     class Quick(Supervisor):
         LINGER_S = 0.5

@@ -31,6 +31,25 @@ STREAMED = ["The three laws of thermodynamics are", "A Beowulf cluster is"]
 WHOLE = ["The capital of France is", "MPI stands for"]
 
 
+def _start(cmd: list[str], env: dict) -> tuple[subprocess.Popen, list[str]]:
+    """A server started with ``cmd`` (its own session; ``env`` added to
+    ours), and the list its stderr's lines are read into."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         env=dict(os.environ, PYTHONUNBUFFERED="1", **env), start_new_session=True)
+    err: list[str] = []
+    threading.Thread(target=lambda: err.extend(p.stderr), daemon=True).start()
+    return p, err
+
+
+def _listening(p: subprocess.Popen, err: list[str]) -> str:
+    """The server's base URL, from its "listening on" line (within 180 s)."""
+    line, deadline = "", time.monotonic() + 180
+    while "listening on" not in line:
+        line = p.stdout.readline()
+        assert (line or p.poll() is None) and time.monotonic() < deadline, "".join(err)[-3000:]
+    return "http://127.0.0.1:" + re.search(r":(\d+)/v1", line).group(1)
+
+
 def _stream(url: str, prompt: str, got: dict) -> None:
     text, events, reason = "", [], None
     with httpx.stream("POST", url + "/v1/completions", json={"prompt": prompt, "max_tokens": N, "stream": True},
@@ -57,18 +76,10 @@ def _whole(url: str, prompt: str, got: dict) -> None:
 def test_a_lost_rank_is_a_pause_for_every_client(smollm2):
     cmd = [sys.executable, "-m", "ggpipe", "serve", "--ranks", "3", "-m", str(smollm2), "--parallel", "2", "-t", "1",
            "--port", "0", "--liveness-timeout", "2"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                         env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
-    err: list[str] = []
-    threading.Thread(target=lambda: err.extend(p.stderr), daemon=True).start()
+    p, err = _start(cmd, {})
     seen: list[psutil.Process] = []
     try:
-        line, deadline = "", time.monotonic() + 180
-        while "listening on" not in line:
-            line = p.stdout.readline()
-            assert line or p.poll() is None, "".join(err)[-3000:]
-            assert time.monotonic() < deadline, "".join(err)[-3000:]
-        url = "http://127.0.0.1:" + re.search(r":(\d+)/v1", line).group(1)
+        url = _listening(p, err)
         got: dict = {}
         clients = [threading.Thread(target=_stream, args=(url, q, got)) for q in STREAMED] + \
                   [threading.Thread(target=_whole, args=(url, q, got)) for q in WHOLE]
@@ -127,19 +138,12 @@ def _events(url: str, body: dict, key: str | None) -> tuple[int, list[dict]]:
 
 def test_a_job_goes_on_with_a_reply_another_job_began(smollm2):
     key, n, prompt = "front-key", 32, STREAMED[0]
-    p = subprocess.Popen(ggpipe_cmd(["serve", "-m", str(smollm2), "--parallel", "2", "-t", "1", "--port", "0"], 2),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True,
-                         env=dict(os.environ, PYTHONUNBUFFERED="1", GGPIPE_FRONT_KEY=key))
-    err: list[str] = []
-    threading.Thread(target=lambda: err.extend(p.stderr), daemon=True).start()
+    p, err = _start(ggpipe_cmd(["serve", "-m", str(smollm2), "--parallel", "2", "-t", "1", "--port", "0"], 2),
+                    {"GGPIPE_FRONT_KEY": key})
     seen: list[psutil.Process] = []
     try:
-        line, deadline = "", time.monotonic() + 180
-        while "listening on" not in line:
-            line = p.stdout.readline()
-            assert (line or p.poll() is None) and time.monotonic() < deadline, "".join(err)[-3000:]
+        url = _listening(p, err)
         seen = psutil.Process(p.pid).children(recursive=True)
-        url = "http://127.0.0.1:" + re.search(r":(\d+)/v1", line).group(1)
         body = {"prompt": prompt, "max_tokens": n, "stream": True}
         status, whole = _events(url, body, key)
         chunks = [e for e in whole if e["choices"] and e["choices"][0]["text"]]
