@@ -306,6 +306,29 @@ def test_slot_loop_answers_an_unexpected_error_with_500_and_goes_on(capfd):
     assert err.status == 500 and c.rid in err.message
 
 
+def test_slot_loop_answers_a_failure_in_answering_with_500(capfd, monkeypatch):
+    """A finished request whose answer fails (its metrics raise): its client
+    gets a 500 naming the request, not a stream that never ends."""
+    from ggpipe.frontends.serve.slots import SlotLoop
+
+    state = ServerState(tokenize=None, model_id="m", n_ctx=64, n_vocab=100, n_predict=4, sampling=SamplingParams())
+
+    def broken(done, waited_s):
+        raise ValueError("Counters can only be incremented by non-negative amounts.")
+
+    monkeypatch.setattr(state.metrics, "finished", broken)
+    engine = FakeSlotEngine()
+    loop = SlotLoop(engine, state, lambda: None, 30.0, lambda: True)
+    a, b = _job(), _job()
+    state.jobs.put(a)
+    state.jobs.put(b)
+    loop._take()
+    engine.step()
+    (_, _), (kind, err) = _events(b)
+    assert kind == "error" and err.status == 500 and b.rid in err.message
+    assert b.finished and b.cancelled.is_set() and b.rid in capfd.readouterr().err
+
+
 # -- 6: error bodies: a short reason and a request id; the details in the server's log -------------
 
 

@@ -54,17 +54,15 @@ class SlotLoop:
     def _done(self, job: Job, done: Completion | None, sched_job) -> None:
         if job.finished:
             return
-        job.finished = True
         if done is None:            # dropped while waiting: its client left, or the server stops
+            job.finished = True
             if not job.cancelled.is_set():
                 job.push("error", APIError(503, "the server is shutting down", "server_error"))
             return
         waited = (sched_job.t_queued - job.t_queued) + sched_job.queue_s
-        try:
-            answer(self.state, job, done, waited, self.grace_s)
-        except Exception as e:  # noqa: BLE001 - a bug in answering it: its client still gets a 500, the log the details
-            job.cancelled.set()
-            job.push("error", internal_error(job.rid, e))
+        # finished once answered: a failure in answering it is answered with a 500 by _guarded (_failed)
+        answer(self.state, job, done, waited, self.grace_s)
+        job.finished = True
 
     def _request_failed(self, job: Job, exc: BaseException) -> None:
         """The engine refused or ended this request alone: its own settings
