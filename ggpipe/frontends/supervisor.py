@@ -243,13 +243,13 @@ class Supervisor:
                                             daemon=True))
         for t in readers:
             t.start()
-        ready, ended_at, loss_seen = False, None, None
+        ready, ended_at = False, None
         self.loss_named_at = None
         while self.proc.poll() is None:
             now = time.monotonic()
-            if loss_seen is None and losses:
-                loss_seen = self.loss_named_at = now
-            if loss_seen is not None and ended_at is None and now - loss_seen > self.LINGER_S:
+            if self.loss_named_at is None and losses:
+                self.loss_named_at = now
+            if self.loss_named_at is not None and ended_at is None and now - self.loss_named_at > self.LINGER_S:
                 # a launcher that waits for a host it can no longer reach (Open MPI's, for its daemon there)
                 sys.stderr.write(f"ggpipe: the launcher has not ended {self.LINGER_S:.0f} s after the loss; "
                                  f"ending it\n")
