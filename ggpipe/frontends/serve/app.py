@@ -16,8 +16,8 @@ Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``,
 The request bodies and their checks are in ggpipe.frontends.serve.bodies,
 the state shared with the main thread (ServerState, Job) in
 ggpipe.frontends.serve.state, the metrics in ggpipe.frontends.serve.metrics,
-the finished requests' bodies (choices, usage, logprobs) in
-ggpipe.frontends.serve.replies.
+the answers (a finished request's body, or its server-sent events as the
+text comes) in ggpipe.frontends.serve.replies.
 """
 
 from __future__ import annotations
@@ -25,13 +25,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
-import json
-import time
 import uuid
 
 import numpy as np
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -39,10 +37,10 @@ from starlette.middleware.cors import CORSMiddleware
 
 from ggpipe.frontends import request_fields
 from ggpipe.frontends.serve.http_guard import host_allowed, is_json_content_type, origin_allowed
-from ggpipe.frontends.serve.bodies import (CLIENT_GONE, APIError, ChatBody, CompletionBody, _Body, internal_error,
+from ggpipe.frontends.serve.bodies import (APIError, ChatBody, CompletionBody, _Body, internal_error,
                                            parse_body, pipeline_failed, too_large)
-from ggpipe.frontends.serve.replies import FINISH, completion, usage
-from ggpipe.frontends.serve.resume import RESUME, TOKENS, from_front
+from ggpipe.frontends.serve.replies import complete, stream
+from ggpipe.frontends.serve.resume import RESUME, from_front
 from ggpipe.frontends.serve.state import Job, ServerState, state_of
 from ggpipe.errors import ConfigError
 from ggpipe.sampling_params import SamplingParams
@@ -214,8 +212,8 @@ async def chat_completions(request: Request):
     tokens = await _tokenize(state, None, messages)
     jobs = await _enqueue(state, body, tokens, n, front)
     if body.stream:
-        return _stream(state, jobs[0], request, "chat", body.include_usage())
-    return await _complete(state, jobs, request, "chat")
+        return stream(state, jobs[0], request, "chat", body.include_usage())
+    return await complete(state, jobs, request, "chat")
 
 
 async def completions(request: Request):
@@ -239,17 +237,14 @@ async def completions(request: Request):
     if p == "" or p == [""]:
         raise APIError(400, "the prompt is empty", param="prompt")
     if isinstance(p, list) and isinstance(p[0], int):
-        bad = next((t for t in p if t >= state.n_vocab), None)
-        if bad is not None:
-            raise APIError(400, f"prompt token {bad} is outside the vocabulary (0..{state.n_vocab - 1})",
-                           param="prompt")
+        _in_vocabulary(p, state.n_vocab, "prompt token", "prompt")
         tokens = np.asarray(p, dtype=np.int32)
     else:
         tokens = await _tokenize(state, p if isinstance(p, str) else p[0], None)
     jobs = await _enqueue(state, body, tokens, body.max_tokens, front)
     if body.stream:
-        return _stream(state, jobs[0], request, "text", body.include_usage())
-    return await _complete(state, jobs, request, "text")
+        return stream(state, jobs[0], request, "text", body.include_usage())
+    return await complete(state, jobs, request, "text")
 
 
 # -- a request's way through the queue and back ------------------------------------------
@@ -259,6 +254,14 @@ def _authorized(request: Request, key: str) -> bool:
     got = request.headers.get("authorization", "")
     scheme, _, token = got.partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
+def _in_vocabulary(tokens: list[int], n_vocab: int, what: str, param: str) -> None:
+    """Raise APIError 400 naming the first of ``tokens`` (ids, >= 0) that
+    ``n_vocab`` does not hold (``WHAT ID is outside the vocabulary``)."""
+    bad = next((t for t in tokens if t >= n_vocab), None)
+    if bad is not None:
+        raise APIError(400, f"{what} {bad} is outside the vocabulary (0..{n_vocab - 1})", param=param)
 
 
 def _from_front(request: Request, state: ServerState, body: _Body) -> bool:
@@ -277,10 +280,7 @@ def _from_front(request: Request, state: ServerState, body: _Body) -> bool:
                            code="unsupported_parameter")
         if not body.stream:
             raise APIError(400, f"{RESUME}: a streamed reply only", param=RESUME)
-        bad = next((t for t in r.tokens if t >= state.n_vocab), None)
-        if bad is not None:
-            raise APIError(400, f"{RESUME}: token {bad} is outside the vocabulary (0..{state.n_vocab - 1})",
-                           param=RESUME)
+        _in_vocabulary(r.tokens, state.n_vocab, f"{RESUME}: token", RESUME)
     return front
 
 
@@ -355,109 +355,3 @@ async def _enqueue(state: ServerState, body: _Body, tokens: np.ndarray, max_toke
     for job in jobs:
         state.jobs.put(job)
     return jobs
-
-
-async def _watch(request: Request, job: Job) -> None:
-    """Wait for the client to disconnect (the body has been read: the next
-    message is ``http.disconnect``), then cancel the job, queued or running
-    (the request loops stop it at its next token or never start it), and
-    tell its handler ("gone"). ``request.is_disconnected()`` never saw it
-    behind the counting middleware, so a request whose client had left was
-    served to its end."""
-    try:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-    except Exception:  # noqa: BLE001, S110 - any failure to read means the client is gone
-        pass
-    job.cancelled.set()
-    job.events.put_nowait(("gone", None))
-
-
-def _watching(request: Request, job: Job) -> asyncio.Task:
-    return asyncio.get_running_loop().create_task(_watch(request, job))
-
-
-async def _finished(job: Job, request: Request):
-    """Wait for ``job``'s Completion; None when its client left."""
-    watcher = _watching(request, job)
-    try:
-        while True:
-            ev, value = await job.events.get()
-            if ev == "gone":
-                return None
-            if ev == "error":
-                raise value
-            if ev == "done":
-                return value
-    finally:
-        watcher.cancel()
-
-
-async def _complete(state: ServerState, jobs: list[Job], request: Request, kind: str) -> Response:
-    rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + jobs[0].rid
-    done = []
-    try:
-        for job in jobs:
-            d = await _finished(job, request)
-            if d is None:     # nobody will read an answer; counted in /metrics
-                return Response(status_code=CLIENT_GONE)
-            done.append(d)
-    finally:
-        for job in jobs:
-            if not job.finished:
-                job.cancelled.set()
-    return JSONResponse(completion(state, rid, done, kind))
-
-
-def _sse(obj) -> str:
-    return "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
-
-
-def _stream(state: ServerState, job: Job, request: Request, kind: str, include_usage: bool) -> StreamingResponse:
-    rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + job.rid
-    created = int(time.time())
-    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-
-    def chunk(text: str | None, reason: str | None, first: bool = False, ids: list[int] | None = None) -> dict:
-        if kind == "chat":
-            delta = {} if text is None else ({"role": "assistant", "content": text} if first else {"content": text})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
-        out = {"id": rid, "object": obj, "created": created, "model": state.model_id, "choices": [choice]}
-        if ids is not None:
-            out[TOKENS] = ids
-        return out
-
-    async def events():
-        watcher = _watching(request, job)   # also while it waits in the queue, before any text is sent
-        try:
-            if kind == "chat":
-                yield _sse(chunk("", None, first=True))
-            ids = None
-            while True:
-                ev, value = await job.events.get()
-                if ev == "gone":
-                    return
-                if ev == "tokens":      # the front end's: they come with the next text
-                    ids = (ids or []) + value
-                elif ev == "text":
-                    yield _sse(chunk(value, None, ids=ids))
-                    ids = None
-                elif ev == "error":
-                    yield _sse(value.body())
-                    break
-                else:
-                    yield _sse(chunk(None, FINISH[value.finish_reason]))
-                    if include_usage:
-                        yield _sse({"id": rid, "object": obj, "created": created, "model": state.model_id,
-                                    "choices": [], "usage": usage([value])})
-                    break
-            yield "data: [DONE]\n\n"
-        finally:
-            watcher.cancel()
-            if not job.finished:
-                job.cancelled.set()  # the client went away: stop generating for it
-
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

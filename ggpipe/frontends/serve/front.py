@@ -48,6 +48,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ggpipe.cluster.recovery import Loss
+from ggpipe.frontends.serve.replies import sse
 from ggpipe.frontends.serve.resume import HEADER, TOKENS, resumed_body
 from ggpipe.frontends.supervisor import JobWatch
 
@@ -312,7 +313,7 @@ def create_front_app(backend: Backend, watch: FrontEnd, max_body_bytes: int, max
                         try:
                             port, epoch = await backend.serving(epoch, behind=not cut)
                         except Unavailable as e:
-                            yield _sse(_error(503, f"the pipeline is gone: {e}", "pipeline_failed")) \
+                            yield sse(_error(503, f"the pipeline is gone: {e}", "pipeline_failed")) \
                                 + "data: [DONE]\n\n"
                             return
                         backend.resent.inc()
@@ -321,7 +322,7 @@ def create_front_app(backend: Backend, watch: FrontEnd, max_body_bytes: int, max
                             break
                         except httpx.HTTPError:
                             continue
-            yield _sse(_error(503, f"the pipeline lost a rank {RESENDS + 1} times while running this request",
+            yield sse(_error(503, f"the pipeline lost a rank {RESENDS + 1} times while running this request",
                               "pipeline_failed")) + "data: [DONE]\n\n"
         finally:
             await r.aclose()
@@ -332,10 +333,6 @@ def create_front_app(backend: Backend, watch: FrontEnd, max_body_bytes: int, max
 
 def _passed_back(headers: httpx.Headers) -> dict:
     return {k: v for k, v in headers.items() if k.lower() not in _HOP}
-
-
-def _sse(obj) -> str:
-    return "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
 
 
 _FAILED = object()
@@ -376,7 +373,7 @@ class _Resend:
         if "error" in obj:
             if isinstance(obj["error"], dict) and obj["error"].get("code") == "pipeline_failed":
                 return _FAILED
-            return _sse(obj)
+            return sse(obj)
         ids = obj.pop(TOKENS, None)
         if isinstance(ids, list):
             self.tokens += ids
@@ -385,7 +382,7 @@ class _Resend:
         obj.update({k: v for k, v in self.first.items() if k in obj})
         choices = obj.get("choices")
         if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
-            return _sse(obj)    # the usage chunk
+            return sse(obj)    # the usage chunk
         c = choices[0]
         delta = c.get("delta") if isinstance(c.get("delta"), dict) else None
         if delta is not None and "role" in delta:
@@ -393,7 +390,7 @@ class _Resend:
                 return ""       # the first job sent the opening chunk
             self.role_sent = True
         self.sent += (delta.get("content") if delta is not None else c.get("text")) or ""
-        return _sse(obj)
+        return sse(obj)
 
 
 def run_front(argv: list[str], n_ranks: int, hostfile: str | None, host: str, port: int, limits,
