@@ -282,10 +282,12 @@ class FakeSlotEngine:
         pass
 
 
-def test_slot_loop_answers_an_unexpected_error_with_500_and_goes_on(capfd):
+def _two_requests_through_a_slot_loop(state: ServerState):
+    """(the slot loop, its FakeSlotEngine, two requests): both taken into
+    the engine and stepped once (the first fails in its sampling, the
+    second ends)."""
     from ggpipe.frontends.serve.slots import SlotLoop
 
-    state = ServerState(tokenize=None, model_id="m", n_ctx=64, n_vocab=100, n_predict=4, sampling=SamplingParams())
     engine = FakeSlotEngine()
     loop = SlotLoop(engine, state, lambda: None, 30.0, lambda: True)
     a, b = _job(), _job()
@@ -293,6 +295,12 @@ def test_slot_loop_answers_an_unexpected_error_with_500_and_goes_on(capfd):
     state.jobs.put(b)
     loop._take()
     engine.step()
+    return loop, engine, a, b
+
+
+def test_slot_loop_answers_an_unexpected_error_with_500_and_goes_on(capfd):
+    state = ServerState(tokenize=None, model_id="m", n_ctx=64, n_vocab=100, n_predict=4, sampling=SamplingParams())
+    loop, engine, a, b = _two_requests_through_a_slot_loop(state)
     (kind, err), = _events(a)
     assert kind == "error" and err.status == 500 and a.rid in err.message and "secret" not in err.message
     assert [k for k, _ in _events(b)] == ["text", "done"]
@@ -309,21 +317,13 @@ def test_slot_loop_answers_an_unexpected_error_with_500_and_goes_on(capfd):
 def test_slot_loop_answers_a_failure_in_answering_with_500(capfd, monkeypatch):
     """A finished request whose answer fails (its metrics raise): its client
     gets a 500 naming the request, not a stream that never ends."""
-    from ggpipe.frontends.serve.slots import SlotLoop
-
     state = ServerState(tokenize=None, model_id="m", n_ctx=64, n_vocab=100, n_predict=4, sampling=SamplingParams())
 
     def broken(done, waited_s):
         raise ValueError("Counters can only be incremented by non-negative amounts.")
 
     monkeypatch.setattr(state.metrics, "finished", broken)
-    engine = FakeSlotEngine()
-    loop = SlotLoop(engine, state, lambda: None, 30.0, lambda: True)
-    a, b = _job(), _job()
-    state.jobs.put(a)
-    state.jobs.put(b)
-    loop._take()
-    engine.step()
+    _, _, _, b = _two_requests_through_a_slot_loop(state)
     (_, _), (kind, err) = _events(b)
     assert kind == "error" and err.status == 500 and b.rid in err.message
     assert b.finished and b.cancelled.is_set() and b.rid in capfd.readouterr().err
