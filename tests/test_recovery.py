@@ -164,14 +164,14 @@ def _texts(out: list[str]) -> list:
 
 @pytest.mark.parametrize("kind", ["chat", "text"])
 def test_a_resent_stream_goes_on_after_the_tokens_sent(kind):
-    from ggpipe.frontends.serve.front import _FAILED, _Resend
+    from ggpipe.frontends.serve.front import _FAILED, Backend, _Resend, _send_again
 
     def tokens(chunk: str, ids: list[int]) -> str:
         obj = json.loads(chunk[6:])
         obj["ggpipe_tokens"] = ids
         return "data: " + json.dumps(obj)
 
-    r = _Resend()
+    r = _Resend(lambda error: _send_again(error, Backend()))
     first = [_chunk("", role=True, kind=kind), tokens(_chunk("Hel", kind=kind), [1, 2]),
              tokens(_chunk("lo", kind=kind), [3])]
     out = [r.event(x) for x in first]
@@ -303,8 +303,9 @@ def test_requests_sent_again_from_their_prompts_wait_behind_the_streams_cut_in_t
 class _StandIn:
     """A job's server on a loopback port (uvicorn on a thread) that answers
     completions as ``replies`` says, one reply per request, in turn: "fail"
-    (503 pipeline_failed), a list of texts streamed then a pipeline failure,
-    or "ok:TEXT" (the whole text, streamed or not). Streamed chunks carry
+    (503 pipeline_failed), "down" (503 ``shutdown``: the job dropped it as it
+    stopped; streamed: that error event), a list of texts streamed then a
+    pipeline failure, or "ok:TEXT" (the whole text, streamed or not). Streamed chunks carry
     their token ids (one per character: its code point); a request with
     ``ggpipe_resume`` gets the reply's text after the characters sent
     (``resumes`` keeps what it was given, ``keys`` the front end's key)."""
@@ -325,6 +326,7 @@ class _StandIn:
                     "choices": [{"index": 0, "text": text, "finish_reason": reason}]}
 
         failed = {"error": {"message": "the pipeline failed", "type": "server_error", "code": "pipeline_failed"}}
+        down = {"error": {"message": "the server is shutting down", "type": "server_error", "code": "shutdown"}}
 
         async def completions(request):
             body = await request.json()
@@ -336,10 +338,15 @@ class _StandIn:
             reply = self.replies.pop(0)
             if reply == "fail":
                 return JSONResponse(failed, status_code=503)
+            if reply == "down" and not body.get("stream"):
+                return JSONResponse(down, status_code=503)
             if not body.get("stream"):
                 return JSONResponse({"id": "x", "choices": [{"index": 0, "text": reply[3:], "finish_reason": "stop"}]})
 
             async def events():
+                if reply == "down":
+                    yield sse(down) + "data: [DONE]\n\n"
+                    return
                 if isinstance(reply, list):
                     rest = "".join(reply)[skip:]
                     if rest:
@@ -405,6 +412,30 @@ def test_a_request_whose_job_failed_is_answered_by_the_next_job(stream):
         else:
             assert r.json()["choices"][0]["text"] == "Hello world"
         assert stand_in.calls == 2 and backend.resent._value.get() == 1
+    finally:
+        stop.set()
+        stand_in.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("stopping", [False, True])
+def test_a_request_the_job_dropped_as_it_stopped_goes_to_the_next_job_unless_the_command_stops(stream, stopping):
+    """The launcher ends the whole job when a rank is lost, and the head may
+    answer its queued requests "the server is shutting down" before it
+    goes: the next job answers them; when the command itself was asked to
+    stop, that answer is the client's."""
+    client, backend, stand_in, stop = _front(["down", "ok:Hello world"])
+    backend.stopping = stopping
+    try:
+        r = client.post("/v1/completions", json={"prompt": "x", "stream": stream})
+        if stopping:
+            assert stand_in.calls == 1 and "the server is shutting down" in r.text
+            assert r.status_code == (200 if stream else 503)
+        else:
+            assert stand_in.calls == 2 and r.status_code == 200 and "shutting down" not in r.text
+            text = "".join(json.loads(x[6:])["choices"][0]["text"] for x in r.text.split("\n\n")
+                           if x.startswith("data: {")) if stream else r.json()["choices"][0]["text"]
+            assert text == "Hello world"
     finally:
         stop.set()
         stand_in.close()

@@ -106,6 +106,11 @@ class JobWatch:
     def ended(self, reason: str) -> None:
         """The command ends: no job will run again (``reason``, one line)."""
 
+    def stopping(self) -> None:
+        """The command was asked to stop (SIGINT/SIGTERM, passed on to the
+        job): what the job answers as it stops is the answer (called from
+        the signal handler)."""
+
 
 class Supervisor:
     """Runs a job under the MPI launcher until it ends other than by a lost rank.
@@ -139,6 +144,7 @@ class Supervisor:
         the ranks: a first one stops the job as under ``mpiexec``, a second
         one at once), and start no other job."""
         self.signal = signum
+        self.watch.stopping()
         self._pass_signal()
 
     def _pass_signal(self) -> None:

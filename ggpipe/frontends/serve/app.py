@@ -38,7 +38,7 @@ from starlette.middleware.cors import CORSMiddleware
 from ggpipe.frontends import request_fields
 from ggpipe.frontends.serve.http_guard import host_allowed, is_json_content_type, origin_allowed
 from ggpipe.frontends.serve.bodies import (APIError, ChatBody, CompletionBody, _Body, internal_error,
-                                           parse_body, pipeline_failed, too_large)
+                                           parse_body, pipeline_failed, shutting_down, too_large)
 from ggpipe.frontends.serve.replies import complete, stream
 from ggpipe.frontends.serve.resume import RESUME, from_front
 from ggpipe.frontends.serve.state import Job, ServerState, state_of
@@ -340,7 +340,7 @@ async def _enqueue(state: ServerState, body: _Body, tokens: np.ndarray, max_toke
     if state.failed:
         raise pipeline_failed(None)
     if state.stopping.is_set():
-        raise APIError(503, "the server is shutting down", "server_error")
+        raise shutting_down()
     if state.jobs.qsize() + body.n > state.max_queue:
         raise APIError(503, f"the queue is full ({state.max_queue} requests waiting); retry later", "server_error",
                        code="queue_full")

@@ -85,6 +85,15 @@ def pipeline_failed(rid: str | None, status: int = 503) -> APIError:
                     "the details)", "server_error", code="pipeline_failed")
 
 
+def shutting_down(detail: str = "") -> APIError:
+    """What a request the server drops as it stops gets (a signal; the
+    launcher ending the job after a lost rank is one): 503, code
+    ``shutdown``, the message "the server is shutting down" + ``detail``.
+    A front end (``serve --ranks``, ggpipe.frontends.serve.front) sends
+    such a request to the next job unless it is stopping itself."""
+    return APIError(503, "the server is shutting down" + detail, "server_error", code="shutdown")
+
+
 # -- request bodies ------------------------------------------------------------------------
 
 PosInt = Annotated[StrictInt, Field(ge=1)]
@@ -368,9 +377,8 @@ def answer(state: ServerState, job: Job, done, waited_s: float, grace_s: float) 
     saying so (code ``shutdown``; ``grace_s``: ``--shutdown-grace``). A reply
     cut that way is never passed off as complete."""
     if done.finish_reason == "interrupted" and not job.cancelled.is_set():
-        job.push("error", APIError(503, f"the server is shutting down: the reply was cut after "
-                                   f"{len(done.tokens)} tokens (--shutdown-grace {grace_s:g} s)",
-                                   "server_error", code="shutdown"))
+        job.push("error", shutting_down(f": the reply was cut after {len(done.tokens)} tokens "
+                                        f"(--shutdown-grace {grace_s:g} s)"))
         return
     state.metrics.finished(done, waited_s)
     job.push("done", done)

@@ -7,7 +7,8 @@ loopback port of its own; every request is passed on to it and its answer
 passed back as it comes. When the job loses a rank, the requests in flight
 wait (``/health`` says ``recovering``) until the supervisor has started the
 job again, and are then sent to the new job, as Petals replays a
-client's inputs to a new server:
+client's inputs to a new server (so are those the old job answered as it
+stopped, "the server is shutting down", unless this command is stopping):
 
 * a non-streaming request is sent again from its prompt, and simply
   answered later;
@@ -78,6 +79,7 @@ class Backend:
         self.failed: str | None = None
         self.lost_at: float | None = None
         self.first = 0     # streams cut in the middle, on their way to the new job
+        self.stopping = False   # the command was asked to stop: a job's answers as it stops are passed on
         disable_created_metrics()
         r = self.registry = CollectorRegistry()
         self.recoveries = Counter("ggpipe_recoveries", "Jobs started again after a lost rank", registry=r)
@@ -161,12 +163,21 @@ def _unavailable(why: str) -> JSONResponse:
     return JSONResponse(_error(503, f"the pipeline is gone: {why}", "pipeline_failed"), status_code=503)
 
 
-def _pipeline_failed(body: bytes) -> bool:
-    """The job's server answered that its pipeline failed (a lost rank)."""
+def _send_again(error, backend: Backend) -> bool:
+    """Whether the job's error answer (its ``error`` object) sends the
+    request to the next job: its pipeline failed (a lost rank), or it
+    dropped the request as it stopped (the launcher ends the whole job when
+    a rank is lost, and the head may answer before it goes) while this
+    command goes on."""
+    code = error.get("code") if isinstance(error, dict) else None
+    return code == "pipeline_failed" or (code == "shutdown" and not backend.stopping)
+
+
+def _error_of(body: bytes):
     try:
-        return json.loads(body)["error"]["code"] == "pipeline_failed"
+        return json.loads(body)["error"]
     except (ValueError, KeyError, TypeError):
-        return False
+        return None
 
 
 class FrontEnd(JobWatch):
@@ -199,6 +210,9 @@ class FrontEnd(JobWatch):
 
     def ended(self, reason: str) -> None:
         self.backend.fail(reason)
+
+    def stopping(self) -> None:
+        self.backend.stopping = True
 
 
 def create_front_app(backend: Backend, watch: FrontEnd, max_body_bytes: int, max_connections: int,
@@ -277,7 +291,7 @@ def create_front_app(backend: Backend, watch: FrontEnd, max_body_bytes: int, max
                 continue
             finally:
                 await r.aclose()
-            if r.status_code == 503 and _pipeline_failed(content):
+            if r.status_code == 503 and _send_again(_error_of(content), backend):
                 continue
             watch.answered += 1
             return Response(content, r.status_code, headers=_passed_back(r.headers))
@@ -287,7 +301,7 @@ def create_front_app(backend: Backend, watch: FrontEnd, max_body_bytes: int, max
     async def _events(first: httpx.Response, method, target, headers, body: bytes, epoch: int):
         """The job's server-sent events, passed on; after a lost rank, the
         new job's, which go on after the text already sent."""
-        resend = _Resend()
+        resend = _Resend(lambda error: _send_again(error, backend))
         r = first
         try:
             for attempt in range(RESENDS + 1):
@@ -344,7 +358,8 @@ class _Resend:
     job's opening chunk is left out) and keeps the token ids and the text
     sent, from which the next job goes on."""
 
-    def __init__(self):
+    def __init__(self, again):
+        self.again = again      # error object -> the request goes to the next job (else passed on)
         self.sent = ""          # the reply's text sent so far
         self.tokens: list[int] = []    # the token ids whose text holds it
         self.first: dict | None = None
@@ -357,7 +372,7 @@ class _Resend:
 
     def event(self, line: str):
         """What to send for one line of the job's stream: text, "" (nothing),
-        or :data:`_FAILED` (its pipeline failed: send the request again)."""
+        or :data:`_FAILED` (an error that sends the request to the next job)."""
         if not line.startswith("data: "):
             return ""
         data = line[6:]
@@ -371,7 +386,7 @@ class _Resend:
         if not isinstance(obj, dict):
             return line + "\n\n"
         if "error" in obj:
-            if isinstance(obj["error"], dict) and obj["error"].get("code") == "pipeline_failed":
+            if self.again(obj["error"]):
                 return _FAILED
             return sse(obj)
         ids = obj.pop(TOKENS, None)

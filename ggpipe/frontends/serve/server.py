@@ -61,7 +61,7 @@ from ggpipe.frontends.serve.http_guard import Access
 from ggpipe.frontends.serve.http_limits import ConnectionLimits, default_max_connections
 from ggpipe.frontends.serve.http_protocol import GuardedServer, bind_socket, guarded_config
 from ggpipe.frontends.serve.app import create_app
-from ggpipe.frontends.serve.bodies import APIError, pipeline_failed
+from ggpipe.frontends.serve.bodies import pipeline_failed, shutting_down
 from ggpipe.frontends.serve.state import ServerState
 from ggpipe.frontends.serve.slots import SlotLoop
 from ggpipe.sampling_params import SamplingParams
@@ -155,7 +155,7 @@ class Server:
         queued requests with 503 instead of leaving them hanging."""
         self.state.failed = "the pipeline failed: a rank stopped answering or ended (see the server's log)"
         self.state.stopping.set()
-        rids = self.slots.fail_all() + self.fail_queued(None)
+        rids = self.slots.fail_all() + self.fail_queued(pipeline_gone=True)
         sys.stderr.write(f"ggpipe serve: the pipeline failed: {message}" +
                          (f"; requests answered 503: {', '.join(rids)}\n" if rids else "\n"))
         sys.stderr.flush()
@@ -202,9 +202,10 @@ class Server:
 
     # -- the request loop (main thread) --------------------------------------------------------
 
-    def fail_queued(self, why: str | None = "the server is shutting down") -> list[str]:
-        """Answer every queued request with 503 ``why`` (None: the pipeline
-        failed); returns their ids."""
+    def fail_queued(self, pipeline_gone: bool = False) -> list[str]:
+        """Answer every queued request with 503: the server is shutting down
+        (:func:`~ggpipe.frontends.serve.bodies.shutting_down`), or with
+        ``pipeline_gone`` its pipeline failed; returns their ids."""
         rids = []
         while True:
             try:
@@ -212,7 +213,7 @@ class Server:
             except queue.Empty:
                 return rids
             job.finished = True
-            job.push("error", pipeline_failed(job.rid) if why is None else APIError(503, why, "server_error"))
+            job.push("error", pipeline_failed(job.rid) if pipeline_gone else shutting_down())
             rids.append(job.rid)
 
     def serve(self) -> int:

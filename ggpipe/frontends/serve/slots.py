@@ -21,7 +21,7 @@ import time
 from typing import Callable
 
 from ggpipe.errors import GGPipeError
-from ggpipe.frontends.serve.bodies import APIError, answer, internal_error, pipeline_failed
+from ggpipe.frontends.serve.bodies import APIError, answer, internal_error, pipeline_failed, shutting_down
 from ggpipe.frontends.serve.state import Job, ServerState
 from ggpipe.service.engine import Completion, Engine
 
@@ -57,7 +57,7 @@ class SlotLoop:
         if done is None:            # dropped while waiting: its client left, or the server stops
             job.finished = True
             if not job.cancelled.is_set():
-                job.push("error", APIError(503, "the server is shutting down", "server_error"))
+                job.push("error", shutting_down())
             return
         waited = (sched_job.t_queued - job.t_queued) + sched_job.queue_s
         # finished once answered: a failure in answering it is answered with a 500 by _guarded (_failed)
