@@ -25,6 +25,8 @@ running.
 scripts/netns_cluster.py (three network namespaces linked by TCP; needs
 root): started on host 1 as on a head node (``ssh HOST ...``), one rank per
 host (``--hostfile``), the server listening on host 1's address.
+``GGPIPE_TRIALS_LOG=FILE`` appends each serve trial's messages (the
+supervisor's and the job's) to FILE.
 """
 
 from __future__ import annotations

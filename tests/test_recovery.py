@@ -558,5 +558,5 @@ def test_a_launcher_that_does_not_end_after_the_loss_is_ended_and_the_job_starts
     assert Quick(["batch"], RecoveryPolicy(3, None), mpiexec=str(fake), poll_s=0.05).run() == 0
     err = capfd.readouterr().err
     assert time.monotonic() - t0 < 30 and calls.read_text().count("x") == 2
-    assert "the launcher has not ended 0 s after the loss; ending it" in err
+    assert "the launcher has not ended 0.5 s after the loss; ending it" in err
     assert "starting the job again on 3 ranks" in err

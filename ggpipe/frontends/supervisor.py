@@ -167,8 +167,11 @@ class Supervisor:
     RESTART_FACTOR = 4
     MIN_RESTART_S = 60.0
 
-    #: Seconds the launcher may take to end the job after a lost rank was named, before it is ended.
-    LINGER_S = 15.0
+    #: Seconds the launcher may take to end the job after a lost rank was named, before the supervisor ends
+    #: it (SIGKILL: the job is lost; what its ranks would still do gracefully waits for the dead rank).
+    #: Hydra across hosts sometimes waits until the head's heartbeats time out (--liveness-timeout), and
+    #: Open MPI's prterun for its daemon on a host it can no longer reach.
+    LINGER_S = 1.0
 
     def restart_timeout_s(self) -> float:
         """Seconds a job started again after a loss may take to be ready."""
@@ -256,11 +259,10 @@ class Supervisor:
             if self.loss_named_at is None and losses:
                 self.loss_named_at = now
             if self.loss_named_at is not None and ended_at is None and now - self.loss_named_at > self.LINGER_S:
-                # a launcher that waits for a host it can no longer reach (Open MPI's, for its daemon there)
-                sys.stderr.write(f"ggpipe: the launcher has not ended {self.LINGER_S:.0f} s after the loss; "
+                sys.stderr.write(f"ggpipe: the launcher has not ended {self.LINGER_S:g} s after the loss; "
                                  f"ending it\n")
                 ended_at = now
-                self._signal_job(signal.SIGTERM)
+                self._signal_job(signal.SIGKILL)
             elif lost_at is not None and not ready and ended_at is None and now - start > self.restart_timeout_s():
                 first = "" if self.first_start_s is None else f" (the first loaded in {self.first_start_s:.1f} s)"
                 sys.stderr.write(f"ggpipe: the job started again after the loss is not ready after "
