@@ -198,20 +198,24 @@ def _clients(url: str, n: int, max_tokens: int) -> dict:
 
 
 def _serve(ranks: int | None, parallel: int = 4) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    p = _start(_job(["serve", "-m", "smollm2-135m", "--parallel", str(parallel), "-t", "1", "--host", _address(),
-                     "--port", str(port), "--liveness-timeout", "2", *MODE_ARGS], ranks))
-    url = f"http://{_address()}:{port}"
-    end = time.monotonic() + 180
-    while time.monotonic() < end:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return p, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    _end(p, [])
-    raise SystemExit(f"the server did not start:\n{p.stderr.read()[-3000:]}")
+    for _ in range(3):    # a port free here may be taken on the emulated head host meanwhile: another one
+        port = _free_port()
+        p = _start(_job(["serve", "-m", "smollm2-135m", "--parallel", str(parallel), "-t", "1", "--host",
+                         _address(), "--port", str(port), "--liveness-timeout", "2", *MODE_ARGS], ranks))
+        url = f"http://{_address()}:{port}"
+        end = time.monotonic() + 180
+        while time.monotonic() < end and p.poll() is None:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    return p, url
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        _end(p, [])
+        err = p.stderr.read()
+        if "Address already in use" not in err:
+            break
+    raise SystemExit(f"the server did not start:\n{err[-3000:]}")
 
 
 def _free_port() -> int:
