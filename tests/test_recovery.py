@@ -9,6 +9,7 @@ import signal
 import socket
 import time
 
+import psutil
 import pytest
 
 from ggpipe.cluster.recovery import READY_ENV, RecoveryPolicy, parse_loss, read_ready, write_ready
@@ -544,12 +545,15 @@ def test_a_job_started_again_that_never_gets_ready_is_ended_and_counts_against_i
 
 def test_a_launcher_that_does_not_end_after_the_loss_is_ended_and_the_job_starts_again(tmp_path, capfd):
     """A stand-in launcher whose first job names a lost rank and then hangs
-    (Open MPI's waits for its daemon on a host it can no longer reach): the
-    supervisor ends it after LINGER_S and starts the job again, which ends
-    normally."""
+    (Open MPI's waits for its daemon on a host it can no longer reach; Hydra
+    across hosts, for the head's heartbeats): the supervisor ends it after
+    LINGER_S, with the process it started in a session of its own (as
+    Hydra's proxy and the ranks' guards are), and starts the job again,
+    which ends normally."""
     from ggpipe.frontends.supervisor import Supervisor
 
-    fake, calls = _stand_in_launcher(tmp_path, "exec sleep 60", "exit 0")
+    child = tmp_path / "child"
+    fake, calls = _stand_in_launcher(tmp_path, f"setsid sleep 60 & echo $! > {child}; exec sleep 60", "exit 0")
 
     class Quick(Supervisor):
         LINGER_S = 0.5
@@ -560,3 +564,13 @@ def test_a_launcher_that_does_not_end_after_the_loss_is_ended_and_the_job_starts
     assert time.monotonic() - t0 < 30 and calls.read_text().count("x") == 2
     assert "the launcher has not ended 0.5 s after the loss; ending it" in err
     assert "starting the job again on 3 ranks" in err
+    pid, deadline = int(child.read_text()), time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:   # killed, not yet reaped
+                break
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the process the launcher started in a session of its own is still running")

@@ -183,6 +183,26 @@ class Supervisor:
         except (ProcessLookupError, PermissionError):
             pass
 
+    def _kill_job(self) -> None:
+        """SIGKILL to the launcher and every process it started on this host
+        (Hydra's proxy, the ranks' guards and the ranks each have a session
+        or process group of their own, so the launcher's group alone would
+        leave them running, an old head still writing beside the new job);
+        the ranks on other hosts end with their launcher's processes there,
+        or when their heartbeats time out."""
+        import psutil
+
+        try:
+            procs = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:
+            procs = []
+        self._signal_job(signal.SIGKILL)
+        for p in procs:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+
     def run(self) -> int:
         """Run jobs until one ends other than by a lost rank; returns the
         last job's exit code, or 1 when nowhere is left to run."""
@@ -262,7 +282,7 @@ class Supervisor:
                 sys.stderr.write(f"ggpipe: the launcher has not ended {self.LINGER_S:g} s after the loss; "
                                  f"ending it\n")
                 ended_at = now
-                self._signal_job(signal.SIGKILL)
+                self._kill_job()
             elif lost_at is not None and not ready and ended_at is None and now - start > self.restart_timeout_s():
                 first = "" if self.first_start_s is None else f" (the first loaded in {self.first_start_s:.1f} s)"
                 sys.stderr.write(f"ggpipe: the job started again after the loss is not ready after "
@@ -270,7 +290,7 @@ class Supervisor:
                 ended_at = now
                 self._signal_job(signal.SIGTERM)
             elif ended_at is not None and now - ended_at > 10:
-                self._signal_job(signal.SIGKILL)
+                self._kill_job()
             stages = None if ready else read_ready(ready_path)
             if stages is not None:
                 ready = True
