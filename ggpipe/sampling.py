@@ -114,6 +114,24 @@ def _check_logits(logits: np.ndarray) -> np.ndarray:
     return x
 
 
+def _greedy_token(logits: np.ndarray) -> int:
+    """The argmax of a full row (first index among ties), refusing what
+    :func:`_check_logits` refuses in one pass over the row instead of three:
+    ``np.argmax`` returns the first NaN's index when the row holds one, and
+    otherwise the first ``+inf``'s, so the row is bad exactly when the value
+    at the returned index is NaN or ``+inf``.
+
+    Raises:
+        ValueError: not a non-empty 1-D row; NaN or ``+inf`` in it."""
+    x = np.asarray(logits)
+    if x.ndim != 1 or x.size == 0:
+        raise ValueError(f"logits must have shape (n_vocab,), got {x.shape}")
+    t = int(np.argmax(x))
+    if np.isnan(x[t]) or x[t] == np.inf:
+        raise ValueError("logits contain NaN or +inf")
+    return t
+
+
 def _softmax(z: np.ndarray) -> np.ndarray:
     e = np.exp(z - z.max())
     return e / e.sum()
@@ -313,7 +331,7 @@ class Sampler:
                 keeps (see :func:`target_probs`); see :meth:`constrain`."""
         x = self.constrain(logits)
         if self.params.greedy:
-            t = argmax(x if isinstance(x, TopRow) else _check_logits(x))
+            t = argmax(x) if isinstance(x, TopRow) else _greedy_token(x)
         else:
             t = self.sample_from(target_probs(x, self.params))
         self.accept(t)

@@ -131,6 +131,22 @@ def test_bad_logits(x):
         target_probs(x, SamplingParams(temperature=1.0))
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("at", [0, 1, 4095, 49151])
+def test_greedy_refuses_nan_and_inf_anywhere_in_a_full_row(bad, at):
+    x = np.random.default_rng(at).standard_normal(49152).astype(np.float32)
+    x[at] = bad
+    x[100] = np.inf if np.isnan(bad) else x[100]     # a NaN is refused beside a +inf too
+    with pytest.raises(ValueError, match="NaN or \\+inf"):
+        Sampler(SamplingParams(temperature=0.0)).sample(x)
+
+
+def test_greedy_takes_the_first_of_tied_best_and_allows_masked_tokens():
+    assert Sampler(SamplingParams(temperature=0.0)).sample(np.array([-np.inf, 2.0, 2.0, -np.inf],
+                                                                    dtype=np.float32)) == 1
+    assert Sampler(SamplingParams(temperature=0.0)).sample(np.full(5, -np.inf, dtype=np.float32)) == 0
+
+
 def _reference(x, t, k, top_p):
     """Straightforward full-sort implementation of top_k -> top_p -> temperature."""
     order = np.lexsort((np.arange(x.size), -x.astype(np.float64)))

@@ -28,6 +28,10 @@ class Vocab:
         self._vocab = vocab
         self.n_vocab = int(self._L.llama_vocab_n_tokens(vocab))
         self._formatter = None   # the chat template, compiled (apply_chat_template)
+        # each token's answers, asked once: every generated token asks both, and a ctypes call releases the
+        # GIL, which the head's loop then waits to take back from the HTTP thread
+        self._pieces: dict[int, bytes] = {}
+        self._eog: dict[int, bool] = {}
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> np.ndarray:
         """Token ids of ``text``: int32 (n,). ``add_special`` adds BOS as the
@@ -47,6 +51,13 @@ class Vocab:
 
     def piece(self, token: int) -> bytes:
         """Raw bytes of one token (``llama_token_to_piece``, special tokens rendered)."""
+        token = int(token)
+        known = self._pieces.get(token)
+        if known is None:
+            known = self._pieces[token] = self._piece(token)
+        return known
+
+    def _piece(self, token: int) -> bytes:
         buf = ctypes.create_string_buffer(64)
         n = self._L.llama_token_to_piece(self._vocab, int(token), buf, 64, 0, True)
         if n < 0:
@@ -55,8 +66,12 @@ class Vocab:
         return buf.raw[:n]
 
     def is_eog(self, token: int) -> bool:
-        """End-of-generation token (EOS, EOT, ...)?"""
-        return bool(self._L.llama_vocab_is_eog(self._vocab, int(token)))
+        """End-of-generation token (EOS, EOT, ...)? (``llama_vocab_is_eog``)"""
+        token = int(token)
+        known = self._eog.get(token)
+        if known is None:
+            known = self._eog[token] = bool(self._L.llama_vocab_is_eog(self._vocab, token))
+        return known
 
     def grammar(self, gbnf: str):
         """A :class:`ggpipe.runtime.grammar.Grammar` of ``gbnf`` on this
