@@ -2,10 +2,11 @@
 """The simulator against the jobs it predicts, in one run: calibrate, then for
 each configuration ``ggpipe simulate`` and the measured job side by side.
 
-    python scripts/sim_check.py -o OUT [--rounds 3] [--quick] [--plot PNG]
+    python scripts/sim_check.py -o OUT [--rounds 3] [--quick] [--goliath-model NAME] [--plot PNG]
 
 Configurations (2 ranks x 1 thread, and 3 ranks where given): the goliath
-(SmolLM2's blocks x 40, F16) in iterative and pipeinfer mode with SmolLM2-135M
+(SmolLM2's blocks x 40, F16, or F32 with ``--goliath-model
+smollm2-goliath-40l-f32``) in iterative and pipeinfer mode with SmolLM2-135M
 as the draft; the 7B shape (``llama-7b-shape-q4_k_m``, random weights: speed
 only) in iterative mode and as 8 requests at once (``batch --parallel 8``,
 aggregate tokens/s). A round calibrates the model at the job's rank count
@@ -111,13 +112,15 @@ def main() -> None:
     ap.add_argument("-o", "--out", type=Path, required=True)
     ap.add_argument("--quick", action="store_true", help="the goliath only, 2 ranks")
     ap.add_argument("--goliath", action="store_true", help="the goliath only, 2 and 3 ranks")
+    ap.add_argument("--goliath-model", default="smollm2-goliath-40l",
+                    help="the goliath's weights (default: F16; smollm2-goliath-40l-f32: F32)")
     ap.add_argument("--rounds", type=int, default=3, help="calibrate-and-measure rounds per model and rank count")
     ap.add_argument("--plot", type=Path, help="write a scatter of simulated against measured tokens/s (PNG)")
     ap.add_argument("--from-jsonl", type=Path, help="report earlier records instead of measuring")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="sim_check."))
-    goliath, small, big, big_draft = "smollm2-goliath-40l", "smollm2-135m", "llama-7b-shape-q4_k_m", None
+    goliath, small, big, big_draft = a.goliath_model, "smollm2-135m", "llama-7b-shape-q4_k_m", None
     # (model, draft or None, mode, ranks, tokens, slots); a model's profile is measured with its job's draft
     plan = [(goliath, None, "iterative", 2, 128, 1), (goliath, small, "pipeinfer", 2, 128, 1)]
     if not a.quick:
