@@ -88,6 +88,7 @@ def test_calibrate_measures_how_often_the_drafts_token_is_the_targets(profile):
     assert a is not None and a["prompts"] == 6 and a["tokens"] == 24
     assert 0 < a["positions"] <= 6 * 24 and a["agreed"] <= a["positions"]
     assert a["rate"] == a["agreed"] / a["positions"] >= 0.95, a
+    assert 0.1 <= a["exponent"] <= 1.0, a      # it agrees even where it is unsure: under-confident, k <= 1
 
 
 def test_calibrate_refuses_to_overwrite_a_file_it_did_not_write(tmp_path, smollm2):

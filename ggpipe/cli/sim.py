@@ -92,7 +92,8 @@ def calibrate_command(model, draft, threads, reps, concurrent, output, timeout_s
         if prof is not None and agreement is not None:
             prof.agreement = dataclasses.asdict(agreement)
             _say(f"draft agreement {agreement.rate:.3f} (the draft's most likely token was the target's greedy "
-                 f"token at {agreement.agreed} of {agreement.positions} positions, {agreement.prompts} prompts)")
+                 f"token at {agreement.agreed} of {agreement.positions} positions, {agreement.prompts} prompts); "
+                 f"confidence exponent {agreement.exponent} (P(agreed | the draft's probability q) = q^k)")
     if prof is None:
         return
     prof.meta["command"] = " ".join(sys.argv)
@@ -113,6 +114,7 @@ def calibrate_command(model, draft, threads, reps, concurrent, output, timeout_s
                            "draft_ms_b1": None if h.draft_s is None else round(1e3 * h.draft_s[0], 4),
                            "overhead_ms": round(1e3 * h.overhead_s, 4),
                            "acceptance": None if prof.agreement is None else round(prof.agreement["rate"], 4),
+                           "confidence_exponent": None if prof.agreement is None else prof.agreement.get("exponent"),
                            "links": [[ln.src, ln.dst, round(1e6 * ln.latency_s, 1), round(ln.bandwidth_Bps / 1e6, 1)]
                                      for ln in prof.links]}))
 
@@ -153,9 +155,9 @@ def _split(text):
 @click.option("--acceptance", default=None, type=Finite(0.01, 0.99),
               help="How often the draft's greedy token is the target's (0.01-0.99). Default: the rate "
                    "calibrate -md measured for this pair, else 0.7.")
-@click.option("--confidence-exponent", default=1.0, show_default=True, type=Finite(0.05, 20.0),
+@click.option("--confidence-exponent", default=None, type=Finite(0.05, 20.0),
               help="k in P(draft token accepted | draft confidence q) = q^k (1: a calibrated draft, "
-                   "<1: under-confident).")
+                   "<1: under-confident). Default: the k calibrate -md measured for this pair, else 1.")
 @click.option("--draft", "n_draft", default=6, show_default=True, type=click.IntRange(1, 64),
               help="Most draft tokens per micro-batch.")
 @click.option("--p-accept", default="0.3", show_default=True, help="Confidence cutoff, or auto.")
@@ -202,6 +204,8 @@ def simulate_command(profile_path, target, draft, modes, ranks, links, split, ac
                                  f"(ggpipe calibrate -m TARGET -md DRAFT measures it); assuming "
                                  f"{DEFAULT_ACCEPTANCE} (--acceptance sets it)\n")
         acceptance = min(0.99, max(0.01, acceptance))
+    if confidence_exponent is None:
+        confidence_exponent = prof.confidence_exponent_for(target, draft) or 1.0
     tdesc = resolve_desc(target)
     ddesc = resolve_desc(draft) if draft else None
     spec = SpecSettings(draft_max=n_draft, p_accept=None if p_accept == "auto" else float(p_accept),

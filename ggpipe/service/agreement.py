@@ -1,7 +1,10 @@
 """How often a draft model's greedy token is the target's: the one input of
 the simulator that a user cannot know before running the pair
 (``ggpipe calibrate -md DRAFT`` measures it; ``ggpipe simulate`` reads it
-as ``--acceptance``, ggpipe.sim.lm.CalibratedDraft's agreement rate).
+as ``--acceptance``, ggpipe.sim.lm.CalibratedDraft's agreement rate), and
+how the draft's confidence in its token tells that agreement
+(``--confidence-exponent``: k in P(agreed | the draft's probability q of
+its token) = q ** k, fitted at the same positions).
 
 It is measured teacher-forced, on the job's own ranks: the target generates
 greedily after each prompt, then the draft reads prompt and reply in one
@@ -22,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from ggpipe.errors import ConfigError
+from ggpipe.speculation.adaptive import fit_exponent
 
 #: Prompts of several kinds (prose, explanation, lists, code), for a pair
 #: measured without prompts of the user's own.
@@ -46,6 +50,11 @@ class Agreement:
             target's greedy token (tokens).
         prompts: prompts run.
         tokens: tokens generated per prompt (at most).
+        exponent: k in P(agreed | q) = q ** k, ``q`` the draft's probability
+            of its most likely token at the position (maximum likelihood,
+            ggpipe.speculation.adaptive.fit_exponent): 1 for a draft whose
+            confidence is its agreement, below 1 for an under-confident
+            one; None where it was not measured.
     """
 
     rate: float
@@ -53,6 +62,7 @@ class Agreement:
     agreed: int
     prompts: int
     tokens: int
+    exponent: float | None = None
 
 
 def read_prompts(path: Path | None) -> tuple[str, ...]:
@@ -91,32 +101,46 @@ def agreement_config(model: str, draft: str, threads: str, timeout_s: float, ctx
     return cfg, plan
 
 
-def agreed_positions(tokens: list[int], n_prompt: int, draft_best: np.ndarray) -> tuple[int, int]:
-    """(positions compared, positions agreed) of one sequence: ``tokens``
-    (prompt then reply, int), ``draft_best`` the draft's most likely next
-    token after each of ``tokens`` (int (len(tokens),)); position i of the
-    reply (i >= ``n_prompt``) agrees when ``draft_best[i - 1] == tokens[i]``."""
-    n = len(tokens) - n_prompt
-    if n <= 0:
-        return 0, 0
-    got = np.asarray(draft_best[n_prompt - 1:len(tokens) - 1])
-    return n, int(np.count_nonzero(got == np.asarray(tokens[n_prompt:])))
+def agreed_positions(tokens: list[int], n_prompt: int, draft_best: np.ndarray) -> np.ndarray:
+    """Whether the draft agreed at each generated position of one sequence:
+    bool (len(tokens) - n_prompt,) (empty with no reply); ``tokens`` (prompt
+    then reply, int), ``draft_best`` the draft's most likely next token after
+    each of ``tokens`` (int (len(tokens),)); position i of the reply (i >=
+    ``n_prompt``) agrees when ``draft_best[i - 1] == tokens[i]``."""
+    if len(tokens) <= n_prompt:
+        return np.zeros(0, dtype=bool)
+    return np.asarray(draft_best[n_prompt - 1:len(tokens) - 1]) == np.asarray(tokens[n_prompt:])
 
 
-def _draft_best(pipeline, tokens: list[int], n_ubatch: int) -> np.ndarray:
+def _draft_best(pipeline, tokens: list[int], n_ubatch: int) -> tuple[np.ndarray, np.ndarray]:
     """The draft pipeline's most likely next token after each of ``tokens``
-    (int (n,)), from an emptied KV cache: one run per ``n_ubatch`` tokens with
-    a logit row per token."""
+    (int (n,)) and its probability (float (n,), softmax of the row), from an
+    emptied KV cache: one run per ``n_ubatch`` tokens with a logit row per
+    token."""
     pipeline.clear()
-    best = []
+    best, prob = [], []
     for start in range(0, len(tokens), n_ubatch):
         chunk = tokens[start:start + n_ubatch]
         pipeline.decode(np.asarray(chunk, dtype=np.int32), start, logits_all=True)
-        res = pipeline.drain()[-1]
-        rows = res.logits
-        # compact rows (ggpipe.logits.TopLogits) hold np.argmax first
-        best.append(rows.ids[:, 0] if hasattr(rows, "ids") else np.argmax(np.asarray(rows), axis=-1))
-    return np.concatenate(best)
+        rows = pipeline.drain()[-1].logits
+        if hasattr(rows, "ids"):    # compact rows (ggpipe.logits.TopLogits): the argmax first, and the log-sum-exp
+            best.append(rows.ids[:, 0])
+            prob.append(np.exp(rows.values[:, 0].astype(np.float64) - rows.lse))
+        else:
+            x = np.asarray(rows, dtype=np.float64)
+            top = x.max(axis=-1)
+            best.append(np.argmax(x, axis=-1))
+            prob.append(1.0 / np.exp(x - top[:, None]).sum(axis=-1))
+    return np.concatenate(best), np.concatenate(prob)
+
+
+def summarize(agreed: np.ndarray, probs: np.ndarray, prompts: int, tokens: int) -> Agreement:
+    """The :class:`Agreement` of the compared positions: ``agreed`` bool (n,),
+    ``probs`` the draft's probability of its most likely token at each,
+    float (n,)."""
+    n, a = len(agreed), int(np.count_nonzero(agreed))
+    return Agreement(a / n if n else 0.0, n, a, prompts, tokens,
+                     round(fit_exponent(probs, agreed), 4) if n else None)
 
 
 def measure_agreement(model: str, draft: str, threads: str, prompts: tuple[str, ...], n_predict: int,
@@ -141,16 +165,17 @@ def measure_agreement(model: str, draft: str, threads: str, prompts: tuple[str, 
     got: dict = {}
 
     def head(engine) -> int:
-        positions = agreed = 0
+        agreed, probs = [], []
         for i, prompt in enumerate(prompts):
             say(f"draft agreement: prompt {i + 1} of {len(prompts)}")
             engine.reset()
             toks = engine.tokenize(prompt)
             c = engine.generate(toks, n_predict, SamplingParams(temperature=0.0))
             seq = [*toks.tolist(), *c.tokens]
-            n, a = agreed_positions(seq, len(toks), _draft_best(engine.session.draft_pipelines[0], seq, cfg.n_batch))
-            positions, agreed = positions + n, agreed + a
-        got["a"] = Agreement(agreed / positions if positions else 0.0, positions, agreed, len(prompts), n_predict)
+            best, prob = _draft_best(engine.session.draft_pipelines[0], seq, cfg.n_batch)
+            agreed.append(agreed_positions(seq, len(toks), best))
+            probs.append(prob[len(toks) - 1:len(seq) - 1])
+        got["a"] = summarize(np.concatenate(agreed), np.concatenate(probs), len(prompts), n_predict)
         return 0
 
     run_job(JobSpec(cfg, plan), head)

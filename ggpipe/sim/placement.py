@@ -142,8 +142,9 @@ def balanced_placement(profile_path, params: dict, n_ranks: int, hosts: list[str
 
     cfg = None
     if draft is not None and mode_class(mode).speculates and simulate_draft:
+        k = prof.confidence_exponent_for(params["model"], params["draft_model"]) or 1.0
         cfg = SimConfig(prof, target, draft, mode=mode, ranks=n_ranks, acceptance=acceptance, prompts=1,
-                        n_predict=64)
+                        n_predict=64, confidence_exponent=k)
     return place(prof, target, draft, n_ranks, mode, fits, cfg)
 
 

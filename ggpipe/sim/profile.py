@@ -227,8 +227,9 @@ class Profile:
         agreement: how often the draft's token is the target's, measured by
             ``calibrate -md`` (ggpipe.service.agreement.Agreement's fields:
             ``rate`` (0..1), ``positions``, ``agreed``, ``prompts``,
-            ``tokens``), or None; ``simulate`` takes ``rate`` as its
-            ``--acceptance`` for this model pair.
+            ``tokens``, ``exponent``), or None; ``simulate`` takes ``rate``
+            as its ``--acceptance`` and ``exponent`` as its
+            ``--confidence-exponent`` for this model pair.
     """
 
     model: str
@@ -238,19 +239,30 @@ class Profile:
     meta: dict = field(default_factory=dict)
     agreement: dict | None = None
 
-    def acceptance_for(self, target: str, draft: str | None) -> float | None:
-        """The measured agreement rate (0..1) when ``target`` and ``draft``
-        (names or paths, as given to simulate) are the pair calibrated, by
-        name or file name; else None."""
+    def _agreement_of(self, target: str, draft: str | None) -> dict | None:
+        """The measured agreement when ``target`` and ``draft`` (names or
+        paths, as given to simulate) are the pair calibrated, by name or
+        file name; else None."""
         if not self.agreement or draft is None or self.draft is None:
             return None
 
         def same(a: str, b: str) -> bool:
             return a == b or Path(a).name == Path(b).name or Path(a).stem == Path(b).stem
 
-        if same(target, self.model) and same(draft, self.draft):
-            return float(self.agreement["rate"])
-        return None
+        return self.agreement if same(target, self.model) and same(draft, self.draft) else None
+
+    def acceptance_for(self, target: str, draft: str | None) -> float | None:
+        """The measured agreement rate (0..1) of the pair ``target``,
+        ``draft`` (see :meth:`_agreement_of`), or None."""
+        a = self._agreement_of(target, draft)
+        return None if a is None else float(a["rate"])
+
+    def confidence_exponent_for(self, target: str, draft: str | None) -> float | None:
+        """The measured k of P(agreed | the draft's confidence q) = q ** k of
+        the pair ``target``, ``draft`` (see :meth:`_agreement_of`), or None
+        (not calibrated, or by a calibrate that did not measure it)."""
+        a = self._agreement_of(target, draft)
+        return None if a is None or a.get("exponent") is None else float(a["exponent"])
 
     def host(self, rank: int) -> HostProfile:
         """The record of ``rank``; a job larger than the profile reuses the
@@ -291,6 +303,9 @@ class Profile:
                 rate = float(prof.agreement["rate"])
                 if not 0.0 <= rate <= 1.0:
                     raise TypeError(f"agreement rate {rate} is not in 0..1")
+                k = prof.agreement.get("exponent")
+                if k is not None and not 0.05 <= float(k) <= 20.0:
+                    raise TypeError(f"confidence exponent {k} is not in 0.05..20")
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"{where}: malformed profile record ({exc})") from None
         if not hosts:

@@ -99,11 +99,22 @@ class AcceptanceModel:
             self._fit()
 
     def _fit(self) -> None:
-        logq = np.log(np.asarray(self._q))[None, :]                  # (1, n)
-        a = np.asarray(self._a, dtype=float)[None, :]
-        pk = np.exp(self.GRID[:, None] * logq)                          # (grid, n)
-        ll = (a * np.log(np.clip(pk, 1e-12, 1)) + (1 - a) * np.log(np.clip(1 - pk, 1e-12, 1))).sum(axis=1)
-        self.k = float(self.GRID[int(np.argmax(ll))])
+        self.k = fit_exponent(self._q, self._a, self.GRID)
+
+
+def fit_exponent(q: Sequence[float], accepted: Sequence[bool], grid: np.ndarray = AcceptanceModel.GRID) -> float:
+    """The exponent k of P(accepted | draft probability q) = q ** k that
+    makes the observations most likely (maximum likelihood over ``grid``,
+    by default 60 values from 0.1 to 4): ``q`` the draft's probabilities of
+    its tokens (0..1), ``accepted`` whether each was the target's. 1.0 with
+    no observations."""
+    if len(q) == 0:
+        return 1.0
+    logq = np.log(np.clip(np.asarray(q, dtype=float), 1e-6, 1.0 - 1e-6))[None, :]   # (1, n)
+    a = np.asarray(accepted, dtype=float)[None, :]
+    pk = np.exp(grid[:, None] * logq)                                          # (grid, n)
+    ll = (a * np.log(np.clip(pk, 1e-12, 1)) + (1 - a) * np.log(np.clip(1 - pk, 1e-12, 1))).sum(axis=1)
+    return float(grid[int(np.argmax(ll))])
 
 
 @dataclass
