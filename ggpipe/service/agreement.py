@@ -126,11 +126,10 @@ def _draft_best(pipeline, tokens: list[int], n_ubatch: int) -> tuple[np.ndarray,
         if hasattr(rows, "ids"):    # compact rows (ggpipe.logits.TopLogits): the argmax first, and the log-sum-exp
             best.append(rows.ids[:, 0])
             prob.append(np.exp(rows.values[:, 0].astype(np.float64) - rows.lse))
-        else:
-            x = np.asarray(rows, dtype=np.float64)
-            top = x.max(axis=-1)
+        else:                       # full rows, one at a time: a chunk's rows at once would be n_ubatch x n_vocab
+            x = np.asarray(rows)
             best.append(np.argmax(x, axis=-1))
-            prob.append(1.0 / np.exp(x - top[:, None]).sum(axis=-1))
+            prob.append(np.array([1.0 / float(np.exp(row - row.max()).sum()) for row in x]))
     return np.concatenate(best), np.concatenate(prob)
 
 
