@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from ggpipe.errors import ConfigError
+from ggpipe.logits import best
 from ggpipe.speculation.adaptive import fit_exponent
 
 #: Prompts of several kinds (prose, explanation, lists, code), for a pair
@@ -114,23 +115,21 @@ def agreed_positions(tokens: list[int], n_prompt: int, draft_best: np.ndarray) -
 
 def _draft_best(pipeline, tokens: list[int], n_ubatch: int) -> tuple[np.ndarray, np.ndarray]:
     """The draft pipeline's most likely next token after each of ``tokens``
-    (int (n,)) and its probability (float (n,), softmax of the row), from an
-    emptied KV cache: one run per ``n_ubatch`` tokens with a logit row per
-    token."""
+    (int (n,)) and its probability (float (n,), softmax of the row:
+    :func:`ggpipe.logits.best`, which reads full and compact rows alike),
+    from an emptied KV cache: one run per ``n_ubatch`` tokens with a logit
+    row per token."""
     pipeline.clear()
-    best, prob = [], []
+    ids, probs = [], []
     for start in range(0, len(tokens), n_ubatch):
         chunk = tokens[start:start + n_ubatch]
         pipeline.decode(np.asarray(chunk, dtype=np.int32), start, logits_all=True)
         rows = pipeline.drain()[-1].logits
-        if hasattr(rows, "ids"):    # compact rows (ggpipe.logits.TopLogits): the argmax first, and the log-sum-exp
-            best.append(rows.ids[:, 0])
-            prob.append(np.exp(rows.values[:, 0].astype(np.float64) - rows.lse))
-        else:                       # full rows, one at a time: a chunk's rows at once would be n_ubatch x n_vocab
-            x = np.asarray(rows)
-            best.append(np.argmax(x, axis=-1))
-            prob.append(np.array([1.0 / float(np.exp(row - row.max()).sum()) for row in x]))
-    return np.concatenate(best), np.concatenate(prob)
+        for i in range(len(rows)):
+            top, p = best(rows[i], 1)
+            ids.append(int(top[0]))
+            probs.append(float(p[0]))
+    return np.asarray(ids, dtype=np.int64), np.asarray(probs)
 
 
 def summarize(agreed: np.ndarray, probs: np.ndarray, prompts: int, tokens: int) -> Agreement:
@@ -171,8 +170,8 @@ def measure_agreement(model: str, draft: str, threads: str, prompts: tuple[str, 
             toks = engine.tokenize(prompt)
             c = engine.generate(toks, n_predict, SamplingParams(temperature=0.0))
             seq = [*toks.tolist(), *c.tokens]
-            best, prob = _draft_best(engine.session.draft_pipelines[0], seq, cfg.n_batch)
-            agreed.append(agreed_positions(seq, len(toks), best))
+            ids, prob = _draft_best(engine.session.draft_pipelines[0], seq, cfg.n_batch)
+            agreed.append(agreed_positions(seq, len(toks), ids))
             probs.append(prob[len(toks) - 1:len(seq) - 1])
         got["a"] = summarize(np.concatenate(agreed), np.concatenate(probs), len(prompts), n_predict)
         return 0
