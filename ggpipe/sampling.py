@@ -105,10 +105,15 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...]
 
 
-def _check_logits(logits: np.ndarray) -> np.ndarray:
+def _as_row(logits: np.ndarray) -> np.ndarray:
     x = np.asarray(logits)
     if x.ndim != 1 or x.size == 0:
         raise ValueError(f"logits must have shape (n_vocab,), got {x.shape}")
+    return x
+
+
+def _check_logits(logits: np.ndarray) -> np.ndarray:
+    x = _as_row(logits)
     if np.isnan(x).any() or np.isposinf(x).any():
         raise ValueError("logits contain NaN or +inf")
     return x
@@ -123,9 +128,7 @@ def _greedy_token(logits: np.ndarray) -> int:
 
     Raises:
         ValueError: not a non-empty 1-D row; NaN or ``+inf`` in it."""
-    x = np.asarray(logits)
-    if x.ndim != 1 or x.size == 0:
-        raise ValueError(f"logits must have shape (n_vocab,), got {x.shape}")
+    x = _as_row(logits)
     t = int(np.argmax(x))
     if np.isnan(x[t]) or x[t] == np.inf:
         raise ValueError("logits contain NaN or +inf")
