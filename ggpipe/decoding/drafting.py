@@ -17,8 +17,6 @@ from ggpipe.decoding.request import Emit, SpecRequest
 from ggpipe.decoding.settings import SpecSettings, check_draft_models
 from ggpipe.metrics import GenerationClock
 from ggpipe.sampling import Sampler
-from ggpipe.speculation.adaptive import AdaptiveCutoff
-from ggpipe.speculation.cutoff import CutoffController
 from ggpipe.speculation.graph import ACCEPTED, DEAD
 from ggpipe.speculation.partitions import PartitionPool
 from ggpipe.speculation.proposers.base import Proposer
@@ -158,12 +156,8 @@ class Drafting(Mode):
 
     def _cutoff(self):
         """The request's confidence cutoff (PipeInfer IV.B.2), adaptive with ``--p-accept auto``."""
-        s = self.s
         serial = None if self.asynchronous else (lambda: self.proposer.step_s)  # speculative: the target waits
-        core = self.core
-        return (AdaptiveCutoff(core.acceptance, core.pass_cost, s.default_threshold, serial, core.decode_rate.rate)
-                if self.adaptive
-                else CutoffController(s.p_accept, s.p_recovery, s.p_decay))
+        return self.s.cutoff(self.core.calibration, serial)
 
     def step(self) -> None:
         """One turn: a target result first; else the proposer's progress, a

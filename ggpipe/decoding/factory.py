@@ -13,6 +13,7 @@ from ggpipe.decoding.mode import BuildContext, Mode
 from ggpipe.decoding.loop import RequestLoop
 from ggpipe.decoding.plan import DecodingPlan
 from ggpipe.pipeline.waiting import Wait
+from ggpipe.speculation.adaptive import Calibration
 from ggpipe.speculation.proposers.base import proposer_class
 
 
@@ -45,7 +46,8 @@ def build_decoder(plan: DecodingPlan, target, draft, *, n_ubatch: int, n_seq_max
 
 
 def build_chain_drafter(plan: DecodingPlan, target, draft, *, n_ubatch: int, timeout_s: float,
-                        idle: Wait | None = None, more_drafts: Sequence = ()):
+                        idle: Wait | None = None, more_drafts: Sequence = (), calibration: Calibration | None = None,
+                        waited_for: bool = True):
     """The continuous-batching scheduler's drafting (``--parallel`` > 1 in a
     speculative mode): ``draft(context, k) -> tokens``, a chain below a
     request that generates alone (ggpipe.decoding.parallel.scheduler). A strategy
@@ -53,7 +55,10 @@ def build_chain_drafter(plan: DecodingPlan, target, draft, *, n_ubatch: int, tim
     ngram``'s prompt lookup) drafts instantly; any other (the draft model, ...), a
     :class:`~ggpipe.decoding.parallel.chain_draft.ChainDrafter` over the proposer
     :meth:`BuildContext.proposer <ggpipe.decoding.mode.BuildContext.proposer>` makes,
-    cut at ``--p-accept`` (with ``auto``, the adaptive depth's starting threshold).
+    cut as one request at a time cuts it (:meth:`SpecSettings.cutoff
+    <ggpipe.decoding.settings.SpecSettings.cutoff>`: ``--p-accept``, or with
+    ``auto`` adaptive depth over ``calibration``, charging the draft's steps
+    where its chains are ``waited_for``).
 
     Raises:
         ConfigError: as :meth:`~ggpipe.decoding.mode.BuildContext.proposer`."""
@@ -64,8 +69,11 @@ def build_chain_drafter(plan: DecodingPlan, target, draft, *, n_ubatch: int, tim
         return LookupDrafter(lookup)
     ctx = BuildContext(target=target, draft=draft, more_drafts=tuple(more_drafts), spec=spec, n_ubatch=n_ubatch,
                        n_seq_max=1, is_eog=lambda t: False, timeout_s=timeout_s, idle=idle)
-    cutoff = spec.p_accept if spec.p_accept is not None else spec.default_threshold
-    return ChainDrafter(ctx.proposer(plan.name), cutoff, idle=idle, timeout_s=timeout_s)
+    calibration = calibration or Calibration()
+    proposer = ctx.proposer(plan.name)
+    cutoff = spec.cutoff(calibration, (lambda: proposer.step_s) if waited_for else None)
+    return ChainDrafter(proposer, cutoff, idle=idle, timeout_s=timeout_s,
+                        acceptance=calibration.acceptance if spec.p_accept is None else None)
 
 
 def build_scheduler(plan: DecodingPlan, target, drafts: Sequence = (), *, n_ctx_slot: int, n_batch: int,
@@ -79,7 +87,8 @@ def build_scheduler(plan: DecodingPlan, target, drafts: Sequence = (), *, n_ctx_
     first drafting), and in a mode that declares ``lookahead_in_slots``
     with look-ahead rows where
     :func:`~ggpipe.decoding.parallel.lone_drafts.lookahead_wanted` says
-    (``target_hosts``: each target rank's host).
+    (``target_hosts``: each target rank's host); a draft model's chains
+    then travel in look-ahead rows, drafted without being waited for.
 
     Args:
         n_ctx_slot: KV cells of one slot (tokens).
@@ -95,15 +104,17 @@ def build_scheduler(plan: DecodingPlan, target, drafts: Sequence = (), *, n_ctx_
         ConfigError: as :func:`build_chain_drafter`; a bad ``GGPIPE_LOOKAHEAD``."""
     from ggpipe.decoding.parallel.lone_drafts import lookahead_wanted  # noqa: PLC0415
     from ggpipe.decoding.parallel.scheduler import Scheduler  # noqa: PLC0415
-    drafter = None
+    drafter, lookahead, calibration = None, False, Calibration()
     if plan.speculates:
+        spec = plan.spec
+        has_ranks = proposer_class(spec.spec_type).chain_lookup(spec.strategy_options) is None
+        lookahead = plan.mode.lookahead_in_slots and lookahead_wanted(list(target_hosts), has_ranks)
         drafter = build_chain_drafter(plan, target, drafts[0] if drafts else None, more_drafts=drafts[1:],
-                                      n_ubatch=n_batch, timeout_s=timeout_s, idle=idle)
-    lookahead = plan.mode.lookahead_in_slots and lookahead_wanted(list(target_hosts),
-                                                                  drafter is not None and drafter.has_ranks)
+                                      n_ubatch=n_batch, timeout_s=timeout_s, idle=idle, calibration=calibration,
+                                      waited_for=not (lookahead and has_ranks))
     return Scheduler(target, plan.slots, n_ctx_slot, n_batch, is_eog, depth=depth, timeout_s=timeout_s, idle=idle,
                      draft=drafter, draft_max=plan.spec.draft_max, lookahead=lookahead, partial_reuse=partial_reuse,
-                     doing=doing)
+                     doing=doing, calibration=calibration)
 
 
 def build_loop(plan: DecodingPlan, target, drafts: Sequence = (), *, n_ctx: int, n_batch: int, n_seq_max: int,

@@ -5,8 +5,11 @@ class (``ggpipe.speculation.proposers.base.REGISTRY``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ggpipe.errors import ConfigError
+from ggpipe.speculation.adaptive import AdaptiveCutoff, Calibration
+from ggpipe.speculation.cutoff import CutoffController
 from ggpipe.speculation.proposers.base import proposer_class
 from ggpipe.speculation.proposers.options import StrategyOptions
 
@@ -75,6 +78,21 @@ class SpecSettings:
         Raises:
             ValueError: ``spec_type`` is not registered."""
         return proposer_class(self.spec_type).uses_draft_model(self.strategy_options)
+
+    def cutoff(self, calibration: Calibration, draft_step: Callable[[], float | None] | None):
+        """The confidence cutoff of a request's drafting (PipeInfer IV.B.2),
+        as every loop that drafts uses it: with ``--p-accept auto``
+        (``p_accept`` None), adaptive depth from ``calibration``'s
+        measurements (:class:`~ggpipe.speculation.adaptive.AdaptiveCutoff`;
+        ``draft_step``: the draft's seconds per drafted token where the
+        target waits for the draft, None where drafting overlaps
+        verification); otherwise the fixed
+        :class:`~ggpipe.speculation.cutoff.CutoffController` of
+        ``p_accept``, ``p_recovery`` and ``p_decay``."""
+        if self.p_accept is None:
+            return AdaptiveCutoff(calibration.acceptance, calibration.pass_cost, self.default_threshold, draft_step,
+                                  calibration.decode_rate.rate)
+        return CutoffController(self.p_accept, self.p_recovery, self.p_decay)
 
 
 def check_draft_models(n: int, spec: SpecSettings) -> None:

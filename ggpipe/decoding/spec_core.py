@@ -37,7 +37,7 @@ from ggpipe.metrics import GenerationClock
 from ggpipe.pipeline.waiting import Wait, poll_wait
 from ggpipe.runs import Run, RunResult, next_run_id
 from ggpipe.sampling import Sampler
-from ggpipe.speculation.adaptive import AcceptanceModel, DecodeRate, PassCost
+from ggpipe.speculation.adaptive import Calibration
 from ggpipe.speculation.graph import SpecGraph
 from ggpipe.speculation.kv_room import CellBook
 from ggpipe.speculation.partitions import PartitionPool
@@ -90,9 +90,10 @@ class SpecCore:
         self.on_root: Callable[[int], None] = lambda token: None
         self.observe: Callable[[list[int]], None] = lambda context: None
         # adaptive speculation depth (--p-accept auto): learnt across requests
-        self.acceptance = AcceptanceModel()
-        self.pass_cost = PassCost()
-        self.decode_rate = DecodeRate()
+        self.calibration = Calibration()
+        self.acceptance = self.calibration.acceptance
+        self.pass_cost = self.calibration.pass_cost
+        self.decode_rate = self.calibration.decode_rate
         self._last_decision = 0.0     # when the request's last tokens were decided (the results' clock)
 
     # -- a request's start -----------------------------------------------------

@@ -195,6 +195,18 @@ class DecodeRate:
         return self.tokens / self.seconds if self.seconds > 0 and self.tokens > 0 else None
 
 
+@dataclass
+class Calibration:
+    """What adaptive depth learns of a target and draft pair, kept by the
+    loop that drafts and shared across its requests: the draft's
+    calibrated acceptance, the target's pass cost curve and the loop's
+    decode rate (:class:`AdaptiveCutoff` reads all three)."""
+
+    acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)
+    pass_cost: PassCost = field(default_factory=PassCost)
+    decode_rate: DecodeRate = field(default_factory=DecodeRate)
+
+
 def look_threshold(accept: np.ndarray, gain_bar: float, look_cost: float) -> float:
     """The least path probability P of a chain's tip at which decoding the
     tip, to see the draft's next token, pays for itself: the next token is

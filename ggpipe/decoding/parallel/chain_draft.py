@@ -38,24 +38,32 @@ from typing import Callable, Protocol, runtime_checkable
 from ggpipe.kv_reuse import reusable_prefix
 from ggpipe.pipeline.waiting import Wait, poll_wait
 from ggpipe.sampling_params import SamplingParams
+from ggpipe.speculation.adaptive import AcceptanceModel
+from ggpipe.speculation.cutoff import CutoffController
 from ggpipe.speculation.proposers.base import Cuttable, Proposer, implements
 from ggpipe.speculation.tree import SpecTree
 
-__all__ = ["CATCH_UP_MAX", "ChainDrafter", "LookupDrafter", "SlotDrafter", "as_slot_drafter", "first_child_chain"]
+__all__ = ["CATCH_UP_MAX", "ChainDrafter", "LookupDrafter", "SlotDrafter", "as_slot_drafter", "first_child_chain",
+           "first_child_nodes"]
 
 CATCH_UP_MAX = 8   # tokens the draft may lack when a chain starts: one short batch, about a draft step
 
 
-def first_child_chain(tree: SpecTree) -> list[int]:
-    """The tokens of ``tree`` along the first child of each node, from the
-    anchor down (the draft's greedy chain; siblings are the runner-ups)."""
+def first_child_nodes(tree: SpecTree) -> list[int]:
+    """The node indices of ``tree`` along the first child of each node, from
+    the anchor down (the draft's greedy chain; siblings are the runner-ups)."""
     out, node = [], -1
     while True:
         kids = tree.children(node)
         if not kids:
             return out
         node = kids[0]
-        out.append(tree.tokens[node])
+        out.append(node)
+
+
+def first_child_chain(tree: SpecTree) -> list[int]:
+    """The tokens of :func:`first_child_nodes`."""
+    return [tree.tokens[j] for j in first_child_nodes(tree)]
 
 
 @runtime_checkable
@@ -100,6 +108,12 @@ class SlotDrafter(Protocol):
 
     def drop(self) -> None:
         """Abandon the drafting :meth:`take` started (its runs are consumed later)."""
+
+    def observe_verified(self, at: int, chain: list[int], n_accepted: int) -> None:
+        """The target verified ``chain`` (drafted tokens, the first at
+        position ``at``): its first ``n_accepted`` tokens were accepted and
+        the one after them, if any, refused (what adaptive depth
+        calibrates the draft's confidence on)."""
 
 
 def _below(begun: list[int], chain: list[int], context: list[int]) -> list[int] | None:
@@ -153,6 +167,9 @@ class LookupDrafter:
     def drop(self) -> None:
         """Nothing in flight."""
 
+    def observe_verified(self, at: int, chain: list[int], n_accepted: int) -> None:
+        """Nothing to calibrate: a lookup has no confidence."""
+
 
 def as_slot_drafter(draft) -> SlotDrafter | None:
     """``draft`` as a :class:`SlotDrafter`: None stays None, a plain
@@ -172,12 +189,19 @@ class ChainDrafter:
     Args:
         proposer: the strategy (started here once, greedy; its KV follows
             each call's context).
-        cutoff: the confidence cutoff (``--p-accept``; with ``auto`` the
-            adaptive depth's starting threshold): a draft-model chain stops
-            where the draft's probability of its next token falls below it
-            (PipeInfer IV.B.2).
+        cutoff: the confidence cutoff (PipeInfer IV.B.2): a fixed
+            probability (a draft-model chain stops where the draft's
+            probability of its next token falls below it), or the controller
+            :meth:`SpecSettings.cutoff <ggpipe.decoding.settings.SpecSettings.cutoff>`
+            makes (with ``--p-accept auto``, adaptive depth, read at each
+            chain's start, as one request at a time drafts).
         idle: the head's wait (``wait(ready, timeout_s)``); None: polling.
         timeout_s: bound of each wait for the proposer (seconds).
+        acceptance: with adaptive depth, the draft's calibrated acceptance
+            (:class:`~ggpipe.speculation.adaptive.AcceptanceModel`): the
+            cutoff applies to the product of calibrated acceptance along a
+            chain, and :meth:`observe_verified` calibrates it; None: to
+            each token's draft probability.
 
     Attributes:
         step_s: the proposer's measured seconds per drafted token (its first
@@ -193,20 +217,53 @@ class ChainDrafter:
 
     has_ranks = True
 
-    def __init__(self, proposer: Proposer, cutoff: float, idle: Wait | None = None, timeout_s: float = 60.0):
+    def __init__(self, proposer: Proposer, cutoff, idle: Wait | None = None, timeout_s: float = 60.0,
+                 acceptance: AcceptanceModel | None = None):
         self.proposer = proposer
-        self.cutoff = cutoff
+        self.cutoff = CutoffController(float(cutoff), 0.0, 0.0) if isinstance(cutoff, (int, float)) else cutoff
+        self.acceptance = acceptance
         self.idle = idle or poll_wait
         self.timeout_s = timeout_s
         self._started = False
+        self._drafted: dict[int, tuple[int, float]] = {}   # position -> (drafted token, its draft probability)
         self._begun: list[int] | None = None     # the context below which take() drafts now
         self._done: tuple[list[int], list[int]] | None = None   # (context, chain) drafted, not taken yet
 
     def _start(self) -> None:
         """Start the proposer once, greedy (its chains are the draft's choice, whatever the request samples)."""
         if not self._started:
-            self.proposer.start(SamplingParams(), 0, None)
+            self.proposer.start(SamplingParams(), 0, self.acceptance.at_look if self.acceptance is not None else None)
             self._started = True
+
+    def _begin(self, context: list[int], k: int) -> None:
+        """Drafting of up to ``k`` tokens below ``context`` starts, cut where
+        :attr:`cutoff` says (the anchor is verified or taken as such: path
+        probability 1)."""
+        c = self.cutoff
+        self.proposer.begin(list(context), c.at(1.0), k, first_cutoff=c.first_at(1.0), look_cutoff=c.look_at(1.0))
+
+    def _chain(self, tree: SpecTree, context: list[int]) -> list[int]:
+        """The first-child chain of ``tree``, drafted below ``context``;
+        each token's draft probability is kept by position for
+        :meth:`observe_verified`."""
+        nodes = first_child_nodes(tree)
+        if self.acceptance is not None:
+            if len(self._drafted) > 1024:      # positions far behind this chain are verified long ago
+                self._drafted = {p: v for p, v in self._drafted.items() if p >= len(context) - 64}
+            for i, j in enumerate(nodes):
+                self._drafted[len(context) + i] = (tree.tokens[j], tree.draft_p[j])
+        return [tree.tokens[j] for j in nodes]
+
+    def observe_verified(self, at: int, chain: list[int], n_accepted: int) -> None:
+        """Calibrate the acceptance model (adaptive depth) on the verified
+        tokens of ``chain`` (the first at position ``at``) that this drafter
+        drafted: the first ``n_accepted`` accepted, the next one refused."""
+        if self.acceptance is None:
+            return
+        for i, token in enumerate(chain[:n_accepted + 1]):
+            drafted = self._drafted.get(at + i)
+            if drafted is not None and drafted[0] == token:
+                self.acceptance.observe(drafted[1], i < n_accepted)
 
     @property
     def step_s(self) -> float | None:
@@ -223,7 +280,7 @@ class ChainDrafter:
             self.drop()
             p.settle(self.timeout_s)
         p.observe(list(context))
-        p.begin(list(context), self.cutoff, k)
+        self._begin(context, k)
         try:
             tree = p.poll()
             while tree is None and p.active:
@@ -232,7 +289,7 @@ class ChainDrafter:
                 tree = p.poll()
         finally:
             p.settle(self.timeout_s)   # consume draft runs still in flight: the draft's pipeline idles between chains
-        return first_child_chain(tree)[:k] if tree is not None else []
+        return self._chain(tree, context)[:k] if tree is not None else []
 
     def follow(self, context: list[int]) -> None:
         """Let the draft's KV follow ``context`` without waiting: results
@@ -275,7 +332,7 @@ class ChainDrafter:
         while self._begun is not None and p.active and p.ready():
             tree = p.poll()
             if tree is not None:
-                self._done, self._begun = (self._begun, first_child_chain(tree)), None
+                self._done, self._begun = (self._begun, self._chain(tree, self._begun)), None
         if self._begun is not None and not p.active:
             self._begun = None
         p.drain_ready()
@@ -304,14 +361,14 @@ class ChainDrafter:
         p = self.proposer
         if self._begun is not None:          # still drafting: what it has drafted beyond ``context`` goes now
             tree = p.partial() if implements(p, Cuttable) else None
-            rest = _below(self._begun, first_child_chain(tree) if tree is not None else [], context)
+            rest = _below(self._begun, self._chain(tree, self._begun) if tree is not None else [], context)
             if rest is not None:
                 return rest[:k] if len(rest) >= min(least, k) else []
             self.drop()     # the context left the drafting's chain: drafting below it again
         if self._begun is None and not p.active and not p.busy():
             p.observe(list(context))
-            p.begin(list(context), self.cutoff, k)
             self._begun = list(context)
+            self._begin(context, k)
             self._pump()     # a cached anchor's logits: the first level at once
         return []
 

@@ -29,7 +29,7 @@ from ggpipe.errors import ConfigError
 from ggpipe.decoding.parallel.chain_draft import SlotDrafter, as_slot_drafter
 from ggpipe.decoding.parallel.slots import SchedulerStats, Slot, _Row
 from ggpipe.runs import RunResult
-from ggpipe.speculation.adaptive import PassCost
+from ggpipe.speculation.adaptive import Calibration
 from ggpipe.speculation.gate import DraftGate
 from ggpipe.speculation.verify import walk_tree
 
@@ -92,16 +92,25 @@ class LoneDrafts:
         stats: the scheduler's counters
             (:class:`~ggpipe.decoding.parallel.slots.SchedulerStats`): its
             drafting ones are counted here.
+        calibration: what adaptive depth measures
+            (:class:`~ggpipe.speculation.adaptive.Calibration`, shared with
+            the drafter's cutoff, :meth:`SpecSettings.cutoff
+            <ggpipe.decoding.settings.SpecSettings.cutoff>`): the target's
+            pass costs and the lone request's decode rate are measured here,
+            the draft's acceptance where its chains are verified; None: a
+            calibration of its own.
 
     Attributes:
         gate: whether a chain pays (:class:`~ggpipe.speculation.gate.DraftGate`).
         pass_cost: the target's measured seconds per pass size.
+        decode_rate: the lone request's tokens per second, its chains' and
+            plain roots' together.
         clock: when the result being handled finished (seconds; the
             scheduler sets it).
     """
 
     def __init__(self, target, draft: SlotDrafter | Callable[[list[int], int], list[int]] | None, draft_max: int,
-                 lookahead: bool, n_ctx_slot: int, stats: SchedulerStats):
+                 lookahead: bool, n_ctx_slot: int, stats: SchedulerStats, calibration: Calibration | None = None):
         self.target = target
         self.draft, self.draft_max = as_slot_drafter(draft), draft_max
         self.lookahead = lookahead and self.draft is not None
@@ -110,9 +119,11 @@ class LoneDrafts:
         self.n_ctx_slot = n_ctx_slot
         self.stats = stats
         self.gate = DraftGate()
-        self.pass_cost = PassCost()
+        calibration = calibration or Calibration()
+        self.pass_cost, self.decode_rate = calibration.pass_cost, calibration.decode_rate
         self.clock = 0.0
         self._drafting = None    # the request whose last planned root the gate let draft a chain
+        self._alone: tuple[object, int, float] | None = None   # (request alone, its tokens, when): its decode rate
 
     def ahead(self, slot: Slot) -> tuple[_Row, list[int]] | None:
         """A look-ahead row for ``slot``, whose request generates alone and
@@ -163,6 +174,7 @@ class LoneDrafts:
                                   logits.__getitem__, 0, row.job.sampler)
         if row.chain:
             matched = len(decided) - 1
+            self.draft.observe_verified(row.root + 1, row.chain, matched)
             self.gate.observe(matched, len(row.chain))
             self.stats.draft_accepted += matched
             row.job.draft_stats.record_chain(row.first, len(row.chain), matched)
@@ -179,6 +191,7 @@ class LoneDrafts:
         if slot.ahead and len(decided) == len(row.chain) + 1:   # the guess is verified: it follows the row's chain
             at = row.first + len(row.chain)
             kept = slot.ahead[0].guess == decided[-1]
+            self.draft.observe_verified(slot.ahead[0].p0, [slot.ahead[0].guess], int(kept))
             row.job.draft_stats.record(at, kept)
             if kept:
                 nxt = slot.ahead.pop(0)
@@ -208,6 +221,7 @@ class LoneDrafts:
         None with a draft with ranks and look-ahead on: its chains go in
         look-ahead rows (:meth:`ahead`), drafted without waiting."""
         r = slot.job.request
+        self._rate(slot.job, alone)
         room = 0
         if self.continuous:                 # a draft with ranks, look-ahead on: its chains go in look-ahead rows
             if alone:
@@ -239,6 +253,18 @@ class LoneDrafts:
         self.stats.drafted += len(chain)
         slot.job.draft_stats.drafted += len(chain)
         return chain
+
+    def _rate(self, job, alone: bool) -> None:
+        """The lone request's decode rate (adaptive depth's synchronous
+        rule): the tokens it decided since its last planned root, over the
+        time since then (the pipeline's clock), while it stays alone."""
+        if not alone:
+            self._alone = None
+            return
+        n = len(job.request.out)
+        if self._alone is not None and self._alone[0] is job:
+            self.decode_rate.observe(n - self._alone[1], self.clock - self._alone[2])
+        self._alone = (job, n, self.clock)
 
     def started(self, prompt: list[int]) -> None:
         """A request starts alone with ``prompt`` (token ids): a draft with

@@ -72,6 +72,7 @@ from ggpipe.errors import ConfigError, GGPipeError
 from ggpipe.metrics import TokenRate
 from ggpipe.pipeline.waiting import Wait, poll_wait
 from ggpipe.runs import RunResult
+from ggpipe.speculation.adaptive import Calibration
 
 
 class Scheduler:
@@ -96,6 +97,7 @@ class Scheduler:
             no speculation. Used while one request is generating
             (:class:`~ggpipe.decoding.parallel.lone_drafts.LoneDrafts`).
         draft_max: most drafted tokens per chain (at most ``n_batch - 1``).
+        calibration: what adaptive depth measures, shared with ``draft``'s cutoff, or None.
         lookahead: PipeInfer's continuation for a request that generates
             alone (``--mode pipeinfer``; with ``depth`` >= 2): while its row
             waits for logits, up to ``depth - 1`` look-ahead rows built on
@@ -132,7 +134,7 @@ class Scheduler:
                  is_eog: Callable[[int], bool], depth: int | None = None, timeout_s: float = 60.0,
                  idle: Wait | None = None, draft: SlotDrafter | Callable[[list[int], int], list[int]] | None = None,
                  draft_max: int = 6, lookahead: bool = False, partial_reuse: bool = True,
-                 doing: Callable[..., None] | None = None):
+                 doing: Callable[..., None] | None = None, calibration: Calibration | None = None):
         if n_slots < 1:
             raise ConfigError(f"--parallel must be at least 1, got {n_slots}")
         if n_batch < 1:
@@ -158,7 +160,7 @@ class Scheduler:
         # a lone request's chains and look-ahead rows, their verification and the gate
         # (look-ahead rows follow a row in flight: with one micro-batch in flight there is no room for them)
         self.spec = LoneDrafts(target, draft if n_batch > 1 else None, min(draft_max, n_batch - 1),
-                               lookahead and self.depth >= 2, n_ctx_slot, self.stats)
+                               lookahead and self.depth >= 2, n_ctx_slot, self.stats, calibration)
 
     # -- requests ------------------------------------------------------------------
 
