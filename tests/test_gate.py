@@ -121,3 +121,32 @@ def test_roots_are_timed_per_request_and_forgotten_when_asked():
     g.rooted(b, 1.0, 2, False)
     g.root(b, 1.25, 3)
     assert g.rates["plain"] == (1.0, 0.25)
+
+
+def test_an_exploration_outweighs_drafted_roots_timed_before_a_run_of_plain_roots():
+    """The arms age by roots of either kind: drafted roots timed slowly at a
+    request's start (cold weights) and then 16 plain roots leave the drafted
+    arm's old sums a fifth of their weight, so one exploration that pays
+    (2 tokens in 0.11 s against 15 tok/s plain) turns the comparison; aged
+    by their own samples only, the old sums kept 90% and it did not."""
+    g = DraftGate()
+    g.timed(True, 1, 0.095)
+    g.timed(True, 2, 0.14)            # 3 tokens in 0.235 s: 12.8 tok/s
+    for _ in range(16):
+        g.timed(False, 1, 1 / 15)     # plain: 15 tok/s
+    assert g.measured() is False
+    g.timed(True, 2, 0.11)            # one exploration: 18 tok/s
+    assert g.measured() is True
+    td, sd = g.rates["draft"]
+    assert td / sd > 15
+
+
+def test_an_arm_counts_as_measured_by_its_tokens_without_decay():
+    """An arm whose last sample lies 40 roots back still counts as
+    measured: the rates decide, not the cost model, once both arms saw 3
+    tokens."""
+    g = DraftGate()
+    g.timed(True, 3, 0.3)
+    for _ in range(40):
+        g.timed(False, 1, 0.05)
+    assert g.measured() is False

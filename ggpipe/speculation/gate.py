@@ -55,7 +55,14 @@ class DraftGate:
         skipped: roots sent without drafting (``draft_skipped`` in ``--json``).
         explored: attempts made only to keep measuring.
 
-    The wall-time arms (:meth:`timed`) are fed root by root: :meth:`root` at
+    The wall-time arms (:meth:`timed`) age by roots, not by their own
+    samples: an arm's sums decay by ``decay`` for every timed root of either
+    kind since its last sample, so an exploration after a run of plain roots
+    outweighs the drafted roots measured before that run (the first roots of
+    a request, timed while the weights and the draft were still cold, no
+    longer keep a draft that pays below the plain arm). Whether an arm is
+    measured at all counts its tokens without decay. They are fed root by
+    root: :meth:`root` at
     each new root of a request times the last one, :meth:`rooted` remembers
     this one once the decision is made, :meth:`forget_root` drops it (the
     request no longer decides alone: the scheduler's other slots filled).
@@ -71,7 +78,9 @@ class DraftGate:
     _run: int = 0    # roots in a row without an attempt
     _blind: int = 0  # attempts in a row made without knowing c(1)
     _wait: int = 0   # roots between explorations now (0: explore_every)
-    rates: dict = None  # "draft" / "plain" -> [tokens, seconds], exponentially decayed sums
+    rates: dict = None  # "draft" / "plain" -> (tokens, seconds), sums decayed by the roots timed since
+    _timed: int = 0     # roots timed so far (either arm)
+    _arm: dict = None   # "draft" / "plain" -> (tokens measured, undecayed; _timed at its last sample)
     _root: tuple | None = None  # the last root: (its request, when, tokens out then, drafted)
 
     def root(self, owner: object, now: float, tokens_out: int) -> None:
@@ -95,19 +104,26 @@ class DraftGate:
     def timed(self, drafted: bool, tokens: int, seconds: float, decay: float = 0.9) -> None:
         """A root's outcome in wall time: ``tokens`` decided in ``seconds``
         from the root being handed to the target (``drafted``: with an
-        attempt below it) to the next root. Decayed sums per arm."""
+        attempt below it) to the next root. The arm's sums are decayed by
+        ``decay`` per root timed since its last sample (this one included),
+        then the root is added."""
         if seconds <= 0:
             return
         if self.rates is None:
-            self.rates = {}
-        t, sec = self.rates.get("draft" if drafted else "plain", (0.0, 0.0))
-        self.rates["draft" if drafted else "plain"] = (decay * t + tokens, decay * sec + seconds)
+            self.rates, self._arm = {}, {}
+        self._timed += 1
+        arm = "draft" if drafted else "plain"
+        t, sec = self.rates.get(arm, (0.0, 0.0))
+        seen, at = self._arm.get(arm, (0, self._timed - 1))
+        age = decay ** (self._timed - at)
+        self.rates[arm] = (age * t + tokens, age * sec + seconds)
+        self._arm[arm] = (seen + tokens, self._timed)
 
     def measured(self) -> bool | None:
         """Whether drafting gave more tokens per second than plain roots so
-        far (both measured over at least 3 roots' worth), or None."""
-        r = self.rates or {}
-        if any(k not in r or r[k][0] < 3 for k in ("draft", "plain")):
+        far (each arm measured over at least 3 tokens), or None."""
+        r, seen = self.rates or {}, self._arm or {}
+        if any(k not in r or seen[k][0] < 3 for k in ("draft", "plain")):
             return None
         (td, sd), (tp, sp) = r["draft"], r["plain"]
         return td / sd >= tp / sp
