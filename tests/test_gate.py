@@ -150,3 +150,39 @@ def test_an_arm_counts_as_measured_by_its_tokens_without_decay():
     for _ in range(40):
         g.timed(False, 1, 0.05)
     assert g.measured() is False
+
+
+def test_an_exploration_the_draft_declines_is_made_again_at_the_next_root_untimed():
+    """An exploration whose chain came back empty (the draft's first token
+    under the cutoff) verified nothing: the yield is not touched, its root
+    is not timed, the wait does not double and the next root explores
+    again, up to explore_retries declines in a row; then it counts."""
+    g = DraftGate(yield_=0.0, depth=1.0)
+    g.rates, g._arm = {"draft": (3.0, 0.3), "plain": (10.0, 0.5)}, {"draft": (3, 0), "plain": (10, 0)}
+    decisions = [g.pays(0.02, 0.05, 0.06) for _ in range(8)]
+    assert decisions == [False] * 7 + [True] and g._wait == 16     # the exploration
+    g.rooted("r", 1.0, 10, True)
+    g.observe(0, 0)                                  # declined
+    assert g.yield_ == 0.0 and g._root is None and g._wait == 8
+    g.root("r", 1.1, 11)
+    assert g.rates["draft"] == (3.0, 0.3)            # not timed
+    for _ in range(2):                               # declined again, twice: still made again
+        assert g.pays(0.02, 0.05, 0.06) is True
+        g.rooted("r", 1.2, 12, True)
+        g.observe(0, 0)
+    assert g.pays(0.02, 0.05, 0.06) is True          # the fourth in a row counts as an attempt that drafted nothing
+    g.rooted("r", 1.3, 13, True)
+    g.observe(0, 0)
+    assert g._root is not None and g._wait == 16
+    assert g.pays(0.02, 0.05, 0.06) is False
+
+
+def test_a_declined_first_attempt_does_not_set_the_yield():
+    """Before any attempt is counted, a declined one leaves the yield
+    unknown, so the next root attempts again."""
+    g = DraftGate()
+    assert g.pays(0.02, 0.05, 0.06) is True
+    g.observe(0, 0)
+    assert g.yield_ is None and g.pays(0.02, 0.05, 0.06) is True
+    g.observe(2, 3)
+    assert g.yield_ == 2.0

@@ -41,11 +41,11 @@ class Speculative(Drafting):
         r, core = self.r, self.core
         if r.pending_root is not None:
             d, now = r.graph.draft_stats, core.last_decision    # the pipelines' clock (virtual in the simulator)
-            self.gate.root(r, now, len(r.out))    # the last root's tokens per second, drafted or plain
-            if self._accepted_at_attempt is not None:
+            if self._accepted_at_attempt is not None:    # (before root(): a declined attempt's root is not timed)
                 accepted0, drafted0 = self._accepted_at_attempt
                 self.gate.observe(d.n_accepted - accepted0, d.drafted - drafted0)
                 self._accepted_at_attempt = None
+            self.gate.root(r, now, len(r.out))    # the last root's tokens per second, drafted or plain
             drafting = self.gate.pays_at(self.proposer.step_s, core.pass_cost)
             self.gate.rooted(r, now, len(r.out), drafting)
             if not drafting:

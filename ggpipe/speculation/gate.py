@@ -31,7 +31,12 @@ such exploration, up to ``explore_max``, and resets once drafting pays), so
 ``c(1)`` are known every root is drafted (an
 unknown ``c(2)`` counts as ``c(1)``), except that when every pass carried a
 chain for ``explore_every`` attempts, one root goes alone so ``c(1)`` is
-measured. The continuous-batching scheduler asks the same rule of a request
+measured. An attempt the draft declines (it drafts nothing: its first token
+falls under the confidence cutoff) verifies nothing, so where it was made to
+learn (an exploration, or before the yield is known) it is neither counted
+nor timed, and the next root attempts again, up to ``explore_retries`` times
+in a row: otherwise a few positions where the draft is unsure would keep
+drafting off at the positions where it is right. The continuous-batching scheduler asks the same rule of a request
 that generates alone (ggpipe.decoding.parallel.scheduler).
 """
 
@@ -54,6 +59,8 @@ class DraftGate:
         depth: drafted tokens per attempt (None until an attempt reports them).
         skipped: roots sent without drafting (``draft_skipped`` in ``--json``).
         explored: attempts made only to keep measuring.
+        explore_retries: declined attempts in a row that are made again at
+            the next root instead of counting (:meth:`observe`).
 
     The wall-time arms (:meth:`timed`) age by roots, not by their own
     samples: an arm's sums decay by ``decay`` for every timed root of either
@@ -78,6 +85,9 @@ class DraftGate:
     _run: int = 0    # roots in a row without an attempt
     _blind: int = 0  # attempts in a row made without knowing c(1)
     _wait: int = 0   # roots between explorations now (0: explore_every)
+    explore_retries: int = 3
+    _learning: int | None = None  # the last attempt was made to learn: the wait before it (0: none yet)
+    _declined: int = 0            # learning attempts declined in a row
     rates: dict = None  # "draft" / "plain" -> (tokens, seconds), sums decayed by the roots timed since
     _timed: int = 0     # roots timed so far (either arm)
     _arm: dict = None   # "draft" / "plain" -> (tokens measured, undecayed; _timed at its last sample)
@@ -130,7 +140,20 @@ class DraftGate:
 
     def observe(self, accepted: int, drafted: int | None = None) -> None:
         """An attempt's outcome: ``accepted`` of its ``drafted`` draft tokens
-        (None: not reported) were accepted."""
+        (None: not reported) were accepted. ``drafted`` 0 is an attempt the
+        draft declined: where it was made to learn (an exploration, or
+        before the yield was known) and fewer than ``explore_retries``
+        were declined in a row, it is not counted, its root is not timed
+        (call this before :meth:`root` times it, or after :meth:`rooted`),
+        and the next root attempts again."""
+        if drafted == 0 and self._learning is not None and self._declined < self.explore_retries:
+            self._declined += 1
+            self._root = None
+            if self._learning:                  # an exploration: made again at the next root, the wait as it was
+                self._wait, self._run = self._learning, self._learning - 1
+            return
+        if drafted:
+            self._declined = 0
         y = float(accepted)
         self.yield_ = y if self.yield_ is None else self.yield_ + self.alpha * (y - self.yield_)
         if drafted is not None:
@@ -163,7 +186,7 @@ class DraftGate:
             return False
         if self.yield_ is None or step_s is None or c1 is None:
             self._blind += c1 is None
-            return self._attempt()
+            return self._attempt(learning=0 if self.yield_ is None else None)
         deep = c_chain is not None and self.depth is not None
         c_pass = c_chain if deep else c2
         extra = 0.0 if c_pass is None else max(0.0, c_pass - c1)
@@ -176,11 +199,13 @@ class DraftGate:
         if self._run + 1 >= wait:
             self.explored += 1
             self._wait = min(2 * wait, self.explore_max)
-            return self._attempt()
+            return self._attempt(learning=wait)
         self._run += 1
         self.skipped += 1
         return False
 
-    def _attempt(self) -> bool:
-        self._run = 0
+    def _attempt(self, learning: int | None = None) -> bool:
+        """An attempt; ``learning``: made to learn (the exploration's wait,
+        0 before the yield is known), else None."""
+        self._run, self._learning = 0, learning
         return True

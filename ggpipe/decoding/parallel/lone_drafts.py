@@ -243,12 +243,12 @@ class LoneDrafts:
             attempt = False                 # the draft is still decoding the context: this root goes plainly
         if attempt:
             chain = self.draft(r.context, room)
-            if not chain:
-                self.gate.observe(0, 0)     # an attempt that drafted nothing (it cost the draft's step)
         else:
             self.stats.draft_skipped += 1
             self.draft.follow(r.context)    # a draft with ranks follows the request meanwhile, not waited for
         self.gate.rooted(slot.job, now, len(r.out), attempt)
+        if attempt and not chain:
+            self.gate.observe(0, 0)         # the draft declined (it cost the draft's step; after rooted(): see observe)
         self._drafting = slot.job if attempt else None
         self.stats.drafted += len(chain)
         slot.job.draft_stats.drafted += len(chain)
