@@ -186,3 +186,17 @@ def test_a_declined_first_attempt_does_not_set_the_yield():
     assert g.yield_ is None and g.pays(0.02, 0.05, 0.06) is True
     g.observe(2, 3)
     assert g.yield_ == 2.0
+
+
+def test_each_exploration_gets_its_own_retries():
+    """A counted decline ends the row: the next exploration the draft
+    declines is made again at the next root, as the first was."""
+    g = DraftGate(yield_=0.0, depth=1.0, explore_retries=1)
+    g.rates, g._arm = {"draft": (3.0, 0.3), "plain": (10.0, 0.5)}, {"draft": (3, 0), "plain": (10, 0)}
+    for _ in range(2):
+        while not g.pays(0.02, 0.05, 0.06):
+            pass
+        g.observe(0, 0)                              # declined: made again at the next root
+        assert g.pays(0.02, 0.05, 0.06) is True
+        g.observe(0, 0)                              # declined again: counted
+        assert g.pays(0.02, 0.05, 0.06) is False

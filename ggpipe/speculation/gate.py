@@ -36,8 +36,9 @@ falls under the confidence cutoff) verifies nothing, so where it was made to
 learn (an exploration, or before the yield is known) it is neither counted
 nor timed, and the next root attempts again, up to ``explore_retries`` times
 in a row: otherwise a few positions where the draft is unsure would keep
-drafting off at the positions where it is right. The continuous-batching scheduler asks the same rule of a request
-that generates alone (ggpipe.decoding.parallel.scheduler).
+drafting off at the positions where it is right. The continuous-batching
+scheduler asks the same rule of a request that generates alone
+(ggpipe.decoding.parallel.scheduler).
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class DraftGate:
     alpha: float = 0.25
     explore_every: int = 8
     explore_max: int = 64
+    explore_retries: int = 3
     yield_: float | None = None
     depth: float | None = None
     skipped: int = 0
@@ -85,7 +87,6 @@ class DraftGate:
     _run: int = 0    # roots in a row without an attempt
     _blind: int = 0  # attempts in a row made without knowing c(1)
     _wait: int = 0   # roots between explorations now (0: explore_every)
-    explore_retries: int = 3
     _learning: int | None = None  # the last attempt was made to learn: the wait before it (0: none yet)
     _declined: int = 0            # learning attempts declined in a row
     rates: dict = None  # "draft" / "plain" -> (tokens, seconds), sums decayed by the roots timed since
@@ -152,8 +153,7 @@ class DraftGate:
             if self._learning:                  # an exploration: made again at the next root, the wait as it was
                 self._wait, self._run = self._learning, self._learning - 1
             return
-        if drafted:
-            self._declined = 0
+        self._declined = 0                      # counted: the row of declines, if any, ends
         y = float(accepted)
         self.yield_ = y if self.yield_ is None else self.yield_ + self.alpha * (y - self.yield_)
         if drafted is not None:
