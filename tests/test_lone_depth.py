@@ -28,16 +28,7 @@ def _scheduler(mode: str, p_accept: float | None, lookahead: str = "auto", monke
     if monkeypatch is not None:
         monkeypatch.setenv("GGPIPE_LOOKAHEAD", lookahead)
     lm = ToyLM(V)
-    target = FakePipeline(lm, latency=2, cell_order=True, streams=True)
-    clock, result = [0.0], target._result
-
-    def timed(run, logits, cancelled, rows=None):      # a pass costs 10 ms + 5 ms per token on this toy
-        res = result(run, logits, cancelled, rows)
-        run.started_at = clock[0]
-        res.finished_at = clock[0] = run.started_at + 0.010 + 0.005 * run.n_tokens
-        return res
-
-    target._result = timed
+    target = FakePipeline(lm, latency=2, cell_order=True, streams=True, pass_cost=(0.010, 0.005))
     draft = FakePipeline(ToyLM(V, flip=0.3), latency=1, name="draft")
     plan = DecodingPlan.resolve(mode, SpecSettings(p_accept=p_accept), slots=4)
     sched = build_scheduler(plan, target, [draft], n_ctx_slot=256, n_batch=16, is_eog=lambda t: False, depth=2,

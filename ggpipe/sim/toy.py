@@ -319,14 +319,27 @@ class ToyPipeline:
 class FakePipeline(ToyPipeline):
     """A :class:`ToyPipeline` on a virtual clock that counts calls: a run's
     result is ready ``latency`` calls of ready()/poll() after it was
-    submitted; ``wait`` returns it at once."""
+    submitted; ``wait`` returns it at once. With ``pass_cost`` (seconds per
+    pass, seconds per token), each result also carries its run's
+    ``started_at`` and ``finished_at`` on a wall clock of passes computed
+    back to back (``wall``, seconds), as a real pipeline's do."""
 
     def __init__(self, model: ToyLM, latency: int = 3, name: str = "target", cell_order: bool = False,
-                 streams: bool = False):
+                 streams: bool = False, pass_cost: tuple[float, float] | None = None):
         super().__init__(model, name, cell_order, streams)
         self.latency = latency
         self.clock = 0
+        self.pass_cost = pass_cost
+        self.wall = 0.0
         self._due: dict[int, int] = {}
+
+    def _result(self, run: Run, logits, cancelled: bool, rows=None) -> RunResult:
+        res = super()._result(run, logits, cancelled, rows)
+        if self.pass_cost is not None:
+            per_pass, per_token = self.pass_cost
+            run.started_at = self.wall
+            res.finished_at = self.wall = run.started_at + per_pass + per_token * run.n_tokens
+        return res
 
     def _scheduled(self, run: Run) -> None:
         self._due[run.run_id] = self.clock + self.latency
