@@ -366,7 +366,7 @@ def test_chains_that_miss_are_given_up_and_the_refused_cells_removed():
 
 
 def test_a_chain_drafter_gives_the_first_child_chain():
-    from ggpipe.decoding.parallel.chain_draft import ChainDrafter, first_child_chain
+    from ggpipe.decoding.parallel.chain_draft import ChainDrafter, first_child_nodes
     from ggpipe.speculation.proposers.base import ProposerConfig
     from ggpipe.speculation.proposers.draft_model import DraftModelProposer
     from ggpipe.speculation.tree import SpecTree
@@ -376,8 +376,8 @@ def test_a_chain_drafter_gives_the_first_child_chain():
     t.add(8, -1)          # a sibling: a runner-up, not on the chain
     b = t.add(9, a)
     t.add(10, b)
-    assert first_child_chain(t) == [7, 9, 10]
-    assert first_child_chain(SpecTree(anchor_pos=0)) == []
+    assert [t.tokens[j] for j in first_child_nodes(t)] == [7, 9, 10]
+    assert first_child_nodes(SpecTree(anchor_pos=0)) == []
 
     model = ToyLM(V)
     pipe = FakePipeline(model, latency=2, name="draft")

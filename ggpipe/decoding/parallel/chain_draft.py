@@ -43,8 +43,7 @@ from ggpipe.speculation.cutoff import CutoffController
 from ggpipe.speculation.proposers.base import Cuttable, Proposer, implements
 from ggpipe.speculation.tree import SpecTree
 
-__all__ = ["CATCH_UP_MAX", "ChainDrafter", "LookupDrafter", "SlotDrafter", "as_slot_drafter", "first_child_chain",
-           "first_child_nodes"]
+__all__ = ["CATCH_UP_MAX", "ChainDrafter", "LookupDrafter", "SlotDrafter", "as_slot_drafter", "first_child_nodes"]
 
 CATCH_UP_MAX = 8   # tokens the draft may lack when a chain starts: one short batch, about a draft step
 
@@ -59,11 +58,6 @@ def first_child_nodes(tree: SpecTree) -> list[int]:
             return out
         node = kids[0]
         out.append(node)
-
-
-def first_child_chain(tree: SpecTree) -> list[int]:
-    """The tokens of :func:`first_child_nodes`."""
-    return [tree.tokens[j] for j in first_child_nodes(tree)]
 
 
 @runtime_checkable
