@@ -41,6 +41,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_parallel import Server, free_port, sse_events  # noqa: E402
 
+from ggpipe.bench.prompts import load_prompts  # noqa: E402
 from ggpipe.child_process import ggpipe_command  # noqa: E402
 
 MODES = [   # name, ranks, serve arguments (DRAFT: the draft model)
@@ -93,7 +94,7 @@ def read_prompts(path: Path | None, limit: int | None) -> list[str]:
     """The ``prompt`` fields of a JSON-lines file (the first ``limit``), or the lighthouse prompt."""
     if path is None:
         return [LIGHTHOUSE]
-    prompts = [json.loads(line)["prompt"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    prompts = [p["prompt"] for p in load_prompts(str(path))]
     return prompts[:limit] if limit else prompts
 
 
@@ -123,8 +124,8 @@ def main() -> None:
             for name, ranks, args in MODES:
                 if wanted and not any(name.startswith(w) for w in wanted):
                     continue
-                port = free_port()
-                cmd = ["mpiexec", "-n", str(ranks + n_ranks - 2), *ggpipe_command(), "serve", "-m", a.model,
+                port, n_proc = free_port(), ranks + n_ranks - 2
+                cmd = ["mpiexec", "-n", str(n_proc), *ggpipe_command(), "serve", "-m", a.model,
                        "--port", str(port), "--parallel", str(p), "-n", str(a.n),
                        *[x.replace("DRAFT", a.draft_model) for x in args]]
                 srv = Server(cmd, port)
@@ -136,9 +137,9 @@ def main() -> None:
                     base = got
                 n_req = 2 * a.repeats * len(prompts)
                 most = max(len(t) for t in got.values())
-                same = sum(base is not None and got[k] == base[k] for k in got) if base is not None else None
-                rows.append((name, ranks + n_ranks - 2, p, n_req, most, same))
-                print(f"{name:26s} {rows[-1][1]} ranks --parallel {p}: {n_req} requests, at most {most} text(s) "
+                same = sum(got[k] == base[k] for k in got) if base is not None else None
+                rows.append((name, n_proc, p, n_req, most, same))
+                print(f"{name:26s} {n_proc} ranks --parallel {p}: {n_req} requests, at most {most} text(s) "
                       f"per prompt, iterative's text on {same} of {len(prompts)} prompts", flush=True)
     lines = ["| mode | ranks | --parallel | requests | most texts of one prompt | prompts with iterative's text |",
              "|---|---:|---:|---:|---:|---:|"]

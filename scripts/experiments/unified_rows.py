@@ -7,8 +7,8 @@ shared cells need) puts other sequences' cells beside a request's own.
     python scripts/experiments/unified_rows.py -m smollm2-135m
     python scripts/experiments/unified_rows.py -m smollm2-goliath-40l -fa on
 
-One stage holding the whole model, ``-t`` threads (default 1), extra buffer types off (as
-``--exact``). Sequence 0 decodes a 700-token context in chunks, then 40
+One stage holding the whole model, ``-t`` threads (default 1), extra
+buffer types off (as ``--exact``). Sequence 0 decodes a 700-token context in chunks, then 40
 tokens one at a time; the reference does that alone in a context of one
 sequence. Compared, bit for bit, with the same in a unified buffer of two
 sequences where sequence 1 (another request) holds cells:
@@ -82,7 +82,8 @@ def main() -> None:
     path = resolve(a.model)
     n_layer = read_model_info(path).n_layer
     ref = rows(path, n_layer, a.flash_attn, a.threads, "alone")
-    print(f"{a.model}, flash attention {a.flash_attn}, {a.threads} thread(s): sequence 0's 40 decode rows against the same alone")
+    print(f"{a.model}, flash attention {a.flash_attn}, {a.threads} thread(s): sequence 0's 40 decode rows "
+          "against the same alone")
     for layout in ("interleaved", "after", "empty"):
         got = rows(path, n_layer, a.flash_attn, a.threads, layout)
         diff = [float(np.abs(g - r).max()) for g, r in zip(got, ref)]
